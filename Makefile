@@ -1,0 +1,34 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+# Both create .venv with everything they need from pip (no root, no Docker).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test test-all install protos lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvmesh up --demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .kvmesh

@@ -1,0 +1,128 @@
+"""gRPC plumbing shared by every service: server start-up and error mapping.
+
+Every servicer stays thin: it converts messages and calls a transport-free core.
+`serve()` adds the stock health servicer (liveness + readiness through the
+per-service status) and reflection, so `grpcurl` works against any service.
+`map_errors` turns domain errors into status codes; anything else is logged and
+reported as INTERNAL (a bug, never the caller's fault).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh import errors
+
+log = logging.getLogger("kvmesh.rpc")
+
+# Explicit message limits: large payloads (KV blocks, snapshots) stream in chunks
+# well below this, so the limit only stops runaway requests.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+_STATUS = [
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception):
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("internal error in handler")
+        await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+    await context.abort(code, str(exc))
+
+
+def map_errors(fn: Callable) -> Callable:
+    """Decorate an async unary or async-generator servicer method."""
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def gen_wrapper(self, request, context):
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except errors.KvmeshError as exc:
+                await _abort(context, exc)
+            except (grpc.aio.AbortError, GeneratorExit):
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported as INTERNAL
+                await _abort(context, exc)
+
+        return gen_wrapper
+
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        try:
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped or reported as INTERNAL
+            await _abort(context, exc)
+
+    return wrapper
+
+
+class Server:
+    """A grpc.aio server with health and reflection; `start()` then `stop()`."""
+
+    def __init__(self, address: str, service_names: Iterable[str]):
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.health = HealthServicer()
+        self.service_names = list(service_names)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = self.service_names + [
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise errors.Unavailable(f"cannot bind {address}")
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, ok: bool) -> None:
+        """Readiness: '' (overall) and each named service report SERVING or NOT_SERVING."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ok
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Graceful shutdown: report NOT_SERVING, let in-flight calls finish."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
