@@ -1,0 +1,11 @@
+"""The engine's two cache ledgers.
+
+    rings.py         ring sizes (SWA inference / kvstore, compression) from config + environment
+    state_layout.py  StateBlock: byte layout of one state slot, state_size_to_disk
+    state_pool.py    StatePool: fixed slots (SWA rings, compression tails), one per running sequence
+    block_pool.py    BlockPool: paged 128-token blocks of compressed entries, refcounts, hashes, LRU
+    block_store.py   BlockStore: the tensors behind block ids (entries + indexer keys per layer)
+    hashing.py       chained block hashes
+
+Layers do not import upwards: nothing here imports the scheduler or the service.
+"""
