@@ -1,0 +1,180 @@
+"""EngineCore: the synchronous heart of an engine. No threads, no gRPC.
+
+    add_request()  validate, queue a Sequence
+    step()         schedule -> forward (one batched decode + prefill chunks) -> sample
+                   -> return one Event per sequence that produced something
+    abort()        drop a request and free its slot and blocks
+
+Only the thread that calls step() may call the others (AsyncEngine serializes
+them); every mutable structure below is owned by exactly one object here.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.errors import InvalidArgument
+from services.engine.cache import rings
+from services.engine.cache.manager import CacheManager
+from services.engine.config import ModelConfig
+from services.engine.engine_config import EngineConfig
+from services.engine.model.weights import Weights, init_weights
+from services.engine.output import OutputState
+from services.engine.runner import ModelRunner, Work
+from services.engine.sampling import SamplingParams, sample
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import Finish, Sequence, Status
+from services.engine.tokenizer import ByteTokenizer
+
+TRAFFIC_CLASSES = ("", "agent", "chatbot")
+
+
+@dataclass
+class Event:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish: Finish | None
+    seq: Sequence
+
+
+class EngineCore:
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, weights: Weights | None = None,
+                 tokenizer=None):
+        ecfg.check_model(cfg)
+        self.cfg, self.ecfg = cfg, ecfg
+        dtype = getattr(torch, ecfg.dtype)
+        self.weights = weights if weights is not None else init_weights(cfg, ecfg.seed, dtype)
+        self.tokenizer = tokenizer or ByteTokenizer()
+        if self.tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids, model only {cfg.vocab_size}")
+        self.cache = CacheManager(cfg, ecfg.num_slots, ecfg.num_blocks, ecfg.extra_state)
+        dec_mode = "mask" if ecfg.truncation == "mask" else "compact"
+        self.runner = ModelRunner(cfg, self.weights, self.cache.states, self.cache.store, dec_mode)
+        self.scheduler = Scheduler(ecfg, self.cache, on_admit=self._on_admit)
+        self.requests: dict[str, Sequence] = {}
+        self.outputs: dict[str, OutputState] = {}
+        self.counters: Counter = Counter()
+
+    # --- requests ----------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
+                    salt: str = "", traffic_class: str = "") -> Sequence:
+        params.validate(self.cfg.vocab_size)
+        if not prompt_ids:
+            raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise InvalidArgument(f"prompt_token_ids {bad[:5]} are outside [0, {self.cfg.vocab_size})")
+        limit = self.cfg.max_seq_len
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                  f"exceeds the model's maximum of {limit} tokens")
+        if self.cache.blocks_for(len(prompt_ids) + 1) > self.ecfg.num_blocks:
+            raise InvalidArgument(f"prompt needs more cache blocks than this engine has "
+                                  f"({self.ecfg.num_blocks} x {self.cfg.block_size} tokens)")
+        if traffic_class not in TRAFFIC_CLASSES:
+            raise InvalidArgument(f"traffic_class must be agent or chatbot, not {traffic_class!r}")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidArgument(f"request_id {request_id!r} is already running")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seq = Sequence(request_id, list(prompt_ids), params, seed, salt, traffic_class)
+        self.requests[request_id] = seq
+        self.outputs[request_id] = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
+        self.scheduler.add(seq)
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(prompt_ids)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        self.outputs.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.remove(seq)
+            seq.status, seq.finish = Status.FINISHED, Finish.ABORTED
+            self.counters["aborted"] += 1
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- one step ------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        plan = self.scheduler.schedule()
+        events = [self._finish(seq, [], "") for seq in plan.out_of_memory]
+        sampled: list[tuple[Sequence, torch.Tensor]] = []
+        if plan.decode:
+            works = [self._work(s, s.num_computed, s.num_computed + 1) for s in plan.decode]
+            res = self.runner.forward(works)
+            for i, s in enumerate(plan.decode):
+                self._after_forward(s, works[i], res, i)
+                sampled.append((s, res.logits[i]))
+        for seq, start, end in plan.prefill:
+            work = self._work(seq, start, end)
+            res = self.runner.forward([work])
+            self._after_forward(seq, work, res, 0)
+            if not seq.prefilling:
+                sampled.append((seq, res.logits[0]))
+        self.counters["steps"] += 1
+        for seq, logits in sampled:
+            events.append(self._emit(seq, logits))
+        return events
+
+    def _work(self, seq: Sequence, start: int, end: int) -> Work:
+        return Work(seq.slot, seq.table, seq.tokens, start, end, enc_lo=seq.enc_lo,
+                    dec_lo=seq.dec_lo, cmp_from=seq.cmp_from,
+                    want_logits=end == len(seq.tokens))
+
+    def _after_forward(self, seq: Sequence, work: Work, res, index: int) -> None:
+        self.cache.commit(seq, work.end)
+        self.counters["computed_tokens"] += work.end - work.start
+
+    def _on_admit(self, seq: Sequence) -> None:
+        """Called by the scheduler right after a sequence gets its slot."""
+        seq.enc_lo = seq.cmp_from = 0
+        seq.dec_lo = self._dec_lo(len(seq.tokens))
+
+    def _dec_lo(self, prompt_len: int) -> int:
+        if self.ecfg.truncation == "off":
+            return 0
+        return max(0, prompt_len - self.ecfg.keep_tokens)
+
+    def _emit(self, seq: Sequence, logits: torch.Tensor) -> Event:
+        token = sample(logits, seq.params, len(seq.output), seq.seed)
+        seq.output.append(token)
+        self.counters["generated_tokens"] += 1
+        text, finish = self.outputs[seq.request_id].push(token, len(seq.output))
+        if finish:
+            return self._finish(seq, [token], text, finish)
+        return Event(seq.request_id, [token], text, None, seq)
+
+    def _finish(self, seq: Sequence, tokens, text, finish: Finish | None = None) -> Event:
+        finish = finish or seq.finish
+        self.scheduler.remove(seq)
+        seq.status, seq.finish = Status.FINISHED, finish
+        self.requests.pop(seq.request_id, None)
+        self.outputs.pop(seq.request_id, None)
+        self.counters["finished"] += 1
+        return Event(seq.request_id, tokens, text, finish, seq)
+
+    def rollback(self, request_id: str, r: int) -> None:
+        """Take back the last r computed tokens of a running request (speculative decoding)."""
+        seq = self.requests[request_id]
+        self.cache.rollback(seq, r, rings.max_backtrack())
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity(self.scheduler.running)
+
+    def stats(self) -> dict[str, float]:
+        pool = self.cache.pool.stats()
+        out = {k: float(v) for k, v in self.counters.items()}
+        out.update(blocks_total=pool.total, blocks_in_use=pool.in_use, blocks_cached=pool.cached,
+                   slots_total=self.cache.states.num_slots,
+                   slots_in_use=self.cache.states.num_slots - self.cache.states.num_free,
+                   running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+        return out

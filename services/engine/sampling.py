@@ -1,0 +1,70 @@
+"""Sampling parameters, their validation, and token sampling.
+
+Randomness is a function of (seed, index of the token being generated), not of
+a generator's history, so a preempted and recomputed sequence draws the same
+tokens it would have drawn without preemption.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmesh.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
+            raise InvalidArgument(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens must be > 0, got {self.max_tokens}")
+        bad = [i for i in self.stop_token_ids if not 0 <= i < vocab_size]
+        if bad:
+            raise InvalidArgument(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        if any(s == "" for s in self.stop):
+            raise InvalidArgument("stop strings must not be empty")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidArgument("seed must be in [0, 2**63)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, step: int, request_seed: int) -> int:
+    """logits: [V] -> token id. `step` = how many tokens this request has generated."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    x = logits.double() / params.temperature
+    if params.top_k:
+        kth = torch.topk(x, min(params.top_k, x.numel())).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, -1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p   # always keeps the top token
+        mask = torch.zeros_like(probs, dtype=torch.bool)
+        mask[order[keep]] = True
+        probs = torch.where(mask, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    seed = params.seed if params.seed is not None else request_seed
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,123 @@
+"""Scheduler: continuous batching with chunked prefill and preemption.
+
+Owns the waiting queue and the running list (and nothing else). Each step:
+
+    1. every running sequence that is decoding gets one token (one batched forward);
+    2. running sequences still in prefill get chunks, oldest first, within the
+       token budget `max_batched_tokens`;
+    3. waiting sequences are admitted while a slot, blocks for their first chunk,
+       and budget remain.
+
+When a sequence needs a block and none is free, the most recently admitted
+running sequence is preempted: its slot and blocks go back, it returns to the
+front of the queue and is recomputed from scratch (prompt + what it generated)
+when readmitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.cache.manager import CacheManager
+from services.engine.engine_config import EngineConfig
+from services.engine.sequence import Finish, Sequence, Status
+
+
+@dataclass
+class StepPlan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)   # (seq, start, end)
+    out_of_memory: list[Sequence] = field(default_factory=list)              # finished: cache full
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill and not self.out_of_memory
+
+
+class Scheduler:
+    def __init__(self, ecfg: EngineConfig, cache: CacheManager, on_admit=None):
+        self.ecfg = ecfg
+        self.cache = cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admissions = 0
+        # hook that fills a freshly admitted sequence's cache from prefix hits (engine-provided)
+        self.on_admit = on_admit or (lambda seq: None)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.ecfg.max_batched_tokens
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.prefilling:
+                continue
+            if self._make_room(seq, seq.num_computed + 1, plan):
+                plan.decode.append(seq)
+                budget -= 1
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is Status.RUNNING and seq.prefilling and seq not in plan.decode:
+                budget -= self._plan_chunk(seq, budget, plan)
+        while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_running:
+            seq = self.waiting[0]
+            if not self.cache.can_admit(seq, min(len(seq.tokens), budget)):
+                break
+            self.waiting.popleft()
+            self.cache.admit(seq)
+            self.on_admit(seq)
+            seq.status = Status.RUNNING
+            self._admissions += 1
+            seq.admitted_at = self._admissions
+            self.running.append(seq)
+            budget -= self._plan_chunk(seq, budget, plan)
+        return plan
+
+    def _plan_chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        start = seq.num_computed
+        end = min(seq.prefill_len, start + budget)
+        if not self._make_room(seq, end, plan):
+            return 0
+        plan.prefill.append((seq, start, end))
+        return end - start
+
+    def _make_room(self, seq: Sequence, end: int, plan: StepPlan) -> bool:
+        """Grow seq's table to `end`, preempting newer sequences; False if seq itself had to go."""
+        while not self.cache.grow(seq, end):
+            others = [s for s in self.running if s is not seq]
+            if not others:
+                # alone and still too big: the pool cannot hold this sequence
+                self.running.remove(seq)
+                self.cache.release(seq)
+                seq.status, seq.finish = Status.FINISHED, Finish.LENGTH
+                plan.out_of_memory.append(seq)
+                return False
+            victim = max(self.running, key=lambda s: s.admitted_at)
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self.cache.release(seq)
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+        if seq in plan.decode:
+            plan.decode.remove(seq)
+        plan.prefill = [p for p in plan.prefill if p[0] is not seq]

@@ -1,0 +1,87 @@
+"""Tokenizers: built-in byte-level, or a HuggingFace tokenizer.json via `tokenizers`.
+
+Byte-level ids: 0..255 are the UTF-8 bytes, then the special tokens.
+Decoding is incremental (`TextStream`) so a multi-byte character split across
+tokens is emitted once it is complete, never as a replacement character.
+"""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+
+
+class ByteTokenizer:
+    BOS, EOS, PAD = 256, 257, 258
+    specials = {"<bos>": 256, "<eos>": 257, "<pad>": 258}
+
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode_bytes(self, ids) -> bytes:
+        return bytes(i for i in ids if i < 256)
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    @property
+    def eos_id(self) -> int:
+        return self.EOS
+
+    def stream(self) -> TextStream:
+        return TextStream(self)
+
+
+class HFTokenizer:
+    """A tokenizer.json loaded through the `tokenizers` library."""
+
+    def __init__(self, path: str | Path, eos_token: str | None = None):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self.tok.get_vocab_size()
+        eos = eos_token or next((t for t in ("</s>", "<|endoftext|>", "<eos>")
+                                 if self.tok.token_to_id(t) is not None), None)
+        self._eos = self.tok.token_to_id(eos) if eos else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids))
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos
+
+    def stream(self) -> TextStream:
+        return TextStream(self)
+
+
+class TextStream:
+    """Turns a growing list of token ids into text deltas."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        if isinstance(tokenizer, ByteTokenizer):
+            self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids) -> str:
+        self.ids.extend(ids)
+        if isinstance(self.tok, ByteTokenizer):
+            delta = self._dec.decode(self.tok.decode_bytes(ids))
+        else:
+            full = self.tok.decode(self.ids)
+            if full.endswith("\ufffd"):  # wait for the rest of a character
+                return ""
+            delta = full[len(self.text):]
+        self.text += delta
+        return delta
+
+
+def load_tokenizer(path: str | None):
+    return ByteTokenizer() if not path else HFTokenizer(path)
