@@ -1,0 +1,55 @@
+"""Build an EngineCore from command-line options (shared by `serve` and `generate --local`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvmesh import envs
+from services.engine.config import PRESETS, preset
+from services.engine.engine import EngineCore
+from services.engine.engine_config import TRUNCATION_MODES, EngineConfig
+from services.engine.model import weights as weights_mod
+from services.engine.tokenizer import load_tokenizer
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and cache")
+    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    g.add_argument("--checkpoint", help="safetensors file (default: seeded random weights)")
+    g.add_argument("--tokenizer", help="HuggingFace tokenizer.json (default: byte-level)")
+    g.add_argument("--seed", type=int, default=0, help="weight init seed without a checkpoint")
+    g.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    g.add_argument("--num-slots", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=1024)
+    g.add_argument("--max-batched-tokens", type=int, default=512)
+    g.add_argument("--max-running", type=int, default=16)
+    g.add_argument("--truncation", choices=TRUNCATION_MODES, default=None,
+                   help="YOCO prefill truncation (env KVMESH_YOCO_PREFILL_TRUNCATION_MODE)")
+    g.add_argument("--keep-tokens", type=int, default=None,
+                   help="KEEP, required with truncation (env KVMESH_YOCO_PREFILL_KEEP_TOKENS)")
+    g.add_argument("--extra-state", action="store_true", default=None,
+                   help="prefill-engine SWA ring of 396 (env KVMESH_PREFILL_STORE_EXTRA_STATE)")
+    g.add_argument("--deterministic", action="store_true")
+    g.add_argument("--swa-policy", default="full", help="full | periodic:N | zero")
+    g.add_argument("--snapshot-mb", type=int, default=256)
+    g.add_argument("--snapshot-ttl-min", type=float, default=60.0)
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(
+        num_slots=args.num_slots, num_blocks=args.num_blocks,
+        max_batched_tokens=args.max_batched_tokens, max_running=args.max_running,
+        truncation=args.truncation or envs.yoco_truncation_mode(),
+        keep_tokens=args.keep_tokens if args.keep_tokens is not None else envs.yoco_keep_tokens(),
+        extra_state=args.extra_state if args.extra_state is not None else envs.prefill_store_extra_state(),
+        deterministic=args.deterministic, swa_policy=args.swa_policy,
+        snapshot_bytes=args.snapshot_mb << 20, snapshot_ttl_min=args.snapshot_ttl_min,
+        dtype=args.dtype, seed=args.seed,
+    )
+
+
+def build_core(args) -> EngineCore:
+    cfg = preset(args.preset)
+    ecfg = engine_config(args)
+    w = weights_mod.load(args.checkpoint, cfg) if args.checkpoint else None
+    return EngineCore(cfg, ecfg, weights=w, tokenizer=load_tokenizer(args.tokenizer))

@@ -1,0 +1,76 @@
+"""`kvmesh engine serve` and `kvmesh generate` (local in-process, or against a server)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from kvmesh.errors import KvmeshError
+from services.engine.build import add_engine_args, build_core
+
+
+def register(sub) -> None:
+    eng = sub.add_parser("engine", help="engine commands")
+    esub = eng.add_subparsers(dest="engine_command", required=True)
+    serve = esub.add_parser("serve", help="serve EngineService over gRPC")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=7200)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="generate text and stream it to the terminal")
+    gen.add_argument("prompt")
+    where = gen.add_mutually_exclusive_group()
+    where.add_argument("--local", action="store_true", help="run the model in this process")
+    where.add_argument("--engine", help="engine address host:port")
+    where.add_argument("--gateway", default=None, help="gateway address (default $KVMESH_GATEWAY_ADDR "
+                                                       "or 127.0.0.1:7000)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--gen-seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--stop", action="append", default=[])
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+
+def _serve(args) -> int:
+    from services.engine.server import serve
+
+    try:
+        core = build_core(args)
+    except ValueError as exc:
+        print(f"kvmesh engine: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(core, f"{args.host}:{args.port}"))
+    return 0
+
+
+def _generate(args) -> int:
+    if args.local:
+        return _generate_local(args)
+    from services.gateway.cli import generate_remote  # gateway issue provides this
+
+    return generate_remote(args)
+
+
+def _generate_local(args) -> int:
+    from services.engine.sampling import SamplingParams
+
+    try:
+        core = build_core(args)
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                seed=args.gen_seed, max_tokens=args.max_tokens,
+                                stop=tuple(args.stop))
+        seq = core.add_request(core.tokenizer.encode(args.prompt), params)
+    except (KvmeshError, ValueError) as exc:
+        print(f"kvmesh generate: {exc}", file=sys.stderr)
+        return 2
+    while core.has_work:
+        for ev in core.step():
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+    print(f"\n[{seq.finish.value}: {len(seq.prompt)} prompt tokens, {len(seq.output)} generated]",
+          file=sys.stderr)
+    return 0

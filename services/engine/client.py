@@ -1,0 +1,57 @@
+"""Typed async client for EngineService."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from kvmesh.proto import engine_pb2, engine_pb2_grpc
+from kvmesh.rpc import channel
+
+
+def generate_request(prompt: str | list[int], max_tokens: int | None = None,
+                     temperature: float | None = None, top_k: int | None = None,
+                     top_p: float | None = None, seed: int | None = None,
+                     stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
+                     cache_salt: str = "", traffic_class: str = "", request_id: str = "",
+                     ignore_eos: bool = False) -> engine_pb2.GenerateRequest:
+    req = engine_pb2.GenerateRequest(request_id=request_id, cache_salt=cache_salt,
+                                     traffic_class=traffic_class, ignore_eos=ignore_eos,
+                                     stop=stop or [], stop_token_ids=stop_token_ids or [])
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.extend(prompt)
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                        ("seed", seed)):
+        if value is not None:
+            setattr(req.sampling, name, value)
+    return req
+
+
+class EngineClient:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = channel(address)
+        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+
+    async def generate(self, prompt, timeout: float | None = None, **kw
+                       ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        async for msg in self.stub.Generate(generate_request(prompt, **kw), timeout=timeout):
+            yield msg
+
+    async def complete(self, prompt, timeout: float | None = None, **kw):
+        """Collect a whole generation: (token ids, text, last message)."""
+        ids, text, last = [], "", None
+        async for msg in self.generate(prompt, timeout=timeout, **kw):
+            ids.extend(msg.token_ids)
+            text += msg.text
+            last = msg
+        return ids, text, last
+
+    async def stats(self) -> dict[str, float]:
+        return dict((await self.stub.GetStats(engine_pb2.GetStatsRequest())).counters)
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,71 @@
+"""EngineService servicer: converts messages, forwards to AsyncEngine. Nothing else."""
+
+from __future__ import annotations
+
+import math
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.proto import engine_pb2, engine_pb2_grpc
+from kvmesh.rpc import map_errors
+from services.engine.async_engine import AsyncEngine
+from services.engine.sampling import SamplingParams
+from services.engine.sequence import Finish
+
+DEFAULT_MAX_TOKENS = 64
+FINISH = {
+    Finish.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
+    Finish.STOP: engine_pb2.FINISH_REASON_STOP,
+    Finish.ABORTED: engine_pb2.FINISH_REASON_ABORTED,
+}
+
+
+def params_from_proto(req) -> SamplingParams:
+    s = req.sampling
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if math.isnan(top_p):
+        raise InvalidArgument("top_p must be in (0, 1], got nan")
+    return SamplingParams(
+        temperature=temperature,
+        top_k=s.top_k,
+        top_p=top_p,
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=req.max_tokens if req.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        stop_token_ids=tuple(req.stop_token_ids),
+        stop=tuple(req.stop),
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def usage_proto(seq) -> engine_pb2.Usage:
+    return engine_pb2.Usage(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
+                            replayed_tokens=seq.replayed_tokens, generated_tokens=len(seq.output))
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.tokenizer = engine.core.tokenizer
+
+    def prompt_ids(self, req) -> list[int]:
+        if req.prompt_token_ids:
+            return list(req.prompt_token_ids)
+        return self.tokenizer.encode(req.prompt)
+
+    @map_errors
+    async def Generate(self, request, context):
+        params = params_from_proto(request)
+        ids = self.prompt_ids(request)
+        async for ev in self.engine.generate(ids, params, request.request_id, request.cache_salt,
+                                             request.traffic_class):
+            msg = engine_pb2.GenerateResponse(request_id=ev.request_id, token_ids=ev.token_ids,
+                                              text=ev.text)
+            if ev.finish is not None:
+                msg.finish_reason = FINISH[ev.finish]
+                msg.usage.CopyFrom(usage_proto(ev.seq))
+            yield msg
+
+    @map_errors
+    async def GetStats(self, request, context):
+        stats = await self.engine.call(lambda core: core.stats())
+        return engine_pb2.GetStatsResponse(counters=stats)

@@ -1,0 +1,42 @@
+"""Shared builders for engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.engine import EngineCore
+from services.engine.engine_config import EngineConfig
+from services.engine.model import weights as weights_mod
+
+
+class RecordingEngine(EngineCore):
+    """EngineCore that keeps the logits each sampled token was drawn from."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.logits: dict[str, list[torch.Tensor]] = {}
+
+    def _emit(self, seq, logits):
+        self.logits.setdefault(seq.request_id, []).append(logits.clone())
+        return super()._emit(seq, logits)
+
+
+def make_engine(cfg, dtype="float64", weights=None, seed=0, **ecfg) -> RecordingEngine:
+    w = weights if weights is not None else weights_mod.init_weights(cfg, seed, getattr(torch, dtype))
+    return RecordingEngine(cfg, EngineConfig(dtype=dtype, **ecfg), weights=w)
+
+
+def run_to_completion(engine: EngineCore, check=True, max_steps=100000) -> int:
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        if check:
+            engine.check_integrity()
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()

@@ -1,0 +1,110 @@
+"""State ledger geometry: ring sizes, the StateBlock layout and its start-up check."""
+
+import pytest
+
+from services.engine.cache import rings
+from services.engine.cache.state_layout import LayoutBuilder, StateBlock, is_dropped_swa_layer
+from services.engine.cache.state_pool import StatePool
+from services.engine.config import TINY, V41_FLASH, small_test_config
+
+
+@pytest.fixture
+def clean_rings(monkeypatch):
+    for var in ("KVMESH_MAX_BACKTRACKING_TOKENS", "KVMESH_PREFILL_STORE_EXTRA_STATE",
+                "KVMESH_PREFILL_STORE_EXTRA_SIZE", "KVMESH_YOCO_PREFILL_TRUNCATION_MODE",
+                "KVMESH_YOCO_PREFILL_KEEP_TOKENS"):
+        monkeypatch.delenv(var, raising=False)
+    rings.clear_ring_size_cache()
+    yield monkeypatch
+    rings.clear_ring_size_cache()
+
+
+def test_v41_flash_sizes(clean_rings):
+    assert V41_FLASH.n_layers == 40 and V41_FLASH.n_encoder_layers == 20
+    assert V41_FLASH.layers[:4] == ("swa", "swa", "csa", "hca")
+    assert V41_FLASH.swa_bytes_per_token == 528
+    assert rings.inference_swa_ring(128) == 134
+    sb = StateBlock.for_config(V41_FLASH)
+    assert sb.n_stored_layers == 20
+    assert sb.state_size_to_disk == 20 * 134 * 528 == 1_415_040
+
+
+def test_kvstore_ring_is_396_with_extra_state_and_truncation(clean_rings):
+    clean_rings.setenv("KVMESH_PREFILL_STORE_EXTRA_STATE", "1")
+    clean_rings.setenv("KVMESH_YOCO_PREFILL_TRUNCATION_MODE", "compact")
+    clean_rings.setenv("KVMESH_YOCO_PREFILL_KEEP_TOKENS", "134")
+    rings.clear_ring_size_cache()
+    assert rings.kvstore_swa_ring(128) == 134 + 128 + 134 == 396
+    sb = StateBlock.for_config(V41_FLASH, extra_state=True)
+    assert sb.swa_ring == 396
+    # what is persisted is still the inference window
+    assert sb.state_size_to_disk == 1_415_040
+
+
+def test_kvstore_ring_without_truncation_or_extra_state(clean_rings):
+    assert rings.kvstore_swa_ring(128) == 134               # extra-state off
+    clean_rings.setenv("KVMESH_PREFILL_STORE_EXTRA_STATE", "1")
+    rings.clear_ring_size_cache()
+    assert rings.kvstore_swa_ring(128) == 134 + 128          # truncation off: no YOCO keep
+
+
+def test_ring_sizes_are_cached_until_cleared(clean_rings):
+    assert rings.inference_swa_ring(128) == 134
+    assert rings.compress_ring(4) == 10 and rings.compress_ring(128) == 134
+    clean_rings.setenv("KVMESH_MAX_BACKTRACKING_TOKENS", "2")
+    assert rings.inference_swa_ring(128) == 134              # stale until cleared, by design
+    rings.clear_ring_size_cache()
+    assert rings.inference_swa_ring(128) == 130
+    assert rings.compress_ring(4) == 6
+
+
+def test_v41_flash_region_offsets(clean_rings):
+    sb = StateBlock.for_config(V41_FLASH)
+    regions = sb.regions()
+    swa = [r for r in regions if r.name == "swa"]
+    assert [r.layer for r in swa] == list(range(40))
+    ring_bytes = 134 * 528
+    assert all(r.nbytes == ring_bytes for r in swa)
+    assert swa[0].offset == 0 and swa[19].offset == 19 * ring_bytes
+    # dropped region starts exactly where the persisted prefix ends
+    assert swa[20].offset == sb.state_size_to_disk == 1_415_040
+    comp = [r for r in regions if r.name in ("cmp", "idx")]
+    assert comp[0].offset == 40 * ring_bytes == 2_830_080
+    # 19 csa layers (cmp + idx rings of 10 tokens) and 19 hca layers (134 tokens), fp32
+    csa = 10 * 2 * 512 * 4 + 10 * 2 * 128 * 4
+    hca = 134 * 2 * 512 * 4
+    assert sb.compression_bytes == 19 * csa + 19 * hca == 19 * 51_200 + 19 * 548_864
+    assert sb.slot_bytes == 2_830_080 + 11_401_216 == regions[-1].offset + regions[-1].nbytes
+
+
+def test_dropped_layers_come_from_the_config_only(clean_rings):
+    assert [is_dropped_swa_layer(TINY, i) for i in range(8)] == [False] * 4 + [True] * 4
+    clean_rings.setenv("KVMESH_YOCO_PREFILL_TRUNCATION_MODE", "compact")
+    clean_rings.setenv("KVMESH_YOCO_PREFILL_KEEP_TOKENS", "134")
+    rings.clear_ring_size_cache()
+    assert [is_dropped_swa_layer(TINY, i) for i in range(8)] == [False] * 4 + [True] * 4
+
+
+def test_layout_drift_fails_loudly(clean_rings):
+    sb = StateBlock.for_config(TINY)
+    b = LayoutBuilder(sb)
+    b.add("swa", 0, (134, 528), "uint8")
+    with pytest.raises(AssertionError, match="state layout drift"):
+        b.finalize()
+
+
+def test_pool_views_cover_the_slot_bytes(clean_rings):
+    cfg = small_test_config()
+    pool = StatePool(cfg, num_slots=3)
+    sb = pool.block
+    assert pool.data.shape == (3, sb.slot_bytes)
+    # writing through a view lands at the documented byte offset of that slot
+    pool.swa[1][2, 5, 7] = 99
+    r = next(r for r in sb.regions() if r.name == "swa" and r.layer == 1)
+    assert pool.data[2, r.offset + 5 * 528 + 7] == 99
+    pool.cmp[2][1, 3, 1, 4] = 1.5
+    c = next(r for r in sb.regions() if r.name == "cmp" and r.layer == 2)
+    raw = pool.data[1, c.offset:c.offset + c.nbytes].view(dtype=__import__("torch").float32)
+    assert raw[(3 * 2 + 1) * 512 + 4] == 1.5
+    # the persisted prefix is exactly the encoder rings
+    assert sb.state_size_to_disk == 4 * (16 + 6) * 528
