@@ -70,6 +70,28 @@ class Directory:
         self._list = self.redis.register_script(scripts.LIST_ENGINES)
         self._sweep = self.redis.register_script(scripts.SWEEP)
 
+    @property
+    def _scripts(self):
+        return (self._heartbeat, self._publish, self._withdraw, self._lookup, self._list,
+                self._sweep)
+
+    async def load_scripts(self) -> bool:
+        """Load every script in one pipeline so the first calls need no NOSCRIPT retry.
+
+        Best effort (False when Redis is down): each call also reloads its script
+        on NOSCRIPT, e.g. after Redis restarted empty.
+        """
+        try:
+            async with asyncio.timeout(self.config.op_timeout_s):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for s in self._scripts:
+                        pipe.script_load(s.script)
+                    await pipe.execute()
+            return True
+        except (rexc.RedisError, TimeoutError, OSError) as exc:
+            log.warning("could not preload scripts: %s", exc)
+            return False
+
     async def close(self) -> None:
         await self.redis.aclose()
 
@@ -166,9 +188,3 @@ class Directory:
                 return SweepReport(lapsed, purged, int(left))
             await asyncio.sleep(0)  # let request handlers in between batches
 
-    async def ping(self) -> bool:
-        try:
-            async with asyncio.timeout(self.config.op_timeout_s):
-                return bool(await self.redis.ping())
-        except (rexc.RedisError, TimeoutError, OSError):
-            return False

@@ -91,7 +91,7 @@ class DirectoryServer:
 
     async def start(self) -> DirectoryServer:
         await self.server.start()
-        await self._set_serving(await self.directory.ping())
+        await self._set_serving(await self.directory.load_scripts())
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="directory-sweeper")
         return self
 
