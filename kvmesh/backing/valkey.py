@@ -11,7 +11,9 @@ Only `ValkeyProcess` starts or stops its child; it owns `self.proc`.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -90,7 +92,17 @@ class ValkeyProcess:
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL); the port is free on return."""
         if self.proc is not None:
+            self.resume()  # a paused server would ignore SIGTERM until SIGKILL
             self.proc.stop(timeout=5.0)
+
+    def pause(self) -> None:
+        """SIGSTOP: the port stays open but nothing answers (a hung Redis)."""
+        if self.alive:
+            os.kill(self.proc.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.alive:
+            os.kill(self.proc.proc.pid, signal.SIGCONT)
 
     def restart(self, timeout: float = 15.0) -> ValkeyProcess:
         self.stop()
