@@ -14,6 +14,7 @@ Malformed input raises `errors.InvalidArgument` before Redis is touched.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Sequence
 
@@ -155,7 +156,7 @@ class Directory:
         keys = validate.check_keys(keys, self.config.max_batch)
         if not keys:
             return []
-        rows = await self._run(self._lookup, keys)
+        rows = json.loads(await self._run(self._lookup, keys))
         return [
             [
                 Holder(engine_id=r[i], address=r[i + 1], position=int(r[i + 2]),

@@ -112,7 +112,10 @@ end
 return {1, n}
 """
 
-# ARGV: P, key * n -> one array per key: flat (engine, addr, position, size, ttl_ms) * holders
+# ARGV: P, key * n -> JSON text: one array per key, flat (engine, addr, position, size, ttl_ms)
+# per holder. One JSON string instead of a nested RESP reply: redis-py parses RESP
+# in Python (~5 us per element), json.loads is C; 1,000 keys: ~26 -> ~9 ms on a 2-core box.
+# cjson writes an empty table as {}, which the caller reads as "no holders".
 LOOKUP = _PRELUDE + """
 local leases = {}  -- engine -> {epoch, addr} or false; each lease read once per call
 local out = {}
@@ -137,7 +140,7 @@ for i = 2, #ARGV do
   end
   out[#out + 1] = row
 end
-return out
+return cjson.encode(out)
 """
 
 # ARGV: P -> per live engine:
