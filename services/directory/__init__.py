@@ -1,1 +1,1 @@
-"""services/directory"""
+"""Snapshot directory: which engine holds which SWA snapshot (see README.md)."""

