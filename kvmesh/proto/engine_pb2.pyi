@@ -96,3 +96,25 @@ class GetStatsResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     counters: _containers.ScalarMap[str, float]
     def __init__(self, counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("preset", "model_config_json", "model_fingerprint", "layout_fingerprint", "block_size", "tokenizer", "max_seq_len")
+    PRESET_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    preset: str
+    model_config_json: str
+    model_fingerprint: str
+    layout_fingerprint: str
+    block_size: int
+    tokenizer: str
+    max_seq_len: int
+    def __init__(self, preset: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_seq_len: _Optional[int] = ...) -> None: ...

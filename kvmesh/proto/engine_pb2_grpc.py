@@ -44,6 +44,11 @@ class EngineServiceStub:
                 request_serializer=kvmesh_dot_proto_dot_engine__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_engine__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/kvmesh.engine.v1.EngineService/GetModelInfo',
+                request_serializer=kvmesh_dot_proto_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_engine__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -61,6 +66,12 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvmesh_dot_proto_dot_engine__pb2.GetStatsRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_engine__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=kvmesh_dot_proto_dot_engine__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_engine__pb2.GetModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class EngineService:
             '/kvmesh.engine.v1.EngineService/GetStats',
             kvmesh_dot_proto_dot_engine__pb2.GetStatsRequest.SerializeToString,
             kvmesh_dot_proto_dot_engine__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.engine.v1.EngineService/GetModelInfo',
+            kvmesh_dot_proto_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
+            kvmesh_dot_proto_dot_engine__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,5 +53,8 @@ class EngineClient:
     async def stats(self) -> dict[str, float]:
         return dict((await self.stub.GetStats(engine_pb2.GetStatsRequest())).counters)
 
+    async def model_info(self):
+        return await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+
     async def close(self) -> None:
         await self.channel.close()

@@ -8,6 +8,7 @@ from kvmesh.errors import InvalidArgument
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
 from services.engine.async_engine import AsyncEngine
+from services.engine.cache.snapshot_keys import layout_fingerprint
 from services.engine.sampling import SamplingParams
 from services.engine.sequence import Finish
 
@@ -64,6 +65,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 msg.finish_reason = FINISH[ev.finish]
                 msg.usage.CopyFrom(usage_proto(ev.seq))
             yield msg
+
+    @map_errors
+    async def GetModelInfo(self, request, context):
+        core = self.engine.core
+        return engine_pb2.GetModelInfoResponse(
+            preset=core.cfg.name, model_config_json=core.cfg.to_json(),
+            model_fingerprint=core.cfg.fingerprint(),
+            layout_fingerprint=layout_fingerprint(core.cache.states.block),
+            block_size=core.cfg.block_size, tokenizer=getattr(core.tokenizer, "path", "byte"),
+            max_seq_len=core.cfg.max_seq_len)
 
     @map_errors
     async def GetStats(self, request, context):

@@ -40,7 +40,8 @@ class HFTokenizer:
     def __init__(self, path: str | Path, eos_token: str | None = None):
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_file(str(path))
+        self.path = str(path)
+        self.tok = Tokenizer.from_file(self.path)
         self.vocab_size = self.tok.get_vocab_size()
         eos = eos_token or next((t for t in ("</s>", "<|endoftext|>", "<eos>")
                                  if self.tok.token_to_id(t) is not None), None)

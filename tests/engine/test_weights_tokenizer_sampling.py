@@ -1,0 +1,123 @@
+"""Checkpoints, tokenizers, sampling and stop rules."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from services.engine.config import TINY, V41_FLASH, preset, small_test_config
+from services.engine.model import weights as weights_mod
+from services.engine.output import OutputState
+from services.engine.sampling import SamplingParams, sample
+from services.engine.sequence import Finish
+from services.engine.tokenizer import ByteTokenizer, HFTokenizer
+
+
+def test_seeded_init_is_deterministic():
+    a = weights_mod.init_weights(TINY, seed=3)
+    b = weights_mod.init_weights(TINY, seed=3)
+    c = weights_mod.init_weights(TINY, seed=4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["embed"], c["embed"])
+
+
+def test_checkpoint_round_trip_and_mismatch(tmp_path):
+    cfg = small_test_config()
+    w = weights_mod.init_weights(cfg, seed=1)
+    path = tmp_path / "m.safetensors"
+    weights_mod.save(w, cfg, path)
+    back = weights_mod.load(path, cfg)
+    assert all(torch.equal(w[k], back[k]) for k in w)
+    with pytest.raises(ValueError, match=r"window: checkpoint 16 vs config 128"):
+        weights_mod.load(path, TINY)
+
+
+def test_v41_flash_needs_no_weights():
+    shapes = weights_mod.shapes(V41_FLASH)   # sizes only; nothing allocated
+    n = sum(torch.Size(s).numel() for s in shapes.values())
+    assert n > 1_000_000_000
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("v5")
+
+
+def test_config_invariants():
+    with pytest.raises(ValueError, match="multiple of m"):
+        small_test_config(hca_m=12)
+    with pytest.raises(ValueError, match="unknown layer kinds"):
+        small_test_config(layers=("swa", "mla"))
+
+
+def test_byte_tokenizer_streams_split_characters():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo ✓")
+    s = tok.stream()
+    deltas = [s.push([i]) for i in ids]
+    assert "".join(deltas) == "héllo ✓"
+    assert "\ufffd" not in "".join(deltas)
+
+
+def test_hf_tokenizer_json_loads(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<eos>": 0, "hello": 1, "world": 2, "[UNK]": 3}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    t.save(str(path))
+    hf = HFTokenizer(path)
+    assert hf.encode("hello world") == [1, 2]
+    assert hf.eos_id == 0
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([5.0, 4.0, 3.0, -10.0, -10.0])
+    k1 = {sample(logits, SamplingParams(temperature=1.0, top_k=2), i, 0) for i in range(200)}
+    assert k1 == {0, 1}
+    # probabilities ~ [0.665, 0.245, 0.09, ...]: top_p 0.7 keeps the first two
+    p = {sample(logits, SamplingParams(temperature=1.0, top_p=0.7), i, 0) for i in range(200)}
+    assert p == {0, 1}
+    assert sample(logits, SamplingParams(temperature=0.0), 0, 0) == 0
+
+
+def test_sampling_depends_on_seed_and_step_only():
+    logits = torch.zeros(50)
+    a = [sample(logits, SamplingParams(seed=9), i, 123) for i in range(20)]
+    b = [sample(logits, SamplingParams(seed=9), i, 456) for i in range(20)]
+    assert a == b and len(set(a)) > 5
+
+
+def test_stop_string_is_cut_and_held_back():
+    tok = ByteTokenizer()
+    out = OutputState(SamplingParams(stop=("END",), max_tokens=100), tok.eos_id, tok.stream())
+    sent, finish = "", None
+    for i, t in enumerate(tok.encode("abcENxENDzzz")):
+        delta, finish = out.push(t, i + 1)
+        sent += delta
+        if finish:
+            break
+    assert sent == "abcENx" and finish is Finish.STOP
+
+
+def test_eos_and_stop_tokens_finish():
+    tok = ByteTokenizer()
+    out = OutputState(SamplingParams(stop_token_ids=(65,)), tok.eos_id, tok.stream())
+    assert out.push(ord("A"), 1) == ("", Finish.STOP)
+    out = OutputState(SamplingParams(), tok.eos_id, tok.stream())
+    assert out.push(tok.eos_id, 1)[1] is Finish.STOP
+    out = OutputState(SamplingParams(ignore_eos=True, max_tokens=2), tok.eos_id, tok.stream())
+    assert out.push(tok.eos_id, 1)[1] is None
+
+
+def test_cli_generate_local_streams_and_rejects_bad_input():
+    ok = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "hi there",
+                         "--max-tokens", "5"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "[length: 8 prompt tokens, 5 generated]" in ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "x",
+                          "--top-p", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
+    trunc = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "x",
+                            "--truncation", "compact", "--keep-tokens", "100"],
+                           capture_output=True, text=True, timeout=120)
+    assert trunc.returncode == 2 and "smaller than W + B = 134" in trunc.stderr
