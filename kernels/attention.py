@@ -3,11 +3,11 @@
 K = V (a single shared latent per key). The sink is a learned per-head logit that
 joins the softmax denominator only, so a head may attend to "nothing".
 
-    q        [N, T, H, D]   queries
-    k_win    [N, Kw, D]     window keys (dequantized SWA KV), per sequence
-    win_ok   [N, T, Kw]     bool: query t may see window key k
-    k_cmp    [N, Kc, D]     compressed entries (may be Kc = 0)
-    cmp_ok   [N, T, Kc]     bool
+    q        [N, T, H, D]    queries
+    groups   list of (keys, ok), one softmax across all of them:
+               keys [N, K, D]     shared by every query of a sequence (window, HCA), or
+               keys [N, T, K, D]  one set per query (CSA's top-k picks)
+               ok   [N, T, K]     bool: query t may see key k
     sink     [H]
     returns  [N, T, H, D]
 """
@@ -17,12 +17,31 @@ from __future__ import annotations
 import torch
 
 
-def union_attention(q, k_win, win_ok, k_cmp, cmp_ok, sink, scale: float):
-    keys = torch.cat([k_win, k_cmp], dim=1)                       # [N, K, D]
-    ok = torch.cat([win_ok, cmp_ok], dim=2)                       # [N, T, K]
-    scores = torch.einsum("nthd,nkd->nthk", q, keys) * scale      # [N, T, H, K]
-    scores = scores.masked_fill(~ok.unsqueeze(2), float("-inf"))
-    n, t, h, _ = scores.shape
-    sink_col = sink.view(1, 1, h, 1).expand(n, t, h, 1).to(scores.dtype)
-    probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("nthk,nkd->nthd", probs, keys)
+def _scores(q, keys):
+    if keys.dim() == 3:
+        return torch.einsum("nthd,nkd->nthk", q, keys)
+    return torch.einsum("nthd,ntkd->nthk", q, keys)
+
+
+def _mix(p, keys):
+    if keys.dim() == 3:
+        return torch.einsum("nthk,nkd->nthd", p, keys)
+    return torch.einsum("nthk,ntkd->nthd", p, keys)
+
+
+def union_attention(q, groups, sink, scale: float):
+    n, t, h, _ = q.shape
+    parts = []
+    for keys, ok in groups:
+        s = _scores(q, keys) * scale                               # [N, T, H, K]
+        parts.append(s.masked_fill(~ok.unsqueeze(2), float("-inf")))
+    parts.append(sink.view(1, 1, h, 1).expand(n, t, h, 1).to(q.dtype))
+    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+    out = torch.zeros_like(q)
+    start = 0
+    for keys, _ in groups:
+        k = keys.shape[-2]
+        if k:
+            out = out + _mix(probs[..., start : start + k], keys)
+        start += k
+    return out

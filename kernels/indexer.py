@@ -6,11 +6,12 @@
     w        [N, T, Hi]       per-head weights
     k        [N, Kc, Di]      indexer keys, one per compressed entry
     visible  [N, T, Kc]       bool
-    returns  [N, T, Kc] bool: the selected entries (all visible ones when fewer than k)
 
-Ties (ReLU makes exact zeros common) go to the lower entry index: a stable sort
-makes the choice independent of how many entries the caller padded in, so a
-chunked prefill selects exactly what a one-shot pass selects.
+Selection rule: every visible entry scoring above the k-th largest visible score,
+then entries equal to it, lowest index first, until k are taken (all visible ones
+when fewer than k). Ties are common (ReLU gives exact zeros), and this rule makes
+the choice independent of how many entries a caller padded in, so a chunked
+prefill selects exactly what a one-shot pass selects.
 """
 
 from __future__ import annotations
@@ -23,12 +24,24 @@ def indexer_scores(q, w, k):
 
 
 def select_topk(scores, visible, k: int):
-    n, t, kc = scores.shape
-    selected = torch.zeros_like(visible)
+    """-> [N, T, Kc] bool mask of the selected entries."""
+    kc = scores.shape[-1]
     if kc == 0:
-        return selected
-    masked = scores.masked_fill(~visible, float("-inf"))
+        return torch.zeros_like(visible)
     kk = min(k, kc)
-    idx = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :kk]
-    selected.scatter_(-1, idx, True)
-    return selected & visible                                     # -inf picks are not visible
+    masked = scores.masked_fill(~visible, float("-inf"))
+    kth = torch.topk(masked, kk, dim=-1).values[..., -1:]             # deterministic value
+    above = masked > kth
+    ties = masked == kth
+    room = kk - above.sum(-1, keepdim=True)
+    take = ties & (torch.cumsum(ties.to(torch.int32), -1) <= room)
+    return (above | take) & visible
+
+
+def selected_indices(selected, k: int):
+    """Mask [N, T, Kc] -> (idx [N, T, k'], ok [N, T, k']) with k' = min(k, Kc), ascending index."""
+    kc = selected.shape[-1]
+    kk = min(k, kc)
+    order = selected.to(torch.float32) * (kc + 1) - torch.arange(kc, dtype=torch.float32)
+    idx = torch.topk(order, kk, dim=-1).indices
+    return idx, selected.gather(-1, idx)

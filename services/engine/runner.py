@@ -28,7 +28,7 @@ import torch
 
 from kernels import mxfp8
 from kernels.attention import union_attention
-from kernels.indexer import indexer_scores, select_topk
+from kernels.indexer import indexer_scores, select_topk, selected_indices
 from kernels.ring import ring_window, ring_write
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
@@ -132,18 +132,15 @@ class ModelRunner:
             self._capture(layer, rows, kv_bytes, works, result)
         self._write_ring(layer, rows, kv_bytes, works)
 
+        groups = [(k_win, win_ok)]
         m = cfg.compress_ratio(layer)
-        n, t = rows.pos.shape
-        if m is None:
-            k_cmp = kv.new_zeros(n, 0, cfg.head_dim)
-            cmp_ok = torch.zeros(n, t, 0, dtype=torch.bool)
-        else:
+        if m is not None:
             src = _Rows(h, rows.pos, rows.valid) if chunk is None else chunk
             for i, wk in enumerate(works):
                 self._compress(layer, wk, src.x[i], int(src.pos[i, 0]), int(src.valid[i].sum()))
-            k_cmp, cmp_ok = self._compressed(layer, rows, h, works, m)
+            groups.append(self._compressed(layer, rows, h, works, m))
 
-        o = union_attention(q, k_win, win_ok, k_cmp, cmp_ok, w[p + "sink"], self.scale)
+        o = union_attention(q, groups, w[p + "sink"], self.scale)
         x = rows.x + ops.attn_output(w, layer, o)
         return x + ops.ffn(w, layer, x, cfg)
 
@@ -217,7 +214,9 @@ class ModelRunner:
             ring_write(ring, wk.slot, s0, torch.stack([v, z], dim=1))
 
     def _compressed(self, layer, rows: _Rows, h, works, m):
-        """Entries visible to each query row; CSA keeps the indexer's top-k."""
+        """Entries visible to each query row. HCA: all of them, shared by the rows.
+        CSA: each row's top-k picks, gathered per row ([N, T, k, D]) so attention never
+        touches the entries it did not pick."""
         counts = [wk.end // m for wk in works]
         kc = max(counts)
         n, t = rows.pos.shape
@@ -232,4 +231,8 @@ class ModelRunner:
         for i, wk in enumerate(works):
             ikeys[i, : counts[i]] = self.blocks.gather(wk.table, layer, counts[i], keys=True)
         iq, iw = ops.index_query(self.w, layer, h, self.cfg)
-        return keys, select_topk(indexer_scores(iq, iw, ikeys), visible, self.cfg.csa_topk)
+        chosen = select_topk(indexer_scores(iq, iw, ikeys), visible, self.cfg.csa_topk)
+        idx, ok = selected_indices(chosen, self.cfg.csa_topk)                 # [N, T, k]
+        picked = torch.gather(keys.unsqueeze(1).expand(n, t, kc, keys.shape[-1]), 2,
+                              idx.unsqueeze(-1).expand(*idx.shape, keys.shape[-1]))
+        return picked, ok

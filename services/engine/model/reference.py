@@ -72,8 +72,8 @@ def layer_forward(w: Weights, cfg: ModelConfig, layer: int, x, qpos, lo: int, sr
             scores = indexer_scores(iq[None], iw[None], keys_i[None])
             cmp_ok = select_topk(scores, cmp_ok[None], cfg.csa_topk)[0]
 
-    o = union_attention(q[None], kv[None], win_ok[None], k_cmp[None], cmp_ok[None],
-                        w[p + "sink"], 1.0 / math.sqrt(cfg.head_dim))[0]
+    groups = [(kv[None], win_ok[None]), (k_cmp[None], cmp_ok[None])]
+    o = union_attention(q[None], groups, w[p + "sink"], 1.0 / math.sqrt(cfg.head_dim))[0]
     x = x + ops.attn_output(w, layer, o)
     return x + ops.ffn(w, layer, x, cfg)
 
