@@ -25,6 +25,7 @@ from services.engine.config import ModelConfig
 from services.engine.engine_config import EngineConfig
 from services.engine.model.weights import Weights, init_weights
 from services.engine.output import OutputState
+from services.engine.prefix import Prefetched, PrefixReuse
 from services.engine.runner import ModelRunner, Work
 from services.engine.sampling import SamplingParams, sample
 from services.engine.scheduler import Scheduler
@@ -60,10 +61,13 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self.outputs: dict[str, OutputState] = {}
         self.counters: Counter = Counter()
+        self.prefix = PrefixReuse(self.cache, ecfg, self.counters)
+        self.prefetched: dict[str, Prefetched] = {}   # request id -> cache contents fetched for it
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
-                    salt: str = "", traffic_class: str = "") -> Sequence:
+                    salt: str = "", traffic_class: str = "",
+                    prefetched: Prefetched | None = None) -> Sequence:
         params.validate(self.cfg.vocab_size)
         if not prompt_ids:
             raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
@@ -85,6 +89,8 @@ class EngineCore:
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id, list(prompt_ids), params, seed, salt, traffic_class)
         self.requests[request_id] = seq
+        if prefetched is not None:
+            self.prefetched[request_id] = prefetched
         self.outputs[request_id] = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
         self.scheduler.add(seq)
         self.counters["requests"] += 1
@@ -94,6 +100,7 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         self.outputs.pop(request_id, None)
+        self.prefetched.pop(request_id, None)
         if seq is not None and not seq.finished:
             self.scheduler.remove(seq)
             seq.status, seq.finish = Status.FINISHED, Finish.ABORTED
@@ -126,18 +133,23 @@ class EngineCore:
         return events
 
     def _work(self, seq: Sequence, start: int, end: int) -> Work:
-        return Work(seq.slot, seq.table, seq.tokens, start, end, enc_lo=seq.enc_lo,
+        work = Work(seq.slot, seq.table, seq.tokens, start, end, enc_lo=seq.enc_lo,
                     dec_lo=seq.dec_lo, cmp_from=seq.cmp_from,
                     want_logits=end == len(seq.tokens))
+        if seq.prefilling:
+            self.prefix.capture_for(seq, work)
+        return work
 
     def _after_forward(self, seq: Sequence, work: Work, res, index: int) -> None:
         self.cache.commit(seq, work.end)
+        self.prefix.after_forward(seq, work, res, index)
         self.counters["computed_tokens"] += work.end - work.start
 
     def _on_admit(self, seq: Sequence) -> None:
-        """Called by the scheduler right after a sequence gets its slot."""
-        seq.enc_lo = seq.cmp_from = 0
+        """Called by the scheduler right after a sequence gets its slot: bounds, then hits."""
+        seq.enc_lo = seq.cmp_from = seq.cached_tokens = seq.replayed_tokens = 0
         seq.dec_lo = self._dec_lo(len(seq.tokens))
+        self.prefix.admit(seq, self.prefetched.pop(seq.request_id, None))
 
     def _dec_lo(self, prompt_len: int) -> int:
         if self.ecfg.truncation == "off":
@@ -155,6 +167,7 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, tokens, text, finish: Finish | None = None) -> Event:
         finish = finish or seq.finish
+        self.prefix.on_finish(seq)
         self.scheduler.remove(seq)
         seq.status, seq.finish = Status.FINISHED, finish
         self.requests.pop(seq.request_id, None)
@@ -176,5 +189,6 @@ class EngineCore:
         out.update(blocks_total=pool.total, blocks_in_use=pool.in_use, blocks_cached=pool.cached,
                    slots_total=self.cache.states.num_slots,
                    slots_in_use=self.cache.states.num_slots - self.cache.states.num_free,
-                   running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+                   running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                   snapshot_bytes=self.prefix.store.bytes, snapshots=len(self.prefix.store))
         return out

@@ -58,6 +58,7 @@ class BlockStore:
             t[dst] = t[src]
 
     def serialize(self, block: int) -> bytes:
+        assert isinstance(block, int), f"block id must be an int, got {block!r}"
         parts = []
         for layer in self.cfg.compressed_layers:
             parts.append(self.entries[layer][block].contiguous().view(torch.uint8).flatten())

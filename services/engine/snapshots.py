@@ -1,0 +1,91 @@
+"""SnapshotStore: SWA snapshots in the engine's host memory.
+
+Owns every stored snapshot; nothing else keeps references to their bytes.
+A snapshot is the stored region of a slot (`state_size_to_disk` bytes: the
+encoder SWA rings in the inference layout) at a block boundary S, keyed by
+`snapshot_key(block_hash(S), layout_fingerprint)`. Bounded in bytes (LRU) and
+by age (TTL in minutes); `clock` is injectable for tests.
+
+A snapshot records the layout and model it came from; `get` refuses one that
+does not match this engine (it is dropped, never restored).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    key: str
+    position: int
+    layout_fp: str
+    model_fp: str
+    data: bytes
+    created: float
+
+
+class SnapshotStore:
+    def __init__(self, capacity_bytes: int, ttl_min: float, layout_fp: str, model_fp: str,
+                 clock: Callable[[], float] = time.monotonic, on_evict=None):
+        self.capacity = capacity_bytes
+        self.ttl_s = ttl_min * 60.0
+        self.layout_fp, self.model_fp = layout_fp, model_fp
+        self.clock = clock
+        self.on_evict = on_evict or (lambda key: None)   # e.g. withdraw from the directory
+        self._items: OrderedDict[str, Snapshot] = OrderedDict()
+        self.bytes = 0
+        self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: str) -> bool:
+        return self._fresh(key) is not None
+
+    def put(self, snap: Snapshot) -> bool:
+        if len(snap.data) > self.capacity:
+            return False
+        if snap.key in self._items:
+            self._remove(snap.key, notify=False)
+        self._items[snap.key] = snap
+        self.bytes += len(snap.data)
+        while self.bytes > self.capacity:
+            self._remove(next(iter(self._items)))
+        return True
+
+    def get(self, key: str) -> Snapshot | None:
+        snap = self._fresh(key)
+        if snap is None:
+            return None
+        if snap.layout_fp != self.layout_fp or snap.model_fp != self.model_fp:
+            self.refused += 1
+            self._remove(key)
+            return None
+        self._items.move_to_end(key)
+        return snap
+
+    def expire(self) -> int:
+        old = [k for k, s in self._items.items() if self.clock() - s.created > self.ttl_s]
+        for k in old:
+            self._remove(k)
+        return len(old)
+
+    def keys(self) -> list[str]:
+        return list(self._items)
+
+    def _fresh(self, key: str) -> Snapshot | None:
+        snap = self._items.get(key)
+        if snap is not None and self.clock() - snap.created > self.ttl_s:
+            self._remove(key)
+            return None
+        return snap
+
+    def _remove(self, key: str, notify: bool = True) -> None:
+        snap = self._items.pop(key)
+        self.bytes -= len(snap.data)
+        if notify:
+            self.on_evict(key)
