@@ -1,0 +1,42 @@
+"""Small helpers shared by the benchmark scripts: tables and plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c)
+                                            for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]],
+         logx: bool = True, logy: bool = True) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
