@@ -118,3 +118,25 @@ class GetModelInfoResponse(_message.Message):
     tokenizer: str
     max_seq_len: int
     def __init__(self, preset: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+
+class FetchSwaSnapshotRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class FetchSwaSnapshotResponse(_message.Message):
+    __slots__ = ("position", "layout_fingerprint", "model_fingerprint", "total_bytes", "data", "sha256")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    layout_fingerprint: str
+    model_fingerprint: str
+    total_bytes: int
+    data: bytes
+    sha256: str
+    def __init__(self, position: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...

@@ -49,6 +49,11 @@ class EngineServiceStub:
                 request_serializer=kvmesh_dot_proto_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_engine__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.FetchSwaSnapshot = channel.unary_stream(
+                '/kvmesh.engine.v1.EngineService/FetchSwaSnapshot',
+                request_serializer=kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -72,6 +77,13 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchSwaSnapshot(self, request, context):
+        """Serve one of this engine's SWA snapshots to a peer (NOT_FOUND when not held).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +101,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=kvmesh_dot_proto_dot_engine__pb2.GetModelInfoRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_engine__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'FetchSwaSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchSwaSnapshot,
+                    request_deserializer=kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +189,33 @@ class EngineService:
             '/kvmesh.engine.v1.EngineService/GetModelInfo',
             kvmesh_dot_proto_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
             kvmesh_dot_proto_dot_engine__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchSwaSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.engine.v1.EngineService/FetchSwaSnapshot',
+            kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotRequest.SerializeToString,
+            kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,7 +12,7 @@ class Entry(NamedTuple):
     """A snapshot an engine announces it holds."""
 
     key: str              # lowercase hex, 32..128 chars
-    position: int         # tokens covered, positive multiple of 128
+    position: int         # tokens covered, positive multiple of 16 (block boundary)
     size_bytes: int
     ttl_s: float | None = None  # None: the directory's default entry TTL
 

@@ -31,12 +31,13 @@ class AsyncEngine:
         self._thread.start()
 
     # --- caller side (event loop) ---------------------------------------------------
-    async def generate(self, prompt_ids, params, request_id="", salt="", traffic_class=""
-                       ) -> AsyncIterator[Event]:
+    async def generate(self, prompt_ids, params, request_id="", salt="", traffic_class="",
+                       prefetched=None) -> AsyncIterator[Event]:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         fut: cf.Future = cf.Future()
-        self._cmds.put(("add", (prompt_ids, params, request_id, salt, traffic_class), fut, loop, sink))
+        self._cmds.put(("add", (prompt_ids, params, request_id, salt, traffic_class, prefetched),
+                        fut, loop, sink))
         seq = await asyncio.wrap_future(fut)          # raises InvalidArgument etc.
         done = False
         try:

@@ -15,6 +15,16 @@ def register(sub) -> None:
     serve = esub.add_parser("serve", help="serve EngineService over gRPC")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=7200)
+    serve.add_argument("--engine-id", default="", help="name in the directory (default engine-PORT)")
+    serve.add_argument("--advertise", default="", help="host:port peers and the gateway use "
+                                                       "(default HOST:PORT)")
+    serve.add_argument("--directory", default="", help="directory address: publish snapshots, "
+                                                       "heartbeat, fetch peers' snapshots")
+    serve.add_argument("--kvstore", default="", help="kvstore address: write blocks through, "
+                                                     "fetch missing prefix blocks")
+    serve.add_argument("--swa-fetch", default="auto", choices=["auto", "always", "never"],
+                       help="peer snapshot fetch vs bounded replay (auto: cost model)")
+    serve.add_argument("--fetch-deadline-ms", type=int, default=1000)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 
@@ -43,7 +53,8 @@ def _serve(args) -> int:
     except ValueError as exc:
         print(f"kvmesh engine: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(core, f"{args.host}:{args.port}"))
+    asyncio.run(serve(core, f"{args.host}:{args.port}", args.engine_id, args.advertise,
+                      args.directory, args.kvstore, args.swa_fetch, args.fetch_deadline_ms / 1000))
     return 0
 
 

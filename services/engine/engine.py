@@ -12,6 +12,7 @@ them); every mutable structure below is owned by exactly one object here.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +34,19 @@ from services.engine.sequence import Finish, Sequence, Status
 from services.engine.tokenizer import ByteTokenizer
 
 TRAFFIC_CLASSES = ("", "agent", "chatbot")
+
+
+class Hooks:
+    """What the engine thread tells the outside about cache contents (no-ops by default).
+    Implementations must only enqueue: they run on the engine thread."""
+
+    wants_blocks = False
+
+    def block_done(self, block_hash: bytes, payload: bytes, traffic_class: str) -> None: ...
+
+    def snapshot_stored(self, key: str, snap) -> None: ...
+
+    def snapshot_evicted(self, key: str) -> None: ...
 
 
 @dataclass
@@ -62,6 +76,10 @@ class EngineCore:
         self.outputs: dict[str, OutputState] = {}
         self.counters: Counter = Counter()
         self.prefix = PrefixReuse(self.cache, ecfg, self.counters)
+        self.hooks = Hooks()
+        self.prefix.on_store = lambda key, snap: self.hooks.snapshot_stored(key, snap)
+        self.prefix.store.on_evict = lambda key: self.hooks.snapshot_evicted(key)
+        self.prefill_token_s = 0.0       # EMA of prefill seconds per token (replay cost model)
         self.prefetched: dict[str, Prefetched] = {}   # request id -> cache contents fetched for it
 
     # --- requests ----------------------------------------------------------------
@@ -123,7 +141,11 @@ class EngineCore:
                 sampled.append((s, res.logits[i]))
         for seq, start, end in plan.prefill:
             work = self._work(seq, start, end)
+            t0 = time.perf_counter()
             res = self.runner.forward([work])
+            per_token = (time.perf_counter() - t0) / (end - start)
+            self.prefill_token_s = per_token if not self.prefill_token_s else \
+                0.8 * self.prefill_token_s + 0.2 * per_token
             self._after_forward(seq, work, res, 0)
             if not seq.prefilling:
                 sampled.append((seq, res.logits[0]))
@@ -141,7 +163,9 @@ class EngineCore:
         return work
 
     def _after_forward(self, seq: Sequence, work: Work, res, index: int) -> None:
-        self.cache.commit(seq, work.end)
+        for h, block in self.cache.commit(seq, work.end):
+            if self.hooks.wants_blocks:
+                self.hooks.block_done(h, self.cache.store.serialize(block), seq.traffic_class)
         self.prefix.after_forward(seq, work, res, index)
         self.counters["computed_tokens"] += work.end - work.start
 

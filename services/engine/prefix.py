@@ -98,6 +98,19 @@ class PrefixReuse:
         self.counters["cache_hit_tokens"] += l1
         self.counters["block_hits_" + hit] += len(table)
 
+    def local_view(self, tokens, salt: str) -> tuple[list[bytes], int, set[str]]:
+        """For prefetching: the prompt's block hashes within the cap, how many lead the
+        local pool, and which of their snapshot keys this engine holds."""
+        if not self.enabled:
+            return [], 0, set()
+        cap = len(tokens) - self.ecfg.keep_tokens
+        hashes = hashing.chain(tokens[: max(0, cap)], self.cfg.block_size, self.cfg.fingerprint(), salt)
+        n = 0
+        while n < len(hashes) and self.cache.pool.lookup(hashes[n]) is not None:
+            n += 1
+        keys = {snapshot_key(h, self.layout_fp) for h in hashes}
+        return hashes, n, {k for k in keys if k in self.store}
+
     def _acquire_blocks(self, hashes, prefetched):
         """Longest prefix of hashes found locally or in prefetched blocks (installed here)."""
         pool, table, source = self.cache.pool, [], "local"

@@ -16,12 +16,20 @@ log = logging.getLogger("kvmesh.engine")
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
 
-async def serve(core: EngineCore, address: str) -> None:
+async def serve(core: EngineCore, address: str, engine_id: str = "", advertise: str = "",
+                directory: str = "", kvstore: str = "", fetch_mode: str = "auto",
+                fetch_deadline_s: float = 1.0) -> None:
     engine = AsyncEngine(core)
     server = Server(address, [SERVICE_NAME])
-    engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), server.server)
+    remote = await _remote(engine, server.port, engine_id, advertise or address, directory,
+                           kvstore, fetch_mode, fetch_deadline_s)
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine, remote),
+                                                        server.server)
     await server.start()
-    log.info("engine serving on port %d (preset %s)", server.port, core.cfg.name)
+    if remote is not None:
+        await remote.start()
+    log.info("engine %s serving on port %d (preset %s, directory %s, kvstore %s)", engine_id,
+             server.port, core.cfg.name, directory or "-", kvstore or "-")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -29,4 +37,27 @@ async def serve(core: EngineCore, address: str) -> None:
     await stop.wait()
     log.info("engine shutting down")
     await server.stop(grace=5.0)
+    if remote is not None:
+        await remote.stop()
     engine.shutdown()
+
+
+async def _remote(engine, port, engine_id, advertise, directory, kvstore, fetch_mode, deadline):
+    if not directory and not kvstore:
+        return None
+    from services.engine.fetch_policy import FetchPolicy
+    from services.engine.remote import RemoteTiers
+
+    host = advertise.rsplit(":", 1)[0]
+    address = f"{host}:{port}" if advertise.endswith(":0") else advertise
+    dir_client = kv_client = None
+    if directory:
+        from services.directory.client import DirectoryClient
+
+        dir_client = DirectoryClient(directory)
+    if kvstore:
+        from services.kvstore.client import KvstoreClient
+
+        kv_client = KvstoreClient(kvstore)
+    return RemoteTiers(engine, engine_id or f"engine-{port}", address, dir_client, kv_client,
+                       FetchPolicy(fetch_mode), fetch_deadline_s=deadline)

@@ -9,6 +9,7 @@ from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
 from services.engine.async_engine import AsyncEngine
 from services.engine.cache.snapshot_keys import layout_fingerprint
+from services.engine.peers import check_key, snapshot_messages
 from services.engine.sampling import SamplingParams
 from services.engine.sequence import Finish
 
@@ -44,8 +45,9 @@ def usage_proto(seq) -> engine_pb2.Usage:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, remote=None):
         self.engine = engine
+        self.remote = remote            # RemoteTiers: kvstore blocks and peer snapshots
         self.tokenizer = engine.core.tokenizer
 
     def prompt_ids(self, req) -> list[int]:
@@ -57,8 +59,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Generate(self, request, context):
         params = params_from_proto(request)
         ids = self.prompt_ids(request)
+        prefetched = None
+        if self.remote is not None and ids:
+            prefetched = await self.remote.prefetch(ids, request.cache_salt)
         async for ev in self.engine.generate(ids, params, request.request_id, request.cache_salt,
-                                             request.traffic_class):
+                                             request.traffic_class, prefetched):
             msg = engine_pb2.GenerateResponse(request_id=ev.request_id, token_ids=ev.token_ids,
                                               text=ev.text)
             if ev.finish is not None:
@@ -75,6 +80,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             layout_fingerprint=layout_fingerprint(core.cache.states.block),
             block_size=core.cfg.block_size, tokenizer=getattr(core.tokenizer, "path", "byte"),
             max_seq_len=core.cfg.max_seq_len)
+
+    @map_errors
+    async def FetchSwaSnapshot(self, request, context):
+        check_key(request.key)
+        snap = await self.engine.call(lambda core: core.prefix.store.get(request.key))
+        for msg in snapshot_messages(snap, request.key):
+            yield msg
 
     @map_errors
     async def GetStats(self, request, context):

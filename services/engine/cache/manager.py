@@ -60,16 +60,20 @@ class CacheManager:
         seq.slot, seq.table, seq.hashes, seq.num_computed = None, [], [], 0
 
     # --- after a forward --------------------------------------------------------
-    def commit(self, seq: Sequence, new_computed: int) -> None:
-        """Record computed tokens; register blocks that became complete."""
+    def commit(self, seq: Sequence, new_computed: int) -> list[tuple[bytes, int]]:
+        """Record computed tokens; register blocks that became complete.
+        Returns (hash, block) of the blocks newly registered under their hash."""
         seq.num_computed = new_computed
         bs, tokens = self.cfg.block_size, seq.tokens
+        fresh = []
         while len(seq.hashes) < new_computed // bs:
             k = len(seq.hashes)
             parent = seq.hashes[-1] if seq.hashes else hashing.ROOT
             h = hashing.block_hash(parent, tokens[k * bs : (k + 1) * bs], self.fingerprint, seq.salt)
-            self.pool.register(seq.table[k], h)
+            if self.pool.hash_of[seq.table[k]] is None and self.pool.register(seq.table[k], h):
+                fresh.append((h, seq.table[k]))
             seq.hashes.append(h)
+        return fresh
 
     def rollback(self, seq: Sequence, r: int, max_backtrack: int) -> None:
         """Take back the last r computed tokens (r <= B). Ring rows and compression tails are

@@ -1,0 +1,218 @@
+"""RemoteTiers: the engine's asynchronous side of the cache tiers.
+
+Runs on the server's event loop; never on the engine thread. It owns the
+clients for the kvstore and the directory, and three background jobs:
+
+    heartbeat   every lease/3: address + load to the directory
+    uploader    write-through of completed blocks to the kvstore, batched; a full
+                queue drops blocks (the cache is best effort; decode never waits)
+    publisher   publish stored snapshots to the directory, withdraw evicted ones
+
+Before a request is admitted, `prefetch()` gathers what the local ledger lacks:
+the kvstore's continuation of the prompt's block run, and the SWA snapshot at
+its end from a peer (when the cost model prefers fetching to replay). Every
+failure or deadline is a miss: the request then replays or runs cold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from kvmesh.errors import KvmeshError
+from services.engine.async_engine import AsyncEngine
+from services.engine.cache.snapshot_keys import snapshot_key
+from services.engine.engine import Hooks
+from services.engine.fetch_policy import FetchPolicy
+from services.engine.peers import FetchError, fetch_snapshot
+from services.engine.prefix import Prefetched
+
+log = logging.getLogger("kvmesh.engine.remote")
+UPLOAD_QUEUE = 4096
+
+
+class RemoteTiers(Hooks):
+    def __init__(self, engine: AsyncEngine, engine_id: str, address: str, directory=None,
+                 kvstore=None, policy: FetchPolicy | None = None, fetch_deadline_s: float = 1.0,
+                 kvstore_timeout_s: float = 1.0):
+        self.engine, self.core = engine, engine.core
+        self.engine_id, self.address = engine_id, address
+        self.directory, self.kvstore = directory, kvstore
+        self.policy = policy or FetchPolicy()
+        self.fetch_deadline_s = fetch_deadline_s
+        self.kvstore_timeout_s = kvstore_timeout_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.uploads: asyncio.Queue = asyncio.Queue(UPLOAD_QUEUE)
+        self.publishes: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.counters = self.core.counters      # shared; remote_* keys only written here
+        self.wants_blocks = kvstore is not None
+        self.lease_s = 10.0
+        self.registered = False
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.core.hooks = self
+        if self.directory is not None:
+            self.tasks += [asyncio.create_task(self._heartbeats()),
+                           asyncio.create_task(self._publisher())]
+        if self.kvstore is not None:
+            self.tasks.append(asyncio.create_task(self._uploader()))
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    # --- hooks (engine thread): only enqueue ---------------------------------------------
+    def block_done(self, block_hash: bytes, payload: bytes, traffic_class: str) -> None:
+        self._post(self._enqueue_upload, (block_hash.hex(), payload, traffic_class or "chatbot"))
+
+    def snapshot_stored(self, key: str, snap) -> None:
+        self._post(self.publishes.put_nowait, ("publish", key, snap.position, len(snap.data)))
+
+    def snapshot_evicted(self, key: str) -> None:
+        self._post(self.publishes.put_nowait, ("withdraw", key, 0, 0))
+
+    def _post(self, fn, item) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(fn, item)
+
+    def _enqueue_upload(self, item) -> None:
+        try:
+            self.uploads.put_nowait(item)
+        except asyncio.QueueFull:
+            self.counters["kvstore_upload_dropped"] += 1
+
+    # --- prefetch (event loop, before admission) --------------------------------------
+    async def prefetch(self, prompt_ids: list[int], salt: str) -> Prefetched | None:
+        if self.kvstore is None and self.directory is None:
+            return None
+        prefix = self.core.prefix
+        hashes, n_local, local_snaps = await self.engine.call(
+            lambda core: core.prefix.local_view(prompt_ids, salt))
+        if not hashes:
+            return None
+        out = Prefetched()
+        n = n_local + await self._fetch_blocks(hashes[n_local:], out)
+        if n == 0:
+            return out
+        key = snapshot_key(hashes[n - 1], prefix.layout_fp)
+        if key not in local_snaps and self.directory is not None:
+            await self._fetch_snapshot(key, n * self.core.cfg.block_size, out)
+        return out
+
+    async def _fetch_blocks(self, hashes: list[bytes], out: Prefetched) -> int:
+        if self.kvstore is None or not hashes:
+            return 0
+        keys = [h.hex() for h in hashes]
+        try:
+            n = await asyncio.wait_for(self.kvstore.lookup(keys), self.kvstore_timeout_s)
+            payloads = await asyncio.wait_for(self.kvstore.get(keys[:n]), self.kvstore_timeout_s) if n else []
+        except (TimeoutError, KvmeshError, OSError) as exc:
+            self.counters["kvstore_misses_on_error"] += 1
+            log.warning("kvstore unavailable, treating as a miss: %s", exc)
+            return 0
+        got = 0
+        for h, p in zip(hashes, payloads, strict=False):
+            if p is None:
+                break
+            out.blocks[h] = p
+            got += 1
+        self.counters["kvstore_block_hits"] += got
+        return got
+
+    async def _fetch_snapshot(self, key: str, position: int, out: Prefetched) -> None:
+        holders = [h for h in (await self.directory.find_holders([key])).get(key, [])
+                   if h.engine_id != self.engine_id]
+        if not holders:
+            self.counters["peer_snapshot_unheld"] += 1
+            return
+        size = self.core.cache.states.block.state_size_to_disk
+        replay_s = self.core.prefill_token_s * self.core.cfg.window
+        if not self.policy.should_fetch(size, replay_s):
+            self.counters["peer_snapshot_replay_chosen"] += 1
+            return
+        prefix = self.core.prefix
+        for holder in holders[:2]:
+            try:
+                snap, secs = await fetch_snapshot(
+                    holder.address, key, self.fetch_deadline_s, prefix.layout_fp,
+                    self.core.cfg.fingerprint(), size, position)
+            except FetchError as exc:
+                self.counters["peer_snapshot_failures"] += 1
+                log.warning("snapshot fetch failed, will replay: %s", exc)
+                continue
+            self.policy.record_fetch(size, secs)
+            out.snapshots[key] = snap
+            self.counters["peer_snapshot_fetches"] += 1
+            return
+
+    # --- background jobs ----------------------------------------------------------------
+    async def _heartbeats(self) -> None:
+        from services.directory.model import EngineLoad
+
+        restarted = True
+        while True:
+            try:
+                stats = await self.engine.call(lambda core: core.stats())
+                load = EngineLoad(int(stats["running"]), int(stats["waiting"]),
+                                  int(stats["slots_total"] - stats["slots_in_use"]),
+                                  int(stats["blocks_total"] - stats["blocks_in_use"]))
+                grant = await self.directory.heartbeat(self.engine_id, self.address, load,
+                                                       restarted=restarted)
+                restarted = False
+                self.lease_s = grant.lease_ttl_ms / 1000.0
+                if grant.new_lease and self.registered:
+                    await self._republish()
+                self.registered = True
+            except KvmeshError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(max(0.2, self.lease_s / 3))
+
+    async def _republish(self) -> None:
+        """A new lease (directory or Redis restarted): publish what the store still holds."""
+        snaps = await self.engine.call(
+            lambda core: [(k, s.position, len(s.data)) for k, s in core.prefix.store._items.items()])
+        for key, pos, size in snaps:
+            self.publishes.put_nowait(("publish", key, pos, size))
+
+    async def _publisher(self) -> None:
+        from services.directory.model import Entry
+
+        while True:
+            first = await self.publishes.get()
+            batch = [first]
+            while not self.publishes.empty() and len(batch) < 256:
+                batch.append(self.publishes.get_nowait())
+            pubs = [Entry(k, p, s, None) for op, k, p, s in batch if op == "publish"]
+            gone = [k for op, k, _, _ in batch if op == "withdraw"]
+            try:
+                if pubs:
+                    await self.directory.publish(self.engine_id, pubs)
+                    self.counters["directory_published"] += len(pubs)
+                if gone:
+                    await self.directory.withdraw(self.engine_id, gone)
+            except KvmeshError as exc:
+                self.counters["directory_publish_failures"] += 1
+                log.warning("directory publish failed (snapshots stay local): %s", exc)
+
+    async def _uploader(self) -> None:
+        while True:
+            first = await self.uploads.get()
+            batch = [first]
+            while not self.uploads.empty() and len(batch) < 64:
+                batch.append(self.uploads.get_nowait())
+            by_class: dict[str, list[tuple[str, bytes]]] = {}
+            for key, payload, cls in batch:
+                by_class.setdefault(cls, []).append((key, payload))
+            t0 = time.perf_counter()
+            for cls, items in by_class.items():
+                try:
+                    await asyncio.wait_for(self.kvstore.put(items, traffic_class=cls), 30.0)
+                    self.counters["kvstore_blocks_written"] += len(items)
+                except (TimeoutError, KvmeshError, OSError) as exc:
+                    self.counters["kvstore_write_failures"] += len(items)
+                    log.warning("kvstore write-through failed (blocks stay local): %s", exc)
+            self.counters["kvstore_upload_seconds"] += time.perf_counter() - t0
