@@ -48,7 +48,7 @@ class MemoryTier:
 
     def put(self, key: str, generation: int, data: bytes) -> None:
         self.drop(key)
-        if len(data) > self.capacity:
+        if len(data) > self.capacity or self.capacity == 0:
             return
         self._items[key] = (generation, data)
         self.used += len(data)
@@ -120,7 +120,7 @@ class DiskTier:
 
     async def put(self, key: str, generation: int, data: bytes) -> None:
         self.drop(key)
-        if len(data) > self.capacity:
+        if len(data) > self.capacity or self.capacity == 0:
             return
         tmp = self.root / f".{key}.{next(self._tmp)}"
         header = _DISK_HEADER.pack(_DISK_MAGIC, generation, len(data), zlib.crc32(data))
