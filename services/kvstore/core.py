@@ -259,14 +259,16 @@ class KvStore:
                 return report
             victims = the_plan.victims
             total = len(victims) + len(orphans)
+            kept: set[str] = set()
             for done, key in enumerate(victims, 1):
                 # Recheck at the moment of removal: a reader may have arrived.
-                if key in self._readers:
-                    report.skipped_busy.append(key)
-                    continue
-                if self._forget(key, gens[key]) is not None:
+                rec = None if key in self._readers else self._forget(key, gens[key])
+                if rec is None:
+                    kept.add(key)
+                else:
                     await self.durable.delete(key)
                 progress("delete", done, total)
+            report.drop_kept(kept, {k: r.size for k, r in self.meta.items() if k in kept})
             for done, key in enumerate(orphans, len(victims) + 1):
                 if self.meta.get(key) is None:
                     await self.durable.delete(key)

@@ -60,6 +60,16 @@ class GcReport:
         return cls(dry_run, list(plan.expired), list(plan.stale), list(plan.evicted),
                    list(orphans), list(plan.skipped_busy), plan.bytes_freed, plan.bytes_before)
 
+    def drop_kept(self, kept: set[str], sizes: dict[str, int]) -> None:
+        """After a real run: planned victims a reader (or a re-put) saved are
+        reported as skipped, so the lists say exactly what was removed."""
+        for lst in (self.expired, self.stale, self.evicted):
+            gone = [k for k in lst if k in kept]
+            for k in gone:
+                lst.remove(k)
+                self.bytes_freed -= sizes.get(k, 0) if lst is not self.stale else 0
+        self.skipped_busy = sorted(set(self.skipped_busy) | kept)
+
     def summary(self) -> str:
         verb = "would remove" if self.dry_run else "removed"
         return (f"{verb} {len(self.expired)} expired, {len(self.evicted)} evicted (LRU), "
