@@ -100,6 +100,13 @@ def _run(args, fn) -> int:
         return 2
 
 
+def _console() -> Console:
+    # Piped output (grep, tests) gets full-width rows: 64-hex keys must not be cut.
+    import sys
+
+    return Console(width=None if sys.stdout.isatty() else 220)
+
+
 def _progress(console: Console) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=console)
@@ -120,7 +127,7 @@ async def _drain(stream, console: Console, label: str):
 
 
 def _gc_run(args) -> int:
-    console = Console()
+    console = _console()
 
     async def go(client: KvstoreClient):
         r = await _drain(client.run_gc_stream(args.dry_run), console, "gc")
@@ -139,7 +146,7 @@ def _gc_run(args) -> int:
 
 
 def _stats(args) -> int:
-    console = Console()
+    console = _console()
 
     async def go(client: KvstoreClient):
         s = await client.stats()
@@ -168,12 +175,12 @@ def _stats(args) -> int:
 
 
 def _ls(args) -> int:
-    console = Console()
+    console = _console()
 
     async def go(client: KvstoreClient):
         table = Table()
         for col in ("key", "size", "class", "last access (UTC)", "state"):
-            table.add_column(col, justify="right" if col == "size" else "left")
+            table.add_column(col, justify="right" if col == "size" else "left", no_wrap=True)
         shown = total = 0
         async for obj in client.list_all():
             total += 1
@@ -190,7 +197,7 @@ def _ls(args) -> int:
 
 
 def _scrub(args) -> int:
-    console = Console()
+    console = _console()
 
     async def go(client: KvstoreClient):
         r = await _drain(client.scrub_stream(args.repair), console, "scrub")
