@@ -71,7 +71,7 @@ class SeaweedServer:
         self.data_dir = Path(self.data_dir)
         for role in ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc",
                      "s3", "s3_grpc"):
-            self.ports.setdefault(role, free_port())
+            self.ports.setdefault(role, _unique_free_port())
 
     @property
     def endpoint(self) -> str:
@@ -133,6 +133,19 @@ class SeaweedServer:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive
+
+
+_handed_out: set[int] = set()
+
+
+def _unique_free_port() -> int:
+    """A free port not given to another server of this process: eight ports per
+    server picked independently would otherwise collide now and then."""
+    while True:
+        port = free_port()
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def ensure_bucket(client, bucket: str) -> None:
@@ -218,8 +231,19 @@ def start_seaweed_cluster(
                 loc += 1
     cluster = SeaweedCluster(servers, layout)
     try:
-        for i, srv in enumerate(servers):
-            srv.wait_ready(cluster.buckets_of(i), timeout=timeout)
+        for i in range(n_servers):
+            for attempt in range(3):
+                try:
+                    cluster.servers[i].wait_ready(cluster.buckets_of(i), timeout=timeout)
+                    break
+                except RuntimeError:
+                    # Exited early: almost always a port taken between our probe and
+                    # weed's bind. Retry on fresh ports with the same data dir.
+                    if attempt == 2:
+                        raise
+                    log.warning("weed%d exited at start; retrying on new ports", i)
+                    cluster.servers[i] = SeaweedServer(
+                        Path(data_dir) / f"weed{i}", name=f"weed{i}").start()
     except BaseException:
         cluster.stop()
         raise

@@ -302,7 +302,8 @@ class KvStore:
             async with sem:
                 with self._lease(key):
                     res = await self.durable.get(
-                        key, gen, repair=repair, still_current=lambda: self._is_current(key, gen)
+                        key, gen, repair=repair, full=True,
+                        still_current=lambda: self._is_current(key, gen),
                     )
             report.add(key, res)
             done += 1

@@ -53,18 +53,34 @@ class DurableStore:
             )
         return stored
 
-    async def _fetch(self, key: str) -> dict[int, bytes | None]:
-        got = await asyncio.gather(*(self.shards.get(i, key) for i in range(self.layout.n)))
-        return dict(enumerate(got))
+    async def _fetch(self, key: str, indexes) -> dict[int, bytes | None]:
+        got = await asyncio.gather(*(self.shards.get(i, key) for i in indexes))
+        return dict(zip(indexes, got, strict=True))
 
     async def get(self, key: str, generation: int, repair: bool = True,
-                  still_current: Callable[[], bool] = lambda: True) -> ReadResult:
-        blobs = await self._fetch(key)
+                  still_current: Callable[[], bool] = lambda: True,
+                  full: bool = False) -> ReadResult:
+        """Data shards first; parity only if one of them is missing or bad
+        (saves m of n requests on the common path). `full` (scrub) checks all n."""
+        k, n = self.layout.k, self.layout.n
+        blobs = await self._fetch(key, list(range(n if full else k)))
         try:
             decoded = await asyncio.to_thread(ec.decode, self.layout, key, blobs, generation)
+            if decoded.missing - set(range(k, n)) and not full:
+                raise ec.NotEnoughShards("a data shard is missing")
+        except ec.NotEnoughShards:
+            decoded = None
+        if decoded is None and not full:
+            blobs.update(await self._fetch(key, list(range(k, n))))
+        try:
+            if decoded is None:
+                decoded = await asyncio.to_thread(ec.decode, self.layout, key, blobs, generation)
         except ec.NotEnoughShards as exc:
             log.info("miss from durable tier: %s", exc)
             return ReadResult(None, frozenset(i for i, b in blobs.items() if b is None))
+        if not full and len(blobs) == k:  # parity not fetched: not known to be missing
+            decoded = ec.Decoded(decoded.data, decoded.generation, decoded.healthy,
+                                 decoded.missing - set(range(k, n)))
         repaired: frozenset[int] = frozenset()
         if decoded.missing and repair:
             repaired = await self._repair(key, decoded, still_current)
