@@ -1,0 +1,214 @@
+"""kvstore throughput: erasure coding speed and end-to-end put/get through the service.
+
+    .venv/bin/python bench/kvstore_throughput.py [--size-mib 4] [--objects 32]
+
+Part 1, codec (CPU only): encode/decode GB/s of 10+2 with pyeclib ISA-L and with
+zfec, against a plain memory copy of the same bytes. Decode is measured with the
+two first data shards lost (the repair path, not a plain concatenation).
+
+Part 2, end to end (real processes): five SeaweedFS servers, the kvstore as a
+`kvmesh kvstore serve` subprocess, an async client. Service put/get MB/s versus
+raw boto3 PUT/GET of the same unencoded bytes to the same SeaweedFS servers, at
+concurrency 1 and 16. "get (S3 path)" runs against a kvstore with both hot tiers
+off, so every get fetches 12 shards and decodes; "get (memory tier)" is the hot
+path. Prints a table of ratios and writes bench/out/kvstore_throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvmesh.backing.proc import ManagedProcess, free_port, wait_port  # noqa: E402
+from kvmesh.backing.seaweed import s3_client, start_seaweed_cluster  # noqa: E402
+from services.kvstore.client import KvstoreClient  # noqa: E402
+
+OUT = ROOT / "bench" / "out"
+
+
+def best_of(fn, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def codec_bench(size: int) -> list[tuple[str, float, float]]:
+    from pyeclib.ec_iface import ECDriver
+    from zfec import easyfec
+
+    data = os.urandom(size)
+    gb = size / 1e9
+    rows = []
+    copy = best_of(lambda: bytearray(data))
+    rows.append(("memory copy", gb / copy, gb / copy))
+    drv = ECDriver(k=10, m=2, ec_type="isa_l_rs_vand")
+    frags = drv.encode(data)
+    rows.append(("pyeclib isa_l_rs_vand", gb / best_of(lambda: drv.encode(data)),
+                 gb / best_of(lambda: drv.decode(frags[2:]))))
+    enc, dec = easyfec.Encoder(10, 12), easyfec.Decoder(10, 12)
+    blocks = enc.encode(data)
+    pad = (10 - size % 10) % 10
+    rows.append(("zfec", gb / best_of(lambda: enc.encode(data)),
+                 gb / best_of(lambda: dec.decode(blocks[2:], list(range(2, 12)), pad))))
+    return rows
+
+
+async def _timed(n_ops: int, concurrency: int, op) -> float:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i):
+        async with sem:
+            await op(i)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n_ops)))
+    return time.perf_counter() - t0
+
+
+async def service_bench(address: str, payloads: list[bytes], conc: int, tag: str):
+    keys = [f"{tag}{conc:02d}{i:06d}".ljust(64, "0") for i in range(len(payloads))]
+    async with KvstoreClient(address, timeout=300) as c:
+        t_put = await _timed(len(keys), conc, lambda i: c.put([(keys[i], payloads[i])]))
+        got: dict[int, bytes | None] = {}
+
+        async def get(i):
+            got[i] = (await c.get([keys[i]]))[0]
+
+        t_get = await _timed(len(keys), conc, get)
+    assert all(got[i] == payloads[i] for i in range(len(keys))), "service returned wrong bytes"
+    return t_put, t_get
+
+
+def raw_bench(cluster, payloads: list[bytes], conc: int):
+    clients = [s3_client(s.endpoint, read_timeout=60) for s in cluster.servers]
+    bucket = "raw-bench"
+    for c in clients:
+        try:
+            c.create_bucket(Bucket=bucket)
+        except Exception:  # noqa: BLE001 - exists already
+            pass
+    n = len(clients)
+
+    def put(i):
+        clients[i % n].put_object(Bucket=bucket, Key=f"c{conc}/{i}", Body=payloads[i])
+
+    def get(i):
+        body = clients[i % n].get_object(Bucket=bucket, Key=f"c{conc}/{i}")["Body"].read()
+        assert body == payloads[i]
+
+    with ThreadPoolExecutor(conc) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(put, range(len(payloads))))
+        t_put = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        list(pool.map(get, range(len(payloads))))
+        t_get = time.perf_counter() - t0
+    return t_put, t_get
+
+
+def start_kvstore(cluster, tmp: Path, name: str, tiers: bool) -> tuple[ManagedProcess, str]:
+    port = free_port()
+    mem = str(2 << 30) if tiers else "0"
+    env = {"KVMESH_KVSTORE_LOCATIONS": ",".join(cluster.locations)}
+    proc = ManagedProcess(name, [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING",
+                                 "kvstore", "serve", "--port", str(port),
+                                 "--data-dir", str(tmp / name), "--mem-bytes", mem,
+                                 "--disk-bytes", "0", "--capacity-bytes", str(1 << 40)],
+                          tmp, env=env).start()
+    wait_port("127.0.0.1", port, timeout=60, proc=proc.proc)
+    return proc, f"127.0.0.1:{port}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-mib", type=float, default=4.0)
+    ap.add_argument("--objects", type=int, default=32)
+    ap.add_argument("--codec-mib", type=int, default=64)
+    args = ap.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    codec = codec_bench(args.codec_mib << 20)
+    t = Table(title=f"erasure coding 10+2, {args.codec_mib} MiB object (GB/s, best of 3)")
+    for col in ("codec", "encode", "decode (2 lost)", "encode vs copy"):
+        t.add_column(col, justify="right")
+    for name, e, d in codec:
+        t.add_row(name, f"{e:.2f}", f"{d:.2f}", f"{e / codec[0][1]:.2f}x")
+    console.print(t)
+
+    size = int(args.size_mib * (1 << 20))
+    payloads = [os.urandom(size) for _ in range(args.objects)]
+    mb = size * args.objects / 1e6
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvbench-") as d:
+        tmp = Path(d)
+        cluster = start_seaweed_cluster(5, [3, 3, 2, 2, 2], tmp / "seaweed")
+        procs = []
+        try:
+            cold, cold_addr = start_kvstore(cluster, tmp, "kv-cold", tiers=False)
+            hot, hot_addr = start_kvstore(cluster, tmp, "kv-hot", tiers=True)
+            procs = [cold, hot]
+            for conc in (1, 16):
+                raw_put, raw_get = raw_bench(cluster, payloads, conc)
+                s_put, s_get = asyncio.run(service_bench(cold_addr, payloads, conc, "c"))
+                _, h_get = asyncio.run(service_bench(hot_addr, payloads, conc, "d"))
+                rows.append((conc, mb / raw_put, mb / raw_get, mb / s_put, mb / s_get, mb / h_get))
+        finally:
+            for p in procs:
+                p.stop()
+            cluster.stop()
+    t = Table(title=f"end to end, {args.objects} x {args.size_mib:g} MiB objects (MB/s)")
+    for col in ("concurrency", "raw PUT", "raw GET", "service put", "service get (S3 path)",
+                "service get (memory tier)", "put / raw", "get (S3) / raw"):
+        t.add_column(col, justify="right")
+    for conc, rp, rg, sp, sg, hg in rows:
+        t.add_row(str(conc), f"{rp:.0f}", f"{rg:.0f}", f"{sp:.0f}", f"{sg:.0f}", f"{hg:.0f}",
+                  f"{sp / rp:.2f}x", f"{sg / rg:.2f}x")
+    console.print(t)
+    plot(codec, rows)
+
+
+def plot(codec, rows) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [r[0] for r in codec]
+    x = range(len(names))
+    a.bar([i - 0.2 for i in x], [r[1] for r in codec], 0.4, label="encode")
+    a.bar([i + 0.2 for i in x], [r[2] for r in codec], 0.4, label="decode (2 lost)")
+    a.set_xticks(list(x), names, fontsize=8)
+    a.set_ylabel("GB/s")
+    a.set_title("erasure coding 10+2")
+    a.legend()
+    labels = ["raw PUT", "raw GET", "svc put", "svc get S3", "svc get mem"]
+    for j, row in enumerate(rows):
+        b.bar([i + 0.4 * j for i in range(len(labels))], row[1:], 0.4,
+              label=f"concurrency {row[0]}")
+    b.set_xticks([i + 0.2 for i in range(len(labels))], labels, fontsize=8)
+    b.set_ylabel("MB/s")
+    b.set_title("end to end vs raw boto3 (same SeaweedFS)")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(OUT / "kvstore_throughput.png", dpi=100)
+    print(f"wrote {OUT / 'kvstore_throughput.png'}")
+
+
+if __name__ == "__main__":
+    main()

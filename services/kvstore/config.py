@@ -1,0 +1,144 @@
+"""Kvstore configuration: one frozen dataclass, read from `KVMESH_KVSTORE_*`.
+
+Values discovered at run time (which locations are up, bytes in use) live in
+the objects that own them, never here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from services.kvstore.ec import Layout
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+DAY = 86400.0
+ENV_PREFIX = "KVMESH_KVSTORE_"
+
+
+@dataclass(frozen=True)
+class ShardLocation:
+    """Where shard i of every object lives: an S3 endpoint and a bucket."""
+
+    endpoint: str
+    bucket: str
+
+    @classmethod
+    def parse(cls, text: str) -> ShardLocation:
+        """`http://host:port/bucket` -> ShardLocation."""
+        text = text.strip().rstrip("/")
+        scheme, sep, rest = text.partition("://")
+        host, slash, bucket = rest.partition("/")
+        if not sep or not slash or not host or not bucket or "/" in bucket:
+            raise ValueError(f"shard location {text!r} is not http(s)://host:port/bucket")
+        return cls(f"{scheme}://{host}", bucket)
+
+    def __str__(self) -> str:
+        return f"{self.endpoint}/{self.bucket}"
+
+
+@dataclass(frozen=True)
+class KvstoreConfig:
+    locations: tuple[ShardLocation, ...]
+    data_dir: Path = Path(".kvmesh/kvstore")
+    host: str = "127.0.0.1"
+    port: int = 7100
+    mem_bytes: int = 256 * MiB
+    disk_bytes: int = 4 * GiB
+    capacity_bytes: int = 100 * GiB  # durable (logical) bytes GC keeps under
+    high_watermark: float = 0.90  # GC starts evicting LRU above this share of capacity
+    low_watermark: float = 0.80  # ... and stops at this share
+    max_object_bytes: int = 64 * MiB
+    ttl_agent_s: float = 3 * DAY
+    ttl_chatbot_s: float = 7 * DAY
+    gc_interval_s: float = 300.0
+    orphan_grace_s: float = 3600.0  # shards without a committed record older than this go
+    write_quorum: int = 11  # shards that must land for a put to succeed (k..n)
+    access_flush_s: float = 1.0  # access times reach sqlite at most this late
+    s3_connect_timeout_s: float = 1.0
+    s3_read_timeout_s: float = 5.0
+    location_retry_s: float = 2.0  # a failed location is skipped this long on the data path
+    threads_per_location: int = 4
+    layout: Layout = field(default_factory=Layout)
+
+    def __post_init__(self) -> None:
+        n = self.layout.n
+        if len(self.locations) != n:
+            raise ValueError(f"need exactly {n} shard locations, got {len(self.locations)}")
+        if len(set(self.locations)) != n:
+            raise ValueError("shard locations must be distinct")
+        if not (self.layout.k <= self.write_quorum <= n):
+            raise ValueError(f"write_quorum {self.write_quorum} outside [{self.layout.k}, {n}]")
+        if not (0 < self.low_watermark < self.high_watermark <= 1.0):
+            raise ValueError("need 0 < low_watermark < high_watermark <= 1")
+        for name in ("mem_bytes", "disk_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("capacity_bytes", "max_object_bytes", "threads_per_location"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        for name in ("ttl_agent_s", "ttl_chatbot_s", "gc_interval_s", "access_flush_s",
+                     "s3_connect_timeout_s", "s3_read_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.orphan_grace_s < 0 or self.location_retry_s < 0:
+            raise ValueError("orphan_grace_s and location_retry_s must be >= 0")
+        if not (0 <= self.port < 65536):
+            raise ValueError(f"port {self.port} out of range")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def ttl_s(self, traffic_class: str) -> float:
+        return self.ttl_agent_s if traffic_class == "agent" else self.ttl_chatbot_s
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> KvstoreConfig:
+        """Defaults <- `KVMESH_KVSTORE_<FIELD>` <- explicit overrides (None = not given).
+
+        LOCATIONS is a comma-separated list of `http://host:port/bucket`.
+        """
+        env = os.environ if env is None else env
+        values: dict = {}
+        for f in fields(cls):
+            if f.name == "layout":
+                continue
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _convert(f.name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if isinstance(values.get("locations"), str):
+            values["locations"] = _convert("locations", values["locations"])
+        if "locations" not in values:
+            raise ValueError(f"no shard locations: set {ENV_PREFIX}LOCATIONS or --locations")
+        values["locations"] = tuple(
+            loc if isinstance(loc, ShardLocation) else ShardLocation.parse(loc)
+            for loc in values["locations"]
+        )
+        if "data_dir" in values:
+            values["data_dir"] = Path(values["data_dir"])
+        return cls(**values)
+
+    def with_(self, **changes) -> KvstoreConfig:
+        return replace(self, **changes)
+
+
+_INTS = {"port", "mem_bytes", "disk_bytes", "capacity_bytes", "max_object_bytes",
+         "write_quorum", "threads_per_location"}
+_STRS = {"host"}
+
+
+def _convert(name: str, raw: str):
+    if name == "locations":
+        return tuple(ShardLocation.parse(p) for p in raw.split(",") if p.strip())
+    if name == "data_dir":
+        return Path(raw)
+    if name in _STRS:
+        return raw
+    try:
+        return int(raw) if name in _INTS else float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a number") from None

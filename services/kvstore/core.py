@@ -1,0 +1,314 @@
+"""KvStore: the transport-free core of the kvstore service.
+
+Owns: the metadata store, both hot tiers, the durable store and the per-key
+reader counts (`_readers`, the read leases GC respects). Only this class
+changes any of them; the gRPC servicer converts messages and calls in here.
+
+One Get, walked through:
+  1. `meta.current(key)` -> committed record (generation g) or a miss;
+  2. take a read lease on the key (GC will not pick it while held);
+  3. memory tier (key, g) -> disk tier (key, g) -> durable tier (key, g),
+     which decodes any 10 healthy shards and writes back missing ones;
+  4. fill the tiers above the one that answered, note the access time
+     (flushed to sqlite in batches), release the lease.
+
+GC removes a victim's record and tier copies in one synchronous step (no
+await in between), so a reader either got its lease first (GC skips the key)
+or finds no record (a clean miss); shards are deleted only afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvmesh.errors import InvalidArgument, Unavailable
+from services.kvstore import gc, keys
+from services.kvstore.config import KvstoreConfig
+from services.kvstore.durable import DurableStore
+from services.kvstore.meta import MetaStore, Record
+from services.kvstore.reports import GcReport, ListEntry, ScrubReport, Stats
+from services.kvstore.shards import LocationDown, ShardStore
+from services.kvstore.tiers import DiskTier, MemoryTier
+
+log = logging.getLogger("kvmesh.kvstore")
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+def _no_progress(phase: str, done: int, total: int) -> None:
+    pass
+
+
+class KvStore:
+    def __init__(self, cfg: KvstoreConfig, clock: Callable[[], float] = time.time):
+        self.cfg = cfg
+        self.clock = clock
+        data = Path(cfg.data_dir)
+        self.meta = MetaStore(data / "meta.sqlite", now=clock())
+        self.mem = MemoryTier(cfg.mem_bytes)
+        self.disk = DiskTier(data / "blocks", cfg.disk_bytes)
+        self.shards = ShardStore(cfg.locations, cfg.s3_connect_timeout_s, cfg.s3_read_timeout_s,
+                                 cfg.location_retry_s, cfg.threads_per_location)
+        self.durable = DurableStore(cfg.layout, self.shards, cfg.write_quorum)
+        self._readers: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()
+        self._tasks: list[asyncio.Task] = []
+        self._gc_lock = asyncio.Lock()
+
+    # -- lifecycle --------------------------------------------------------------
+    def start_background(self) -> None:
+        """Periodic access-time flush and GC; call from inside the event loop."""
+        self._tasks = [asyncio.create_task(self._every(self.cfg.access_flush_s, self._flush)),
+                       asyncio.create_task(self._every(self.cfg.gc_interval_s, self._auto_gc))]
+
+    async def _every(self, seconds: float, fn) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await fn()
+            except Exception:  # noqa: BLE001 - a failed pass must not end the loop
+                log.exception("background task %s failed", fn.__name__)
+
+    async def _flush(self) -> None:
+        self.meta.flush()
+
+    async def _auto_gc(self) -> None:
+        try:
+            report = await self.run_gc(dry_run=False)
+            log.info("gc: %s", report.summary())
+        except Unavailable as exc:
+            log.warning("gc skipped: %s", exc)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.meta.close()
+        self.shards.close()
+
+    @contextmanager
+    def _lease(self, key: str):
+        self._readers[key] += 1
+        try:
+            yield
+        finally:
+            self._readers[key] -= 1
+            if self._readers[key] <= 0:
+                del self._readers[key]
+
+    def busy(self) -> set[str]:
+        return set(self._readers)
+
+    # -- data path --------------------------------------------------------------
+    def check_put(self, key: str, size: int, traffic_class: str) -> str:
+        keys.check_key(key)
+        keys.check_size(key, size, self.cfg.max_object_bytes)
+        return keys.check_traffic_class(traffic_class)
+
+    async def put(self, items: list[tuple[str, bytes]], traffic_class: str = "") -> int:
+        """Store every object durably (and in the hot tiers). All or error."""
+        return await self.put_objects([(k, d, traffic_class) for k, d in items])
+
+    async def put_objects(self, items: list[tuple[str, bytes, str]]) -> int:
+        """Like `put`, with a traffic class per object."""
+        checked = [(k, bytes(d), self.check_put(k, len(d), tc)) for k, d, tc in items]
+        await asyncio.gather(*(self._put_one(k, d, tc) for k, d, tc in checked))
+        return len(checked)
+
+    async def _put_one(self, key: str, data: bytes, traffic_class: str) -> None:
+        gen = secrets.randbits(63)
+        self.mem.drop(key)
+        self.disk.drop(key)
+        self.meta.begin_put(key, gen, len(data), traffic_class, self.clock())
+        try:
+            await self.durable.put(key, gen, data)
+        except BaseException:
+            if self.meta.remove(key, gen) is not None:
+                asyncio.ensure_future(self.durable.delete(key))
+            raise
+        if self.meta.commit_put(key, gen):
+            self.counters["puts"] += 1
+            self.mem.put(key, gen, data)
+            await self.disk.put(key, gen, data)
+
+    async def get(self, key_list: list[str]) -> list[bytes | None]:
+        keys.check_keys(key_list)
+        return list(await asyncio.gather(*(self._get_one(k) for k in key_list)))
+
+    async def _get_one(self, key: str) -> bytes | None:
+        rec = self.meta.current(key)
+        if rec is None:
+            self.counters["misses"] += 1
+            return None
+        gen = rec.generation
+        with self._lease(key):
+            data = self.mem.get(key, gen)
+            tier = "mem"
+            if data is None:
+                tier = "disk"
+                data = await self.disk.get(key, gen)
+                if data is not None:
+                    self.mem.put(key, gen, data)
+            if data is None:
+                tier = "s3"
+                res = await self.durable.get(key, gen, still_current=lambda: self._is_current(key, gen))
+                data = res.data
+                self.counters["shards_repaired"] += len(res.repaired)
+                if data is not None and self._is_current(key, gen):
+                    self.mem.put(key, gen, data)
+                    await self.disk.put(key, gen, data)
+        if data is None:
+            self.counters["misses"] += 1
+            return None
+        self.counters[f"hits_{tier}"] += 1
+        self.meta.touch(key, self.clock())
+        return data
+
+    def _is_current(self, key: str, gen: int) -> bool:
+        rec = self.meta.current(key)
+        return rec is not None and rec.generation == gen
+
+    async def lookup(self, key_list: list[str]) -> int:
+        """Length of the longest prefix of `key_list` that can be read now."""
+        keys.check_keys(key_list)
+        durable_ok = self.shards.up_count() >= self.cfg.layout.k
+        now = self.clock()
+        n = 0
+        for key in key_list:
+            rec = self.meta.current(key)
+            if rec is None:
+                break
+            hot = self.mem.get(key, rec.generation) is not None or key in self.disk._index
+            if not (hot or durable_ok):
+                break
+            self.meta.touch(key, now)
+            n += 1
+        return n
+
+    async def delete(self, key_list: list[str]) -> int:
+        keys.check_keys(key_list)
+        gone = [k for k in key_list if self._forget(k) is not None]
+        await asyncio.gather(*(self.durable.delete(k) for k in gone))
+        return len(gone)
+
+    def _forget(self, key: str, generation: int | None = None) -> Record | None:
+        """Make the object invisible at once (record, tier copies); synchronous."""
+        rec = self.meta.remove(key, generation)
+        if rec is not None:
+            self.mem.drop(key)
+            self.disk.drop(key)
+        return rec
+
+    # -- admin ------------------------------------------------------------------
+    async def require_durable(self) -> list[bool]:
+        up = await self.shards.probe()
+        if sum(up) < self.cfg.layout.k:
+            raise Unavailable(
+                f"only {sum(up)} of {len(up)} shard locations reachable "
+                f"(need {self.cfg.layout.k}): S3 is down"
+            )
+        return up
+
+    async def stats(self) -> Stats:
+        up = await self.require_durable()
+        by_class: Counter[str] = Counter()
+        bytes_by_class: Counter[str] = Counter()
+        pending = 0
+        for _, rec in self.meta.items():
+            if not rec.complete:
+                pending += 1
+                continue
+            by_class[rec.traffic_class] += 1
+            bytes_by_class[rec.traffic_class] += rec.size
+        return Stats(
+            objects=sum(by_class.values()), bytes=self.meta.complete_bytes, pending=pending,
+            objects_by_class=dict(by_class), bytes_by_class=dict(bytes_by_class),
+            mem_objects=len(self.mem), mem_bytes=self.mem.used, mem_capacity=self.mem.capacity,
+            disk_objects=len(self.disk), disk_bytes=self.disk.used,
+            disk_capacity=self.disk.capacity, capacity_bytes=self.cfg.capacity_bytes,
+            high_watermark=self.cfg.high_watermark, low_watermark=self.cfg.low_watermark,
+            locations=[str(loc) for loc in self.cfg.locations], locations_up=up,
+            counters=dict(self.counters),
+        )
+
+    async def list(self, start_after: str = "", limit: int = 1000) -> tuple[list[ListEntry], str]:
+        """One page of objects in key order; the second value is the next page token."""
+        if limit <= 0 or limit > 10_000:
+            raise InvalidArgument(f"limit {limit} outside 1..10000")
+        await self.require_durable()
+        page = sorted(k for k, _ in self.meta.items() if k > start_after)[: limit + 1]
+        out = [ListEntry.of(k, self.meta.get(k)) for k in page[:limit]]
+        return out, (page[limit - 1] if len(page) > limit else "")
+
+    async def run_gc(self, dry_run: bool = False, progress: Progress = _no_progress) -> GcReport:
+        async with self._gc_lock:
+            await self.require_durable()
+            now = self.clock()
+            the_plan = gc.plan(self.meta.items(), now, self.cfg, self.busy())
+            # Generations as planned: a key re-put while we list must not be hit.
+            gens = {k: self.meta.get(k).generation for k in the_plan.victims}
+            orphans = await self._orphans(now)
+            report = GcReport.of(the_plan, orphans, dry_run)
+            if dry_run:
+                return report
+            victims = the_plan.victims
+            total = len(victims) + len(orphans)
+            kept: set[str] = set()
+            for done, key in enumerate(victims, 1):
+                # Recheck at the moment of removal: a reader may have arrived.
+                rec = None if key in self._readers else self._forget(key, gens[key])
+                if rec is None:
+                    kept.add(key)
+                else:
+                    await self.durable.delete(key)
+                progress("delete", done, total)
+            report.drop_kept(kept, {k: r.size for k, r in self.meta.items() if k in kept})
+            for done, key in enumerate(orphans, len(victims) + 1):
+                if self.meta.get(key) is None:
+                    await self.durable.delete(key)
+                progress("orphans", done, total)
+            self.counters["gc_runs"] += 1
+            return report
+
+    async def _orphans(self, now: float) -> list[str]:
+        newest: dict[str, float] = {}
+        for i in range(self.cfg.layout.n):
+            try:
+                listed = await self.shards.list(i)
+            except LocationDown:
+                continue  # its orphans wait for the next run
+            for shard in listed:
+                newest[shard.key] = max(newest.get(shard.key, 0.0), shard.modified)
+        known = {k for k, _ in self.meta.items()}
+        return gc.find_orphans(newest, known, now, self.cfg.orphan_grace_s, self.meta.created)
+
+    async def scrub(self, repair: bool = False, progress: Progress = _no_progress,
+                    concurrency: int = 4) -> ScrubReport:
+        """Read every committed object's shards; with `repair`, rewrite bad ones."""
+        await self.require_durable()
+        report = ScrubReport(repair=repair)
+        todo = sorted((k, r.generation) for k, r in self.meta.items() if r.complete)
+        sem = asyncio.Semaphore(concurrency)
+        done = 0
+
+        async def one(key: str, gen: int) -> None:
+            nonlocal done
+            async with sem:
+                with self._lease(key):
+                    res = await self.durable.get(
+                        key, gen, repair=repair, full=True,
+                        still_current=lambda: self._is_current(key, gen),
+                    )
+            report.add(key, res)
+            done += 1
+            progress("scrub", done, len(todo))
+
+        await asyncio.gather(*(one(k, g) for k, g in todo))
+        self.counters["shards_repaired"] += report.shards_repaired
+        return report

@@ -1,0 +1,187 @@
+"""Erasure-coded shard layout: encode an object into 12 self-describing shards
+and decode any 10 healthy ones back. Pure: no I/O, no clocks, no asyncio.
+
+One object = K data + M parity shards (10 + 2, pyeclib `isa_l_rs_vand`). Each
+shard is stored as one S3 object and carries everything needed to check it on
+its own:
+
+    offset  size  field
+    ------  ----  -----------------------------------------------------------
+         0     4  magic  b"KVSH"
+         4     1  format version (1)
+         5     1  k  (data shards)
+         6     1  m  (parity shards)
+         7     1  shard index 0..k+m-1
+         8     4  layout fingerprint: crc32("k/m/backend/format")
+        12     8  generation (random per put; shards of two puts never mix)
+        20     8  object size in bytes
+        28     4  fragment size in bytes (= payload length)
+        32     2  key length n
+        34     n  key (ascii lowercase hex)
+      34+n     F  payload: the pyeclib fragment (its own 80-byte header + data)
+    34+n+F     4  crc32 of bytes [0, 34+n+F)   (header + key + payload)
+
+All integers little-endian. A shard whose checksum, magic, fingerprint, key,
+index or size fields do not match what the reader expects counts as lost,
+exactly like a shard on a dead server. crc32 (zlib) was chosen over sha256:
+it detects bit rot and torn writes, which is the threat here (not tampering),
+and runs at ~3 GB/s vs ~1.7 GB/s on the CI box.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+from functools import cached_property
+
+MAGIC = b"KVSH"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sBBBBIQQIH")
+_CRC = struct.Struct("<I")
+HEADER_SIZE = _HEADER.size  # 34, without the key
+
+
+class ShardError(ValueError):
+    """This shard cannot be used (corrupt, foreign, truncated); treat it as lost."""
+
+
+class NotEnoughShards(Exception):
+    """Fewer than k healthy shards of one generation: the object is unreadable."""
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    index: int
+    generation: int
+    object_size: int
+    fragment_size: int
+    key: str
+    fingerprint: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The erasure-code parameters; its fingerprint is written into every shard."""
+
+    k: int = 10
+    m: int = 2
+    backend: str = "isa_l_rs_vand"
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.k <= 32 and 1 <= self.m <= 8):
+            raise ValueError(f"unsupported layout k={self.k} m={self.m}")
+
+    @property
+    def n(self) -> int:
+        return self.k + self.m
+
+    @property
+    def fingerprint(self) -> int:
+        return zlib.crc32(f"{self.k}/{self.m}/{self.backend}/{FORMAT_VERSION}".encode())
+
+    @cached_property
+    def _driver(self):
+        from pyeclib.ec_iface import ECDriver
+
+        return ECDriver(k=self.k, m=self.m, ec_type=self.backend)
+
+    def shard_bytes(self, object_size: int, key: str) -> int:
+        """Stored bytes of one shard (header + payload + crc) for planning and stats."""
+        frag = -(-max(object_size, 1) // self.k) + 80
+        return HEADER_SIZE + len(key) + frag + _CRC.size
+
+
+def encode(layout: Layout, key: str, generation: int, data: bytes) -> list[bytes]:
+    """The n shards of `data`, index i at position i."""
+    fragments = layout._driver.encode(bytes(data))
+    return [
+        _pack(layout, key, i, generation, len(data), frag) for i, frag in enumerate(fragments)
+    ]
+
+
+def _pack(layout: Layout, key: str, index: int, generation: int, size: int, frag: bytes) -> bytes:
+    kb = key.encode("ascii")
+    head = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, layout.k, layout.m, index, layout.fingerprint,
+        generation, size, len(frag), len(kb),
+    )
+    crc = zlib.crc32(frag, zlib.crc32(kb, zlib.crc32(head)))
+    return b"".join((head, kb, frag, _CRC.pack(crc)))
+
+
+def parse(layout: Layout, blob: bytes, key: str | None = None,
+          index: int | None = None) -> tuple[ShardHeader, memoryview]:
+    """Check one stored shard and return its header and payload (a view, no copy).
+
+    Raises ShardError for anything that makes the shard unusable, including a
+    shard of another key or index (a misplaced write is as bad as a lost one).
+    """
+    if len(blob) < HEADER_SIZE + _CRC.size:
+        raise ShardError(f"truncated shard ({len(blob)} bytes)")
+    magic, ver, k, m, idx, fp, gen, size, frag, klen = _HEADER.unpack_from(blob)
+    if magic != MAGIC or ver != FORMAT_VERSION:
+        raise ShardError("not a kvstore shard (magic/version)")
+    if (k, m, fp) != (layout.k, layout.m, layout.fingerprint):
+        raise ShardError(f"layout mismatch: shard k={k} m={m} fp={fp:#x}")
+    end = HEADER_SIZE + klen + frag
+    if len(blob) != end + _CRC.size:
+        raise ShardError(f"length mismatch: {len(blob)} != {end + _CRC.size}")
+    view = memoryview(blob)
+    (crc,) = _CRC.unpack_from(blob, end)
+    if zlib.crc32(view[:end]) != crc:
+        raise ShardError("checksum mismatch")
+    skey = bytes(view[HEADER_SIZE:HEADER_SIZE + klen]).decode("ascii", "replace")
+    if key is not None and skey != key:
+        raise ShardError(f"shard belongs to key {skey!r}")
+    if index is not None and idx != index:
+        raise ShardError(f"shard index {idx} stored at position {index}")
+    head = ShardHeader(idx, gen, size, frag, skey, fp)
+    return head, view[HEADER_SIZE + klen:end]
+
+
+@dataclass(frozen=True)
+class Decoded:
+    data: bytes
+    generation: int
+    healthy: frozenset[int]  # shard indexes that passed checks, of the chosen generation
+    missing: frozenset[int]  # indexes absent, corrupt or of another generation
+
+
+def decode(layout: Layout, key: str, blobs: dict[int, bytes | None],
+           generation: int | None = None) -> Decoded:
+    """Rebuild the object from whatever shards were fetched (index -> bytes or None).
+
+    With `generation` given only shards of that put count; otherwise the
+    generation most shards agree on wins. Raises NotEnoughShards below k.
+    """
+    parsed: dict[int, tuple[ShardHeader, memoryview]] = {}
+    for i, blob in blobs.items():
+        if blob is None:
+            continue
+        try:
+            parsed[i] = parse(layout, blob, key=key, index=i)
+        except ShardError:
+            continue
+    if generation is None and parsed:
+        generation = Counter(h.generation for h, _ in parsed.values()).most_common(1)[0][0]
+    good = {i: hp for i, hp in parsed.items() if hp[0].generation == generation}
+    sizes = Counter(h.object_size for h, _ in good.values())
+    if len(sizes) > 1:  # same generation, different sizes: keep the majority
+        size = sizes.most_common(1)[0][0]
+        good = {i: hp for i, hp in good.items() if hp[0].object_size == size}
+    if len(good) < layout.k:
+        raise NotEnoughShards(f"{key}: {len(good)} healthy shards, need {layout.k}")
+    chosen = sorted(good)[: layout.k]
+    data = layout._driver.decode([bytes(good[i][1]) for i in chosen])
+    size = next(iter(good.values()))[0].object_size
+    if len(data) != size:
+        raise NotEnoughShards(f"{key}: decoded {len(data)} bytes, header says {size}")
+    return Decoded(data, generation, frozenset(good), frozenset(range(layout.n)) - set(good))
+
+
+def rebuild(layout: Layout, key: str, decoded: Decoded, indexes: list[int]) -> dict[int, bytes]:
+    """Fresh shards for `indexes` (the repair path), re-encoded from the data."""
+    shards = encode(layout, key, decoded.generation, decoded.data)
+    return {i: shards[i] for i in indexes}

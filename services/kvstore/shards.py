@@ -1,0 +1,156 @@
+"""S3 I/O for shard locations: one boto3 client and one thread pool per location.
+
+`ShardStore` owns the per-location health marks (`_down_until`); nothing else
+changes them. boto3 blocks, so each call runs in its location's executor: a
+slow or dead location only ties up its own threads. Data-path calls on a
+location that failed recently return a miss at once instead of waiting for a
+connect timeout again (`location_retry_s`); admin probes always really try.
+
+Object name of a shard in its bucket: `blk/<key>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from kvmesh.backing.seaweed import s3_client
+from services.kvstore.config import ShardLocation
+
+log = logging.getLogger("kvmesh.kvstore.shards")
+PREFIX = "blk/"
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+
+
+class LocationDown(Exception):
+    """The location did not answer (connection refused, timeout, 5xx)."""
+
+
+@dataclass(frozen=True)
+class ListedShard:
+    key: str
+    size: int
+    modified: float  # unix seconds, from S3 LastModified
+
+
+class ShardStore:
+    def __init__(self, locations, connect_timeout: float = 1.0, read_timeout: float = 5.0,
+                 retry_s: float = 2.0, threads: int = 4):
+        self.locations: tuple[ShardLocation, ...] = tuple(locations)
+        self.retry_s = retry_s
+        self._clients = [s3_client(loc.endpoint, connect_timeout, read_timeout)
+                         for loc in self.locations]
+        self._pools = [ThreadPoolExecutor(threads, thread_name_prefix=f"s3-{i}")
+                       for i in range(len(self.locations))]
+        self._down_until = [0.0] * len(self.locations)
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- health -----------------------------------------------------------------
+    def is_up(self, i: int) -> bool:
+        return time.monotonic() >= self._down_until[i]
+
+    def up_count(self) -> int:
+        return sum(self.is_up(i) for i in range(len(self.locations)))
+
+    def _mark(self, i: int, ok: bool) -> None:
+        if ok:
+            self._down_until[i] = 0.0
+        elif self.is_up(i):
+            log.warning("shard location %d (%s) is down", i, self.locations[i])
+            self._down_until[i] = time.monotonic() + self.retry_s
+
+    async def _call(self, i: int, fn, *args, force: bool = False, **kw):
+        """Run a boto3 call for location i; LocationDown if it did not answer."""
+        if not force and not self.is_up(i):
+            raise LocationDown(str(self.locations[i]))
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self._pools[i], lambda: fn(*args, **kw))
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code in _MISSING or status == 404:
+                self._mark(i, True)
+                raise KeyError(code) from None
+            if status >= 500:
+                self._mark(i, False)
+                raise LocationDown(f"{self.locations[i]}: {code}") from exc
+            raise
+        except (BotoCoreError, OSError) as exc:
+            self._mark(i, False)
+            raise LocationDown(f"{self.locations[i]}: {exc}") from exc
+        self._mark(i, True)
+        return result
+
+    async def probe(self) -> list[bool]:
+        """Really ask every location (HEAD bucket); updates the health marks."""
+        async def one(i: int) -> bool:
+            try:
+                await self._call(i, self._clients[i].head_bucket,
+                                 Bucket=self.locations[i].bucket, force=True)
+                return True
+            except (LocationDown, KeyError, ClientError):
+                return False
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(self.locations)))))
+
+    # -- objects ----------------------------------------------------------------
+    async def put(self, i: int, key: str, blob: bytes) -> bool:
+        try:
+            await self._call(i, self._clients[i].put_object,
+                             Bucket=self.locations[i].bucket, Key=PREFIX + key, Body=blob)
+            return True
+        except (LocationDown, KeyError, ClientError) as exc:
+            log.debug("put shard %d of %s failed: %s", i, key, exc)
+            return False
+
+    async def get(self, i: int, key: str) -> bytes | None:
+        """The shard's bytes, or None when absent or the location is down."""
+        def fetch():
+            resp = self._clients[i].get_object(Bucket=self.locations[i].bucket, Key=PREFIX + key)
+            return resp["Body"].read()
+
+        try:
+            return await self._call(i, fetch)
+        except (LocationDown, KeyError, ClientError):
+            return None
+
+    async def delete(self, i: int, key: str, force: bool = False) -> bool:
+        try:
+            await self._call(i, self._clients[i].delete_object,
+                             Bucket=self.locations[i].bucket, Key=PREFIX + key, force=force)
+            return True
+        except KeyError:
+            return True
+        except (LocationDown, ClientError):
+            return False
+
+    async def list(self, i: int) -> list[ListedShard]:
+        """Every shard object at location i. Raises LocationDown."""
+        def walk():
+            out, token = [], None
+            client, bucket = self._clients[i], self.locations[i].bucket
+            while True:
+                kw = {"Bucket": bucket, "Prefix": PREFIX, "MaxKeys": 1000}
+                if token:
+                    kw["ContinuationToken"] = token
+                resp = client.list_objects_v2(**kw)
+                for obj in resp.get("Contents", []):
+                    out.append(ListedShard(obj["Key"][len(PREFIX):], obj["Size"],
+                                           obj["LastModified"].timestamp()))
+                if not resp.get("IsTruncated"):
+                    return out
+                token = resp["NextContinuationToken"]
+
+        try:
+            return await self._call(i, walk, force=True)
+        except (KeyError, ClientError) as exc:
+            raise LocationDown(f"{self.locations[i]}: {exc}") from exc
