@@ -20,6 +20,8 @@ import asyncio
 import logging
 import time
 
+import grpc
+
 from kvmesh.errors import KvmeshError
 from services.engine.async_engine import AsyncEngine
 from services.engine.cache.snapshot_keys import snapshot_key
@@ -110,7 +112,7 @@ class RemoteTiers(Hooks):
         try:
             n = await asyncio.wait_for(self.kvstore.lookup(keys), self.kvstore_timeout_s)
             payloads = await asyncio.wait_for(self.kvstore.get(keys[:n]), self.kvstore_timeout_s) if n else []
-        except (TimeoutError, KvmeshError, OSError) as exc:
+        except (TimeoutError, KvmeshError, grpc.aio.AioRpcError, OSError) as exc:
             self.counters["kvstore_misses_on_error"] += 1
             log.warning("kvstore unavailable, treating as a miss: %s", exc)
             return 0
@@ -212,7 +214,7 @@ class RemoteTiers(Hooks):
                 try:
                     await asyncio.wait_for(self.kvstore.put(items, traffic_class=cls), 30.0)
                     self.counters["kvstore_blocks_written"] += len(items)
-                except (TimeoutError, KvmeshError, OSError) as exc:
+                except (TimeoutError, KvmeshError, grpc.aio.AioRpcError, OSError) as exc:
                     self.counters["kvstore_write_failures"] += len(items)
                     log.warning("kvstore write-through failed (blocks stay local): %s", exc)
             self.counters["kvstore_upload_seconds"] += time.perf_counter() - t0
