@@ -216,6 +216,14 @@ class Mesh:
         """SIGKILL one service (tests: an engine dying mid-stream)."""
         self.procs[name].kill()
 
+    def restart(self, name: str) -> None:
+        """Stop (if needed) and start one service again on the same port; wait until healthy."""
+        old = self.procs[name]
+        old.stop()
+        self.procs[name] = ManagedProcess(name, old.argv, Path(self.cfg.log_dir),
+                                          env=self.cfg.env).start()
+        self._wait_healthy([name])
+
     def pids(self) -> list[int]:
         out = [p.proc.pid for p in self.procs.values() if p.proc is not None]
         if self.valkey is not None and self.valkey.proc is not None:

@@ -214,10 +214,10 @@ class GatewayRequest:
                             self.usage = chunk.usage
                         yield chunk
             except EngineFailure as exc:
+                core.router.mark_down(st.address, core.clock() + core.cfg.down_s)
                 if self.tokens:
                     raise Unavailable(f"engine {st.engine_id} failed mid-stream after "
                                       f"{self.tokens} tokens: {exc}") from None
-                core.router.mark_down(st.address, core.clock() + core.cfg.down_s)
                 tried.append(st.address)
                 last = exc
                 log.warning("request %s: engine %s failed before the first token (%s); retrying",
