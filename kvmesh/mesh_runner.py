@@ -24,11 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from kvmesh.backing.proc import ManagedProcess, free_port
 from kvmesh.backing.valkey import ValkeyProcess
+from kvmesh.healthcheck import check as health_check
 
 log = logging.getLogger("kvmesh.mesh")
 KVMESH = [sys.executable, "-m", "kvmesh.cli"]
@@ -85,16 +83,6 @@ def engine_argv(cfg: MeshConfig, engine_id: str, port: int, flags: set[str],
 def kvstore_argv(port: int, s3_endpoint: str) -> list[str]:
     return [*KVMESH, "kvstore", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--s3-endpoint", s3_endpoint]
-
-
-def health_ok(address: str, timeout: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as ch:
-        try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                        timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class Mesh:
@@ -196,7 +184,7 @@ class Mesh:
                 if not proc.alive:
                     raise RuntimeError(f"{name} exited with {proc.proc.returncode} while starting; "
                                        f"last log lines ({proc.log_path}):\n{proc.tail()}")
-                if health_ok(self.endpoints[name], timeout=0.5):
+                if health_check(self.endpoints[name], timeout=0.5):
                     waiting.remove(name)
                     self.on_progress(name, "healthy")
             if waiting and time.monotonic() > deadline:
