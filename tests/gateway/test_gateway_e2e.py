@@ -113,6 +113,40 @@ def test_metrics_endpoint_counts_requests_and_tokens(gw, mesh):
         assert f'kvmesh_tokens_total{{kind="{kind}",service="gateway"}}' in text
 
 
+def test_deepest_snapshot_holder_is_preferred(gw, mesh):
+    """A holder published in the directory attracts the prompt (engines that publish
+    themselves come with the lead's engine work; here a stand-in publishes for engine-b)."""
+    import asyncio
+
+    from services.directory.client import DirectoryClient
+    from services.directory.model import Entry
+    from services.engine.cache.snapshot_keys import prefix_snapshot_keys
+    from services.engine.config import ModelConfig
+
+    with grpc.insecure_channel(mesh.endpoints["engine-a"]) as ch:
+        info = engine_pb2_grpc.EngineServiceStub(ch).GetModelInfo(
+            engine_pb2.GetModelInfoRequest(), timeout=10)
+    prompt = "snapshot routing " * 20  # 340 bytes: blocks at 128 and 256
+    keys = prefix_snapshot_keys(list(prompt.encode()), ModelConfig.from_json(
+        info.model_config_json), info.layout_fingerprint, "tenant-s")
+    assert [pos for pos, _ in keys] == [128, 256]
+
+    async def publish():
+        async with DirectoryClient(mesh.endpoints["directory"]) as d:
+            await d.heartbeat("stand-in-b", mesh.endpoints["engine-b"], restarted=True)
+            await d.publish("stand-in-b", [Entry(keys[1][1], 256, 1000)])
+
+    asyncio.run(publish())
+    served = {gw.generate(prompt, max_tokens=1, cache_salt="tenant-s").engine_id
+              for _ in range(4)}
+    assert served <= {mesh.endpoints["engine-b"], "stand-in-b"}, served
+    # Another tenant's salt names other keys: no holder; the first request goes by load,
+    # the rest follow it by prefix affinity.
+    other = {gw.generate(prompt, max_tokens=1, cache_salt="tenant-t").engine_id
+             for _ in range(4)}
+    assert len(other) == 1, other
+
+
 def test_directory_down_requests_still_served(gw, mesh):
     mesh.kill("directory")
     try:
@@ -156,7 +190,8 @@ def test_engine_down_before_first_token_is_retried_elsewhere(gw, mesh):
         answers = [gw.generate(f"{PROMPT} {i}", max_tokens=2, temperature=0.0) for i in range(6)]
         assert all(a.usage.generated_tokens >= 1 for a in answers)
         assert any(a.attempts == 2 for a in answers), [a.attempts for a in answers]
-        assert {a.engine_id for a in answers} == {mesh.endpoints["engine-b"]}
+        # Static engines are named by address until the directory names them.
+        assert {a.engine_id for a in answers} <= {mesh.endpoints["engine-b"], "engine-b"}
     finally:
         mesh.restart("engine-a")
     assert gw.generate(PROMPT, max_tokens=2).usage.generated_tokens >= 1
