@@ -1,0 +1,21 @@
+# One image for every kvmesh service; docker-compose.yml picks the command.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 OMP_NUM_THREADS=2
+WORKDIR /app
+
+# CPU torch first, from PyTorch's CPU index: the default wheel would pull CUDA (GBs).
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+
+# Dependencies change less often than code: install them in their own layer.
+COPY pyproject.toml README.md ./
+COPY kvmesh kvmesh
+COPY services services
+COPY kernels kernels
+RUN pip install .
+
+# Run as an unprivileged user; nothing is written outside /tmp.
+RUN useradd --create-home --uid 10001 kvmesh
+USER kvmesh
+ENTRYPOINT []
+CMD ["kvmesh", "--help"]

@@ -1,0 +1,237 @@
+"""Mesh: start the whole kvmesh as local processes, wait until healthy, stop it cleanly.
+
+Used by `kvmesh up` and by tests (one mesh per test module):
+
+    valkey -> [seaweedfs -> kvstore]  (only when services.kvstore exists)
+           -> directory -> engine-a, engine-b (in parallel) -> gateway
+
+Each service is a real subprocess on a loopback port (a free one unless
+configured) with its log in `<log_dir>/<name>.log`; "healthy" means the gRPC
+health check answers SERVING. `Mesh` owns every child process it started and
+stops them in reverse order (SIGTERM to the process group, SIGKILL after a
+grace period), so nothing outlives `stop()`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmesh.backing.proc import ManagedProcess, free_port
+from kvmesh.backing.valkey import ValkeyProcess
+from kvmesh.healthcheck import check as health_check
+
+log = logging.getLogger("kvmesh.mesh")
+KVMESH = [sys.executable, "-m", "kvmesh.cli"]
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    engines: int = 2
+    gateway_port: int = 0            # 0 = a free port (kvmesh up uses 7000)
+    metrics_port: int = 0            # gateway /metrics; 0 = a free port
+    log_dir: Path = Path(".kvmesh/logs")
+    preset: str = "tiny"
+    num_slots: int = 8
+    num_blocks: int = 512
+    engine_extra: tuple[str, ...] = ()
+    # Two cores run several torch processes in tests: one thread each.
+    env: dict = field(default_factory=lambda: {
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    start_timeout_s: float = 90.0
+
+    def __post_init__(self):
+        if not 1 <= self.engines <= 26:
+            raise ValueError(f"engines must be in [1, 26], got {self.engines}")
+
+
+def kvstore_available() -> bool:
+    return importlib.util.find_spec("services.kvstore.cli") is not None
+
+
+def engine_serve_flags() -> set[str]:
+    """Option strings `kvmesh engine serve` accepts (so new flags are passed once they exist)."""
+    from kvmesh.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    engine = sub.choices["engine"]
+    esub = next(a for a in engine._actions if a.dest == "engine_command")
+    return {opt for a in esub.choices["serve"]._actions for opt in a.option_strings}
+
+
+def engine_argv(cfg: MeshConfig, engine_id: str, port: int, flags: set[str],
+                directory: str = "", kvstore: str = "") -> list[str]:
+    """The one place that decides how engines are launched (flags guarded by `flags`)."""
+    argv = [*KVMESH, "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--preset", cfg.preset, "--num-slots", str(cfg.num_slots),
+            "--num-blocks", str(cfg.num_blocks),
+            "--truncation", "compact", "--keep-tokens", "134", *cfg.engine_extra]
+    optional = {"--engine-id": engine_id, "--directory": directory, "--kvstore": kvstore}
+    for flag, value in optional.items():
+        if value and flag in flags:
+            argv += [flag, value]
+    return argv
+
+
+def kvstore_argv(port: int, s3_endpoint: str) -> list[str]:
+    return [*KVMESH, "kvstore", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--s3-endpoint", s3_endpoint]
+
+
+class Mesh:
+    """Processes of one mesh. `start()` -> `endpoints` -> `kill(name)` -> `stop()`."""
+
+    def __init__(self, cfg: MeshConfig | None = None,
+                 on_progress: Callable[[str, str], None] | None = None):
+        self.cfg = cfg or MeshConfig()
+        self.on_progress = on_progress or (lambda name, state: None)
+        self.procs: dict[str, ManagedProcess] = {}
+        self.endpoints: dict[str, str] = {}        # name -> host:port (or URL)
+        self.valkey: ValkeyProcess | None = None
+        self.seaweed = None
+        self.skipped: list[str] = []
+
+    @property
+    def engine_names(self) -> list[str]:
+        return [f"engine-{chr(ord('a') + i)}" for i in range(self.cfg.engines)]
+
+    @property
+    def gateway(self) -> str:
+        return self.endpoints["gateway"]
+
+    # --- start ---------------------------------------------------------------------
+    def start(self) -> Mesh:
+        try:
+            self._start_all()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_all(self) -> None:
+        cfg, log_dir = self.cfg, Path(self.cfg.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.on_progress("valkey", "starting")
+        self.valkey = ValkeyProcess(work_dir=log_dir / "valkey").start()
+        self.endpoints["valkey"] = self.valkey.url
+        self.on_progress("valkey", "healthy")
+        kvstore = self._start_kvstore(log_dir)
+        dir_port = free_port()
+        self._spawn("directory", [*KVMESH, "directory", "serve", "--host", "127.0.0.1",
+                                  "--port", str(dir_port), "--redis-url", self.valkey.url,
+                                  "--key-prefix", f"kvmesh:mesh:{uuid.uuid4().hex[:8]}"], dir_port)
+        self._wait_healthy(["directory"])
+        flags = engine_serve_flags()
+        for name in self.engine_names:
+            port = free_port()
+            self._spawn(name, engine_argv(cfg, name, port, flags, self.endpoints["directory"],
+                                          kvstore), port)
+        self._wait_healthy(self.engine_names)
+        gw_port = cfg.gateway_port or free_port()
+        metrics_port = cfg.metrics_port or free_port()
+        self._spawn("gateway", [*KVMESH, "gateway", "serve", "--host", "127.0.0.1",
+                                "--port", str(gw_port),
+                                "--engines", ",".join(self.endpoints[n] for n in self.engine_names),
+                                "--directory", self.endpoints["directory"],
+                                "--metrics-port", str(metrics_port)], gw_port)
+        self._wait_healthy(["gateway"])
+        self.endpoints["gateway-metrics"] = f"http://127.0.0.1:{metrics_port}/metrics"
+
+    def _start_kvstore(self, log_dir: Path) -> str:
+        """SeaweedFS + kvstore when the kvstore service exists; '' (and a log line) if not."""
+        if not kvstore_available():
+            log.info("kvstore: services.kvstore is not installed in this tree; skipping "
+                     "SeaweedFS and kvstore (engines run without write-through)")
+            self.skipped += ["seaweedfs", "kvstore"]
+            return ""
+        try:
+            from kvmesh.backing.seaweed import SeaweedProcess  # the kvstore branch provides it
+        except ImportError as exc:
+            log.info("kvstore: %s; skipping SeaweedFS and kvstore", exc)
+            self.skipped += ["seaweedfs", "kvstore"]
+            return ""
+        self.on_progress("seaweedfs", "starting")
+        self.seaweed = SeaweedProcess(work_dir=log_dir / "seaweedfs").start()
+        self.endpoints["seaweedfs"] = self.seaweed.endpoint
+        self.on_progress("seaweedfs", "healthy")
+        port = free_port()
+        self._spawn("kvstore", kvstore_argv(port, self.seaweed.endpoint), port)
+        self._wait_healthy(["kvstore"])
+        return self.endpoints["kvstore"]
+
+    def _spawn(self, name: str, argv: list[str], port: int) -> None:
+        self.on_progress(name, "starting")
+        log.debug("starting %s: %s", name, " ".join(argv))
+        proc = ManagedProcess(name, argv, Path(self.cfg.log_dir), env=self.cfg.env)
+        # Start each run with a fresh log: the tail shown on failure is this run's.
+        proc.log_path.unlink(missing_ok=True)
+        self.procs[name] = proc.start()
+        self.endpoints[name] = f"127.0.0.1:{port}"
+
+    def _wait_healthy(self, names: list[str]) -> None:
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        waiting = list(names)
+        while waiting:
+            for name in list(waiting):
+                proc = self.procs[name]
+                if not proc.alive:
+                    raise RuntimeError(f"{name} exited with {proc.proc.returncode} while starting; "
+                                       f"last log lines ({proc.log_path}):\n{proc.tail()}")
+                if health_check(self.endpoints[name], timeout=0.5):
+                    waiting.remove(name)
+                    self.on_progress(name, "healthy")
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"{', '.join(waiting)} not healthy after "
+                                   f"{self.cfg.start_timeout_s}s; see {self.cfg.log_dir}")
+            if waiting:
+                time.sleep(0.1)
+
+    # --- run time ------------------------------------------------------------------
+    def alive(self, name: str) -> bool:
+        return name in self.procs and self.procs[name].alive
+
+    def pid(self, name: str) -> int:
+        return self.procs[name].proc.pid
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one service (tests: an engine dying mid-stream)."""
+        self.procs[name].kill()
+
+    def restart(self, name: str) -> None:
+        """Stop (if needed) and start one service again on the same port; wait until healthy."""
+        old = self.procs[name]
+        old.stop()
+        self.procs[name] = ManagedProcess(name, old.argv, Path(self.cfg.log_dir),
+                                          env=self.cfg.env).start()
+        self._wait_healthy([name])
+
+    def pids(self) -> list[int]:
+        out = [p.proc.pid for p in self.procs.values() if p.proc is not None]
+        if self.valkey is not None and self.valkey.proc is not None:
+            out.append(self.valkey.proc.proc.pid)
+        return out
+
+    # --- stop ----------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop everything, newest first; safe to call twice or after a failed start."""
+        for name in reversed(list(self.procs)):
+            self.on_progress(name, "stopping")
+            self.procs[name].stop(timeout=10.0)
+        if self.seaweed is not None:
+            self.seaweed.stop()
+        if self.valkey is not None:
+            self.valkey.stop()
+
+    def __enter__(self) -> Mesh:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+

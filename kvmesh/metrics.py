@@ -1,0 +1,95 @@
+"""Prometheus metrics shared by every service (gateway, engine, kvstore, directory).
+
+Metric families are defined once per process (module level) and labelled by
+`service`, so two cores in one test process never register twice.
+
+    serve_metrics(port)                start /metrics on a port (0 = free port); returns it
+    RequestMetrics(service)            per-request: status counts, latency, TTFT, tokens
+    StatsExporter(service, read)       expose a dict of numbers (e.g. engine GetStats
+                                       counters) as gauges kvmesh_<service>_<name>
+
+For engines: `StatsExporter("engine", lambda: last_stats)` where `last_stats` is the
+dict the engine's heartbeat loop refreshes from `EngineCore.stats()` (slots_in_use,
+blocks_in_use, blocks_cached, running, waiting, aborted, ...). For the kvstore:
+`StatsExporter("kvstore", lambda: {...bytes_stored, objects, gc_deleted_total...})`
+and `RequestMetrics("kvstore")` for its RPCs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+# Latency buckets from 1 ms to 60 s: a CPU engine's TTFT is tens of ms, a long
+# generation tens of seconds.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, math.inf)
+
+REQUESTS = Counter("kvmesh_requests_total", "Requests finished, by final status",
+                   ["service", "method", "status"])
+LATENCY = Histogram("kvmesh_request_duration_seconds", "Whole-request latency",
+                    ["service", "method"], buckets=LATENCY_BUCKETS)
+TTFT = Histogram("kvmesh_time_to_first_token_seconds", "Time to the first generated token",
+                 ["service", "method"], buckets=LATENCY_BUCKETS)
+TOKENS = Counter("kvmesh_tokens_total",
+                 "Tokens by kind: prompt, cached (from cache), replayed (bounded replay), generated",
+                 ["service", "kind"])
+IN_FLIGHT = Gauge("kvmesh_in_flight_requests", "Requests being served now", ["service"])
+RETRIES = Counter("kvmesh_retries_total", "Requests moved to another engine before the first token",
+                  ["service"])
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0") -> int:
+    """Serve /metrics in a daemon thread; returns the bound port (useful with port 0)."""
+    server, _thread = start_http_server(port, addr=host)
+    return server.server_port
+
+
+class RequestMetrics:
+    """Bound children for one service; call `observe` once per finished request."""
+
+    def __init__(self, service: str):
+        self.service = service
+        self.in_flight = IN_FLIGHT.labels(service)
+        self.retries = RETRIES.labels(service)
+        self._tokens = {k: TOKENS.labels(service, k)
+                        for k in ("prompt", "cached", "replayed", "generated")}
+
+    def observe(self, method: str, status: str, total_s: float, ttft_s: float | None = None,
+                usage: Mapping[str, int] | None = None) -> None:
+        REQUESTS.labels(self.service, method, status).inc()
+        LATENCY.labels(self.service, method).observe(total_s)
+        if ttft_s is not None:
+            TTFT.labels(self.service, method).observe(ttft_s)
+        for kind, n in (usage or {}).items():
+            if n:
+                self._tokens[kind].inc(n)
+
+
+_NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+class StatsExporter:
+    """Exposes `read()` (name -> number) as gauges `kvmesh_<service>_<name>` at scrape time.
+
+    `read` runs in the HTTP server's thread: give it something cheap and
+    thread-safe, such as returning the latest dict a service loop stored.
+    """
+
+    def __init__(self, service: str, read: Callable[[], Mapping[str, float]], registry=REGISTRY):
+        self.service = service
+        self.read = read
+        registry.register(self)
+
+    def collect(self):
+        try:
+            stats = dict(self.read() or {})
+        except Exception:  # noqa: BLE001 - a failed read must not break the scrape
+            stats = {}
+        for name, value in sorted(stats.items()):
+            metric = f"kvmesh_{self.service}_{_NAME_RE.sub('_', name)}"
+            yield GaugeMetricFamily(metric, f"{self.service} stat {name}", value=float(value))

@@ -1,0 +1,67 @@
+"""Typed async client for GatewayService.
+
+    async with GatewayClient("127.0.0.1:7000") as gw:
+        async for msg in gw.stream("Hello", max_tokens=32, temperature=0):
+            print(msg.text, end="")
+        resp = await gw.generate([72, 105], max_tokens=8)   # token ids work too
+
+Errors arrive as grpc.aio.AioRpcError with the gateway's status and message
+(INVALID_ARGUMENT names the field). The client owns its channel; `close()` it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from kvmesh.proto import gateway_pb2 as pb
+from kvmesh.proto import gateway_pb2_grpc as pb_grpc
+from kvmesh.rpc import channel
+
+TRAFFIC = {"": pb.TRAFFIC_CLASS_UNSPECIFIED, "agent": pb.TRAFFIC_CLASS_AGENT,
+           "chatbot": pb.TRAFFIC_CLASS_CHATBOT}
+
+
+def gateway_request(prompt: str | list[int], max_tokens: int | None = None,
+                    temperature: float | None = None, top_k: int | None = None,
+                    top_p: float | None = None, seed: int | None = None,
+                    stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
+                    traffic_class: str = "", cache_salt: str = "", request_id: str = "",
+                    ignore_eos: bool = False) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt,
+                             traffic_class=TRAFFIC[traffic_class], ignore_eos=ignore_eos,
+                             stop=stop or [], stop_token_ids=stop_token_ids or [])
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.ids.extend(prompt)
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                        ("seed", seed)):
+        if value is not None:
+            setattr(req.sampling, name, value)
+    return req
+
+
+class GatewayClient:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = channel(address)
+        self.stub = pb_grpc.GatewayServiceStub(self.channel)
+
+    async def stream(self, prompt, timeout: float | None = None, **kw
+                     ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async for msg in self.stub.GenerateStream(gateway_request(prompt, **kw), timeout=timeout):
+            yield msg
+
+    async def generate(self, prompt, timeout: float | None = None, **kw) -> pb.GenerateResponse:
+        return await self.stub.Generate(gateway_request(prompt, **kw), timeout=timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> GatewayClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

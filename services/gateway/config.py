@@ -1,0 +1,110 @@
+"""Gateway configuration: one frozen dataclass; `KVMESH_GATEWAY_*` is read only here.
+
+| env var                              | field                 | default            |
+|--------------------------------------|-----------------------|--------------------|
+| KVMESH_GATEWAY_HOST                  | host                  | 127.0.0.1          |
+| KVMESH_GATEWAY_PORT                  | port                  | 7000               |
+| KVMESH_GATEWAY_ENGINES               | engines               | "" (host:port,...) |
+| KVMESH_GATEWAY_DIRECTORY             | directory             | "" (host:port)     |
+| KVMESH_GATEWAY_METRICS_PORT          | metrics_port          | 0 = off            |
+| KVMESH_GATEWAY_TOKENIZER             | tokenizer             | "" = byte-level    |
+| KVMESH_GATEWAY_MAX_REQUEST_BYTES     | max_request_bytes     | 4 MiB              |
+| KVMESH_GATEWAY_MAX_PROMPT_BYTES      | max_prompt_bytes      | 1 MiB              |
+| KVMESH_GATEWAY_MAX_PROMPT_TOKENS     | max_prompt_tokens     | 65536              |
+| KVMESH_GATEWAY_MAX_TOKENS_LIMIT      | max_tokens_limit      | 8192               |
+| KVMESH_GATEWAY_MAX_ATTEMPTS          | max_attempts          | 3                  |
+| KVMESH_GATEWAY_AFFINITY_ENTRIES      | affinity_entries      | 65536              |
+| KVMESH_GATEWAY_MAX_IMBALANCE         | max_imbalance         | 4                  |
+| KVMESH_GATEWAY_REFRESH_S             | refresh_s             | 1.0                |
+| KVMESH_GATEWAY_DIRECTORY_TIMEOUT_S   | directory_timeout_s   | 0.2                |
+| KVMESH_GATEWAY_DOWN_S                | down_s                | 2.0                |
+
+`KVMESH_GATEWAY_ADDR` (read by `kvmesh generate`) is the client-side address.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+ENV_PREFIX = "KVMESH_GATEWAY_"
+DEFAULT_ADDR = "127.0.0.1:7000"
+
+
+def client_address(env: Mapping[str, str] | None = None) -> str:
+    """Where `kvmesh generate` finds the gateway: $KVMESH_GATEWAY_ADDR or 127.0.0.1:7000."""
+    env = os.environ if env is None else env
+    return env.get("KVMESH_GATEWAY_ADDR") or DEFAULT_ADDR
+
+
+def split_addresses(text: str) -> tuple[str, ...]:
+    out = tuple(a.strip() for a in text.split(",") if a.strip())
+    for a in out:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"engine address {a!r} is not host:port")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 7000
+    engines: str = ""                   # static engines, comma-separated host:port
+    directory: str = ""                 # directory host:port; "" = static engines only
+    metrics_port: int = 0               # Prometheus /metrics; 0 = off
+    tokenizer: str = ""                 # tokenizer.json for routing keys; "" = byte-level
+    # Limits. Oversize input is RESOURCE_EXHAUSTED, out-of-range fields INVALID_ARGUMENT.
+    max_request_bytes: int = 4 << 20
+    max_prompt_bytes: int = 1 << 20
+    max_prompt_tokens: int = 65536
+    max_tokens_limit: int = 8192
+    max_stop: int = 16                  # stop strings and stop token ids, each
+    max_stop_bytes: int = 256
+    # Routing and retries.
+    max_attempts: int = 3               # engines tried before the first token
+    affinity_entries: int = 65536       # bounded LRU of prefix key -> engine
+    max_imbalance: int = 4              # leave a cache-preferred engine this much busier than the idlest
+    refresh_s: float = 1.0              # ListEngines period
+    directory_timeout_s: float = 0.2    # Lookup is on the request path: fail fast
+    down_s: float = 2.0                 # an engine that failed is avoided this long
+
+    def __post_init__(self):
+        split_addresses(self.engines)
+        if self.directory:
+            split_addresses(self.directory)
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+            raise ValueError("port and metrics_port must be in [0, 65535]")
+        for name in ("max_request_bytes", "max_prompt_bytes", "max_prompt_tokens",
+                     "max_tokens_limit", "max_stop", "max_stop_bytes", "max_attempts",
+                     "affinity_entries", "max_imbalance"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("refresh_s", "directory_timeout_s", "down_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def engine_list(self) -> tuple[str, ...]:
+        return split_addresses(self.engines)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> GatewayConfig:
+        """Defaults, then `KVMESH_GATEWAY_<FIELD>` variables, then explicit (non-None) overrides."""
+        env = os.environ if env is None else env
+        values: dict = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None or raw == "":
+                continue
+            try:
+                values[f.name] = type(f.default)(raw)
+            except ValueError as exc:
+                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {exc}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

@@ -1,0 +1,256 @@
+"""GatewayCore: validate, route, call an engine, retry before the first token. No gRPC here.
+
+One request (see README.md for the walk-through):
+
+    check_request -> tokenize -> snapshot keys of the prefix -> directory Lookup
+    -> Router.pick -> EnginePool.stream -> yield chunks ...
+       engine fails before any token: mark it down, pick another (max_attempts)
+       engine fails after N tokens:   Unavailable("engine X failed mid-stream after N tokens")
+
+The core owns the `Router` (engine table + affinity map) and the cached model
+info; all of it is touched only from the event loop the core runs on. The
+engine pool and directory client are injected, so tests can swap them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from kvmesh.errors import KvmeshError, Unavailable
+from kvmesh.metrics import RequestMetrics
+from services.engine.cache.snapshot_keys import prefix_snapshot_keys
+from services.engine.config import ModelConfig
+from services.engine.tokenizer import load_tokenizer
+from services.gateway import validate
+from services.gateway.config import GatewayConfig
+from services.gateway.engines import EnginePool, engine_request
+from services.gateway.model import (
+    Chunk,
+    DeadlineExceeded,
+    EngineFailure,
+    GenRequest,
+    Usage,
+    status_name,
+)
+from services.gateway.router import Router
+
+log = logging.getLogger("kvmesh.gateway")
+# Lookup batches stay well under the directory's limit (4096); the deepest keys matter most.
+MAX_LOOKUP_KEYS = 1024
+
+
+class ModelInfo:
+    """What routing needs from an engine's GetModelInfo (all engines serve one model)."""
+
+    def __init__(self, msg):
+        self.cfg = ModelConfig.from_json(msg.model_config_json)
+        self.layout_fp = msg.layout_fingerprint
+        self.vocab_size = self.cfg.vocab_size
+
+
+class GatewayCore:
+    def __init__(self, cfg: GatewayConfig, pool: EnginePool | None = None, directory=None,
+                 clock=time.monotonic):
+        self.cfg = cfg
+        self.pool = pool or EnginePool()
+        self.directory = directory          # DirectoryClient-like, or None
+        self.clock = clock
+        self.router = Router(cfg.engine_list, cfg.affinity_entries, cfg.max_imbalance)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or None)
+        self.metrics = RequestMetrics("gateway")
+        self.info: ModelInfo | None = None
+        self._info_retry_at = 0.0
+        self._dir_down_until = 0.0
+        self._refresher: asyncio.Task | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.directory is not None:
+            await self.refresh_engines()
+            self._refresher = asyncio.create_task(self._refresh_loop())
+        await self.model_info()
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        await self.pool.close()
+        if self.directory is not None:
+            await self.directory.close()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.refresh_s)
+            await self.refresh_engines()
+
+    async def refresh_engines(self) -> None:
+        """One ListEngines; on failure engines keep their leases and lapse on their own."""
+        try:
+            engines = await self.directory.list_engines(timeout=max(self.cfg.refresh_s, 0.5))
+        except KvmeshError as exc:
+            log.warning("directory ListEngines failed: %s", exc)
+            engines = []
+        self.router.update_from_directory(engines, self.clock())
+
+    async def model_info(self) -> ModelInfo | None:
+        """GetModelInfo from the first engine that answers; cached once known."""
+        if self.info is not None or self.clock() < self._info_retry_at:
+            return self.info
+        for st in self.router.candidates(self.clock()):
+            try:
+                self.info = ModelInfo(await self.pool.model_info(st.address))
+                return self.info
+            except (KvmeshError, ValueError) as exc:
+                log.warning("GetModelInfo from %s failed: %s", st.address, exc)
+        self._info_retry_at = self.clock() + self.cfg.down_s
+        return None
+
+    # --- routing inputs -----------------------------------------------------------------
+    def prompt_ids(self, req: GenRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        ids = self.tokenizer.encode(req.prompt)
+        validate.check_prompt_tokens(len(ids), self.cfg)
+        return ids
+
+    async def holders(self, keys: list[str]) -> dict:
+        """Directory Lookup of the snapshot keys; {} when there is no or a failing directory."""
+        if not keys or self.directory is None or self.clock() < self._dir_down_until:
+            return {}
+        try:
+            return await self.directory.lookup(keys[-MAX_LOOKUP_KEYS:],
+                                               timeout=self.cfg.directory_timeout_s)
+        except KvmeshError as exc:
+            # Routing without snapshots is still correct: back off instead of paying
+            # the timeout on every request while the directory is down.
+            self._dir_down_until = self.clock() + self.cfg.down_s
+            log.warning("directory Lookup failed, routing by affinity/load for %.1fs: %s",
+                        self.cfg.down_s, exc)
+            return {}
+
+    # --- requests -----------------------------------------------------------------------
+    def open(self, req: GenRequest, timeout: float | None = None, method: str = "stream"
+             ) -> GatewayRequest:
+        return GatewayRequest(self, req, timeout, method)
+
+
+class GatewayRequest:
+    """One request's life: iterate it for chunks; `engine_id`, `attempts` are set as it goes.
+
+    Owned by the servicer call that opened it; it changes router state only
+    through `Router` methods (in-flight counts, marks, affinity).
+    """
+
+    def __init__(self, core: GatewayCore, req: GenRequest, timeout: float | None, method: str):
+        self.core = core
+        self.req = req if req.request_id else replace(req, request_id=uuid.uuid4().hex)
+        self.deadline = None if timeout is None else core.clock() + timeout
+        self.method = method
+        self.engine_id = ""
+        self.attempts = 0
+        self.route = ""
+        self.tokens = 0
+        self.usage = Usage()
+        self.t0 = core.clock()
+        self.ttft: float | None = None
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._run()
+
+    async def _run(self) -> AsyncIterator[Chunk]:
+        status = "UNKNOWN"
+        self.core.metrics.in_flight.inc()
+        try:
+            async for chunk in self._serve():
+                yield chunk
+            status = "OK"
+        except KvmeshError as exc:
+            status = status_name(exc)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "CANCELLED"
+            raise
+        finally:
+            self.core.metrics.in_flight.dec()
+            self._finish(status)
+
+    async def _serve(self) -> AsyncIterator[Chunk]:
+        core, req = self.core, self.req
+        info = await core.model_info()
+        validate.check_request(req, core.cfg, info.vocab_size if info else None)
+        ids = core.prompt_ids(req)
+        keys: list[str] = []
+        if info is not None:
+            keys = [k for _, k in prefix_snapshot_keys(ids, info.cfg, info.layout_fp, req.cache_salt)]
+        holders = await core.holders(keys)
+        msg = engine_request(req)
+        tried: list[str] = []
+        last: Exception | None = None
+        while self.attempts < core.cfg.max_attempts:
+            choice = core.router.pick(core.clock(), keys, holders, exclude=tried)
+            if choice is None:
+                break
+            st = choice.engine
+            self.engine_id, self.route = st.engine_id, choice.reason
+            self.attempts += 1
+            if self.attempts > 1:
+                core.metrics.retries.inc()
+            st.in_flight += 1
+            try:
+                async with contextlib.aclosing(
+                        core.pool.stream(st.address, msg, self._remaining())) as chunks:
+                    async for chunk in chunks:
+                        if self.ttft is None and chunk.token_ids:
+                            self.ttft = core.clock() - self.t0
+                        self.tokens += len(chunk.token_ids)
+                        if chunk.usage is not None:
+                            self.usage = chunk.usage
+                        yield chunk
+            except EngineFailure as exc:
+                core.router.mark_down(st.address, core.clock() + core.cfg.down_s)
+                if self.tokens:
+                    raise Unavailable(f"engine {st.engine_id} failed mid-stream after "
+                                      f"{self.tokens} tokens: {exc}") from None
+                tried.append(st.address)
+                last = exc
+                log.warning("request %s: engine %s failed before the first token (%s); retrying",
+                            req.request_id, st.engine_id, exc)
+                continue
+            finally:
+                st.in_flight -= 1
+            core.router.mark_up(st.address)
+            core.router.remember(keys, st.address)
+            return
+        if last is None:
+            raise Unavailable("no engine available: none configured or none alive")
+        raise Unavailable(f"no engine could serve the request after {self.attempts} attempts; "
+                          f"last error from {self.engine_id}: {last}")
+
+    def _remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        left = self.deadline - self.core.clock()
+        if left <= 0:
+            raise DeadlineExceeded("deadline exceeded before an engine was called")
+        return left
+
+    def _finish(self, status: str) -> None:
+        total = self.core.clock() - self.t0
+        u = self.usage
+        self.core.metrics.observe(self.method, status, total, self.ttft, dict(
+            prompt=u.prompt_tokens, cached=u.cached_tokens, replayed=u.replayed_tokens,
+            generated=self.tokens))
+        log.info("request id=%s status=%s engine=%s route=%s attempts=%d prompt=%d cached=%d "
+                 "replayed=%d generated=%d ttft_ms=%s total_ms=%.1f", self.req.request_id, status,
+                 self.engine_id or "-", self.route or "-", self.attempts, u.prompt_tokens,
+                 u.cached_tokens, u.replayed_tokens, self.tokens,
+                 "-" if self.ttft is None else f"{self.ttft * 1000:.1f}", total * 1000)
+
+

@@ -1,0 +1,117 @@
+"""EnginePool: the gateway's gRPC side towards engines (one channel per address).
+
+Turns a `GenRequest` into an engine GenerateRequest, streams `Chunk`s back and
+translates gRPC failures into domain errors the core decides on:
+
+    INVALID_ARGUMENT        -> InvalidArgument (engine's message unchanged)
+    DEADLINE_EXCEEDED       -> DeadlineExceeded
+    INTERNAL                -> EngineInternal (a bug: not retried, not hidden)
+    anything else           -> EngineFailure (retryable before the first token)
+
+The pool owns its channels; `close()` closes them. A stream that is closed
+early (client cancelled, deadline, core gave up) cancels the engine call, so
+the engine aborts the request and frees its slot and blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.proto import engine_pb2, engine_pb2_grpc
+from kvmesh.rpc import channel
+from services.gateway.model import (
+    Chunk,
+    DeadlineExceeded,
+    EngineFailure,
+    EngineInternal,
+    GenRequest,
+    Usage,
+)
+
+FINISH = {engine_pb2.FINISH_REASON_LENGTH: "length", engine_pb2.FINISH_REASON_STOP: "stop",
+          engine_pb2.FINISH_REASON_ABORTED: "aborted"}
+
+
+def engine_request(req: GenRequest) -> engine_pb2.GenerateRequest:
+    msg = engine_pb2.GenerateRequest(
+        request_id=req.request_id, cache_salt=req.cache_salt, traffic_class=req.traffic_class,
+        ignore_eos=req.ignore_eos, stop=req.stop, stop_token_ids=req.stop_token_ids)
+    if req.prompt_token_ids is not None:
+        msg.prompt_token_ids.extend(req.prompt_token_ids)
+    else:
+        msg.prompt = req.prompt
+    if req.max_tokens is not None:
+        msg.max_tokens = req.max_tokens
+    s = msg.sampling
+    if req.temperature is not None:
+        s.temperature = req.temperature
+    if req.top_k is not None:
+        s.top_k = req.top_k
+    if req.top_p is not None:
+        s.top_p = req.top_p
+    if req.seed is not None:
+        s.seed = req.seed
+    return msg
+
+
+def _error(address: str, exc: grpc.aio.AioRpcError) -> Exception:
+    code = exc.code()
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(exc.details())
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"deadline exceeded while engine {address} was generating")
+    if code is grpc.StatusCode.INTERNAL:
+        return EngineInternal(f"engine {address}: {exc.details()}")
+    return EngineFailure(f"{code.name}: {exc.details()}")
+
+
+class EnginePool:
+    def __init__(self):
+        self._stubs: dict[str, tuple[grpc.aio.Channel, engine_pb2_grpc.EngineServiceStub]] = {}
+
+    def stub(self, address: str) -> engine_pb2_grpc.EngineServiceStub:
+        entry = self._stubs.get(address)
+        if entry is None:
+            ch = channel(address)
+            entry = self._stubs[address] = (ch, engine_pb2_grpc.EngineServiceStub(ch))
+        return entry[1]
+
+    async def stream(self, address: str, msg: engine_pb2.GenerateRequest,
+                     timeout: float | None) -> AsyncIterator[Chunk]:
+        """Chunks of one engine call; the last has `finish` set, else EngineFailure."""
+        call = self.stub(address).Generate(msg, timeout=timeout, wait_for_ready=False)
+        finished = False
+        try:
+            while True:
+                m = await call.read()
+                if m is grpc.aio.EOF:
+                    break
+                if m.finish_reason:
+                    finished = True
+                    u = m.usage
+                    yield Chunk(list(m.token_ids), m.text, FINISH.get(m.finish_reason, "aborted"),
+                                Usage(u.prompt_tokens, u.cached_tokens, u.replayed_tokens,
+                                      u.generated_tokens))
+                    return
+                yield Chunk(list(m.token_ids), m.text)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(address, exc) from None
+        finally:
+            if not finished:
+                call.cancel()  # the engine sees the call end and aborts the request
+        raise EngineFailure("stream ended without a finish reason")
+
+    async def model_info(self, address: str, timeout: float = 2.0):
+        try:
+            return await self.stub(address).GetModelInfo(engine_pb2.GetModelInfoRequest(),
+                                                         timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(address, exc) from None
+
+    async def close(self) -> None:
+        for ch, _ in self._stubs.values():
+            await ch.close()
+        self._stubs.clear()

@@ -1,0 +1,95 @@
+"""Value types of the gateway core (no I/O, no gRPC). All immutable.
+
+`GenRequest` is what the service hands the core after reading the proto; `Chunk`
+is one piece of output; `Outcome` is the summary the core reports when a
+request ends (for logs and metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvmesh.errors import (
+    InvalidArgument,
+    KvmeshError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+
+TRAFFIC_CLASSES = ("", "agent", "chatbot")
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    request_id: str
+    prompt: str | None                  # exactly one of prompt / prompt_token_ids is set
+    prompt_token_ids: tuple[int, ...] | None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    traffic_class: str = ""             # "", "agent", "chatbot"; anything else is invalid
+    cache_salt: str = ""
+    ignore_eos: bool = False
+
+
+class Usage(NamedTuple):
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    replayed_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class Chunk(NamedTuple):
+    """New tokens from the engine; `finish` ('length' | 'stop' | 'aborted') and usage on the last."""
+
+    token_ids: list[int]
+    text: str
+    finish: str | None = None
+    usage: Usage | None = None
+
+
+class Outcome(NamedTuple):
+    request_id: str
+    engine: str           # id of the engine that served (or failed) the request
+    attempts: int
+    status: str           # OK or a status code name
+    usage: Usage
+    ttft_s: float | None  # None when no token arrived
+    total_s: float
+
+
+class EngineFailure(Unavailable):
+    """The engine could not be reached or its stream broke: another engine may serve it."""
+
+
+class DeadlineExceeded(KvmeshError):
+    """The caller's deadline passed while the request was with an engine."""
+
+
+class EngineInternal(KvmeshError):
+    """The engine reported INTERNAL (a bug there): passed through, never retried."""
+
+
+# Status code names by error class, first match wins; the servicer turns a name into
+# a grpc.StatusCode. Anything not listed is INTERNAL (a bug in the gateway).
+_STATUS = (
+    (InvalidArgument, "INVALID_ARGUMENT"),
+    (ResourceExhausted, "RESOURCE_EXHAUSTED"),
+    (NotFound, "NOT_FOUND"),
+    (Unavailable, "UNAVAILABLE"),
+    (DeadlineExceeded, "DEADLINE_EXCEEDED"),
+    (EngineInternal, "INTERNAL"),
+)
+
+
+def status_name(exc: BaseException) -> str:
+    for cls, name in _STATUS:
+        if isinstance(exc, cls):
+            return name
+    return "INTERNAL"

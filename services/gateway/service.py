@@ -1,0 +1,134 @@
+"""GatewayService servicer (thin: proto <-> domain, errors -> status) and `serve()`.
+
+Cancellation: when the client cancels or its deadline passes, grpc cancels the
+handler task; the CancelledError unwinds through `GatewayRequest`, whose
+engine stream cancels the engine call. The remaining deadline is passed to the
+engine call as its timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+
+from kvmesh.errors import KvmeshError, ResourceExhausted
+from kvmesh.metrics import serve_metrics
+from kvmesh.proto import gateway_pb2 as pb
+from kvmesh.proto import gateway_pb2_grpc as pb_grpc
+from kvmesh.rpc import Server
+from services.gateway.config import GatewayConfig
+from services.gateway.core import GatewayCore
+from services.gateway.model import GenRequest, status_name
+
+log = logging.getLogger("kvmesh.gateway")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GatewayService"].full_name
+TRAFFIC = {pb.TRAFFIC_CLASS_UNSPECIFIED: "", pb.TRAFFIC_CLASS_AGENT: "agent",
+           pb.TRAFFIC_CLASS_CHATBOT: "chatbot"}
+FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "length": pb.FINISH_REASON_LENGTH,
+          "stop": pb.FINISH_REASON_STOP, "aborted": pb.FINISH_REASON_ABORTED}
+
+
+def request_from_proto(msg: pb.GenerateRequest, max_bytes: int) -> GenRequest:
+    size = msg.ByteSize()
+    if size > max_bytes:
+        raise ResourceExhausted(f"request is {size} bytes; the limit is {max_bytes}")
+    s = msg.sampling
+    which = msg.WhichOneof("prompt_input")
+    return GenRequest(
+        request_id=msg.request_id,
+        prompt=msg.prompt if which != "prompt_token_ids" else None,
+        prompt_token_ids=tuple(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_k=s.top_k if s.HasField("top_k") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+        # An unknown enum number maps to a name validation rejects with the number in it.
+        traffic_class=TRAFFIC.get(msg.traffic_class, f"TrafficClass({msg.traffic_class})"),
+        cache_salt=msg.cache_salt, ignore_eos=msg.ignore_eos,
+    )
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException):
+    name = status_name(exc)
+    if name == "INTERNAL" and not isinstance(exc, KvmeshError):
+        log.exception("internal error in gateway handler")
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    await context.abort(grpc.StatusCode[name], str(exc))
+
+
+class GatewayServicer(pb_grpc.GatewayServiceServicer):
+    def __init__(self, core: GatewayCore):
+        self.core = core
+
+    def _open(self, request, context, method: str):
+        req = request_from_proto(request, self.core.cfg.max_request_bytes)
+        return self.core.open(req, context.time_remaining(), method)
+
+    async def GenerateStream(self, request, context):
+        try:
+            gr = self._open(request, context, "stream")
+            async for c in gr:
+                msg = pb.GenerateStreamResponse(request_id=gr.req.request_id,
+                                                token_ids=c.token_ids, text=c.text)
+                if c.finish is not None:
+                    msg.finish_reason = FINISH[c.finish]
+                    msg.usage.CopyFrom(pb.Usage(**c.usage._asdict()))
+                    msg.engine_id = gr.engine_id
+                yield msg
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, INTERNAL if unknown
+            await _abort(context, exc)
+
+    async def Generate(self, request, context):
+        try:
+            gr = self._open(request, context, "unary")
+            out = pb.GenerateResponse()
+            async for c in gr:
+                out.token_ids.extend(c.token_ids)
+                out.text += c.text
+                if c.finish is not None:
+                    out.finish_reason = FINISH[c.finish]
+                    out.usage.CopyFrom(pb.Usage(**c.usage._asdict()))
+            out.request_id, out.engine_id, out.attempts = gr.req.request_id, gr.engine_id, gr.attempts
+            return out
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, INTERNAL if unknown
+            await _abort(context, exc)
+
+
+async def start_gateway(cfg: GatewayConfig, directory=None) -> tuple[Server, GatewayCore]:
+    core = GatewayCore(cfg, directory=directory)
+    server = Server(cfg.address, [SERVICE_NAME])
+    pb_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), server.server)
+    await core.start()
+    await server.start()
+    return server, core
+
+
+async def serve(cfg: GatewayConfig) -> None:
+    """Run until SIGTERM/SIGINT, then drain: NOT_SERVING, in-flight calls get 5 s."""
+    directory = None
+    if cfg.directory:
+        from services.directory.client import DirectoryClient
+
+        directory = DirectoryClient(cfg.directory)
+    if cfg.metrics_port:
+        serve_metrics(cfg.metrics_port, cfg.host)
+    server, core = await start_gateway(cfg, directory)
+    log.info("gateway listening on %s:%d (engines %s, directory %s, metrics %s)", cfg.host,
+             server.port, cfg.engines or "-", cfg.directory or "-", cfg.metrics_port or "off")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("gateway shutting down")
+    await server.stop(grace=5.0)
+    await core.close()

@@ -1,0 +1,87 @@
+"""Request checks: bad fields -> InvalidArgument, oversize -> ResourceExhausted.
+
+Every message names the field and says why, so a caller can fix the request
+without reading the code. The engine checks again (it is the authority on its
+vocabulary and cache size); these checks stop bad requests before they cost a
+route and a hop.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from kvmesh.errors import InvalidArgument, ResourceExhausted
+from services.gateway.config import GatewayConfig
+from services.gateway.model import TRAFFIC_CLASSES, GenRequest
+
+# Salts and request ids end up in logs and cache keys: keep them printable and short.
+SALT_RE = re.compile(r"[A-Za-z0-9._:-]{0,128}")
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def check_sampling(req: GenRequest, cfg: GatewayConfig) -> None:
+    t = req.temperature
+    if t is not None and not (math.isfinite(t) and t >= 0):
+        raise InvalidArgument(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {t}")
+    p = req.top_p
+    if p is not None and not (0 < p <= 1):  # NaN fails both comparisons
+        raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {p}")
+    if req.top_k is not None and req.top_k < 0:
+        raise InvalidArgument(f"sampling.top_k must be >= 0 (0 = off), got {req.top_k}")
+    if req.seed is not None and not 0 <= req.seed < 2**63:
+        raise InvalidArgument(f"sampling.seed must be in [0, 2**63), got {req.seed}")
+    if req.max_tokens is not None:
+        if req.max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}")
+        if req.max_tokens > cfg.max_tokens_limit:
+            raise InvalidArgument(f"max_tokens must be <= {cfg.max_tokens_limit}, got {req.max_tokens}")
+
+
+def check_stops(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None) -> None:
+    if len(req.stop) > cfg.max_stop:
+        raise InvalidArgument(f"stop has {len(req.stop)} strings; at most {cfg.max_stop}")
+    for i, s in enumerate(req.stop):
+        if not s:
+            raise InvalidArgument(f"stop[{i}] must not be empty")
+        if len(s.encode()) > cfg.max_stop_bytes:
+            raise InvalidArgument(f"stop[{i}] is longer than {cfg.max_stop_bytes} bytes")
+    if len(req.stop_token_ids) > cfg.max_stop:
+        raise InvalidArgument(f"stop_token_ids has {len(req.stop_token_ids)} ids; at most {cfg.max_stop}")
+    if vocab_size is not None:
+        bad = [t for t in req.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise InvalidArgument(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+def check_request(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None = None) -> None:
+    """Everything that does not need the tokenizer. `vocab_size` None = not known yet."""
+    if req.request_id and not REQUEST_ID_RE.fullmatch(req.request_id):
+        raise InvalidArgument("request_id must be 1-128 characters of [A-Za-z0-9._:-]")
+    if req.traffic_class not in TRAFFIC_CLASSES:
+        raise InvalidArgument(f"traffic_class must be agent or chatbot, not {req.traffic_class!r}")
+    if not SALT_RE.fullmatch(req.cache_salt):
+        raise InvalidArgument("cache_salt must be at most 128 characters of [A-Za-z0-9._:-]")
+    if req.prompt is not None:
+        if not req.prompt:
+            raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
+        size = len(req.prompt.encode("utf-8", "surrogatepass"))
+        if size > cfg.max_prompt_bytes:
+            raise ResourceExhausted(f"prompt is {size} bytes; the limit is {cfg.max_prompt_bytes}")
+    else:
+        ids = req.prompt_token_ids or ()
+        if not ids:
+            raise InvalidArgument("prompt_token_ids is empty: give prompt text or token ids")
+        check_prompt_tokens(len(ids), cfg)
+        if vocab_size is not None:
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise InvalidArgument(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {vocab_size})")
+    check_sampling(req, cfg)
+    check_stops(req, cfg, vocab_size)
+
+
+def check_prompt_tokens(n: int, cfg: GatewayConfig) -> None:
+    if n > cfg.max_prompt_tokens:
+        raise ResourceExhausted(f"prompt is {n} tokens; the limit is {cfg.max_prompt_tokens}")

@@ -1,0 +1,198 @@
+"""Through the gateway on a real mesh (valkey, directory, two engines, gateway processes).
+
+Failure tests (engines killed) run last in this module and restart what they kill.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvmesh.proto import engine_pb2, engine_pb2_grpc
+from services.gateway.client import gateway_request
+from tests.gateway.cases import BAD, build
+from tests.gateway.conftest import wait_for
+
+PROMPT = "The gateway routes by prefix."
+LONG = dict(max_tokens=3000, ignore_eos=True, temperature=0.0)  # ~30 s of tokens: killed early
+
+
+def test_gateway_health_and_reflection(gw):
+    ch = gw.channel
+    resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+    [answer] = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        list_services="")]), timeout=5)
+    names = {s.name for s in answer.list_services_response.service}
+    assert "kvmesh.gateway.v1.GatewayService" in names
+
+
+def test_stream_and_unary_agree_greedy(gw):
+    unary = gw.generate(PROMPT, max_tokens=12, temperature=0.0)
+    msgs = list(gw.stream(PROMPT, max_tokens=12, temperature=0.0))
+    assert [t for m in msgs for t in m.token_ids] == list(unary.token_ids)
+    assert "".join(m.text for m in msgs) == unary.text
+    last = msgs[-1]
+    assert last.finish_reason == unary.finish_reason != 0
+    assert last.usage == unary.usage
+    assert unary.usage.prompt_tokens == len(PROMPT.encode())
+    assert unary.usage.generated_tokens == len(unary.token_ids) <= 12
+    assert unary.engine_id and last.engine_id and unary.attempts == 1
+
+
+@pytest.mark.parametrize("spec,status,field", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_field_over_grpc(gw, spec, status, field):
+    for call in (gw.stub.Generate, gw.stub.GenerateStream):
+        with pytest.raises(grpc.RpcError) as info:
+            out = call(build(spec), timeout=30)
+            list(out) if not hasattr(out, "token_ids") else None
+        assert info.value.code().name == status, info.value.details()
+        assert field in info.value.details()
+
+
+def test_message_over_grpc_limit_is_resource_exhausted(gw):
+    req = gateway_request("x" * (65 << 20), max_tokens=1)
+    with pytest.raises(grpc.RpcError) as info:
+        gw.stub.Generate(req, timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_engine_invalid_argument_passes_through_unchanged(gw, mesh):
+    prompt = "y" * (64 * 128 + 10)  # more blocks than a test engine has (64)
+    with grpc.insecure_channel(mesh.endpoints["engine-a"]) as ch:
+        with pytest.raises(grpc.RpcError) as direct:
+            list(engine_pb2_grpc.EngineServiceStub(ch).Generate(
+                engine_pb2.GenerateRequest(prompt=prompt, max_tokens=1), timeout=30))
+    with pytest.raises(grpc.RpcError) as via:
+        gw.generate(prompt, max_tokens=1)
+    assert via.value.code() == direct.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert via.value.details() == direct.value.details()
+
+
+def _engines_idle(gw, mesh):
+    stats = [gw.engine_stats(n) for n in mesh.engine_names]
+    return all(s["slots_in_use"] == 0 and s["blocks_in_use"] == 0 for s in stats), stats
+
+
+def _aborted(gw, mesh):
+    return sum(gw.engine_stats(n).get("aborted", 0) for n in mesh.engine_names)
+
+
+def test_cancelled_request_frees_slot_and_blocks(gw, mesh):
+    before = _aborted(gw, mesh)
+    call = gw.stream(PROMPT, **LONG)
+    next(call), next(call)
+    busy = [gw.engine_stats(n) for n in mesh.engine_names]
+    assert sum(s["slots_in_use"] for s in busy) == 1
+    call.cancel()
+    assert wait_for(lambda: _engines_idle(gw, mesh)[0]), _engines_idle(gw, mesh)[1]
+    assert _aborted(gw, mesh) >= before + 1
+
+
+def test_deadline_reaches_the_engine(gw, mesh):
+    before = _aborted(gw, mesh)
+    with pytest.raises(grpc.RpcError) as info:
+        list(gw.stream(PROMPT, timeout=0.5, **LONG))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for(lambda: _engines_idle(gw, mesh)[0]), _engines_idle(gw, mesh)[1]
+    assert _aborted(gw, mesh) >= before + 1
+
+
+def test_metrics_endpoint_counts_requests_and_tokens(gw, mesh):
+    gw.generate(PROMPT, max_tokens=3, temperature=0.0)
+    text = urllib.request.urlopen(mesh.endpoints["gateway-metrics"], timeout=5).read().decode()
+    assert 'kvmesh_requests_total{method="unary",service="gateway",status="OK"}' in text
+    assert 'kvmesh_requests_total{method="unary",service="gateway",status="INVALID_ARGUMENT"}' in text
+    assert "kvmesh_time_to_first_token_seconds_bucket" in text
+    for kind in ("prompt", "cached", "replayed", "generated"):
+        assert f'kvmesh_tokens_total{{kind="{kind}",service="gateway"}}' in text
+
+
+def test_deepest_snapshot_holder_is_preferred(gw, mesh):
+    """A holder published in the directory attracts the prompt (engines that publish
+    themselves come with the lead's engine work; here a stand-in publishes for engine-b)."""
+    import asyncio
+
+    from services.directory.client import DirectoryClient
+    from services.directory.model import Entry
+    from services.engine.cache.snapshot_keys import prefix_snapshot_keys
+    from services.engine.config import ModelConfig
+
+    with grpc.insecure_channel(mesh.endpoints["engine-a"]) as ch:
+        info = engine_pb2_grpc.EngineServiceStub(ch).GetModelInfo(
+            engine_pb2.GetModelInfoRequest(), timeout=10)
+    prompt = "snapshot routing " * 20  # 340 bytes: blocks at 128 and 256
+    keys = prefix_snapshot_keys(list(prompt.encode()), ModelConfig.from_json(
+        info.model_config_json), info.layout_fingerprint, "tenant-s")
+    assert [pos for pos, _ in keys] == [128, 256]
+
+    async def publish():
+        async with DirectoryClient(mesh.endpoints["directory"]) as d:
+            await d.heartbeat("stand-in-b", mesh.endpoints["engine-b"], restarted=True)
+            await d.publish("stand-in-b", [Entry(keys[1][1], 256, 1000)])
+
+    asyncio.run(publish())
+    served = {gw.generate(prompt, max_tokens=1, cache_salt="tenant-s").engine_id
+              for _ in range(4)}
+    assert served <= {mesh.endpoints["engine-b"], "stand-in-b"}, served
+    # Another tenant's salt names other keys: no holder; the first request goes by load,
+    # the rest follow it by prefix affinity.
+    other = {gw.generate(prompt, max_tokens=1, cache_salt="tenant-t").engine_id
+             for _ in range(4)}
+    assert len(other) == 1, other
+
+
+def test_directory_down_requests_still_served(gw, mesh):
+    mesh.kill("directory")
+    try:
+        long_prompt = "shared prefix " * 30  # > one block: the gateway asks the directory
+        for _ in range(3):
+            assert gw.generate(long_prompt, max_tokens=2, temperature=0.0).usage.generated_tokens
+    finally:
+        mesh.restart("directory")
+
+
+# --- engine failures (last: they kill engines) ------------------------------------------
+def _serving_engine(gw, mesh):
+    for name in mesh.engine_names:
+        if gw.engine_stats(name).get("running", 0) >= 1:
+            return name
+    return None
+
+
+def test_engine_killed_mid_stream_gives_clear_status_and_other_engine_serves(gw, mesh):
+    call = gw.stream(PROMPT, **LONG)
+    next(call), next(call)
+    victim = wait_for(lambda: _serving_engine(gw, mesh))
+    assert victim
+    try:
+        mesh.kill(victim)
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "failed mid-stream after" in info.value.details()
+        resp = gw.generate(PROMPT, max_tokens=4, temperature=0.0)
+        assert resp.usage.generated_tokens == 4 or resp.finish_reason == 2
+        assert mesh.alive("gateway")
+    finally:
+        mesh.restart(victim)
+
+
+def test_engine_down_before_first_token_is_retried_elsewhere(gw, mesh):
+    mesh.kill("engine-a")
+    try:
+        answers = [gw.generate(f"{PROMPT} {i}", max_tokens=2, temperature=0.0) for i in range(6)]
+        assert all(a.usage.generated_tokens >= 1 for a in answers)
+        assert any(a.attempts == 2 for a in answers), [a.attempts for a in answers]
+        # Static engines are named by address until the directory names them.
+        assert {a.engine_id for a in answers} <= {mesh.endpoints["engine-b"], "engine-b",
+                                                  "stand-in-b"}
+    finally:
+        mesh.restart("engine-a")
+    assert gw.generate(PROMPT, max_tokens=2).usage.generated_tokens >= 1

@@ -1,0 +1,54 @@
+"""`kvmesh up` as a user runs it: --demo exits 0, SIGTERM stops everything, no port left open."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from kvmesh.backing.proc import port_open
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
+UP = [sys.executable, "-m", "kvmesh.cli", "up", "--gateway-port", "0", "--num-slots", "4",
+      "--num-blocks", "64"]
+
+
+def ports_in(text: str) -> set[int]:
+    return {int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", text)}
+
+
+def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
+    out = subprocess.run([*UP, "--demo", "--log-dir", str(tmp_path / "logs")], env=ENV,
+                         capture_output=True, text=True, timeout=180)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "kvmesh is up" in text and "usage: prompt=" in text and "generated=48" in text
+    for name in ("directory", "engine-a", "engine-b", "gateway"):
+        assert (tmp_path / "logs" / f"{name}.log").exists()
+    ports = ports_in(text)
+    assert len(ports) >= 5
+    assert not [p for p in ports if port_open("127.0.0.1", p)], "a service outlived kvmesh up"
+
+
+def test_up_stops_everything_on_sigterm(tmp_path):
+    log = tmp_path / "up.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([*UP, "--log-dir", str(tmp_path / "logs")], env=ENV, stdout=f,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ctrl-C stops the mesh" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        ports = ports_in(log.read_text())
+        assert all(port_open("127.0.0.1", p) for p in ports)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "kvmesh stopped" in log.read_text()
+    assert not [p for p in ports if port_open("127.0.0.1", p)], "a service outlived kvmesh up"
