@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch

@@ -6,6 +6,7 @@ For container health checks (docker-compose.yml): no grpcurl in the image needed
 from __future__ import annotations
 
 import sys
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,6 +20,18 @@ def check(address: str, timeout: float = 2.0) -> bool:
         except grpc.RpcError:
             return False
     return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_healthy(address: str, timeout: float = 60.0, proc=None) -> float:
+    """Seconds until `address` is SERVING; raises if `proc` (a ManagedProcess) dies first."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if check(address, timeout=0.5):
+            return time.monotonic() - t0
+        if proc is not None and not proc.alive:
+            raise RuntimeError(f"{proc.name} exited before it became healthy:\n{proc.tail()}")
+        time.sleep(0.1)
+    raise TimeoutError(f"{address} not healthy after {timeout}s")
 
 
 if __name__ == "__main__":

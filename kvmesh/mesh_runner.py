@@ -2,7 +2,7 @@
 
 Used by `kvmesh up` and by tests (one mesh per test module):
 
-    valkey -> [seaweedfs -> kvstore]  (only when services.kvstore exists)
+    valkey, seaweedfs (12 buckets = 12 shard locations) -> kvstore
            -> directory -> engine-a, engine-b (in parallel) -> gateway
 
 Each service is a real subprocess on a loopback port (a free one unless
@@ -14,7 +14,6 @@ grace period), so nothing outlives `stop()`.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import sys
@@ -52,37 +51,19 @@ class MeshConfig:
             raise ValueError(f"engines must be in [1, 26], got {self.engines}")
 
 
-def kvstore_available() -> bool:
-    return importlib.util.find_spec("services.kvstore.cli") is not None
-
-
-def engine_serve_flags() -> set[str]:
-    """Option strings `kvmesh engine serve` accepts (so new flags are passed once they exist)."""
-    from kvmesh.cli import build_parser
-
-    sub = next(a for a in build_parser()._actions if a.dest == "command")
-    engine = sub.choices["engine"]
-    esub = next(a for a in engine._actions if a.dest == "engine_command")
-    return {opt for a in esub.choices["serve"]._actions for opt in a.option_strings}
-
-
-def engine_argv(cfg: MeshConfig, engine_id: str, port: int, flags: set[str],
-                directory: str = "", kvstore: str = "") -> list[str]:
-    """The one place that decides how engines are launched (flags guarded by `flags`)."""
-    argv = [*KVMESH, "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
+def engine_argv(cfg: MeshConfig, engine_id: str, port: int, directory: str, kvstore: str
+                ) -> list[str]:
+    """The one place that decides how engines are launched."""
+    return [*KVMESH, "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--engine-id", engine_id, "--directory", directory, "--kvstore", kvstore,
             "--preset", cfg.preset, "--num-slots", str(cfg.num_slots),
             "--num-blocks", str(cfg.num_blocks),
             "--truncation", "compact", "--keep-tokens", "134", *cfg.engine_extra]
-    optional = {"--engine-id": engine_id, "--directory": directory, "--kvstore": kvstore}
-    for flag, value in optional.items():
-        if value and flag in flags:
-            argv += [flag, value]
-    return argv
 
 
-def kvstore_argv(port: int, s3_endpoint: str) -> list[str]:
+def kvstore_argv(port: int, locations: list[str], data_dir: Path) -> list[str]:
     return [*KVMESH, "kvstore", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--s3-endpoint", s3_endpoint]
+            "--locations", ",".join(locations), "--data-dir", str(data_dir)]
 
 
 class Mesh:
@@ -128,11 +109,11 @@ class Mesh:
                                   "--port", str(dir_port), "--redis-url", self.valkey.url,
                                   "--key-prefix", f"kvmesh:mesh:{uuid.uuid4().hex[:8]}"], dir_port)
         self._wait_healthy(["directory"])
-        flags = engine_serve_flags()
         for name in self.engine_names:
-            port = free_port()
-            self._spawn(name, engine_argv(cfg, name, port, flags, self.endpoints["directory"],
-                                          kvstore), port)
+            port, metrics = free_port(), free_port()
+            self._spawn(name, [*engine_argv(cfg, name, port, self.endpoints["directory"], kvstore),
+                               "--metrics-port", str(metrics)], port)
+            self.endpoints[f"{name}-metrics"] = f"http://127.0.0.1:{metrics}/metrics"
         self._wait_healthy(self.engine_names)
         gw_port = cfg.gateway_port or free_port()
         metrics_port = cfg.metrics_port or free_port()
@@ -145,24 +126,15 @@ class Mesh:
         self.endpoints["gateway-metrics"] = f"http://127.0.0.1:{metrics_port}/metrics"
 
     def _start_kvstore(self, log_dir: Path) -> str:
-        """SeaweedFS + kvstore when the kvstore service exists; '' (and a log line) if not."""
-        if not kvstore_available():
-            log.info("kvstore: services.kvstore is not installed in this tree; skipping "
-                     "SeaweedFS and kvstore (engines run without write-through)")
-            self.skipped += ["seaweedfs", "kvstore"]
-            return ""
-        try:
-            from kvmesh.backing.seaweed import SeaweedProcess  # the kvstore branch provides it
-        except ImportError as exc:
-            log.info("kvstore: %s; skipping SeaweedFS and kvstore", exc)
-            self.skipped += ["seaweedfs", "kvstore"]
-            return ""
+        """One SeaweedFS server with 12 buckets (the 12 shard locations), then the kvstore."""
+        from kvmesh.backing.seaweed import start_seaweed_cluster
+
         self.on_progress("seaweedfs", "starting")
-        self.seaweed = SeaweedProcess(work_dir=log_dir / "seaweedfs").start()
-        self.endpoints["seaweedfs"] = self.seaweed.endpoint
+        self.seaweed = start_seaweed_cluster(1, 12, log_dir / "seaweedfs")
+        self.endpoints["seaweedfs"] = self.seaweed.servers[0].endpoint
         self.on_progress("seaweedfs", "healthy")
         port = free_port()
-        self._spawn("kvstore", kvstore_argv(port, self.seaweed.endpoint), port)
+        self._spawn("kvstore", kvstore_argv(port, self.seaweed.locations, log_dir / "kvstore"), port)
         self._wait_healthy(["kvstore"])
         return self.endpoints["kvstore"]
 

@@ -6,10 +6,7 @@ import argparse
 
 from kvmesh import envs
 from services.engine.config import PRESETS, preset
-from services.engine.engine import EngineCore
 from services.engine.engine_config import TRUNCATION_MODES, EngineConfig
-from services.engine.model import weights as weights_mod
-from services.engine.tokenizer import load_tokenizer
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +45,13 @@ def engine_config(args) -> EngineConfig:
     )
 
 
-def build_core(args) -> EngineCore:
+def build_core(args):
+    """-> EngineCore. torch is imported here, not at module import: `kvmesh --help` and the
+    remote `kvmesh generate` stay fast."""
+    from services.engine.engine import EngineCore
+    from services.engine.model import weights as weights_mod
+    from services.engine.tokenizer import load_tokenizer
+
     cfg = preset(args.preset)
     ecfg = engine_config(args)
     w = weights_mod.load(args.checkpoint, cfg) if args.checkpoint else None

@@ -25,6 +25,8 @@ def register(sub) -> None:
     serve.add_argument("--swa-fetch", default="auto", choices=["auto", "always", "never"],
                        help="peer snapshot fetch vs bounded replay (auto: cost model)")
     serve.add_argument("--fetch-deadline-ms", type=int, default=1000)
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus /metrics on this port (0 = any free port)")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 
@@ -54,7 +56,8 @@ def _serve(args) -> int:
         print(f"kvmesh engine: {exc}", file=sys.stderr)
         return 2
     asyncio.run(serve(core, f"{args.host}:{args.port}", args.engine_id, args.advertise,
-                      args.directory, args.kvstore, args.swa_fetch, args.fetch_deadline_ms / 1000))
+                      args.directory, args.kvstore, args.swa_fetch, args.fetch_deadline_ms / 1000,
+                      args.metrics_port))
     return 0
 
 

@@ -18,8 +18,11 @@ SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
 async def serve(core: EngineCore, address: str, engine_id: str = "", advertise: str = "",
                 directory: str = "", kvstore: str = "", fetch_mode: str = "auto",
-                fetch_deadline_s: float = 1.0) -> None:
+                fetch_deadline_s: float = 1.0, metrics_port: int | None = None) -> None:
     engine = AsyncEngine(core)
+    stats_task = None
+    if metrics_port is not None:
+        stats_task = asyncio.create_task(_export_stats(engine, metrics_port))
     server = Server(address, [SERVICE_NAME])
     remote = await _remote(engine, server.port, engine_id, advertise or address, directory,
                            kvstore, fetch_mode, fetch_deadline_s)
@@ -39,7 +42,23 @@ async def serve(core: EngineCore, address: str, engine_id: str = "", advertise: 
     await server.stop(grace=5.0)
     if remote is not None:
         await remote.stop()
+    if stats_task is not None:
+        stats_task.cancel()
     engine.shutdown()
+
+
+async def _export_stats(engine: AsyncEngine, port: int, every_s: float = 1.0) -> None:
+    """/metrics: engine counters (slots, blocks, cache hits, ...) refreshed once a second
+    on the event loop, so a scrape never touches the engine thread."""
+    from kvmesh.metrics import StatsExporter, serve_metrics
+
+    latest: dict[str, float] = {}
+    StatsExporter("engine", lambda: latest)
+    bound = serve_metrics(port)
+    log.info("engine metrics on port %d", bound)
+    while True:
+        latest = await engine.call(lambda core: core.stats())
+        await asyncio.sleep(every_s)
 
 
 async def _remote(engine, port, engine_id, advertise, directory, kvstore, fetch_mode, deadline):

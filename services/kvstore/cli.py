@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--disk-bytes", type=int, default=None)
     serve.add_argument("--capacity-bytes", type=int, default=None)
     serve.add_argument("--gc-interval-s", type=float, default=None)
+    serve.add_argument("--create-buckets", action="store_true",
+                       help="create missing shard buckets at start (fresh S3 servers, compose)")
     serve.set_defaults(func=_serve)
 
     admin = sub.add_parser("admin", help="kvstore administration over gRPC")
@@ -65,8 +67,29 @@ def _serve(args) -> int:
         mem_bytes=args.mem_bytes, disk_bytes=args.disk_bytes,
         capacity_bytes=args.capacity_bytes, gc_interval_s=args.gc_interval_s,
     )
+    if args.create_buckets:
+        _create_buckets(cfg)
     asyncio.run(_serve_async(cfg))
     return 0
+
+
+def _create_buckets(cfg: KvstoreConfig, wait_s: float = 60.0) -> None:
+    """Make every shard bucket exist, waiting for S3 servers that are still starting."""
+    import time
+
+    from kvmesh.backing.seaweed import ensure_bucket, s3_client
+
+    deadline = time.monotonic() + wait_s
+    for loc in cfg.locations:
+        while True:
+            try:
+                ensure_bucket(s3_client(loc.endpoint), loc.bucket)
+                break
+            except Exception as exc:  # noqa: BLE001 - S3 not up yet: retry until the deadline
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"kvstore: cannot create bucket {loc.bucket} at "
+                                     f"{loc.endpoint}: {exc}") from None
+                time.sleep(1.0)
 
 
 async def _serve_async(cfg: KvstoreConfig) -> None:

@@ -6,7 +6,6 @@ same argparse parser `kvmesh` uses.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -28,13 +27,7 @@ def container_ports(service: dict) -> set[int]:
     return {int(str(p).split(":")[-1].split("/")[0]) for p in service.get("ports", [])}
 
 
-def needs_kvstore(name: str):
-    if name == "kvstore" and importlib.util.find_spec("services.kvstore.cli") is None:
-        pytest.skip("services.kvstore is not in this tree yet")
-
-
 def parse(name: str):
-    needs_kvstore(name)
     return build_parser().parse_args(SERVICES[name]["command"][1:])
 
 

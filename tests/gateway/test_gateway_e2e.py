@@ -139,7 +139,7 @@ def test_deepest_snapshot_holder_is_preferred(gw, mesh):
     asyncio.run(publish())
     served = {gw.generate(prompt, max_tokens=1, cache_salt="tenant-s").engine_id
               for _ in range(4)}
-    assert served <= {mesh.endpoints["engine-b"], "stand-in-b"}, served
+    assert served <= {"engine-b", mesh.endpoints["engine-b"], "stand-in-b"}, served
     # Another tenant's salt names other keys: no holder; the first request goes by load,
     # the rest follow it by prefix affinity.
     other = {gw.generate(prompt, max_tokens=1, cache_salt="tenant-t").engine_id

@@ -13,10 +13,10 @@ import threading
 
 import pytest
 
-from kvmesh.backing.health import wait_healthy
 from kvmesh.backing.proc import ManagedProcess, free_port
 from kvmesh.backing.seaweed import start_seaweed_cluster
 from kvmesh.backing.valkey import ValkeyProcess
+from kvmesh.healthcheck import wait_healthy
 from services.directory.client import DirectoryClient
 from services.engine.client import EngineClient
 from services.kvstore.client import KvstoreClient
