@@ -21,7 +21,11 @@ from kvmesh.mesh_runner import Mesh, MeshConfig
 
 DEMO_PROMPT = ("kvmesh keeps compressed attention entries in a shared, erasure-coded store and "
                "sliding-window state in the engine that produced it; the gateway routes this "
-               "prompt to the engine holding the deepest snapshot of its prefix.")
+               "prompt to the engine holding the deepest snapshot of its prefix. When the "
+               "snapshot is missing, the engine replays 128 tokens instead of the whole prefix.")
+# Sent second: shares the first prompt's prefix, so its first 256 tokens come from cache.
+DEMO_FOLLOW_UP = (" Question: what does this second request take from the cache, and what does "
+                  "the engine compute again?")
 
 
 def register(sub) -> None:
@@ -93,20 +97,22 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 async def _demo(gateway: str, prompt: str, console: Console) -> int:
+    """Two requests: the second extends the first, so the usage line shows cache reuse."""
     from services.gateway.client import GatewayClient
 
-    console.print(f"[bold]demo[/bold]: GenerateStream via {gateway} (greedy, 48 tokens)")
-    console.print(f"[dim]prompt:[/dim] {prompt}")
-    last = None
     async with GatewayClient(gateway) as gw:
-        async for msg in gw.stream(prompt, max_tokens=48, temperature=0.0, timeout=60):
-            # Seeded random weights produce arbitrary bytes: show them escaped.
-            sys.stdout.write(msg.text.encode("unicode_escape").decode("ascii"))
-            sys.stdout.flush()
-            last = msg
-    u = last.usage
-    print()
-    console.print(f"usage: prompt={u.prompt_tokens} cached={u.cached_tokens} "
-                  f"replayed={u.replayed_tokens} generated={u.generated_tokens} "
-                  f"engine={last.engine_id}")
+        for i, text in enumerate((prompt, prompt + DEMO_FOLLOW_UP)):
+            console.print(f"[bold]demo {i + 1}/2[/bold]: GenerateStream via {gateway} "
+                          f"(greedy, 32 tokens, {len(text.encode())}-byte prompt)")
+            last = None
+            async for msg in gw.stream(text, max_tokens=32, temperature=0.0, timeout=60):
+                # Seeded random weights produce arbitrary bytes: show them escaped.
+                sys.stdout.write(msg.text.encode("unicode_escape").decode("ascii"))
+                sys.stdout.flush()
+                last = msg
+            u = last.usage
+            print()
+            console.print(f"usage: prompt={u.prompt_tokens} cached={u.cached_tokens} "
+                          f"replayed={u.replayed_tokens} generated={u.generated_tokens} "
+                          f"engine={last.engine_id}")
     return 0
