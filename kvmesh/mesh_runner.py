@@ -104,10 +104,12 @@ class Mesh:
         self.endpoints["valkey"] = self.valkey.url
         self.on_progress("valkey", "healthy")
         kvstore = self._start_kvstore(log_dir)
-        dir_port = free_port()
+        dir_port, dir_metrics = free_port(), free_port()
         self._spawn("directory", [*KVMESH, "directory", "serve", "--host", "127.0.0.1",
                                   "--port", str(dir_port), "--redis-url", self.valkey.url,
-                                  "--key-prefix", f"kvmesh:mesh:{uuid.uuid4().hex[:8]}"], dir_port)
+                                  "--key-prefix", f"kvmesh:mesh:{uuid.uuid4().hex[:8]}",
+                                  "--metrics-port", str(dir_metrics)], dir_port)
+        self.endpoints["directory-metrics"] = f"http://127.0.0.1:{dir_metrics}/metrics"
         self._wait_healthy(["directory"])
         for name in self.engine_names:
             port, metrics = free_port(), free_port()
@@ -134,7 +136,10 @@ class Mesh:
         self.endpoints["seaweedfs"] = self.seaweed.servers[0].endpoint
         self.on_progress("seaweedfs", "healthy")
         port = free_port()
-        self._spawn("kvstore", kvstore_argv(port, self.seaweed.locations, log_dir / "kvstore"), port)
+        metrics = free_port()
+        self._spawn("kvstore", [*kvstore_argv(port, self.seaweed.locations, log_dir / "kvstore"),
+                                "--metrics-port", str(metrics)], port)
+        self.endpoints["kvstore-metrics"] = f"http://127.0.0.1:{metrics}/metrics"
         self._wait_healthy(["kvstore"])
         return self.endpoints["kvstore"]
 

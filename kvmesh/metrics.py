@@ -17,10 +17,13 @@ and `RequestMetrics("kvstore")` for its RPCs.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
+import time
 from collections.abc import Callable, Mapping
 
+import grpc
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
@@ -93,3 +96,66 @@ class StatsExporter:
         for name, value in sorted(stats.items()):
             metric = f"kvmesh_{self.service}_{_NAME_RE.sub('_', name)}"
             yield GaugeMetricFamily(metric, f"{self.service} stat {name}", value=float(value))
+
+
+class RpcMetrics(grpc.aio.ServerInterceptor):
+    """Server interceptor: every RPC of a service counted by method and final status, with
+    its latency (and, for server streams, the time to the first message as TTFT)."""
+
+    def __init__(self, service: str):
+        self.metrics = RequestMetrics(service)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method.rsplit("/", 1)[-1]
+        m = self.metrics
+        kw = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+
+        def status(context, exc):
+            code = context.code() if hasattr(context, "code") else None
+            if code is not None and code != grpc.StatusCode.OK:
+                return code.name
+            return "OK" if exc is None else ("CANCELLED" if isinstance(exc, asyncio.CancelledError)
+                                             else "UNKNOWN")
+
+        def unary(fn):
+            async def wrapped(request, context):
+                t0, exc = time.perf_counter(), None
+                m.in_flight.inc()
+                try:
+                    return await fn(request, context)
+                except BaseException as e:
+                    exc = e
+                    raise
+                finally:
+                    m.in_flight.dec()
+                    m.observe(method, status(context, exc), time.perf_counter() - t0)
+            return wrapped
+
+        def streaming(fn):
+            async def wrapped(request, context):
+                t0, first, exc = time.perf_counter(), None, None
+                m.in_flight.inc()
+                try:
+                    async for item in fn(request, context):
+                        if first is None:
+                            first = time.perf_counter() - t0
+                        yield item
+                except BaseException as e:
+                    exc = e
+                    raise
+                finally:
+                    m.in_flight.dec()
+                    m.observe(method, status(context, exc), time.perf_counter() - t0, first)
+            return wrapped
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kw)
+        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kw)

@@ -87,8 +87,15 @@ def map_errors(fn: Callable) -> Callable:
 class Server:
     """A grpc.aio server with health and reflection; `start()` then `stop()`."""
 
-    def __init__(self, address: str, service_names: Iterable[str]):
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, service_names: Iterable[str], metrics_service: str = "",
+                 options: list | None = None):
+        interceptors = []
+        if metrics_service:  # per-RPC status, latency and TTFT on the shared /metrics families
+            from kvmesh.metrics import RpcMetrics
+
+            interceptors.append(RpcMetrics(metrics_service))
+        self.server = grpc.aio.server(options=options or CHANNEL_OPTIONS,
+                                      interceptors=interceptors)
         self.health = HealthServicer()
         self.service_names = list(service_names)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -29,6 +29,8 @@ def register(subparsers) -> None:
     serve.add_argument("--lease-ttl-s", type=float)
     serve.add_argument("--sweep-interval-s", type=float)
     serve.add_argument("--max-batch", type=int)
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus /metrics on this port")
     serve.set_defaults(func=run_serve)
 
 
@@ -57,5 +59,9 @@ async def serve(config: DirectoryConfig, address: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.metrics_port is not None:
+        from kvmesh.metrics import serve_metrics
+
+        serve_metrics(args.metrics_port)
     asyncio.run(serve(config_from_args(args), f"{args.host}:{args.port}"))
     return 0

@@ -78,7 +78,7 @@ class DirectoryServer:
     def __init__(self, config: DirectoryConfig, address: str = "127.0.0.1:0"):
         self.config = config
         self.directory = Directory(config)
-        self.server = rpc.Server(address, [SERVICE_NAME])
+        self.server = rpc.Server(address, [SERVICE_NAME], metrics_service="directory")
         pb_grpc.add_DirectoryServiceServicer_to_server(
             DirectoryServicer(self.directory), self.server.server
         )

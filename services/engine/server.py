@@ -23,7 +23,7 @@ async def serve(core: EngineCore, address: str, engine_id: str = "", advertise: 
     stats_task = None
     if metrics_port is not None:
         stats_task = asyncio.create_task(_export_stats(engine, metrics_port))
-    server = Server(address, [SERVICE_NAME])
+    server = Server(address, [SERVICE_NAME], metrics_service="engine")
     remote = await _remote(engine, server.port, engine_id, advertise or address, directory,
                            kvstore, fetch_mode, fetch_deadline_s)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine, remote),

@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--disk-bytes", type=int, default=None)
     serve.add_argument("--capacity-bytes", type=int, default=None)
     serve.add_argument("--gc-interval-s", type=float, default=None)
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus /metrics on this port (bytes per tier, GC activity)")
     serve.add_argument("--create-buckets", action="store_true",
                        help="create missing shard buckets at start (fresh S3 servers, compose)")
     serve.set_defaults(func=_serve)
@@ -69,7 +71,7 @@ def _serve(args) -> int:
     )
     if args.create_buckets:
         _create_buckets(cfg)
-    asyncio.run(_serve_async(cfg))
+    asyncio.run(_serve_async(cfg, args.metrics_port))
     return 0
 
 
@@ -92,11 +94,13 @@ def _create_buckets(cfg: KvstoreConfig, wait_s: float = 60.0) -> None:
                 time.sleep(1.0)
 
 
-async def _serve_async(cfg: KvstoreConfig) -> None:
+async def _serve_async(cfg: KvstoreConfig, metrics_port: int | None = None) -> None:
     from services.kvstore.server import KvstoreServer
 
     server = KvstoreServer(cfg)
     port = await server.start()
+    if metrics_port is not None:
+        _export_metrics(server, metrics_port)
     log.info("kvstore serving on %s:%d (%d shard locations, data in %s)",
              cfg.host, port, len(cfg.locations), cfg.data_dir)
     stop = asyncio.Event()
@@ -106,6 +110,21 @@ async def _serve_async(cfg: KvstoreConfig) -> None:
     await stop.wait()
     log.info("kvstore stopping")
     await server.stop()
+
+
+def _export_metrics(server, port: int) -> None:
+    """Gauges read at scrape time from plain attributes (no I/O): durable bytes, hot-tier
+    bytes and the core's counters (GC deletions, bytes freed, repairs, ...)."""
+    from kvmesh.metrics import StatsExporter, serve_metrics
+
+    core = server.core
+
+    def read() -> dict[str, float]:
+        return {"durable_bytes": core.meta.complete_bytes, "mem_bytes": core.mem.used,
+                "disk_bytes": core.disk.used, **dict(core.counters)}
+
+    StatsExporter("kvstore", read)
+    serve_metrics(port)
 
 
 # -- admin -------------------------------------------------------------------------

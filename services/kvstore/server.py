@@ -32,7 +32,7 @@ class KvstoreServer:
     async def start(self) -> int:
         """Start serving; returns the bound port (useful with port 0)."""
         self.core = KvStore(self.cfg, self.clock)
-        self.rpc = Server(self.cfg.address, [SERVICE_NAME])
+        self.rpc = Server(self.cfg.address, [SERVICE_NAME], metrics_service="kvstore")
         pb_grpc.add_KvstoreServiceServicer_to_server(KvstoreServicer(self.core), self.rpc.server)
         await self.rpc.start()
         if self.background:

@@ -196,3 +196,20 @@ def test_engine_down_before_first_token_is_retried_elsewhere(gw, mesh):
     finally:
         mesh.restart("engine-a")
     assert gw.generate(PROMPT, max_tokens=2).usage.generated_tokens >= 1
+
+
+def test_every_service_exports_metrics(gw, mesh):
+    gw.generate("metrics " * 40, max_tokens=2, temperature=0.0)
+
+    def scrape(name):
+        return urllib.request.urlopen(mesh.endpoints[f"{name}-metrics"], timeout=5).read().decode()
+
+    def engine_ok():
+        text = "".join(scrape(n) for n in mesh.engine_names)
+        return ("kvmesh_engine_slots_in_use" in text and "kvmesh_engine_blocks_in_use" in text
+                and 'method="Generate",service="engine",status="OK"' in text)
+
+    assert wait_for(engine_ok)
+    assert wait_for(lambda: "kvmesh_kvstore_durable_bytes" in scrape("kvstore"))
+    assert wait_for(lambda: 'method="Heartbeat",service="directory",status="OK"'
+                    in scrape("directory"))
