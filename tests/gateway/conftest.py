@@ -17,7 +17,9 @@ from kvmesh.proto import engine_pb2, engine_pb2_grpc, gateway_pb2_grpc
 from services.gateway.client import gateway_request
 
 # Small engines: 2 cores run two engines, a directory, valkey and the gateway.
-TEST_MESH = dict(engines=2, num_slots=4, num_blocks=64)
+# A generous peer-fetch deadline: a loaded 2-core box must not turn a fetch into a replay.
+TEST_MESH = dict(engines=2, num_slots=4, num_blocks=64,
+                 engine_extra=("--fetch-deadline-ms", "5000"))
 
 
 def start_mesh(tmp_path_factory, name: str) -> Mesh:

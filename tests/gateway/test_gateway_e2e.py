@@ -5,6 +5,7 @@ Failure tests (engines killed) run last in this module and restart what they kil
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -114,32 +115,16 @@ def test_metrics_endpoint_counts_requests_and_tokens(gw, mesh):
 
 
 def test_deepest_snapshot_holder_is_preferred(gw, mesh):
-    """A holder published in the directory attracts the prompt (engines that publish
-    themselves come with the lead's engine work; here a stand-in publishes for engine-b)."""
-    import asyncio
-
-    from services.directory.client import DirectoryClient
-    from services.directory.model import Entry
-    from services.engine.cache.snapshot_keys import prefix_snapshot_keys
-    from services.engine.config import ModelConfig
-
-    with grpc.insecure_channel(mesh.endpoints["engine-a"]) as ch:
-        info = engine_pb2_grpc.EngineServiceStub(ch).GetModelInfo(
-            engine_pb2.GetModelInfoRequest(), timeout=10)
-    prompt = "snapshot routing " * 20  # 340 bytes: blocks at 128 and 256
-    keys = prefix_snapshot_keys(list(prompt.encode()), ModelConfig.from_json(
-        info.model_config_json), info.layout_fingerprint, "tenant-s")
-    assert [pos for pos, _ in keys] == [128, 256]
-
-    async def publish():
-        async with DirectoryClient(mesh.endpoints["directory"]) as d:
-            await d.heartbeat("stand-in-b", mesh.endpoints["engine-b"], restarted=True)
-            await d.publish("stand-in-b", [Entry(keys[1][1], 256, 1000)])
-
-    asyncio.run(publish())
-    served = {gw.generate(prompt, max_tokens=1, cache_salt="tenant-s").engine_id
-              for _ in range(4)}
-    assert served <= {"engine-b", mesh.endpoints["engine-b"], "stand-in-b"}, served
+    """The engine that stored and published a prompt's window attracts prompts extending it,
+    and they resume from that window (cached 256, nothing replayed)."""
+    prompt = "snapshot routing " * 20  # 340 bytes: its prefill stores the window at 256
+    holder = gw.generate(prompt, max_tokens=1, cache_salt="tenant-s").engine_id
+    assert wait_for(lambda: gw.engine_stats(holder).get("directory_published", 0) >= 1)
+    for i in range(3):
+        resp = gw.generate(prompt + f" follow-up number {i}, " * 4, max_tokens=1,
+                           cache_salt="tenant-s")
+        assert resp.engine_id == holder
+        assert (resp.usage.cached_tokens, resp.usage.replayed_tokens) == (256, 0)
     # Another tenant's salt names other keys: no holder; the first request goes by load,
     # the rest follow it by prefix affinity.
     other = {gw.generate(prompt, max_tokens=1, cache_salt="tenant-t").engine_id
@@ -155,6 +140,40 @@ def test_directory_down_requests_still_served(gw, mesh):
             assert gw.generate(long_prompt, max_tokens=2, temperature=0.0).usage.generated_tokens
     finally:
         mesh.restart("directory")
+
+
+def test_shared_prefix_on_two_engines_reuses_blocks_and_snapshot(gw, mesh):
+    """Request 1 runs on engine X (stores its window at 256, writes blocks to the kvstore,
+    publishes to the directory). X is then made busy with direct requests, so the gateway
+    routes request 2, which shares the 256-token prefix, to the other engine Y by load. Y
+    takes the blocks from the kvstore and X's window through the directory."""
+    from services.engine.client import generate_request
+
+    base = ("shared prefix on two engines. " * 12)[:300]
+    first = gw.generate(base, max_tokens=1, temperature=0.0, cache_salt="two-engines")
+    holder = first.engine_id
+    other = next(n for n in mesh.engine_names if n != holder)
+    assert wait_for(lambda: gw.engine_stats(holder).get("kvstore_blocks_written", 0) >= 2
+                    and gw.engine_stats(holder).get("directory_published", 0) >= 1)
+    # keep the holder busy: 6 streams on 4 slots -> the directory reports load 6
+    ch = grpc.insecure_channel(mesh.endpoints[holder])
+    stub = engine_pb2_grpc.EngineServiceStub(ch)
+    busy = [stub.Generate(generate_request([7 + i] * 20, max_tokens=3000, temperature=0.0,
+                                           ignore_eos=True), timeout=60) for i in range(6)]
+    try:
+        assert wait_for(lambda: gw.engine_stats(holder)["running"] + gw.engine_stats(holder)["waiting"] >= 6)
+        time.sleep(4.0)                          # one heartbeat + one gateway refresh
+        second = gw.generate(base[:256] + " and a different question follows here " * 4,
+                             max_tokens=4, temperature=0.0, cache_salt="two-engines")
+    finally:
+        for call in busy:
+            call.cancel()
+        ch.close()
+    assert second.engine_id == other, (second.engine_id, holder)
+    stats = gw.engine_stats(other)
+    peer = {k: v for k, v in stats.items() if k.startswith("peer_") or k.startswith("kvstore")}
+    assert (second.usage.cached_tokens, second.usage.replayed_tokens) == (256, 0), peer
+    assert stats["kvstore_block_hits"] >= 2 and stats["peer_snapshot_fetches"] >= 1
 
 
 # --- engine failures (last: they kill engines) ------------------------------------------
