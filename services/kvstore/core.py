@@ -274,6 +274,11 @@ class KvStore:
                     await self.durable.delete(key)
                 progress("orphans", done, total)
             self.counters["gc_runs"] += 1
+            self.counters["gc_deleted"] += len(victims) - len(kept)
+            self.counters["gc_expired"] += len(report.expired)
+            self.counters["gc_evicted"] += len(report.evicted)
+            self.counters["gc_orphans_removed"] += len(orphans)
+            self.counters["gc_bytes_freed"] += report.bytes_freed
             return report
 
     async def _orphans(self, now: float) -> list[str]:
