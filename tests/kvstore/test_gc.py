@@ -31,6 +31,9 @@ def test_ttl_expiry_per_traffic_class(kv, clock):
     assert keys_of(kv) == {chat[0][0]}
     assert call(kv.address, lambda c: c.get([agent[1][0], chat[0][0]])) == [None, b"c" * 10]
     assert kv.call(kv.core.shards.get(0, agent[1][0])) is None
+    counters = kv.core.counters           # what the metrics endpoint exports
+    assert (counters["gc_runs"], counters["gc_expired"], counters["gc_deleted"]) == (2, 5, 5)
+    assert counters["gc_bytes_freed"] == 50
 
 
 def test_lru_under_capacity_pressure_exact_survivors(make_server, clock):
