@@ -25,8 +25,13 @@ def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
                          capture_output=True, text=True, timeout=180)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
-    assert "kvmesh is up" in text and "usage: prompt=" in text and "generated=48" in text
-    for name in ("directory", "engine-a", "engine-b", "gateway"):
+    assert "kvmesh is up" in text
+    usages = re.findall(r"usage: prompt=(\d+) cached=(\d+) replayed=(\d+) generated=(\d+)", text)
+    assert len(usages) == 2, text[-3000:]
+    # the second demo request extends the first: its first 256 tokens resume from the
+    # window the first one stored (fresh log dir: nothing in the kvstore before)
+    assert usages[0] == ("309", "0", "0", "32") and usages[1] == ("410", "256", "0", "32")
+    for name in ("kvstore", "directory", "engine-a", "engine-b", "gateway"):
         assert (tmp_path / "logs" / f"{name}.log").exists()
     ports = ports_in(text)
     assert len(ports) >= 5
