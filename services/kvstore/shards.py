@@ -12,6 +12,8 @@ Object name of a shard in its bucket: `blk/<key>`.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,12 +21,61 @@ from dataclasses import dataclass
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kvmesh.backing.seaweed import s3_client
+from kvmesh.backing.seaweed import ANY_CREDENTIALS
 from services.kvstore.config import ShardLocation
 
 log = logging.getLogger("kvmesh.kvstore.shards")
 PREFIX = "blk/"
 _MISSING = {"NoSuchKey", "404", "NotFound"}
+
+
+def _fast_timestamp(value):
+    """botocore's timestamp parser minus dateutil (~1 ms of Python per GetObject
+    just for the Last-Modified header): RFC 1123 headers via email.utils, ISO 8601
+    (ListObjects) via fromisoformat, anything else via botocore's own parser."""
+    if isinstance(value, str):
+        try:
+            if value[:1].isdigit():
+                return datetime.datetime.fromisoformat(value)
+            return email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            pass
+    from botocore.utils import parse_timestamp
+
+    return parse_timestamp(value)
+
+
+def shard_client(endpoint: str, connect_timeout: float, read_timeout: float, pool: int):
+    """A boto3 S3 client for one location, tuned for many small GETs.
+
+    Same behaviour as `kvmesh.backing.seaweed.s3_client` (one attempt, short
+    timeouts, path addressing) plus: no response checksum validation unless the
+    operation requires it (every shard carries its own crc32 over all its bytes,
+    checked in `ec.parse`; botocore's would hash each body a second time) and a
+    dateutil-free timestamp parser. Own botocore session so the parser setting
+    stays private to the kvstore.
+    """
+    import boto3
+    import botocore.session
+    from botocore.config import Config
+
+    core = botocore.session.Session()
+    core.get_component("response_parser_factory").set_parser_defaults(
+        timestamp_parser=_fast_timestamp)
+    return boto3.Session(botocore_session=core).client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        config=Config(
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            retries={"max_attempts": 1, "mode": "standard"},
+            max_pool_connections=pool,
+            s3={"addressing_style": "path"},
+            response_checksum_validation="when_required",
+        ),
+        **ANY_CREDENTIALS,
+    )
 
 
 class LocationDown(Exception):
@@ -43,7 +94,7 @@ class ShardStore:
                  retry_s: float = 2.0, threads: int = 4):
         self.locations: tuple[ShardLocation, ...] = tuple(locations)
         self.retry_s = retry_s
-        self._clients = [s3_client(loc.endpoint, connect_timeout, read_timeout)
+        self._clients = [shard_client(loc.endpoint, connect_timeout, read_timeout, max(threads, 4))
                          for loc in self.locations]
         self._pools = [ThreadPoolExecutor(threads, thread_name_prefix=f"s3-{i}")
                        for i in range(len(self.locations))]

@@ -114,3 +114,23 @@ def test_random_loss_patterns_table():
         lost = set(rng.sample(range(12), rng.randint(0, 2)))
         out = ec.decode(L, KEY, {i: s for i, s in enumerate(shards) if i not in lost})
         assert out.data == data
+
+
+@pytest.mark.parametrize("size", [0, 1, 9, 10, 11, 4096 * 3 + 7, 4 * 1024 * 1024 + 7])
+def test_all_data_shards_fast_path_matches_pyeclib(size):
+    """With shards 0..k-1 healthy decode concatenates them; same bytes as pyeclib."""
+    data = os.urandom(size)
+    shards = shards_of(data)
+    payloads = [ec.parse(L, s, key=KEY, index=i)[1] for i, s in enumerate(shards)]
+    fast = ec._concat_data(L, payloads[: L.k], size)
+    assert fast == data == L._driver.decode([bytes(p) for p in payloads[: L.k]])
+    assert ec.decode(L, KEY, {i: shards[i] for i in range(L.k)}).data == data
+
+
+def test_fast_path_declines_odd_fragments():
+    """Wrong order, wrong size or a parity fragment: left to pyeclib (None)."""
+    data = os.urandom(10_001)
+    payloads = [ec.parse(L, s, key=KEY, index=i)[1] for i, s in enumerate(shards_of(data))]
+    assert ec._concat_data(L, payloads[1:11], len(data)) is None
+    assert ec._concat_data(L, payloads[: L.k], len(data) + 1) is None
+    assert ec._concat_data(L, payloads[: L.k - 1], len(data)) is None
