@@ -18,6 +18,11 @@
 | KVMESH_GATEWAY_REFRESH_S             | refresh_s             | 1.0                |
 | KVMESH_GATEWAY_DIRECTORY_TIMEOUT_S   | directory_timeout_s   | 0.2                |
 | KVMESH_GATEWAY_DOWN_S                | down_s                | 2.0                |
+| KVMESH_GATEWAY_EVENT_LOOP            | event_loop            | auto               |
+
+`event_loop`: `asyncio`, `uvloop` (fails if it is not installed) or `auto` (uvloop when
+importable, else asyncio). uvloop is optional; grpc.aio runs on it unchanged and it takes
+about 0.2 ms off each request (see README.md, "Latency").
 
 `KVMESH_GATEWAY_ADDR` (read by `kvmesh generate`) is the client-side address.
 """
@@ -29,6 +34,7 @@ import os
 from collections.abc import Mapping
 
 ENV_PREFIX = "KVMESH_GATEWAY_"
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 DEFAULT_ADDR = "127.0.0.1:7000"
 
 
@@ -69,6 +75,7 @@ class GatewayConfig:
     refresh_s: float = 1.0              # ListEngines period
     directory_timeout_s: float = 0.2    # Lookup is on the request path: fail fast
     down_s: float = 2.0                 # an engine that failed is avoided this long
+    event_loop: str = "auto"            # auto | asyncio | uvloop (see the module docstring)
 
     def __post_init__(self):
         split_addresses(self.engines)
@@ -84,6 +91,9 @@ class GatewayConfig:
         for name in ("refresh_s", "directory_timeout_s", "down_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}, "
+                             f"got {self.event_loop!r}")
 
     @property
     def engine_list(self) -> tuple[str, ...]:
