@@ -25,7 +25,7 @@ def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
                          capture_output=True, text=True, timeout=180)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
-    assert "kvmesh is up" in text and "usage: prompt=" in text and "generated=48" in text
+    assert "kvmesh is up" in text and "usage: prompt=" in text and "generated=32" in text
     for name in ("directory", "engine-a", "engine-b", "gateway"):
         assert (tmp_path / "logs" / f"{name}.log").exists()
     ports = ports_in(text)
