@@ -277,8 +277,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="throughput rounds per path")
     ap.add_argument("--no-proxy", dest="proxy", action="store_false",
                     help="skip the pass-through proxy reference row")
-    ap.add_argument("--event-loop", choices=EVENT_LOOPS, default="auto",
-                    help="gateway (and proxy) event loop; auto = uvloop when installed")
+    ap.add_argument("--event-loop", choices=EVENT_LOOPS, default="asyncio",
+                    help="gateway (and proxy) event loop, as KVMESH_GATEWAY_EVENT_LOOP")
     ap.add_argument("--serve-proxy", metavar="UPSTREAM", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_proxy:

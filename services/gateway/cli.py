@@ -30,7 +30,8 @@ def register(sub) -> None:
     serve.add_argument("--tokenizer", help="tokenizer.json used for routing keys (default byte-level)")
     serve.add_argument("--max-attempts", type=int, help="engines tried before the first token (3)")
     serve.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"),
-                       help="auto = uvloop when installed ($KVMESH_GATEWAY_EVENT_LOOP)")
+                       help="default asyncio; auto = uvloop when installed "
+                       "($KVMESH_GATEWAY_EVENT_LOOP)")
     serve.set_defaults(func=_serve)
 
 

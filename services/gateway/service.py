@@ -121,7 +121,7 @@ def loop_name(choice: str) -> str:
     return choice
 
 
-def run(main: Coroutine, event_loop: str = "auto"):
+def run(main: Coroutine, event_loop: str = "asyncio"):
     """asyncio.run on the configured event loop; uvloop must be importable when asked for."""
     if loop_name(event_loop) == "uvloop":
         try:
