@@ -29,17 +29,21 @@ def register(sub) -> None:
                        "($KVMESH_GATEWAY_METRICS_PORT)")
     serve.add_argument("--tokenizer", help="tokenizer.json used for routing keys (default byte-level)")
     serve.add_argument("--max-attempts", type=int, help="engines tried before the first token (3)")
+    serve.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"),
+                       help="default asyncio; auto = uvloop when installed "
+                       "($KVMESH_GATEWAY_EVENT_LOOP)")
     serve.set_defaults(func=_serve)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig.from_env(host=args.host, port=args.port, engines=args.engines,
                                   directory=args.directory, metrics_port=args.metrics_port,
-                                  tokenizer=args.tokenizer, max_attempts=args.max_attempts)
+                                  tokenizer=args.tokenizer, max_attempts=args.max_attempts,
+                                  event_loop=getattr(args, "event_loop", None))
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.gateway.service import serve
+    from services.gateway.service import run, serve
 
     try:
         cfg = config_from_args(args)
@@ -49,7 +53,11 @@ def _serve(args: argparse.Namespace) -> int:
     if not cfg.engines and not cfg.directory:
         print("kvmesh gateway: give --engines and/or --directory", file=sys.stderr)
         return 2
-    asyncio.run(serve(cfg))
+    try:
+        run(serve(cfg), cfg.event_loop)
+    except ValueError as exc:  # uvloop asked for but not installed
+        print(f"kvmesh gateway: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -18,6 +18,12 @@
 | KVMESH_GATEWAY_REFRESH_S             | refresh_s             | 1.0                |
 | KVMESH_GATEWAY_DIRECTORY_TIMEOUT_S   | directory_timeout_s   | 0.2                |
 | KVMESH_GATEWAY_DOWN_S                | down_s                | 2.0                |
+| KVMESH_GATEWAY_EVENT_LOOP            | event_loop            | asyncio            |
+
+`event_loop`: `asyncio` (default), `uvloop` (fails if it is not installed) or `auto`
+(uvloop when importable). uvloop is optional and not a declared dependency; grpc.aio runs
+on it unchanged. It saves ~0.15 ms of gateway CPU per request; the latency gain is
+within run-to-run noise (see README.md, "Latency").
 
 `KVMESH_GATEWAY_ADDR` (read by `kvmesh generate`) is the client-side address.
 """
@@ -29,6 +35,7 @@ import os
 from collections.abc import Mapping
 
 ENV_PREFIX = "KVMESH_GATEWAY_"
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 DEFAULT_ADDR = "127.0.0.1:7000"
 
 
@@ -69,6 +76,7 @@ class GatewayConfig:
     refresh_s: float = 1.0              # ListEngines period
     directory_timeout_s: float = 0.2    # Lookup is on the request path: fail fast
     down_s: float = 2.0                 # an engine that failed is avoided this long
+    event_loop: str = "asyncio"         # asyncio | uvloop | auto (see the module docstring)
 
     def __post_init__(self):
         split_addresses(self.engines)
@@ -84,6 +92,9 @@ class GatewayConfig:
         for name in ("refresh_s", "directory_timeout_s", "down_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}, "
+                             f"got {self.event_loop!r}")
 
     @property
     def engine_list(self) -> tuple[str, ...]:

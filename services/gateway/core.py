@@ -24,7 +24,8 @@ from dataclasses import replace
 
 from kvmesh.errors import KvmeshError, Unavailable
 from kvmesh.metrics import RequestMetrics
-from services.engine.cache.snapshot_keys import prefix_snapshot_keys
+from services.engine.cache import hashing
+from services.engine.cache.snapshot_keys import snapshot_key
 from services.engine.config import ModelConfig
 from services.engine.tokenizer import load_tokenizer
 from services.gateway import validate
@@ -52,6 +53,24 @@ class ModelInfo:
         self.cfg = ModelConfig.from_json(msg.model_config_json)
         self.layout_fp = msg.layout_fingerprint
         self.vocab_size = self.cfg.vocab_size
+        self.block_size = self.cfg.block_size
+        self.window = self.cfg.window
+        # Part of every block hash; computing it costs more than hashing a short prompt.
+        self.model_fp = self.cfg.fingerprint()
+
+    def snapshot_keys(self, ids, salt: str) -> list[str]:
+        """Snapshot keys of every block boundary, shortest prefix first (as
+        `prefix_snapshot_keys`, with the model fingerprint computed once)."""
+        if len(ids) < self.block_size:  # no complete block: nothing to hash
+            return []
+        return [snapshot_key(h, self.layout_fp)
+                for h in hashing.chain(ids, self.block_size, self.model_fp, salt)]
+
+    def lookup_count(self, n_tokens: int) -> int:
+        """How many leading keys can name a usable snapshot. An engine restores one only at
+        a block boundary <= prompt - KEEP, and KEEP >= W + B >= W (the window), so keys past
+        prompt - W can never be a hit: the directory is not asked about them."""
+        return max(0, n_tokens - self.window) // self.block_size
 
 
 class GatewayCore:
@@ -187,9 +206,12 @@ class GatewayRequest:
         validate.check_request(req, core.cfg, info.vocab_size if info else None)
         ids = core.prompt_ids(req)
         keys: list[str] = []
+        holders: dict = {}
         if info is not None:
-            keys = [k for _, k in prefix_snapshot_keys(ids, info.cfg, info.layout_fp, req.cache_salt)]
-        holders = await core.holders(keys)
+            # Every block-boundary key feeds the affinity map; only those that can still
+            # be a snapshot hit go to the directory (none for short prompts: no Lookup).
+            keys = info.snapshot_keys(ids, req.cache_salt)
+            holders = await core.holders(keys[:info.lookup_count(len(ids))])
         msg = engine_request(req)
         tried: list[str] = []
         last: Exception | None = None
@@ -242,15 +264,26 @@ class GatewayRequest:
         return left
 
     def _finish(self, status: str) -> None:
+        """Metrics and the request's log line, after the answer is on its way.
+
+        Both are deferred to the next turn of the event loop: the servicer hands the
+        last message (or the unary response) to grpc first, so neither sits on the
+        request's latency. Values are taken now; the deferral only moves the work.
+        """
         total = self.core.clock() - self.t0
-        u = self.usage
-        self.core.metrics.observe(self.method, status, total, self.ttft, dict(
+        args = (status, total, self.ttft, self.usage, self.tokens)
+        try:
+            asyncio.get_running_loop().call_soon(self._report, *args)
+        except RuntimeError:  # no running loop (generator closed outside it): report now
+            self._report(*args)
+
+    def _report(self, status: str, total: float, ttft: float | None, u: Usage,
+                generated: int) -> None:
+        self.core.metrics.observe(self.method, status, total, ttft, dict(
             prompt=u.prompt_tokens, cached=u.cached_tokens, replayed=u.replayed_tokens,
-            generated=self.tokens))
+            generated=generated))
         log.info("request id=%s status=%s engine=%s route=%s attempts=%d prompt=%d cached=%d "
-                 "replayed=%d generated=%d ttft_ms=%s total_ms=%.1f", self.req.request_id, status,
-                 self.engine_id or "-", self.route or "-", self.attempts, u.prompt_tokens,
-                 u.cached_tokens, u.replayed_tokens, self.tokens,
-                 "-" if self.ttft is None else f"{self.ttft * 1000:.1f}", total * 1000)
-
-
+                 "replayed=%d generated=%d ttft_ms=%s total_ms=%.1f", self.req.request_id,
+                 status, self.engine_id or "-", self.route or "-", self.attempts,
+                 u.prompt_tokens, u.cached_tokens, u.replayed_tokens, generated,
+                 "-" if ttft is None else f"{ttft * 1000:.1f}", total * 1000)

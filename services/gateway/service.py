@@ -9,8 +9,10 @@ engine call as its timeout.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import signal
+from collections.abc import Coroutine
 
 import grpc
 
@@ -112,6 +114,25 @@ async def start_gateway(cfg: GatewayConfig, directory=None) -> tuple[Server, Gat
     return server, core
 
 
+def loop_name(choice: str) -> str:
+    """The event loop `run` uses for a config's `event_loop` ("auto" resolved)."""
+    if choice == "auto":
+        return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    return choice
+
+
+def run(main: Coroutine, event_loop: str = "asyncio"):
+    """asyncio.run on the configured event loop; uvloop must be importable when asked for."""
+    if loop_name(event_loop) == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            main.close()
+            raise ValueError("event_loop uvloop: the uvloop package is not installed") from None
+        return uvloop.run(main)
+    return asyncio.run(main)
+
+
 async def serve(cfg: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain: NOT_SERVING, in-flight calls get 5 s."""
     directory = None
@@ -122,8 +143,9 @@ async def serve(cfg: GatewayConfig) -> None:
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.host)
     server, core = await start_gateway(cfg, directory)
-    log.info("gateway listening on %s:%d (engines %s, directory %s, metrics %s)", cfg.host,
-             server.port, cfg.engines or "-", cfg.directory or "-", cfg.metrics_port or "off")
+    log.info("gateway listening on %s:%d (engines %s, directory %s, metrics %s, loop %s)",
+             cfg.host, server.port, cfg.engines or "-", cfg.directory or "-",
+             cfg.metrics_port or "off", type(asyncio.get_running_loop()).__module__)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
