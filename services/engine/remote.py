@@ -52,6 +52,7 @@ class RemoteTiers(Hooks):
         self.wants_blocks = kvstore is not None
         self.lease_s = 10.0
         self.registered = False
+        self.republish_needed = False    # a publish failed: send the whole store again
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -166,7 +167,8 @@ class RemoteTiers(Hooks):
                                                        restarted=restarted)
                 restarted = False
                 self.lease_s = grant.lease_ttl_ms / 1000.0
-                if grant.new_lease and self.registered:
+                if (grant.new_lease and self.registered) or self.republish_needed:
+                    self.republish_needed = False
                     await self._republish()
                 self.registered = True
             except KvmeshError as exc:
@@ -198,7 +200,8 @@ class RemoteTiers(Hooks):
                     await self.directory.withdraw(self.engine_id, gone)
             except KvmeshError as exc:
                 self.counters["directory_publish_failures"] += 1
-                log.warning("directory publish failed (snapshots stay local): %s", exc)
+                self.republish_needed = True        # the next good heartbeat republishes
+                log.warning("directory publish failed (will republish): %s", exc)
 
     async def _uploader(self) -> None:
         while True:
