@@ -120,7 +120,12 @@ class PrefixReuse:
                 pool.acquire(b)
             elif prefetched is not None and h in prefetched.blocks and pool.num_free > 0:
                 (b,) = pool.allocate(1)
-                self.cache.store.deserialize(b, prefetched.blocks[h])
+                try:
+                    self.cache.store.deserialize(b, prefetched.blocks[h])
+                except ValueError:           # wrong size: not this layout's block; a miss
+                    pool.release([b])
+                    self.counters["remote_blocks_refused"] += 1
+                    break
                 pool.register(b, h)
                 source = "remote"
             else:

@@ -150,3 +150,32 @@ def test_extra_state_ring_reassembles_the_same_snapshot(monkeypatch, length, chu
         assert snaps[0].data == snaps[1].data
     finally:
         rings.clear_ring_size_cache()
+
+
+def test_prefetched_blocks_install_and_a_bad_payload_is_a_miss():
+    """Blocks fetched from the kvstore before admission fill an empty ledger; a payload of
+    the wrong size stops the run there (a miss), never an error."""
+    from services.engine.cache import hashing
+    from services.engine.prefix import Prefetched
+
+    base = random_prompt(200, 21)
+    donor = make_engine(CFG, truncation="compact", keep_tokens=22)
+    serve(donor, base)
+    hashes = hashing.chain(base, 16, CFG.fingerprint())
+    payloads = {h: donor.cache.store.serialize(donor.cache.pool.lookup(h)) for h in hashes[:8]}
+
+    fresh = make_engine(CFG, truncation="compact", keep_tokens=22)
+    seq = fresh.add_request(base[:150], GREEDY, prefetched=Prefetched(blocks=payloads))
+    run_to_completion(fresh)
+    assert seq.cached_tokens == 128 and seq.replayed_tokens == 16   # 8 blocks, no window
+    cold = make_engine(CFG, truncation="compact", keep_tokens=22, swa_policy="zero")
+    serve(cold, base)                       # same blocks, then replay: same numbers expected
+    again = serve(cold, base[:150])
+    assert again.output == seq.output
+
+    bad = dict(payloads)
+    bad[hashes[3]] = payloads[hashes[3]][:-4]
+    other = make_engine(CFG, truncation="compact", keep_tokens=22)
+    seq = other.add_request(base[:150], GREEDY, prefetched=Prefetched(blocks=bad))
+    run_to_completion(other)
+    assert seq.cached_tokens == 48 and other.counters["remote_blocks_refused"] == 1
