@@ -59,11 +59,13 @@ def endpoint_table(mesh: Mesh) -> Table:
     if mesh.valkey is not None:
         table.add_row("valkey", mesh.endpoints["valkey"], str(mesh.valkey.proc.proc.pid),
                       f"valkey/{mesh.valkey.proc.log_path.name}")
+    if mesh.seaweed is not None:
+        table.add_row("seaweedfs (S3, 12 buckets)", mesh.endpoints["seaweedfs"], "", "seaweedfs/")
     for name, proc in mesh.procs.items():
         table.add_row(name, mesh.endpoints[name], str(proc.proc.pid), proc.log_path.name)
-    table.add_row("gateway /metrics", mesh.endpoints["gateway-metrics"], "", "")
-    for name in mesh.skipped:
-        table.add_row(name, "[dim]skipped (not in this tree)[/dim]", "", "")
+    for name, url in mesh.endpoints.items():
+        if name.endswith("-metrics"):
+            table.add_row(f"{name[:-8]} /metrics", url, "", "")
     return table
 
 

@@ -77,7 +77,6 @@ class Mesh:
         self.endpoints: dict[str, str] = {}        # name -> host:port (or URL)
         self.valkey: ValkeyProcess | None = None
         self.seaweed = None
-        self.skipped: list[str] = []
 
     @property
     def engine_names(self) -> list[str]:
