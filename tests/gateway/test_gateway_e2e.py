@@ -142,6 +142,20 @@ def test_directory_down_requests_still_served(gw, mesh):
         mesh.restart("directory")
 
 
+def _directory_load(mesh, engine_id: str) -> int:
+    """running + waiting sequences of an engine as its last heartbeat told the directory."""
+    import asyncio
+
+    from services.directory.client import DirectoryClient
+
+    async def engines():
+        async with DirectoryClient(mesh.endpoints["directory"]) as d:
+            return await d.list_engines()
+
+    return sum(e.load.running_seqs + e.load.waiting_seqs for e in asyncio.run(engines())
+               if e.engine_id == engine_id)
+
+
 def _holders_of(gw, mesh, prefix: str, salt: str) -> set[str]:
     """Engines the directory lists for the snapshot at the end of `prefix` (block-aligned)."""
     import asyncio
@@ -184,7 +198,9 @@ def test_shared_prefix_on_two_engines_reuses_blocks_and_snapshot(gw, mesh):
                                            ignore_eos=True), timeout=60) for i in range(6)]
     try:
         assert wait_for(lambda: gw.engine_stats(holder)["running"] + gw.engine_stats(holder)["waiting"] >= 6)
-        time.sleep(4.0)                          # one heartbeat + one gateway refresh
+        assert wait_for(lambda: _directory_load(mesh, holder) >= 6, timeout=30), \
+            "the holder's heartbeat reports its load"
+        time.sleep(1.5)                          # > one gateway ListEngines refresh (1 s)
         second = gw.generate(base[:256] + " and a different question follows here " * 4,
                              max_tokens=4, temperature=0.0, cache_salt="two-engines")
     finally:
