@@ -14,8 +14,9 @@ COPY services services
 COPY kernels kernels
 RUN pip install .
 
-# Run as an unprivileged user; nothing is written outside /tmp.
-RUN useradd --create-home --uid 10001 kvmesh
+# Run as an unprivileged user. Only the kvstore writes (its hot disk tier and metadata in
+# /data, a named volume in docker-compose.yml that starts with this ownership).
+RUN useradd --create-home --uid 10001 kvmesh && mkdir -p /data && chown kvmesh /data
 USER kvmesh
 ENTRYPOINT []
 CMD ["kvmesh", "--help"]
