@@ -90,7 +90,7 @@ class KvStore:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.meta.close()
-        self.shards.close()
+        await self.shards.close()
 
     @contextmanager
     def _lease(self, key: str):
