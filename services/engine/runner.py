@@ -78,8 +78,7 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, works: list[Work]) -> ForwardResult:
         cfg, result = self.cfg, ForwardResult()
-        rows = self._rows(works, [w.start for w in works],
-                          lambda w: torch.tensor(w.tokens[w.start : w.end]))
+        rows = self._rows(works, [w.start for w in works])
         x = self.w["embed"][rows.x]
         rows = _Rows(x, rows.pos, rows.valid)
         for layer in range(cfg.n_encoder_layers):
@@ -88,7 +87,7 @@ class ModelRunner:
 
         if self.dec_mode == "compact":
             firsts = [max(w.start, w.dec_lo) for w in works]
-            drows = self._rows(works, firsts, lambda w, f=None: None, source=rows)
+            drows = self._rows(works, firsts, source=rows)
         else:
             drows = rows
         for layer in range(cfg.n_encoder_layers, cfg.n_layers):
@@ -101,9 +100,9 @@ class ModelRunner:
         return result
 
     # --- batching ---------------------------------------------------------
-    def _rows(self, works, firsts, make, source: _Rows | None = None) -> _Rows:
-        """Pad per-work rows [first, end) into one batch. With `source`, rows are cut out of
-        an existing batch (decoder rows of a compact run); otherwise `make(w)` gives tokens."""
+    def _rows(self, works, firsts, source: _Rows | None = None) -> _Rows:
+        """Pad per-work rows [first, end) into one batch: token ids, or with `source` hidden
+        rows cut out of an existing batch (decoder rows of a compact run)."""
         lens = [max(0, w.end - f) for w, f in zip(works, firsts, strict=True)]
         t = max(1, max(lens))
         n = len(works)
@@ -112,7 +111,7 @@ class ModelRunner:
         if source is None:
             toks = torch.zeros(n, t, dtype=torch.long)
             for i, w in enumerate(works):
-                toks[i, : lens[i]] = make(w)
+                toks[i, : lens[i]] = torch.tensor(w.tokens[w.start : w.end])
             return _Rows(toks, pos, valid)
         x = source.x.new_zeros(n, t, source.x.shape[-1])
         for i, (w, f) in enumerate(zip(works, firsts, strict=True)):
