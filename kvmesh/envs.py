@@ -24,6 +24,10 @@ def _bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
+    return _to_bool(name, raw)
+
+
+def _to_bool(name: str, raw: str) -> bool:
     if raw.lower() in ("1", "true", "yes", "on"):
         return True
     if raw.lower() in ("0", "false", "no", "off"):
@@ -55,3 +59,24 @@ def yoco_truncation_mode() -> str:
 def yoco_keep_tokens() -> int:
     """0 = not given. Must be set explicitly (>= W + B) when truncation is on."""
     return _int("KVMESH_YOCO_PREFILL_KEEP_TOKENS", 0)
+
+
+def config_from_env(cls, prefix: str, env=None, **overrides):
+    """Build a frozen config dataclass: field defaults, then `<prefix><FIELD>` variables
+    (parsed as the default's type), then explicit overrides that are not None."""
+    import dataclasses
+
+    env = os.environ if env is None else env
+    values: dict = {}
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name.upper()
+        raw = env.get(name)
+        if raw is None or raw == "":
+            continue
+        kind = type(f.default)
+        try:
+            values[f.name] = _to_bool(name, raw) if kind is bool else kind(raw)
+        except ValueError as exc:
+            raise ValueError(f"{name}={raw!r}: {exc}") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**values)

@@ -9,9 +9,11 @@ reported as INTERNAL (a bug, never the caller's fault).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
+import signal
 from collections.abc import Callable, Iterable
 
 import grpc
@@ -134,6 +136,16 @@ class Server:
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
+
+
+def shutdown_signal() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM: every server's `serve` waits on it, then stops
+    gracefully. Call from inside the running loop, before the server starts."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -37,12 +37,14 @@ def weed_binary() -> str:
     return found
 
 
-def s3_client(endpoint: str, connect_timeout: float = 1.0, read_timeout: float = 5.0):
-    """A boto3 S3 client that fails fast: one attempt, short timeouts."""
+def s3_client(endpoint: str, connect_timeout: float = 1.0, read_timeout: float = 5.0,
+              pool: int = 32, session=None, **config):
+    """A boto3 S3 client that fails fast: one attempt, short timeouts, path addressing.
+    `session` (a boto3.Session) and extra botocore `config` keys let callers tune it."""
     import boto3
     from botocore.config import Config
 
-    return boto3.client(
+    return (session or boto3).client(
         "s3",
         endpoint_url=endpoint,
         region_name="us-east-1",
@@ -50,8 +52,9 @@ def s3_client(endpoint: str, connect_timeout: float = 1.0, read_timeout: float =
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             retries={"max_attempts": 1, "mode": "standard"},
-            max_pool_connections=32,
+            max_pool_connections=pool,
             s3={"addressing_style": "path"},
+            **config,
         ),
         **ANY_CREDENTIALS,
     )

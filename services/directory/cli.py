@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 
 from services.directory.config import DirectoryConfig
 
@@ -43,12 +42,10 @@ def config_from_args(args: argparse.Namespace) -> DirectoryConfig:
 
 
 async def serve(config: DirectoryConfig, address: str) -> None:
+    from kvmesh.rpc import shutdown_signal
     from services.directory.service import DirectoryServer  # grpc only when serving
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = shutdown_signal()
     server = await DirectoryServer(config, address).start()
     log.info("directory listening on %s:%d (redis %s, prefix %s)", address.rpartition(":")[0],
              server.port, config.redis_url, config.key_prefix)

@@ -17,8 +17,9 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
+
+from kvmesh.envs import config_from_env
 
 ENV_PREFIX = "KVMESH_DIRECTORY_"
 
@@ -67,16 +68,4 @@ class DirectoryConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> DirectoryConfig:
         """Defaults, then `KVMESH_DIRECTORY_<FIELD>` variables, then explicit overrides."""
-        env = os.environ if env is None else env
-        values: dict = {}
-        for f in dataclasses.fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None or raw == "":
-                continue
-            kind = type(f.default)
-            try:
-                values[f.name] = kind(raw)
-            except ValueError as exc:
-                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {exc}") from None
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return config_from_env(cls, ENV_PREFIX, env, **overrides)

@@ -21,6 +21,12 @@ def generate_request(prompt: str | list[int], max_tokens: int | None = None,
         req.prompt = prompt
     else:
         req.prompt_token_ids.extend(prompt)
+    return set_sampling(req, max_tokens, temperature, top_k, top_p, seed)
+
+
+def set_sampling(req, max_tokens=None, temperature=None, top_k=None, top_p=None, seed=None):
+    """Fill max_tokens and the optional sampling fields that were given (engine and gateway
+    requests share these field names); unset ones keep the server-side defaults."""
     if max_tokens is not None:
         req.max_tokens = max_tokens
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),

@@ -178,7 +178,7 @@ class RemoteTiers(Hooks):
     async def _republish(self) -> None:
         """A new lease (directory or Redis restarted): publish what the store still holds."""
         snaps = await self.engine.call(
-            lambda core: [(k, s.position, len(s.data)) for k, s in core.prefix.store._items.items()])
+            lambda core: [(k, s.position, len(s.data)) for k, s in core.prefix.store.items()])
         for key, pos, size in snaps:
             self.publishes.put_nowait(("publish", key, pos, size))
 

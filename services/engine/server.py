@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
-from kvmesh.rpc import Server
+from kvmesh.rpc import Server, shutdown_signal
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import EngineCore
 from services.engine.service import EngineServicer
@@ -33,10 +32,7 @@ async def serve(core: EngineCore, address: str, engine_id: str = "", advertise: 
         await remote.start()
     log.info("engine %s serving on port %d (preset %s, directory %s, kvstore %s)", engine_id,
              server.port, core.cfg.name, directory or "-", kvstore or "-")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = shutdown_signal()
     await stop.wait()
     log.info("engine shutting down")
     await server.stop(grace=5.0)

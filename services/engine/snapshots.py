@@ -77,6 +77,10 @@ class SnapshotStore:
     def keys(self) -> list[str]:
         return list(self._items)
 
+    def items(self) -> list[tuple[str, Snapshot]]:
+        """(key, snapshot) in LRU order, expired ones included until the next sweep."""
+        return list(self._items.items())
+
     def _fresh(self, key: str) -> Snapshot | None:
         snap = self._items.get(key)
         if snap is not None and self.clock() - snap.created > self.ttl_s:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from kvmesh.proto import gateway_pb2 as pb
 from kvmesh.proto import gateway_pb2_grpc as pb_grpc
 from kvmesh.rpc import channel
+from services.engine.client import set_sampling
 
 TRAFFIC = {"": pb.TRAFFIC_CLASS_UNSPECIFIED, "agent": pb.TRAFFIC_CLASS_AGENT,
            "chatbot": pb.TRAFFIC_CLASS_CHATBOT}
@@ -34,13 +35,7 @@ def gateway_request(prompt: str | list[int], max_tokens: int | None = None,
         req.prompt = prompt
     else:
         req.prompt_token_ids.ids.extend(prompt)
-    if max_tokens is not None:
-        req.max_tokens = max_tokens
-    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                        ("seed", seed)):
-        if value is not None:
-            setattr(req.sampling, name, value)
-    return req
+    return set_sampling(req, max_tokens, temperature, top_k, top_p, seed)
 
 
 class GatewayClient:

@@ -34,6 +34,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from kvmesh.envs import config_from_env
+
 ENV_PREFIX = "KVMESH_GATEWAY_"
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 DEFAULT_ADDR = "127.0.0.1:7000"
@@ -107,15 +109,4 @@ class GatewayConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> GatewayConfig:
         """Defaults, then `KVMESH_GATEWAY_<FIELD>` variables, then explicit (non-None) overrides."""
-        env = os.environ if env is None else env
-        values: dict = {}
-        for f in dataclasses.fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None or raw == "":
-                continue
-            try:
-                values[f.name] = type(f.default)(raw)
-            except ValueError as exc:
-                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {exc}") from None
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return config_from_env(cls, ENV_PREFIX, env, **overrides)

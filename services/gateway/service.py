@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
-import signal
 from collections.abc import Coroutine
 
 import grpc
@@ -20,7 +19,7 @@ from kvmesh.errors import KvmeshError, ResourceExhausted
 from kvmesh.metrics import serve_metrics
 from kvmesh.proto import gateway_pb2 as pb
 from kvmesh.proto import gateway_pb2_grpc as pb_grpc
-from kvmesh.rpc import Server
+from kvmesh.rpc import Server, shutdown_signal
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
 from services.gateway.model import GenRequest, status_name
@@ -146,10 +145,7 @@ async def serve(cfg: GatewayConfig) -> None:
     log.info("gateway listening on %s:%d (engines %s, directory %s, metrics %s, loop %s)",
              cfg.host, server.port, cfg.engines or "-", cfg.directory or "-",
              cfg.metrics_port or "off", type(asyncio.get_running_loop()).__module__)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = shutdown_signal()
     await stop.wait()
     log.info("gateway shutting down")
     await server.stop(grace=5.0)

@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import time
 
 from rich.console import Console
@@ -103,10 +102,9 @@ async def _serve_async(cfg: KvstoreConfig, metrics_port: int | None = None) -> N
         _export_metrics(server, metrics_port)
     log.info("kvstore serving on %s:%d (%d shard locations, data in %s)",
              cfg.host, port, len(cfg.locations), cfg.data_dir)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    from kvmesh.rpc import shutdown_signal
+
+    stop = shutdown_signal()
     await stop.wait()
     log.info("kvstore stopping")
     await server.stop()

@@ -27,7 +27,7 @@ import aiohttp
 import yarl
 from botocore.exceptions import BotoCoreError, ClientError
 
-from kvmesh.backing.seaweed import ANY_CREDENTIALS
+from kvmesh.backing.seaweed import s3_client
 from services.kvstore.config import ShardLocation
 
 log = logging.getLogger("kvmesh.kvstore.shards")
@@ -54,9 +54,9 @@ def _fast_timestamp(value):
 
 
 def shard_client(endpoint: str, connect_timeout: float, read_timeout: float, pool: int):
-    """A boto3 S3 client for one location, tuned for many small GETs.
+    """A boto3 S3 client for one location, tuned for many small GETs:
 
-    Same behaviour as `kvmesh.backing.seaweed.s3_client` (one attempt, short
+    `kvmesh.backing.seaweed.s3_client` (one attempt, short
     timeouts, path addressing) plus: no response checksum validation unless the
     operation requires it (every shard carries its own crc32 over all its bytes,
     checked in `ec.parse`; botocore's would hash each body a second time) and a
@@ -65,25 +65,13 @@ def shard_client(endpoint: str, connect_timeout: float, read_timeout: float, poo
     """
     import boto3
     import botocore.session
-    from botocore.config import Config
 
     core = botocore.session.Session()
     core.get_component("response_parser_factory").set_parser_defaults(
         timestamp_parser=_fast_timestamp)
-    return boto3.Session(botocore_session=core).client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        config=Config(
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            retries={"max_attempts": 1, "mode": "standard"},
-            max_pool_connections=pool,
-            s3={"addressing_style": "path"},
-            response_checksum_validation="when_required",
-        ),
-        **ANY_CREDENTIALS,
-    )
+    return s3_client(endpoint, connect_timeout, read_timeout, pool,
+                     session=boto3.Session(botocore_session=core),
+                     response_checksum_validation="when_required")
 
 
 class LocationDown(Exception):

@@ -97,7 +97,7 @@ def test_prefill_store_positions(length, expected, chunk):
         if not seq.finished and seq.prefilling:
             stored_during_prefill.append(len(engine.prefix.store))
     assert set(stored_during_prefill) <= {0}, "stored only after the last chunk"
-    positions = sorted(s.position for s in engine.prefix.store._items.values())
+    positions = sorted(s.position for s in (s for _, s in engine.prefix.store.items()))
     assert positions == ([] if expected is None else [expected])
 
 
@@ -120,7 +120,7 @@ def test_decode_crossings_and_policies(policy, expected):
     run_to_completion(engine)
     assert [b for b, _ in copies] == [b for b in expected if b < 69]
     assert all(nc == b for b, nc in copies)     # one-token steps: copied with lag 0
-    stored = sorted(s.position for s in engine.prefix.store._items.values())
+    stored = sorted(s.position for s in (s for _, s in engine.prefix.store.items()))
     assert stored == ([] if not copies else [copies[-1][0]])
     assert len(seq.tokens) == 70
 
@@ -143,7 +143,7 @@ def test_extra_state_ring_reassembles_the_same_snapshot(monkeypatch, length, chu
                                  max_batched_tokens=chunk)
             assert engine.cache.states.ring == (22 + 128 + 22 if extra else 22)
             serve(engine, prompt, SamplingParams(temperature=0, max_tokens=1))
-            (snap,) = engine.prefix.store._items.values()
+            (snap,) = (s for _, s in engine.prefix.store.items())
             snaps.append(snap)
         assert snaps[0].position == snaps[1].position == (length - 1) // 16 * 16
         assert len(snaps[0].data) == engine.cache.states.block.state_size_to_disk == 4 * 22 * 528

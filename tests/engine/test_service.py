@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 
 import grpc
 import pytest
@@ -19,20 +18,19 @@ from services.engine.config import small_test_config
 from services.engine.server import SERVICE_NAME
 from services.engine.service import EngineServicer
 from tests.engine.helpers import make_engine
+from tests.loop import LoopThread
 
 
-class EngineHarness:
+class EngineHarness(LoopThread):
     """An engine server and a client on one event loop in a background thread."""
 
     def __init__(self, **ecfg):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        super().__init__()
         self.core = make_engine(small_test_config(), dtype="float32", **ecfg)
         self.engine = AsyncEngine(self.core)
         self.server = self.run(self._server())
         self.address = f"127.0.0.1:{self.server.port}"
-        self.client = self.run(self._client())
+        self.client = self.make(EngineClient, self.address)
 
     async def _server(self):
         server = Server("127.0.0.1:0", [SERVICE_NAME])   # grpc.aio binds to the running loop
@@ -41,18 +39,11 @@ class EngineHarness:
         await server.start()
         return server
 
-    async def _client(self):
-        return EngineClient(self.address)
-
-    def run(self, coro, timeout=60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
     def close(self):
         self.run(self.client.close())
         self.run(self.server.stop(0.1))
         self.engine.shutdown()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        super().close()
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,7 @@ behaviour. Engines run the tiny model with YOCO truncation (KEEP 134).
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import threading
 
 import pytest
 
@@ -20,25 +18,10 @@ from kvmesh.healthcheck import wait_healthy
 from services.directory.client import DirectoryClient
 from services.engine.client import EngineClient
 from services.kvstore.client import KvstoreClient
+from tests.loop import LoopThread
 
 KVMESH = [sys.executable, "-m", "kvmesh.cli"]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-class Loop:
-    """An event loop in a background thread for async clients."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=120):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 class Tiers:
@@ -61,14 +44,10 @@ class Tiers:
             self.start_engine(name)
         for name in self.procs:
             wait_healthy(self.addr[name], 120, self.procs[name])
-        self.loop = Loop()
-        self.engines = {n: self.loop.run(self._client(EngineClient, self.addr[n])) for n in "ab"}
-        self.directory = self.loop.run(self._client(DirectoryClient, self.addr["directory"]))
-        self.kvstore = self.loop.run(self._client(KvstoreClient, self.addr["kvstore"]))
-
-    @staticmethod
-    async def _client(cls, address):
-        return cls(address)
+        self.loop = LoopThread()
+        self.engines = {n: self.loop.make(EngineClient, self.addr[n]) for n in "ab"}
+        self.directory = self.loop.make(DirectoryClient, self.addr["directory"])
+        self.kvstore = self.loop.make(KvstoreClient, self.addr["kvstore"])
 
     def _spawn(self, name, argv):
         self.procs[name] = ManagedProcess(name, KVMESH + argv, self.logs, ENV).start()
