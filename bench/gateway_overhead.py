@@ -3,7 +3,11 @@
 Same mesh, same run, same engine (the mesh has one engine so every path hits it):
 
     direct   client -> engine (EngineService.Generate, streamed)
-    gateway  client -> gateway (GatewayService.Generate) -> engine
+    gateway  client -> gateway (GatewayService.Generate) -> engine, over the gateway's
+             Session stream to the engine (the default)
+    calls    client -> a second gateway started with --engine-calls -> engine: the same
+             gateway code making one Generate call per request (the plain path; --no-calls
+             to skip)
     proxy    client -> empty pass-through gRPC proxy -> engine (reference row, --no-proxy
              to skip): a grpc.aio server in its own process, shaped like the gateway path
              (a unary call in front, the engine's server stream behind), that forwards the
@@ -23,7 +27,7 @@ Same mesh, same run, same engine (the mesh has one engine so every path hits it)
 Prints a table with the added p50 latency in ms and the ratios, writes
 bench/out/gateway_overhead.{png,json}.   Target: <= 1 ms added at p50.
 
-    .venv/bin/python bench/gateway_overhead.py [--n 300] [--concurrency 8] [--requests 64]
+    .venv/bin/python bench/gateway_overhead.py [--n 600] [--concurrency 8] [--requests 64]
 """
 
 from __future__ import annotations
@@ -46,13 +50,13 @@ sys.path.insert(0, str(ROOT))
 from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
 from services.engine.client import EngineClient  # noqa: E402
 from services.gateway.client import GatewayClient  # noqa: E402
-from services.gateway.config import EVENT_LOOPS  # noqa: E402
+from services.gateway.config import EVENT_LOOPS, GatewayConfig  # noqa: E402
 from services.gateway.service import loop_name  # noqa: E402
 from services.gateway.service import run as run_on_loop  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
 PROMPT = "Hi there"
-PATHS = ("direct", "gateway", "proxy")
+PATHS = ("direct", "gateway", "calls", "proxy")
 ENGINE_GENERATE = "/kvmesh.engine.v1.EngineService/Generate"
 PROXY_SERVICE = "bench.PassThrough"
 
@@ -99,6 +103,26 @@ def proxy_process(upstream: str, event_loop: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def calls_gateway(mesh: Mesh, event_loop: str):
+    """A second gateway on the same engine and directory, one engine call per request."""
+    from kvmesh.backing.proc import ManagedProcess, free_port
+    from kvmesh.healthcheck import wait_healthy
+    from kvmesh.mesh_runner import KVMESH
+
+    port = free_port()
+    proc = ManagedProcess("gateway-calls", [
+        *KVMESH, "gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--engines", mesh.endpoints["engine-a"], "--directory", mesh.endpoints["directory"],
+        "--engine-calls", "--event-loop", event_loop], Path(mesh.cfg.log_dir),
+        env=mesh.cfg.env).start()
+    try:
+        wait_healthy(f"127.0.0.1:{port}", timeout=60, proc=proc)
+        yield proc, f"127.0.0.1:{port}"
+    finally:
+        proc.stop()
 
 
 class ProxyClient:
@@ -151,9 +175,12 @@ async def latency(clients, n: int, pids: dict[str, int]
         for _ in range(10):
             await one(p, c, 1)
     cpu0 = {p: cpu_s(pid) for p, pid in pids.items()}
-    for _ in range(n):
+    for i in range(n):
         for p, c in clients.items():
             out[p].append(await one(p, c, 1))
+        if (i + 1) % 100 == 0 or i + 1 == n:
+            print(f"latency: {i + 1}/{n} rounds of {len(clients)} requests", file=sys.stderr,
+                  flush=True)
     cpu = {p: 1e3 * (cpu_s(pid) - cpu0[p]) / n for p, pid in pids.items()}
     return out, cpu
 
@@ -172,9 +199,12 @@ async def throughput(path, client, concurrency: int, requests: int, tokens: int)
     return requests / dt, requests * tokens / dt
 
 
-async def run(mesh: Mesh, args, proxy: str | None, pids: dict[str, int]) -> dict:
+async def run(mesh: Mesh, args, proxy: str | None, calls: str | None,
+              pids: dict[str, int]) -> dict:
     clients = {"direct": EngineClient(mesh.endpoints["engine-a"]),
                "gateway": GatewayClient(mesh.gateway)}
+    if calls:
+        clients["calls"] = GatewayClient(calls)
     if proxy:
         clients["proxy"] = ProxyClient(proxy)
     try:
@@ -202,10 +232,11 @@ async def run(mesh: Mesh, args, proxy: str | None, pids: dict[str, int]) -> dict
     # median paired difference is the steadier estimate on a busy machine.
     res["paired_median_added_ms"] = 1e3 * statistics.median(
         g - d for g, d in zip(lat["gateway"], lat["direct"], strict=True))
-    if "proxy" in lat:
-        res["proxy_added_p50_ms"] = res["proxy"]["p50_ms"] - res["direct"]["p50_ms"]
-        res["proxy_paired_median_added_ms"] = 1e3 * statistics.median(
-            x - d for x, d in zip(lat["proxy"], lat["direct"], strict=True))
+    for p in ("calls", "proxy"):
+        if p in lat:
+            res[f"{p}_added_p50_ms"] = res[p]["p50_ms"] - res["direct"]["p50_ms"]
+            res[f"{p}_paired_median_added_ms"] = 1e3 * statistics.median(
+                x - d for x, d in zip(lat[p], lat["direct"], strict=True))
     res["added_p95_ms"] = res["gateway"]["p95_ms"] - res["direct"]["p95_ms"]
     res["p50_ratio"] = res["gateway"]["p50_ms"] / res["direct"]["p50_ms"]
     res["throughput_ratio"] = res["gateway"]["req_s"] / res["direct"]["req_s"]
@@ -218,6 +249,7 @@ def report(res: dict) -> None:
     print(f"\n{'path':<9}{'p50 ms':>9}{'p95 ms':>9}{'mean ms':>9}{'req/s':>9}{'tok/s':>9}"
           f"{'paired':>9}{'cpu ms':>9}")
     paired = {"gateway": res["paired_median_added_ms"],
+              "calls": res.get("calls_paired_median_added_ms"),
               "proxy": res.get("proxy_paired_median_added_ms")}
     for p in (p for p in PATHS if p in res):
         r = res[p]
@@ -226,13 +258,18 @@ def report(res: dict) -> None:
         print(f"{p:<9}{r['p50_ms']:9.2f}{r['p95_ms']:9.2f}{r['mean_ms']:9.2f}"
               f"{r['req_s']:9.1f}{r['tok_s']:9.1f}{extra or ' ' * 9}{cpu}")
     print("(paired: median of per-pair differences to direct; cpu: CPU time of the gateway "
-          "or proxy process per sequential request)")
+          "or proxy process per sequential request; gateway = Session stream to the engine, "
+          "calls = one engine call per request)")
     s = res["settings"]
     print(f"\nadded latency: p50 {res['added_p50_ms']:+.2f} ms, p95 {res['added_p95_ms']:+.2f} ms "
           f"(p50 ratio {res['p50_ratio']:.2f}x; target <= 1 ms at p50: "
           f"{'met' if res['added_p50_ms'] <= 1.0 else 'NOT met'})")
     print(f"median paired difference (interleaved requests): "
           f"{res['paired_median_added_ms']:+.2f} ms")
+    if "calls" in res:
+        print(f"plain path, a gateway making one engine call per request (--engine-calls): "
+              f"p50 {res['calls_added_p50_ms']:+.2f} ms, paired "
+              f"{res['calls_paired_median_added_ms']:+.2f} ms")
     if "proxy" in res:
         print(f"reference, empty pass-through gRPC proxy: p50 {res['proxy_added_p50_ms']:+.2f} ms,"
               f" paired {res['proxy_paired_median_added_ms']:+.2f} ms; gateway minus proxy "
@@ -255,13 +292,17 @@ def plot(res: dict, path: Path) -> None:
                label=f"{p} p50 {res[p]['p50_ms']:.2f} ms")
     a.set(xlabel="request latency (ms), max_tokens=1", ylabel="requests",
           title=f"sequential: +{res['added_p50_ms']:.2f} ms at p50")
+    if "calls" in res:
+        a.hist(res["samples_ms"]["calls"], bins=60, alpha=0.4, color="tab:green",
+               label=f"gateway, call per request p50 {res['calls']['p50_ms']:.2f} ms")
     if "proxy" in res:
         a.hist(res["samples_ms"]["proxy"], bins=60, alpha=0.4, color="tab:gray",
                label=f"proxy (reference) p50 {res['proxy']['p50_ms']:.2f} ms")
     a.legend()
     paths = [p for p in PATHS if p in res]
-    b.bar(paths, [res[p]["req_s"] for p in paths],
-          color=["tab:blue", "tab:orange", "tab:gray"][:len(paths)])
+    colors = {"direct": "tab:blue", "gateway": "tab:orange", "calls": "tab:green",
+              "proxy": "tab:gray"}
+    b.bar(paths, [res[p]["req_s"] for p in paths], color=[colors[p] for p in paths])
     b.set(ylabel="requests/s", title=f"concurrency {res['settings']['concurrency']}: "
           f"{res['throughput_ratio']:.2f}x")
     fig.tight_layout()
@@ -270,14 +311,16 @@ def plot(res: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=300, help="sequential requests per path")
+    ap.add_argument("--n", type=int, default=600, help="sequential requests per path")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--requests", type=int, default=64, help="requests per path at concurrency")
     ap.add_argument("--tokens", type=int, default=8, help="max_tokens in the throughput phase")
     ap.add_argument("--rounds", type=int, default=2, help="throughput rounds per path")
     ap.add_argument("--no-proxy", dest="proxy", action="store_false",
                     help="skip the pass-through proxy reference row")
-    ap.add_argument("--event-loop", choices=EVENT_LOOPS, default="asyncio",
+    ap.add_argument("--no-calls", dest="calls", action="store_false",
+                    help="skip the gateway with one engine call per request")
+    ap.add_argument("--event-loop", choices=EVENT_LOOPS, default=GatewayConfig().event_loop,
                     help="gateway (and proxy) event loop, as KVMESH_GATEWAY_EVENT_LOOP")
     ap.add_argument("--serve-proxy", metavar="UPSTREAM", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -290,12 +333,15 @@ def main() -> int:
                      env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                           "KVMESH_GATEWAY_EVENT_LOOP": args.event_loop})
     with Mesh(cfg) as mesh, contextlib.ExitStack() as stack:
-        pids, proxy = {"gateway": mesh.pid("gateway")}, None
+        pids, proxy, calls = {"gateway": mesh.pid("gateway")}, None, None
+        if args.calls:
+            proc, calls = stack.enter_context(calls_gateway(mesh, args.event_loop))
+            pids["calls"] = proc.proc.pid
         if args.proxy:
             proc, proxy = stack.enter_context(proxy_process(mesh.endpoints["engine-a"],
                                                             args.event_loop))
             pids["proxy"] = proc.pid
-        res = asyncio.run(run(mesh, args, proxy, pids))
+        res = asyncio.run(run(mesh, args, proxy, calls, pids))
     res["event_loop"] = loop_name(args.event_loop)
     report(res)
     (OUT / "gateway_overhead.json").write_text(json.dumps(

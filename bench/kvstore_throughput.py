@@ -10,8 +10,17 @@ Part 2, end to end (real processes): five SeaweedFS servers, the kvstore as a
 `kvmesh kvstore serve` subprocess, an async client. Service put/get MB/s versus
 raw boto3 PUT/GET of the same unencoded bytes to the same SeaweedFS servers, at
 concurrency 1 and 16. "get (S3 path)" runs against a kvstore with both hot tiers
-off, so every get fetches 12 shards and decodes; "get (memory tier)" is the hot
-path. Prints a table of ratios and writes bench/out/kvstore_throughput.png.
+off, so every get fetches the 10 data shards and checks them; "get (memory
+tier)" is the hot path. "durable read in-process" is the reference floor of the
+S3 path: the kvstore's own read code (`DurableStore.get`: 10 presigned shard
+GETs, checksums, assembly) run inside the benchmark process, so no kvstore
+process and no gRPC hop; no service built on 10+2 shards can read faster than
+that on the same machine.
+
+For every get row the CPU time spent per object by the weed servers, the
+kvstore process and the benchmark process itself is read from /proc: on a
+2-core box the rows are CPU-bound, so these columns say where the time goes.
+Prints the tables and writes bench/out/kvstore_throughput.png.
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ sys.path.insert(0, str(ROOT))
 from kvmesh.backing.proc import ManagedProcess, free_port, wait_port  # noqa: E402
 from kvmesh.backing.seaweed import s3_client, start_seaweed_cluster  # noqa: E402
 from services.kvstore.client import KvstoreClient  # noqa: E402
+from services.kvstore.config import KvstoreConfig, ShardLocation  # noqa: E402
+from services.kvstore.durable import DurableStore  # noqa: E402
+from services.kvstore.shards import ShardStore  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
 
@@ -77,8 +89,36 @@ async def _timed(n_ops: int, concurrency: int, op) -> float:
     return time.perf_counter() - t0
 
 
-async def service_bench(address: str, payloads: list[bytes], conc: int, tag: str):
-    keys = [f"{tag}{conc:02d}{i:06d}".ljust(64, "0") for i in range(len(payloads))]
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU ms per object spent by groups of processes between start() and stop(n)."""
+
+    def __init__(self, groups: dict[str, list[int]]):
+        self.groups = groups  # name -> pids; "bench" is this process
+
+    def _now(self) -> dict[str, float]:
+        return {g: sum(cpu_s(p) for p in pids) for g, pids in self.groups.items()}
+
+    def start(self) -> None:
+        self._t0 = self._now()
+
+    def stop(self, n: int) -> dict[str, float]:
+        t1 = self._now()
+        return {g: 1e3 * (t1[g] - self._t0[g]) / n for g in t1}
+
+
+def bench_keys(tag: str, conc: int, n: int) -> list[str]:
+    return [f"{tag}{conc:02d}{i:06d}".ljust(64, "0") for i in range(n)]
+
+
+async def service_bench(address: str, payloads: list[bytes], conc: int, tag: str,
+                        meter: CpuMeter):
+    keys = bench_keys(tag, conc, len(payloads))
     async with KvstoreClient(address, timeout=300) as c:
         t_put = await _timed(len(keys), conc, lambda i: c.put([(keys[i], payloads[i])]))
         got: dict[int, bytes | None] = {}
@@ -86,12 +126,37 @@ async def service_bench(address: str, payloads: list[bytes], conc: int, tag: str
         async def get(i):
             got[i] = (await c.get([keys[i]]))[0]
 
+        meter.start()
         t_get = await _timed(len(keys), conc, get)
+        cpu = meter.stop(len(keys))
     assert all(got[i] == payloads[i] for i in range(len(keys))), "service returned wrong bytes"
-    return t_put, t_get
+    return t_put, t_get, cpu
 
 
-def raw_bench(cluster, payloads: list[bytes], conc: int):
+async def inprocess_bench(locations, payloads: list[bytes], conc: int, tag: str,
+                          meter: CpuMeter):
+    """Read objects the service stored, with its durable-tier code in this process."""
+    keys = bench_keys(tag, conc, len(payloads))
+    cfg = KvstoreConfig(locations=tuple(ShardLocation.parse(loc) for loc in locations))
+    shards = ShardStore(cfg.locations, cfg.s3_connect_timeout_s, cfg.s3_read_timeout_s,
+                        cfg.location_retry_s, cfg.threads_per_location)
+    durable = DurableStore(cfg.layout, shards, cfg.write_quorum)
+    got: dict[int, bytes | None] = {}
+
+    async def get(i):
+        got[i] = (await durable.get(keys[i], None, repair=False)).data
+
+    try:
+        meter.start()
+        t_get = await _timed(len(keys), conc, get)
+        cpu = meter.stop(len(keys))
+    finally:
+        await durable.shards.close()
+    assert all(got[i] == payloads[i] for i in range(len(keys))), "in-process read: wrong bytes"
+    return t_get, cpu
+
+
+def raw_bench(cluster, payloads: list[bytes], conc: int, meter: CpuMeter):
     clients = [s3_client(s.endpoint, read_timeout=60) for s in cluster.servers]
     bucket = "raw-bench"
     for c in clients:
@@ -112,10 +177,12 @@ def raw_bench(cluster, payloads: list[bytes], conc: int):
         t0 = time.perf_counter()
         list(pool.map(put, range(len(payloads))))
         t_put = time.perf_counter() - t0
+        meter.start()
         t0 = time.perf_counter()
         list(pool.map(get, range(len(payloads))))
         t_get = time.perf_counter() - t0
-    return t_put, t_get
+        cpu = meter.stop(len(payloads))
+    return t_put, t_get, cpu
 
 
 def start_kvstore(cluster, tmp: Path, name: str, tiers: bool) -> tuple[ManagedProcess, str]:
@@ -140,7 +207,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=150)
     codec = codec_bench(args.codec_mib << 20)
     t = Table(title=f"erasure coding 10+2, {args.codec_mib} MiB object (GB/s, best of 3)")
     for col in ("codec", "encode", "decode (2 lost)", "encode vs copy"):
@@ -152,7 +219,7 @@ def main() -> None:
     size = int(args.size_mib * (1 << 20))
     payloads = [os.urandom(size) for _ in range(args.objects)]
     mb = size * args.objects / 1e6
-    rows = []
+    rows, costs = [], []
     with tempfile.TemporaryDirectory(prefix="kvbench-") as d:
         tmp = Path(d)
         cluster = start_seaweed_cluster(5, [3, 3, 2, 2, 2], tmp / "seaweed")
@@ -161,24 +228,71 @@ def main() -> None:
             cold, cold_addr = start_kvstore(cluster, tmp, "kv-cold", tiers=False)
             hot, hot_addr = start_kvstore(cluster, tmp, "kv-hot", tiers=True)
             procs = [cold, hot]
+            weed = [s.proc.proc.pid for s in cluster.servers]
+            me = [os.getpid()]
             for conc in (1, 16):
-                raw_put, raw_get = raw_bench(cluster, payloads, conc)
-                s_put, s_get = asyncio.run(service_bench(cold_addr, payloads, conc, "c"))
-                _, h_get = asyncio.run(service_bench(hot_addr, payloads, conc, "d"))
-                rows.append((conc, mb / raw_put, mb / raw_get, mb / s_put, mb / s_get, mb / h_get))
+                console.print(f"[dim]concurrency {conc}: raw boto3, service (S3 path), "
+                              "durable read in-process, service (memory tier)...[/]")
+                raw_put, raw_get, c_raw = raw_bench(
+                    cluster, payloads, conc, CpuMeter({"weed": weed, "kvstore": [],
+                                                       "bench": me}))
+                s_put, s_get, c_s3 = asyncio.run(service_bench(
+                    cold_addr, payloads, conc, "c",
+                    CpuMeter({"weed": weed, "kvstore": [cold.proc.pid], "bench": me})))
+                i_get, c_in = asyncio.run(inprocess_bench(
+                    cluster.locations, payloads, conc, "c",
+                    CpuMeter({"weed": weed, "kvstore": [], "bench": me})))
+                _, h_get, c_hot = asyncio.run(service_bench(
+                    hot_addr, payloads, conc, "d",
+                    CpuMeter({"weed": weed, "kvstore": [hot.proc.pid], "bench": me})))
+                rows.append((conc, mb / raw_put, mb / raw_get, mb / s_put, mb / s_get,
+                             mb / h_get, mb / i_get))
+                for name, t, cpu in (("raw boto3 GET", raw_get, c_raw),
+                                     ("durable read in-process", i_get, c_in),
+                                     ("service get (S3 path)", s_get, c_s3),
+                                     ("service get (memory tier)", h_get, c_hot)):
+                    costs.append((conc, name, 1e3 * t / args.objects, cpu, raw_get / t))
         finally:
             for p in procs:
                 p.stop()
             cluster.stop()
     t = Table(title=f"end to end, {args.objects} x {args.size_mib:g} MiB objects (MB/s)")
     for col in ("concurrency", "raw PUT", "raw GET", "service put", "service get (S3 path)",
-                "service get (memory tier)", "put / raw", "get (S3) / raw"):
+                "service get (memory tier)", "durable read in-process", "put / raw",
+                "get (S3) / raw", "in-process / raw"):
         t.add_column(col, justify="right")
-    for conc, rp, rg, sp, sg, hg in rows:
+    for conc, rp, rg, sp, sg, hg, ig in rows:
         t.add_row(str(conc), f"{rp:.0f}", f"{rg:.0f}", f"{sp:.0f}", f"{sg:.0f}", f"{hg:.0f}",
-                  f"{sp / rp:.2f}x", f"{sg / rg:.2f}x")
+                  f"{ig:.0f}", f"{sp / rp:.2f}x", f"{sg / rg:.2f}x", f"{ig / rg:.2f}x")
     console.print(t)
+    t = Table(title="get cost per object (wall ms; CPU ms from /proc, summed per group)")
+    for col in ("concurrency", "path", "wall", "CPU weed", "CPU kvstore", "CPU bench client",
+                "CPU total", "vs raw GET"):
+        t.add_column(col, justify="right")
+    for conc, name, wall, cpu, ratio in costs:
+        t.add_row(str(conc), name, f"{wall:.1f}", f"{cpu['weed']:.1f}", f"{cpu['kvstore']:.1f}",
+                  f"{cpu['bench']:.1f}", f"{sum(cpu.values()):.1f}", f"{ratio:.2f}x")
+    console.print(t)
+    print_floor(console, costs)
     plot(codec, rows)
+
+
+def print_floor(console, costs) -> None:
+    """What the measured costs allow at the highest concurrency: with every core busy,
+    throughput ~ cores / CPU per object, so 0.5x raw leaves twice raw's CPU per object.
+    The S3 path cannot spend less than weed's shard GETs plus one gRPC hop (the
+    memory-tier row's whole cost is that hop and a dict lookup)."""
+    conc = max(c[0] for c in costs)
+    by = {name: cpu for c, name, _, cpu, _ in costs if c == conc}
+    budget = 2 * sum(by["raw boto3 GET"].values())
+    floor = by["service get (S3 path)"]["weed"] + sum(by["service get (memory tier)"].values())
+    console.print(
+        f"concurrency {conc}: CPU budget per object for 0.5x of raw GET = 2 x "
+        f"{budget / 2:.1f} = {budget:.1f} ms; weed's 10 shard GETs ("
+        f"{by['service get (S3 path)']['weed']:.1f} ms) + the gRPC hop (memory-tier row, "
+        f"{sum(by['service get (memory tier)'].values()):.1f} ms) = {floor:.1f} ms before the "
+        f"kvstore receives or checks a byte -> S3-path ceiling on this machine ~"
+        f"{budget / 2 / floor:.2f}x of raw")
 
 
 def plot(codec, rows) -> None:
@@ -197,7 +311,7 @@ def plot(codec, rows) -> None:
     a.set_ylabel("GB/s")
     a.set_title("erasure coding 10+2")
     a.legend()
-    labels = ["raw PUT", "raw GET", "svc put", "svc get S3", "svc get mem"]
+    labels = ["raw PUT", "raw GET", "svc put", "svc get S3", "svc get mem", "in-proc read"]
     for j, row in enumerate(rows):
         b.bar([i + 0.4 * j for i in range(len(labels))], row[1:], 0.4,
               label=f"concurrency {row[0]}")

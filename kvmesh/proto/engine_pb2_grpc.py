@@ -39,6 +39,11 @@ class EngineServiceStub:
                 request_serializer=kvmesh_dot_proto_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvmesh.engine.v1.EngineService/Session',
+                request_serializer=kvmesh_dot_proto_dot_engine__pb2.SessionRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_engine__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kvmesh.engine.v1.EngineService/GetStats',
                 request_serializer=kvmesh_dot_proto_dot_engine__pb2.GetStatsRequest.SerializeToString,
@@ -61,6 +66,14 @@ class EngineServiceServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """The same generations, multiplexed on one stream (see SessionRequest). Closing the
+        stream aborts every generation still running on it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -91,6 +104,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_proto_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvmesh_dot_proto_dot_engine__pb2.SessionRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_engine__pb2.SessionResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -135,6 +153,33 @@ class EngineService:
             '/kvmesh.engine.v1.EngineService/Generate',
             kvmesh_dot_proto_dot_engine__pb2.GenerateRequest.SerializeToString,
             kvmesh_dot_proto_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.engine.v1.EngineService/Session',
+            kvmesh_dot_proto_dot_engine__pb2.SessionRequest.SerializeToString,
+            kvmesh_dot_proto_dot_engine__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

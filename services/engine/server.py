@@ -25,8 +25,8 @@ async def serve(core: EngineCore, address: str, engine_id: str = "", advertise: 
     server = Server(address, [SERVICE_NAME], metrics_service="engine")
     remote = await _remote(engine, server.port, engine_id, advertise or address, directory,
                            kvstore, fetch_mode, fetch_deadline_s)
-    engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine, remote),
-                                                        server.server)
+    servicer = EngineServicer(engine, remote)
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server.server)
     await server.start()
     if remote is not None:
         await remote.start()
@@ -35,6 +35,7 @@ async def serve(core: EngineCore, address: str, engine_id: str = "", advertise: 
     stop = shutdown_signal()
     await stop.wait()
     log.info("engine shutting down")
+    servicer.sessions.drain()  # open sessions stop taking generations (gateways retry elsewhere)
     await server.stop(grace=5.0)
     if remote is not None:
         await remote.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
@@ -12,6 +13,7 @@ from services.engine.cache.snapshot_keys import layout_fingerprint
 from services.engine.peers import check_key, snapshot_messages
 from services.engine.sampling import SamplingParams
 from services.engine.sequence import Finish
+from services.engine.session import SessionHub
 
 DEFAULT_MAX_TOKENS = 64
 FINISH = {
@@ -49,6 +51,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.engine = engine
         self.remote = remote            # RemoteTiers: kvstore blocks and peer snapshots
         self.tokenizer = engine.core.tokenizer
+        self.sessions = SessionHub(self.events)
 
     def prompt_ids(self, req) -> list[int]:
         if req.prompt_token_ids:
@@ -57,6 +60,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     @map_errors
     async def Generate(self, request, context):
+        async for msg in self.events(request):
+            yield msg
+
+    async def Session(self, request_iterator, context):
+        # Errors are per generation (SessionError), so no map_errors around the stream.
+        async for msg in self.sessions.serve(request_iterator):
+            yield msg
+
+    async def events(self, request) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """The messages of one generation, for Generate and for a Session alike."""
         params = params_from_proto(request)
         ids = self.prompt_ids(request)
         prefetched = None

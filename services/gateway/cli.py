@@ -30,8 +30,11 @@ def register(sub) -> None:
     serve.add_argument("--tokenizer", help="tokenizer.json used for routing keys (default byte-level)")
     serve.add_argument("--max-attempts", type=int, help="engines tried before the first token (3)")
     serve.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"),
-                       help="default asyncio; auto = uvloop when installed "
+                       help="default uvloop; auto = uvloop when installed "
                        "($KVMESH_GATEWAY_EVENT_LOOP)")
+    serve.add_argument("--engine-calls", dest="engine_sessions", action="store_const",
+                       const=False, help="one Generate call per request instead of a Session "
+                       "stream per engine ($KVMESH_GATEWAY_ENGINE_SESSIONS=false)")
     serve.set_defaults(func=_serve)
 
 
@@ -39,7 +42,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig.from_env(host=args.host, port=args.port, engines=args.engines,
                                   directory=args.directory, metrics_port=args.metrics_port,
                                   tokenizer=args.tokenizer, max_attempts=args.max_attempts,
-                                  event_loop=getattr(args, "event_loop", None))
+                                  event_loop=getattr(args, "event_loop", None),
+                                  engine_sessions=getattr(args, "engine_sessions", None))
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -18,12 +18,16 @@
 | KVMESH_GATEWAY_REFRESH_S             | refresh_s             | 1.0                |
 | KVMESH_GATEWAY_DIRECTORY_TIMEOUT_S   | directory_timeout_s   | 0.2                |
 | KVMESH_GATEWAY_DOWN_S                | down_s                | 2.0                |
-| KVMESH_GATEWAY_EVENT_LOOP            | event_loop            | asyncio            |
+| KVMESH_GATEWAY_EVENT_LOOP            | event_loop            | uvloop             |
+| KVMESH_GATEWAY_ENGINE_SESSIONS       | engine_sessions       | true               |
 
-`event_loop`: `asyncio` (default), `uvloop` (fails if it is not installed) or `auto`
-(uvloop when importable). uvloop is optional and not a declared dependency; grpc.aio runs
-on it unchanged. It saves ~0.15 ms of gateway CPU per request; the latency gain is
-within run-to-run noise (see README.md, "Latency").
+`event_loop`: `uvloop` (default; a declared dependency), `asyncio`, or `auto` (uvloop when
+importable). grpc.aio runs on uvloop unchanged; on the 2-core box it takes ~0.15 ms of
+gateway CPU and ~0.1-0.2 ms of added latency off each request (see README.md, "Latency").
+
+`engine_sessions`: true sends every generation over one long-lived Session stream per
+engine; false makes one Generate call per request (the plain path, ~0.5 ms more added
+latency per request on the 2-core box; see services/gateway/README.md).
 
 `KVMESH_GATEWAY_ADDR` (read by `kvmesh generate`) is the client-side address.
 """
@@ -78,7 +82,8 @@ class GatewayConfig:
     refresh_s: float = 1.0              # ListEngines period
     directory_timeout_s: float = 0.2    # Lookup is on the request path: fail fast
     down_s: float = 2.0                 # an engine that failed is avoided this long
-    event_loop: str = "asyncio"         # asyncio | uvloop | auto (see the module docstring)
+    event_loop: str = "uvloop"          # uvloop | asyncio | auto (see the module docstring)
+    engine_sessions: bool = True        # one Session stream per engine, else a call per request
 
     def __post_init__(self):
         split_addresses(self.engines)

@@ -77,7 +77,7 @@ class GatewayCore:
     def __init__(self, cfg: GatewayConfig, pool: EnginePool | None = None, directory=None,
                  clock=time.monotonic):
         self.cfg = cfg
-        self.pool = pool or EnginePool()
+        self.pool = pool or EnginePool(session=cfg.engine_sessions)
         self.directory = directory          # DirectoryClient-like, or None
         self.clock = clock
         self.router = Router(cfg.engine_list, cfg.affinity_entries, cfg.max_imbalance)

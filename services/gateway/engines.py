@@ -8,9 +8,15 @@ translates gRPC failures into domain errors the core decides on:
     INTERNAL                -> EngineInternal (a bug: not retried, not hidden)
     anything else           -> EngineFailure (retryable before the first token)
 
-The pool owns its channels; `close()` closes them. A stream that is closed
-early (client cancelled, deadline, core gave up) cancels the engine call, so
-the engine aborts the request and frees its slot and blocks.
+Generations go over one `EngineSession` stream per engine (session.py): a
+message on an open stream instead of a new gRPC call per request. The plain
+path, one Generate call per request, stays behind `EnginePool(session=False)`
+(gateway `--engine-calls`) as the reference the session path is tested against.
+
+The pool owns its channels and sessions; `close()` closes them. A generation
+that is closed early (client cancelled, deadline, core gave up) cancels its
+engine call or session tag, so the engine aborts the request and frees its slot
+and blocks.
 """
 
 from __future__ import annotations
@@ -28,11 +34,8 @@ from services.gateway.model import (
     EngineFailure,
     EngineInternal,
     GenRequest,
-    Usage,
 )
-
-FINISH = {engine_pb2.FINISH_REASON_LENGTH: "length", engine_pb2.FINISH_REASON_STOP: "stop",
-          engine_pb2.FINISH_REASON_ABORTED: "aborted"}
+from services.gateway.session import EngineSession, to_chunk
 
 
 def engine_request(req: GenRequest) -> engine_pb2.GenerateRequest:
@@ -57,20 +60,28 @@ def engine_request(req: GenRequest) -> engine_pb2.GenerateRequest:
     return msg
 
 
-def _error(address: str, exc: grpc.aio.AioRpcError) -> Exception:
-    code = exc.code()
+def error_for(address: str, code: grpc.StatusCode, details: str) -> Exception:
     if code is grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument(exc.details())
+        return InvalidArgument(details)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(f"deadline exceeded while engine {address} was generating")
     if code is grpc.StatusCode.INTERNAL:
-        return EngineInternal(f"engine {address}: {exc.details()}")
-    return EngineFailure(f"{code.name}: {exc.details()}")
+        return EngineInternal(f"engine {address}: {details}")
+    return EngineFailure(f"{code.name}: {details}")
+
+
+def _error(address: str, exc: grpc.aio.AioRpcError) -> Exception:
+    return error_for(address, exc.code(), exc.details())
 
 
 class EnginePool:
-    def __init__(self):
+    """`session=True` (the default) sends generations over one Session stream per engine;
+    False makes one Generate call per request (the plain path, kept for comparison)."""
+
+    def __init__(self, session: bool = True):
+        self.use_sessions = session
         self._stubs: dict[str, tuple[grpc.aio.Channel, engine_pb2_grpc.EngineServiceStub]] = {}
+        self._sessions: dict[str, EngineSession] = {}
 
     def stub(self, address: str) -> engine_pb2_grpc.EngineServiceStub:
         entry = self._stubs.get(address)
@@ -79,9 +90,22 @@ class EnginePool:
             entry = self._stubs[address] = (ch, engine_pb2_grpc.EngineServiceStub(ch))
         return entry[1]
 
-    async def stream(self, address: str, msg: engine_pb2.GenerateRequest,
-                     timeout: float | None) -> AsyncIterator[Chunk]:
-        """Chunks of one engine call; the last has `finish` set, else EngineFailure."""
+    def session(self, address: str) -> EngineSession:
+        """The open session to `address`; a new one when there is none or it broke."""
+        s = self._sessions.get(address)
+        if s is None or s.broken is not None:
+            s = self._sessions[address] = EngineSession(self.stub(address), address, error_for)
+        return s
+
+    def stream(self, address: str, msg: engine_pb2.GenerateRequest,
+               timeout: float | None) -> AsyncIterator[Chunk]:
+        """Chunks of one generation; the last has `finish` set, else an error is raised."""
+        if self.use_sessions:
+            return self.session(address).generate(msg, timeout)
+        return self._call(address, msg, timeout)
+
+    async def _call(self, address: str, msg: engine_pb2.GenerateRequest,
+                    timeout: float | None) -> AsyncIterator[Chunk]:
         call = self.stub(address).Generate(msg, timeout=timeout, wait_for_ready=False)
         finished = False
         try:
@@ -89,14 +113,12 @@ class EnginePool:
                 m = await call.read()
                 if m is grpc.aio.EOF:
                     break
-                if m.finish_reason:
+                chunk = to_chunk(m)
+                if chunk.finish is not None:
                     finished = True
-                    u = m.usage
-                    yield Chunk(list(m.token_ids), m.text, FINISH.get(m.finish_reason, "aborted"),
-                                Usage(u.prompt_tokens, u.cached_tokens, u.replayed_tokens,
-                                      u.generated_tokens))
+                    yield chunk
                     return
-                yield Chunk(list(m.token_ids), m.text)
+                yield chunk
         except grpc.aio.AioRpcError as exc:
             raise _error(address, exc) from None
         finally:
@@ -112,6 +134,9 @@ class EnginePool:
             raise _error(address, exc) from None
 
     async def close(self) -> None:
+        for s in self._sessions.values():
+            await s.close()
+        self._sessions.clear()
         for ch, _ in self._stubs.values():
             await ch.close()
         self._stubs.clear()

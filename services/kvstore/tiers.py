@@ -20,11 +20,11 @@ from __future__ import annotations
 import itertools
 import os
 import struct
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 
 import aiofiles
+from isal.isal_zlib import crc32
 
 _DISK_HEADER = struct.Struct("<4sQQI")
 _DISK_MAGIC = b"KVDT"
@@ -113,7 +113,7 @@ class DiskTier:
             return None
         magic, gen, size, crc = _DISK_HEADER.unpack_from(blob)
         payload = blob[_DISK_HEADER.size:]
-        if (magic, gen, size) != (_DISK_MAGIC, generation, len(payload)) or zlib.crc32(payload) != crc:
+        if (magic, gen, size) != (_DISK_MAGIC, generation, len(payload)) or crc32(payload) != crc:
             self.drop(key)  # bit rot or a torn file: the durable tier still has it
             return None
         return payload
@@ -123,7 +123,7 @@ class DiskTier:
         if len(data) > self.capacity or self.capacity == 0:
             return
         tmp = self.root / f".{key}.{next(self._tmp)}"
-        header = _DISK_HEADER.pack(_DISK_MAGIC, generation, len(data), zlib.crc32(data))
+        header = _DISK_HEADER.pack(_DISK_MAGIC, generation, len(data), crc32(data))
         async with aiofiles.open(tmp, "wb") as f:
             await f.write(header)
             await f.write(data)

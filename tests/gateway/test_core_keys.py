@@ -3,6 +3,7 @@ the directory, the deferred request report, and the event-loop choice."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 
@@ -115,8 +116,22 @@ def test_event_loop_choice():
         return type(asyncio.get_running_loop()).__module__
 
     assert run(which(), "asyncio").startswith("asyncio")
-    if loop_name("auto") == "uvloop":
-        assert run(which(), "uvloop").startswith("uvloop")
+    # uvloop is a declared dependency and the default loop
+    assert loop_name("auto") == "uvloop" and GatewayConfig().event_loop == "uvloop"
+    assert run(which(), "uvloop").startswith("uvloop")
     with pytest.raises(ValueError, match="event_loop"):
         GatewayConfig(event_loop="trio")
     assert GatewayConfig.from_env({"KVMESH_GATEWAY_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
+
+
+def test_engine_sessions_switch():
+    from services.gateway.cli import config_from_args, register
+
+    assert GatewayConfig().engine_sessions is True
+    assert GatewayConfig.from_env({"KVMESH_GATEWAY_ENGINE_SESSIONS": "0"}).engine_sessions is False
+    ap = argparse.ArgumentParser()
+    register(ap.add_subparsers())
+    for argv, want in ((["gateway", "serve", "--engines", "h:1"], True),
+                       (["gateway", "serve", "--engines", "h:1", "--engine-calls"], False)):
+        assert config_from_args(ap.parse_args(argv)).engine_sessions is want
+    assert GatewayCore(GatewayConfig(engines="h:1", engine_sessions=False)).pool.use_sessions is False
