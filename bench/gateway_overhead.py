@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -169,15 +170,22 @@ async def one(path, client, max_tokens: int) -> float:
 
 async def latency(clients, n: int, pids: dict[str, int]
                   ) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Interleaved sequential requests; also CPU ms per request of the in-between processes."""
+    """Interleaved sequential requests; also CPU ms per request of the in-between processes.
+
+    Each round sends one request per path in a shuffled order (seeded): whatever a request
+    leaves behind (a gateway's deferred log line, engine bookkeeping) lands on each path
+    equally often instead of always on the path that follows it in a fixed order."""
     out = {p: [] for p in clients}
     for p, c in clients.items():  # warm-up: channels connected, code paths hot
         for _ in range(10):
             await one(p, c, 1)
+    rng = random.Random(0)
+    order = list(clients)
     cpu0 = {p: cpu_s(pid) for p, pid in pids.items()}
     for i in range(n):
-        for p, c in clients.items():
-            out[p].append(await one(p, c, 1))
+        rng.shuffle(order)
+        for p in order:
+            out[p].append(await one(p, clients[p], 1))
         if (i + 1) % 100 == 0 or i + 1 == n:
             print(f"latency: {i + 1}/{n} rounds of {len(clients)} requests", file=sys.stderr,
                   flush=True)

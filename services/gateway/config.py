@@ -26,7 +26,7 @@ importable). grpc.aio runs on uvloop unchanged; on the 2-core box it takes ~0.15
 gateway CPU and ~0.1-0.2 ms of added latency off each request (see README.md, "Latency").
 
 `engine_sessions`: true sends every generation over one long-lived Session stream per
-engine; false makes one Generate call per request (the plain path, ~0.5 ms more added
+engine; false makes one Generate call per request (the plain path, 0.3-0.4 ms more added
 latency per request on the 2-core box; see services/gateway/README.md).
 
 `KVMESH_GATEWAY_ADDR` (read by `kvmesh generate`) is the client-side address.
