@@ -100,16 +100,22 @@ class StatsExporter:
 
 class RpcMetrics(grpc.aio.ServerInterceptor):
     """Server interceptor: every RPC of a service counted by method and final status, with
-    its latency (and, for server streams, the time to the first message as TTFT)."""
+    its latency (and, for server streams, the time to the first message as TTFT).
 
-    def __init__(self, service: str):
+    Methods in `skip` are left alone: they carry many requests per call and record each
+    of them themselves (the engine's Session stream counts its generations as Generate)."""
+
+    def __init__(self, service: str, skip: tuple[str, ...] = ()):
         self.metrics = RequestMetrics(service)
+        self.skip = frozenset(skip)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
         method = details.method.rsplit("/", 1)[-1]
+        if method in self.skip:
+            return handler
         m = self.metrics
         kw = dict(request_deserializer=handler.request_deserializer,
                   response_serializer=handler.response_serializer)

@@ -95,12 +95,12 @@ class Server:
     """A grpc.aio server with health and reflection; `start()` then `stop()`."""
 
     def __init__(self, address: str, service_names: Iterable[str], metrics_service: str = "",
-                 options: list | None = None):
+                 options: list | None = None, metrics_skip: tuple[str, ...] = ()):
         interceptors = []
         if metrics_service:  # per-RPC status, latency and TTFT on the shared /metrics families
             from kvmesh.metrics import RpcMetrics
 
-            interceptors.append(RpcMetrics(metrics_service))
+            interceptors.append(RpcMetrics(metrics_service, metrics_skip))
         self.server = grpc.aio.server(options=options or CHANNEL_OPTIONS,
                                       interceptors=interceptors)
         self.health = HealthServicer()

@@ -22,7 +22,8 @@ async def serve(core: EngineCore, address: str, engine_id: str = "", advertise: 
     stats_task = None
     if metrics_port is not None:
         stats_task = asyncio.create_task(_export_stats(engine, metrics_port))
-    server = Server(address, [SERVICE_NAME], metrics_service="engine")
+    # A Session carries many generations and counts each one itself (as Generate).
+    server = Server(address, [SERVICE_NAME], metrics_service="engine", metrics_skip=("Session",))
     remote = await _remote(engine, server.port, engine_id, advertise or address, directory,
                            kvstore, fetch_mode, fetch_deadline_s)
     servicer = EngineServicer(engine, remote)

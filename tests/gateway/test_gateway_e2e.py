@@ -266,6 +266,12 @@ def test_every_service_exports_metrics(gw, mesh):
                 and 'method="Generate",service="engine",status="OK"' in text)
 
     assert wait_for(engine_ok)
+    # The gateway's Session streams are not requests: only their generations are counted,
+    # so an idle engine shows nothing in flight even while a session is open.
+    for name in mesh.engine_names:
+        text = scrape(name)
+        assert 'method="Session"' not in text, name
+        assert 'kvmesh_in_flight_requests{service="engine"} 0.0' in text, name
     assert wait_for(lambda: "kvmesh_kvstore_durable_bytes" in scrape("kvstore"))
     assert wait_for(lambda: 'method="Heartbeat",service="directory",status="OK"'
                     in scrape("directory"))
