@@ -46,6 +46,17 @@ class EngineHarness(LoopThread):
         super().close()
 
 
+async def wait_idle(h, tries: int = 200) -> dict:
+    """Engine stats once nothing runs or waits, after a ledger integrity check."""
+    for _ in range(tries):
+        stats = await h.client.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            await h.engine.call(lambda core: core.check_integrity())
+            return stats
+        await asyncio.sleep(0.05)
+    raise AssertionError("engine did not become idle (request not aborted?)")
+
+
 @pytest.fixture(scope="module")
 def h():
     harness = EngineHarness(num_slots=4, num_blocks=256)
@@ -111,17 +122,7 @@ def test_cancelled_request_frees_its_slot_and_blocks(h):
         return got
 
     assert h.run(start_and_cancel()) == 3
-
-    async def idle():
-        for _ in range(100):
-            stats = await h.client.stats()
-            if stats["running"] == 0 and stats["waiting"] == 0:
-                await h.engine.call(lambda core: core.check_integrity())
-                return stats
-            await asyncio.sleep(0.05)
-        raise AssertionError("request was not aborted")
-
-    stats = h.run(idle())
+    stats = h.run(wait_idle(h))
     assert stats["slots_in_use"] == 0 and stats["blocks_in_use"] == 0
     assert stats["aborted"] >= 1
 

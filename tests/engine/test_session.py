@@ -14,7 +14,7 @@ from kvmesh.rpc import Server
 from services.engine.client import generate_request
 from services.engine.server import SERVICE_NAME
 from services.engine.service import EngineServicer
-from tests.engine.test_service import EngineHarness
+from tests.engine.test_service import EngineHarness, wait_idle
 
 
 class SessionHarness(EngineHarness):
@@ -69,16 +69,6 @@ def events(msgs) -> list[tuple]:
     return [(list(m.token_ids), m.text, m.finish_reason,
              (m.usage.prompt_tokens, m.usage.cached_tokens, m.usage.generated_tokens))
             for m in msgs]
-
-
-async def _idle(h) -> dict:
-    for _ in range(200):
-        stats = await h.client.stats()
-        if stats["running"] == 0 and stats["waiting"] == 0:
-            await h.engine.call(lambda core: core.check_integrity())
-            return stats
-        await asyncio.sleep(0.05)
-    raise AssertionError("engine did not become idle")
 
 
 REQUESTS = [
@@ -159,7 +149,7 @@ def test_cancel_frees_the_slot_and_the_stream_goes_on(h):
         while len(s.by_tag.get(1, [])) < 3:
             await asyncio.sleep(0.01)
         s.cancel(1)
-        stats = await _idle(h)
+        stats = await wait_idle(h)
         s.send(2, generate_request("next", max_tokens=4, temperature=0.0))
         await s.wait(2)
         s.outbox.put_nowait(None)
@@ -184,7 +174,7 @@ def test_closing_the_stream_aborts_what_runs_on_it(h):
             await asyncio.sleep(0.01)
         s.call.cancel()  # the caller goes away mid-generation
         pump.cancel()
-        stats = await _idle(h)
+        stats = await wait_idle(h)
         return stats, stats["aborted"] - aborted0
 
     stats, aborted = h.run(go())

@@ -12,6 +12,7 @@ from kvmesh.errors import InvalidArgument
 from services.engine.client import generate_request
 from services.gateway.engines import EnginePool
 from services.gateway.model import DeadlineExceeded, EngineFailure
+from tests.engine.test_service import wait_idle
 from tests.engine.test_session import REQUESTS, SessionHarness
 
 
@@ -56,11 +57,7 @@ def test_failures_map_alike_on_both_paths(h, session):
             with pytest.raises(DeadlineExceeded):
                 await collect(pool, h.address, generate_request(
                     [7] * 200, max_tokens=500, temperature=0.0, ignore_eos=True), timeout=0.3)
-            for _ in range(200):  # the deadline freed the engine's slot and blocks
-                stats = await h.client.stats()
-                if stats["running"] == 0 and stats["waiting"] == 0:
-                    break
-                await asyncio.sleep(0.05)
+            stats = await wait_idle(h)  # the deadline freed the engine's slot and blocks
             assert stats["slots_in_use"] == 0 and stats["blocks_in_use"] == 0
             # nothing listens on port 1: the engine is unreachable
             with pytest.raises(EngineFailure):
