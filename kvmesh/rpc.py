@@ -36,6 +36,19 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # A peer that hangs (stopped process, host gone without a FIN) keeps its TCP connection
+    # open; only HTTP/2 pings notice. While a call is open (a gateway's Session stream to
+    # an engine always is) each side pings after 5 s without traffic and drops the
+    # connection when a ping (keepalive or grpc's own flow-control probe, whose default
+    # timeout is 60 s) goes unanswered for 5 s: the calls on it fail and the gateway
+    # retries or reports, instead of waiting. Pings are answered by grpc's C threads, so a
+    # busy interpreter does not miss them. Servers accept a ping every 4 s even with no
+    # data in between (the default allows one per 5 min and answers more with GOAWAY).
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.http2.ping_timeout_ms", 5000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 4000),
 ]
 
 _STATUS = [

@@ -5,6 +5,8 @@ Failure tests (engines killed) run last in this module and restart what they kil
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import urllib.request
 
@@ -238,6 +240,31 @@ def test_engine_killed_mid_stream_gives_clear_status_and_other_engine_serves(gw,
         assert resp.usage.generated_tokens == 4 or resp.finish_reason == 2
         assert mesh.alive("gateway")
     finally:
+        mesh.restart(victim)
+
+
+def test_hung_engine_mid_stream_is_noticed_by_keepalive(gw, mesh):
+    """SIGSTOP keeps the engine's sockets open: only HTTP/2 pings (5 s idle + 5 s timeout)
+    can tell that it stopped answering. The client gets a clear status, not a hang."""
+    call = gw.stream(PROMPT, timeout=120, **LONG)
+    next(call), next(call)
+    victim = wait_for(lambda: _serving_engine(gw, mesh))
+    assert victim
+    pid = mesh.pid(victim)
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in call:
+                pass
+        waited = time.monotonic() - t0
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+        assert "failed mid-stream after" in info.value.details()
+        assert waited < 20, waited
+        resp = gw.generate(PROMPT, max_tokens=4, temperature=0.0)  # the other engine
+        assert resp.usage.generated_tokens == 4 or resp.finish_reason == 2
+    finally:
+        os.kill(pid, signal.SIGCONT)
         mesh.restart(victim)
 
 
