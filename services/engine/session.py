@@ -29,13 +29,16 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from kvmesh.errors import InvalidArgument, Unavailable
+from kvmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvmesh.metrics import RequestMetrics
 from kvmesh.proto import engine_pb2
 from kvmesh.rpc import status_for
 
 log = logging.getLogger("kvmesh.engine.session")
 _END = object()  # queued when the stream should end
+# Generations running on one session at most. A call per request is bounded by the HTTP/2
+# stream limit; tags on one stream are not, so a runaway caller is refused here instead.
+MAX_TAGS = 1024
 
 
 def error_message(tag: int, exc: BaseException) -> engine_pb2.SessionResponse:
@@ -92,6 +95,10 @@ class _Session:
                 f"tag {tag} is already running on this session; use a new tag")))
         elif self.draining:
             self.out.put_nowait(error_message(tag, Unavailable("engine is shutting down")))
+        elif len(self.tasks) >= MAX_TAGS:
+            self.out.put_nowait(error_message(tag, ResourceExhausted(
+                f"{len(self.tasks)} generations already run on this session; the limit is "
+                f"{MAX_TAGS}: wait for one to finish or open another session")))
         else:
             self.tasks[tag] = asyncio.create_task(self._run(tag, req.generate))
 

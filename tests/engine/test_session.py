@@ -203,3 +203,26 @@ def test_draining_engine_refuses_new_generations_and_ends_the_stream(h):
     (refused,) = got[2]
     assert refused.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
     assert "shutting down" in refused.error.message
+
+
+def test_tags_beyond_the_limit_are_refused(h, monkeypatch):
+    from services.engine import session as session_mod
+
+    monkeypatch.setattr(session_mod, "MAX_TAGS", 2)
+
+    async def go():
+        s = Session(h.client.stub)
+        pump = asyncio.create_task(s.pump())
+        for tag in (1, 2, 3):
+            s.send(tag, generate_request([tag] * 20, max_tokens=60, temperature=0.0,
+                                         ignore_eos=True))
+        await s.wait(1, 2, 3)
+        s.outbox.put_nowait(None)
+        await asyncio.wait_for(pump, 10)
+        return s.by_tag
+
+    got = h.run(go())
+    (refused,) = got[3]
+    assert refused.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "the limit is 2" in refused.error.message
+    assert all(sum(len(m.event.token_ids) for m in got[t]) == 60 for t in (1, 2))
