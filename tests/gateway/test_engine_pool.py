@@ -89,3 +89,24 @@ def test_a_broken_session_is_replaced_on_next_use(h):
     broken, replaced, ok = h.run(go())
     assert isinstance(broken, EngineFailure) and replaced
     assert sum(len(c.token_ids) for c in ok) == 3
+
+
+def test_idle_session_survives_keepalive_pings(h):
+    """Clients ping every 5 s on an open stream even without data. A server with gRPC's
+    default ping policy (one such ping per 5 min) answers the third with GOAWAY "Too many
+    pings" (~15 s) and the session would break; ours accepts one every 4 s."""
+    async def go():
+        pool = EnginePool()
+        try:
+            await collect(pool, h.address, generate_request("x", max_tokens=2, ignore_eos=True))
+            first = pool.session(h.address)
+            await asyncio.sleep(22)
+            ok = await collect(pool, h.address, generate_request("y", max_tokens=2,
+                                                                  ignore_eos=True))
+            return first.broken, pool.session(h.address) is first, ok
+        finally:
+            await pool.close()
+
+    broken, same, ok = h.run(go(), timeout=60)
+    assert broken is None and same
+    assert sum(len(c.token_ids) for c in ok) == 2
