@@ -1,10 +1,17 @@
-"""Small helpers shared by the benchmark scripts: tables and plots."""
+"""Small helpers shared by the benchmark scripts: tables, plots, process CPU time."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def table(headers: list[str], rows: list[list]) -> str:

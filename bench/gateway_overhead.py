@@ -48,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._common import OUT, cpu_s  # noqa: E402
 from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
 from services.engine.client import EngineClient  # noqa: E402
 from services.gateway.client import GatewayClient  # noqa: E402
@@ -55,7 +56,6 @@ from services.gateway.config import EVENT_LOOPS, GatewayConfig  # noqa: E402
 from services.gateway.service import loop_name  # noqa: E402
 from services.gateway.service import run as run_on_loop  # noqa: E402
 
-OUT = ROOT / "bench" / "out"
 PROMPT = "Hi there"
 PATHS = ("direct", "gateway", "calls", "proxy")
 ENGINE_GENERATE = "/kvmesh.engine.v1.EngineService/Generate"
@@ -146,12 +146,6 @@ class ProxyClient:
 
     async def close(self) -> None:
         await self.channel.close()
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(xs: list[float], q: float) -> float:

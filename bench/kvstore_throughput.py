@@ -37,14 +37,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._common import OUT, cpu_s  # noqa: E402
 from kvmesh.backing.proc import ManagedProcess, free_port, wait_port  # noqa: E402
 from kvmesh.backing.seaweed import s3_client, start_seaweed_cluster  # noqa: E402
 from services.kvstore.client import KvstoreClient  # noqa: E402
 from services.kvstore.config import KvstoreConfig, ShardLocation  # noqa: E402
 from services.kvstore.durable import DurableStore  # noqa: E402
 from services.kvstore.shards import ShardStore  # noqa: E402
-
-OUT = ROOT / "bench" / "out"
 
 
 def best_of(fn, reps: int = 3) -> float:
@@ -87,12 +86,6 @@ async def _timed(n_ops: int, concurrency: int, op) -> float:
     t0 = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(n_ops)))
     return time.perf_counter() - t0
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:
@@ -138,9 +131,7 @@ async def inprocess_bench(locations, payloads: list[bytes], conc: int, tag: str,
     """Read objects the service stored, with its durable-tier code in this process."""
     keys = bench_keys(tag, conc, len(payloads))
     cfg = KvstoreConfig(locations=tuple(ShardLocation.parse(loc) for loc in locations))
-    shards = ShardStore(cfg.locations, cfg.s3_connect_timeout_s, cfg.s3_read_timeout_s,
-                        cfg.location_retry_s, cfg.threads_per_location)
-    durable = DurableStore(cfg.layout, shards, cfg.write_quorum)
+    durable = DurableStore(cfg.layout, ShardStore.from_config(cfg), cfg.write_quorum)
     got: dict[int, bytes | None] = {}
 
     async def get(i):

@@ -163,3 +163,22 @@ def shutdown_signal() -> asyncio.Event:
 
 def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class RpcClient:
+    """Base of the typed clients: one channel to `address` and the service's stub on it.
+    Use as `async with Client(addr) as c:` or call `close()`."""
+
+    def __init__(self, address: str, stub_class):
+        self.address = address
+        self.channel = channel(address)
+        self.stub = stub_class(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -37,23 +37,12 @@ def _error(exc: grpc.aio.AioRpcError) -> errors.KvmeshError:
     return cls(f"directory {exc.code().name}: {exc.details()}")
 
 
-class DirectoryClient:
+class DirectoryClient(rpc.RpcClient):
     def __init__(self, address: str, timeout_s: float = 2.0, lookup_timeout_s: float = 0.5):
-        self.address = address
+        super().__init__(address, pb_grpc.DirectoryServiceStub)
         self.timeout_s = timeout_s
         # Lookups are on the prefill path: a slow directory costs less than waiting.
         self.lookup_timeout_s = lookup_timeout_s
-        self._channel = rpc.channel(address)
-        self._stub = pb_grpc.DirectoryServiceStub(self._channel)
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> DirectoryClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
 
     async def _call(self, method, request, timeout: float | None):
         try:
@@ -64,7 +53,7 @@ class DirectoryClient:
     async def heartbeat(self, engine_id: str, address: str, load: EngineLoad | None = None,
                         restarted: bool = False, timeout: float | None = None) -> LeaseGrant:
         load = load or EngineLoad()
-        resp = await self._call(self._stub.Heartbeat, pb.HeartbeatRequest(
+        resp = await self._call(self.stub.Heartbeat, pb.HeartbeatRequest(
             engine_id=engine_id, address=address, load=pb.EngineLoad(**load._asdict()),
             restarted=restarted), timeout)
         return LeaseGrant(resp.lease_ttl_ms, resp.epoch, resp.new_lease)
@@ -76,14 +65,14 @@ class DirectoryClient:
                              ttl_s=None if e.ttl_s is None else math.ceil(e.ttl_s))
             for e in entries
         ]
-        resp = await self._call(self._stub.Publish,
+        resp = await self._call(self.stub.Publish,
                                 pb.PublishRequest(engine_id=engine_id, entries=msgs), timeout)
         return resp.published
 
     async def lookup(self, keys: Sequence[str], timeout: float | None = None
                      ) -> dict[str, list[Holder]]:
         """Holders of each requested key (a key nobody holds maps to [])."""
-        resp = await self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys)),
+        resp = await self._call(self.stub.Lookup, pb.LookupRequest(keys=list(keys)),
                                 timeout or self.lookup_timeout_s)
         return {
             r.key: [Holder(h.engine_id, h.address, h.position, h.size_bytes, h.ttl_ms)
@@ -102,12 +91,12 @@ class DirectoryClient:
 
     async def withdraw(self, engine_id: str, keys: Iterable[str],
                        timeout: float | None = None) -> int:
-        resp = await self._call(self._stub.Withdraw,
+        resp = await self._call(self.stub.Withdraw,
                                 pb.WithdrawRequest(engine_id=engine_id, keys=list(keys)), timeout)
         return resp.withdrawn
 
     async def list_engines(self, timeout: float | None = None) -> list[EngineInfo]:
-        resp = await self._call(self._stub.ListEngines, pb.ListEnginesRequest(), timeout)
+        resp = await self._call(self.stub.ListEngines, pb.ListEnginesRequest(), timeout)
         return [
             EngineInfo(e.engine_id, e.address,
                        EngineLoad(e.load.running_seqs, e.load.waiting_seqs, e.load.free_slots,

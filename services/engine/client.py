@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
-from kvmesh.rpc import channel
+from kvmesh.rpc import RpcClient
 
 
 def generate_request(prompt: str | list[int], max_tokens: int | None = None,
@@ -36,11 +36,9 @@ def set_sampling(req, max_tokens=None, temperature=None, top_k=None, top_p=None,
     return req
 
 
-class EngineClient:
+class EngineClient(RpcClient):
     def __init__(self, address: str):
-        self.address = address
-        self.channel = channel(address)
-        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        super().__init__(address, engine_pb2_grpc.EngineServiceStub)
 
     async def generate(self, prompt, timeout: float | None = None, **kw
                        ) -> AsyncIterator[engine_pb2.GenerateResponse]:
@@ -62,5 +60,3 @@ class EngineClient:
     async def model_info(self):
         return await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
 
-    async def close(self) -> None:
-        await self.channel.close()

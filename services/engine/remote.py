@@ -34,6 +34,14 @@ log = logging.getLogger("kvmesh.engine.remote")
 UPLOAD_QUEUE = 4096
 
 
+async def next_batch(queue: asyncio.Queue, limit: int) -> list:
+    """Wait for one item, then take what else is already queued, up to `limit` in all."""
+    batch = [await queue.get()]
+    while not queue.empty() and len(batch) < limit:
+        batch.append(queue.get_nowait())
+    return batch
+
+
 class RemoteTiers(Hooks):
     def __init__(self, engine: AsyncEngine, engine_id: str, address: str, directory=None,
                  kvstore=None, policy: FetchPolicy | None = None, fetch_deadline_s: float = 1.0,
@@ -186,10 +194,7 @@ class RemoteTiers(Hooks):
         from services.directory.model import Entry
 
         while True:
-            first = await self.publishes.get()
-            batch = [first]
-            while not self.publishes.empty() and len(batch) < 256:
-                batch.append(self.publishes.get_nowait())
+            batch = await next_batch(self.publishes, 256)
             pubs = [Entry(k, p, s, None) for op, k, p, s in batch if op == "publish"]
             gone = [k for op, k, _, _ in batch if op == "withdraw"]
             try:
@@ -205,10 +210,7 @@ class RemoteTiers(Hooks):
 
     async def _uploader(self) -> None:
         while True:
-            first = await self.uploads.get()
-            batch = [first]
-            while not self.uploads.empty() and len(batch) < 64:
-                batch.append(self.uploads.get_nowait())
+            batch = await next_batch(self.uploads, 64)
             by_class: dict[str, list[tuple[str, bytes]]] = {}
             for key, payload, cls in batch:
                 by_class.setdefault(cls, []).append((key, payload))

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from kvmesh.proto import gateway_pb2 as pb
 from kvmesh.proto import gateway_pb2_grpc as pb_grpc
-from kvmesh.rpc import channel
+from kvmesh.rpc import RpcClient
 from services.engine.client import set_sampling
 
 TRAFFIC = {"": pb.TRAFFIC_CLASS_UNSPECIFIED, "agent": pb.TRAFFIC_CLASS_AGENT,
@@ -38,11 +38,9 @@ def gateway_request(prompt: str | list[int], max_tokens: int | None = None,
     return set_sampling(req, max_tokens, temperature, top_k, top_p, seed)
 
 
-class GatewayClient:
+class GatewayClient(RpcClient):
     def __init__(self, address: str):
-        self.address = address
-        self.channel = channel(address)
-        self.stub = pb_grpc.GatewayServiceStub(self.channel)
+        super().__init__(address, pb_grpc.GatewayServiceStub)
 
     async def stream(self, prompt, timeout: float | None = None, **kw
                      ) -> AsyncIterator[pb.GenerateStreamResponse]:
@@ -51,12 +49,3 @@ class GatewayClient:
 
     async def generate(self, prompt, timeout: float | None = None, **kw) -> pb.GenerateResponse:
         return await self.stub.Generate(gateway_request(prompt, **kw), timeout=timeout)
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    async def __aenter__(self) -> GatewayClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()

@@ -25,17 +25,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvmesh.errors import InvalidArgument
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import channel
-from services.gateway.model import (
-    Chunk,
-    DeadlineExceeded,
-    EngineFailure,
-    EngineInternal,
-    GenRequest,
-)
-from services.gateway.session import EngineSession, to_chunk
+from services.engine.client import set_sampling
+from services.gateway.model import Chunk, EngineFailure, GenRequest
+from services.gateway.session import EngineSession, error_for, to_chunk
 
 
 def engine_request(req: GenRequest) -> engine_pb2.GenerateRequest:
@@ -46,32 +40,7 @@ def engine_request(req: GenRequest) -> engine_pb2.GenerateRequest:
         msg.prompt_token_ids.extend(req.prompt_token_ids)
     else:
         msg.prompt = req.prompt
-    if req.max_tokens is not None:
-        msg.max_tokens = req.max_tokens
-    s = msg.sampling
-    if req.temperature is not None:
-        s.temperature = req.temperature
-    if req.top_k is not None:
-        s.top_k = req.top_k
-    if req.top_p is not None:
-        s.top_p = req.top_p
-    if req.seed is not None:
-        s.seed = req.seed
-    return msg
-
-
-def error_for(address: str, code: grpc.StatusCode, details: str) -> Exception:
-    if code is grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument(details)
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(f"deadline exceeded while engine {address} was generating")
-    if code is grpc.StatusCode.INTERNAL:
-        return EngineInternal(f"engine {address}: {details}")
-    return EngineFailure(f"{code.name}: {details}")
-
-
-def _error(address: str, exc: grpc.aio.AioRpcError) -> Exception:
-    return error_for(address, exc.code(), exc.details())
+    return set_sampling(msg, req.max_tokens, req.temperature, req.top_k, req.top_p, req.seed)
 
 
 class EnginePool:
@@ -94,7 +63,7 @@ class EnginePool:
         """The open session to `address`; a new one when there is none or it broke."""
         s = self._sessions.get(address)
         if s is None or s.broken is not None:
-            s = self._sessions[address] = EngineSession(self.stub(address), address, error_for)
+            s = self._sessions[address] = EngineSession(self.stub(address), address)
         return s
 
     def stream(self, address: str, msg: engine_pb2.GenerateRequest,
@@ -120,7 +89,7 @@ class EnginePool:
                     return
                 yield chunk
         except grpc.aio.AioRpcError as exc:
-            raise _error(address, exc) from None
+            raise error_for(address, exc.code(), exc.details()) from None
         finally:
             if not finished:
                 call.cancel()  # the engine sees the call end and aborts the request
@@ -131,7 +100,7 @@ class EnginePool:
             return await self.stub(address).GetModelInfo(engine_pb2.GetModelInfoRequest(),
                                                          timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            raise _error(address, exc) from None
+            raise error_for(address, exc.code(), exc.details()) from None
 
     async def close(self) -> None:
         for s in self._sessions.values():

@@ -23,12 +23,30 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvmesh.errors import InvalidArgument
 from kvmesh.proto import engine_pb2
-from services.gateway.model import Chunk, DeadlineExceeded, EngineFailure, Usage
+from services.gateway.model import (
+    Chunk,
+    DeadlineExceeded,
+    EngineFailure,
+    EngineInternal,
+    Usage,
+)
 
 FINISH = {engine_pb2.FINISH_REASON_LENGTH: "length", engine_pb2.FINISH_REASON_STOP: "stop",
           engine_pb2.FINISH_REASON_ABORTED: "aborted"}
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def error_for(address: str, code: grpc.StatusCode, details: str) -> Exception:
+    """The domain error for an engine's gRPC status (a call's, or a session tag's)."""
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(details)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"deadline exceeded while engine {address} was generating")
+    if code is grpc.StatusCode.INTERNAL:
+        return EngineInternal(f"engine {address}: {details}")
+    return EngineFailure(f"{code.name}: {details}")
 
 
 def to_chunk(m: engine_pb2.GenerateResponse) -> Chunk:
@@ -40,10 +58,8 @@ def to_chunk(m: engine_pb2.GenerateResponse) -> Chunk:
 
 
 class EngineSession:
-    def __init__(self, stub, address: str, error_for):
-        """`error_for(address, code, details)` turns a gRPC status into a domain error."""
+    def __init__(self, stub, address: str):
         self.address = address
-        self._error_for = error_for
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._inboxes: dict[int, asyncio.Queue] = {}
         self._tags = itertools.count(1)
@@ -65,10 +81,8 @@ class EngineSession:
                 if inbox is not None:
                     inbox.put_nowait(msg)
             err: Exception = EngineFailure(f"engine {self.address} closed the session")
-        except grpc.aio.AioRpcError as exc:
-            err = self._error_for(self.address, exc.code(), exc.details())
-            if not isinstance(err, EngineFailure):  # e.g. a deadline: still a lost engine here
-                err = EngineFailure(f"{exc.code().name}: {exc.details()}")
+        except grpc.aio.AioRpcError as exc:  # the stream itself failed: the engine is lost
+            err = EngineFailure(f"{exc.code().name}: {exc.details()}")
         except asyncio.CancelledError:
             self._fail(EngineFailure("session closed by the gateway"))
             raise
@@ -104,7 +118,7 @@ class EngineSession:
                 if item.WhichOneof("part") == "error":
                     ended = True
                     code = _CODES.get(item.error.code, grpc.StatusCode.UNKNOWN)
-                    raise self._error_for(self.address, code, item.error.message)
+                    raise error_for(self.address, code, item.error.message)
                 chunk = to_chunk(item.event)
                 if chunk.finish is not None:
                     ended = True

@@ -15,27 +15,16 @@ from collections.abc import AsyncIterator
 
 from kvmesh.proto import kvstore_pb2 as pb
 from kvmesh.proto import kvstore_pb2_grpc as pb_grpc
-from kvmesh.rpc import channel
+from kvmesh.rpc import RpcClient
 
 CHUNK_BYTES = 1024 * 1024
 
 
-class KvstoreClient:
+class KvstoreClient(RpcClient):
     def __init__(self, address: str, timeout: float | None = None):
         """`timeout` (seconds) applies to every call unless the call passes its own."""
-        self.address = address
+        super().__init__(address, pb_grpc.KvstoreServiceStub)
         self.timeout = timeout
-        self._channel = channel(address)
-        self._stub = pb_grpc.KvstoreServiceStub(self._channel)
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> KvstoreClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
 
     def _t(self, timeout: float | None) -> float | None:
         return timeout if timeout is not None else self.timeout
@@ -50,14 +39,14 @@ class KvstoreClient:
                 for off in range(0, len(data), CHUNK_BYTES):
                     yield pb.PutRequest(chunk=bytes(view[off:off + CHUNK_BYTES]))
 
-        resp = await self._stub.Put(stream(), timeout=self._t(timeout))
+        resp = await self.stub.Put(stream(), timeout=self._t(timeout))
         return resp.stored
 
     async def get(self, keys: list[str], timeout: float | None = None) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(keys)
         parts: list[bytes] = []
         current = -1
-        async for msg in self._stub.Get(pb.GetRequest(keys=keys), timeout=self._t(timeout)):
+        async for msg in self.stub.Get(pb.GetRequest(keys=keys), timeout=self._t(timeout)):
             if msg.WhichOneof("part") == "header":
                 if current >= 0:
                     out[current] = b"".join(parts)
@@ -69,19 +58,19 @@ class KvstoreClient:
         return out
 
     async def lookup(self, keys: list[str], timeout: float | None = None) -> int:
-        resp = await self._stub.Lookup(pb.LookupRequest(keys=keys), timeout=self._t(timeout))
+        resp = await self.stub.Lookup(pb.LookupRequest(keys=keys), timeout=self._t(timeout))
         return resp.prefix_length
 
     async def delete(self, keys: list[str], timeout: float | None = None) -> int:
-        resp = await self._stub.Delete(pb.DeleteRequest(keys=keys), timeout=self._t(timeout))
+        resp = await self.stub.Delete(pb.DeleteRequest(keys=keys), timeout=self._t(timeout))
         return resp.deleted
 
     async def stats(self, timeout: float | None = None) -> pb.StatsResponse:
-        return await self._stub.Stats(pb.StatsRequest(), timeout=self._t(timeout))
+        return await self.stub.Stats(pb.StatsRequest(), timeout=self._t(timeout))
 
     async def list_page(self, page_token: str = "", page_size: int = 1000,
                         timeout: float | None = None) -> pb.ListResponse:
-        return await self._stub.List(pb.ListRequest(page_token=page_token, page_size=page_size),
+        return await self.stub.List(pb.ListRequest(page_token=page_token, page_size=page_size),
                                      timeout=self._t(timeout))
 
     async def list_all(self, page_size: int = 1000) -> AsyncIterator[pb.ObjectInfo]:
@@ -96,7 +85,7 @@ class KvstoreClient:
 
     def run_gc_stream(self, dry_run: bool = False, timeout: float | None = None):
         """Async iterator of RunGCResponse: progress messages, then the report."""
-        return self._stub.RunGC(pb.RunGCRequest(dry_run=dry_run), timeout=self._t(timeout))
+        return self.stub.RunGC(pb.RunGCRequest(dry_run=dry_run), timeout=self._t(timeout))
 
     async def run_gc(self, dry_run: bool = False, timeout: float | None = None) -> pb.GcReport:
         async for msg in self.run_gc_stream(dry_run, timeout):
@@ -105,7 +94,7 @@ class KvstoreClient:
         raise RuntimeError("RunGC stream ended without a report")
 
     def scrub_stream(self, repair: bool = False, timeout: float | None = None):
-        return self._stub.Scrub(pb.ScrubRequest(repair=repair), timeout=self._t(timeout))
+        return self.stub.Scrub(pb.ScrubRequest(repair=repair), timeout=self._t(timeout))
 
     async def scrub(self, repair: bool = False, timeout: float | None = None) -> pb.ScrubReport:
         async for msg in self.scrub_stream(repair, timeout):

@@ -53,8 +53,7 @@ class KvStore:
         self.meta = MetaStore(data / "meta.sqlite", now=clock())
         self.mem = MemoryTier(cfg.mem_bytes)
         self.disk = DiskTier(data / "blocks", cfg.disk_bytes)
-        self.shards = ShardStore(cfg.locations, cfg.s3_connect_timeout_s, cfg.s3_read_timeout_s,
-                                 cfg.location_retry_s, cfg.threads_per_location)
+        self.shards = ShardStore.from_config(cfg)
         self.durable = DurableStore(cfg.layout, self.shards, cfg.write_quorum)
         self._readers: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()

@@ -28,7 +28,7 @@ import yarl
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvmesh.backing.seaweed import s3_client
-from services.kvstore.config import ShardLocation
+from services.kvstore.config import KvstoreConfig, ShardLocation
 
 log = logging.getLogger("kvmesh.kvstore.shards")
 PREFIX = "blk/"
@@ -102,6 +102,11 @@ class ShardStore:
         self._sessions: list[tuple[asyncio.AbstractEventLoop, aiohttp.ClientSession] | None] = \
             [None] * len(self.locations)
         self._urls: OrderedDict[tuple[int, str], tuple[float, str]] = OrderedDict()
+
+    @classmethod
+    def from_config(cls, cfg: KvstoreConfig) -> ShardStore:
+        return cls(cfg.locations, cfg.s3_connect_timeout_s, cfg.s3_read_timeout_s,
+                   cfg.location_retry_s, cfg.threads_per_location)
 
     async def close(self) -> None:
         for pool in self._pools:

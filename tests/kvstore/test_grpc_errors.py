@@ -48,7 +48,7 @@ def test_lying_stream_sizes_are_invalid_argument(kv):
         async def stream():
             for m in msgs:
                 yield m
-        return await client._stub.Put(stream())
+        return await client.stub.Put(stream())
 
     head = pb.PutRequest(header=pb.ObjectHeader(key=hexkey(3), size=10))
     for msgs in ([head, pb.PutRequest(chunk=b"x" * 11)],  # more than declared
