@@ -268,7 +268,16 @@ def test_hung_engine_mid_stream_is_noticed_by_keepalive(gw, mesh):
         mesh.restart(victim)
 
 
+def _load_balanced(gw) -> bool:
+    """The gateway spreads plain requests over both engines: its view of their load is
+    current. Right after an engine restart it can still hold the load the old process
+    last reported (a generation running) until the new one heartbeats, and send
+    everything to the other engine meanwhile."""
+    return len({gw.generate(PROMPT, max_tokens=1).engine_id for _ in range(4)}) == 2
+
+
 def test_engine_down_before_first_token_is_retried_elsewhere(gw, mesh):
+    assert wait_for(lambda: _load_balanced(gw))
     mesh.kill("engine-a")
     try:
         answers = [gw.generate(f"{PROMPT} {i}", max_tokens=2, temperature=0.0) for i in range(6)]
