@@ -44,6 +44,9 @@ TOKENS = Counter("kvmesh_tokens_total",
 IN_FLIGHT = Gauge("kvmesh_in_flight_requests", "Requests being served now", ["service"])
 RETRIES = Counter("kvmesh_retries_total", "Requests moved to another engine before the first token",
                   ["service"])
+MIGRATIONS = Counter("kvmesh_migrations_total",
+                     "Streams continued on another engine after their engine failed mid-stream",
+                     ["service"])
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> int:
@@ -59,6 +62,7 @@ class RequestMetrics:
         self.service = service
         self.in_flight = IN_FLIGHT.labels(service)
         self.retries = RETRIES.labels(service)
+        self.migrations = MIGRATIONS.labels(service)
         self._tokens = {k: TOKENS.labels(service, k)
                         for k in ("prompt", "cached", "replayed", "generated")}
 

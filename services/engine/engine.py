@@ -85,16 +85,24 @@ class EngineCore:
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
                     salt: str = "", traffic_class: str = "",
-                    prefetched: Prefetched | None = None) -> Sequence:
+                    prefetched: Prefetched | None = None, resume: int = 0) -> Sequence:
+        """`resume` > 0 continues a generation that another engine started (the gateway's
+        mid-stream migration): the last `resume` ids are that generation's output. They
+        count toward max_tokens and usage, sampling continues at their position (same
+        seed, same tokens as an uninterrupted run), and their text, already delivered,
+        only sets the stop-string state."""
         params.validate(self.cfg.vocab_size)
         if not prompt_ids:
             raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise InvalidArgument(f"prompt_token_ids {bad[:5]} are outside [0, {self.cfg.vocab_size})")
-        limit = self.cfg.max_seq_len
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+        if not 0 <= resume < min(len(prompt_ids), params.max_tokens):
+            raise InvalidArgument(f"resume_generated must be in [0, min(prompt length, max_tokens)) "
+                                  f"= [0, {min(len(prompt_ids), params.max_tokens)}), got {resume}")
+        limit, n_prompt = self.cfg.max_seq_len, len(prompt_ids) - resume
+        if n_prompt + params.max_tokens > limit:
+            raise InvalidArgument(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) "
                                   f"exceeds the model's maximum of {limit} tokens")
         if self.cache.blocks_for(len(prompt_ids) + 1) > self.ecfg.num_blocks:
             raise InvalidArgument(f"prompt needs more cache blocks than this engine has "
@@ -105,11 +113,15 @@ class EngineCore:
         if request_id in self.requests:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        seq = Sequence(request_id, list(prompt_ids), params, seed, salt, traffic_class)
+        cut = len(prompt_ids) - resume
+        seq = Sequence(request_id, list(prompt_ids[:cut]), params, seed, salt, traffic_class,
+                       output=list(prompt_ids[cut:]))
+        out = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
+        out.resume(seq.output)            # raises InvalidArgument if they already finished
         self.requests[request_id] = seq
         if prefetched is not None:
             self.prefetched[request_id] = prefetched
-        self.outputs[request_id] = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
+        self.outputs[request_id] = out
         self.scheduler.add(seq)
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(prompt_ids)

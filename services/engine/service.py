@@ -76,7 +76,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if self.remote is not None and ids:
             prefetched = await self.remote.prefetch(ids, request.cache_salt)
         async for ev in self.engine.generate(ids, params, request.request_id, request.cache_salt,
-                                             request.traffic_class, prefetched):
+                                             request.traffic_class, prefetched,
+                                             request.resume_generated):
             msg = engine_pb2.GenerateResponse(request_id=ev.request_id, token_ids=ev.token_ids,
                                               text=ev.text)
             if ev.finish is not None:

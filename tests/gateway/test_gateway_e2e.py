@@ -20,6 +20,9 @@ from services.gateway.client import gateway_request
 from tests.gateway.cases import BAD, build
 from tests.gateway.conftest import wait_for
 
+# These tests pin the plain failure behaviour (a stream whose engine dies mid-stream ends
+# UNAVAILABLE); test_migration.py covers the default, where it continues elsewhere.
+MESH_OVERRIDES = dict(gateway_extra=("--migration-limit", "0"))
 PROMPT = "The gateway routes by prefix."
 LONG = dict(max_tokens=3000, ignore_eos=True, temperature=0.0)  # ~30 s of tokens: killed early
 
