@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.errors import InvalidArgument
-from services.engine.cache import rings
+from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager
 from services.engine.config import ModelConfig
 from services.engine.engine_config import EngineConfig
@@ -60,15 +60,19 @@ class Event:
 
 class EngineCore:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, weights: Weights | None = None,
-                 tokenizer=None):
-        ecfg.check_model(cfg)
+                 tokenizer=None, layout: RuntimeLayout | None = None):
+        """`layout`, when given, must have been built from these two configs (the CLI builds
+        it once and hands the same object here); otherwise it is built now."""
+        self.layout = layout if layout is not None else RuntimeLayout.build(cfg, ecfg)
+        if (self.layout.model, self.layout.engine) != (cfg, ecfg):
+            raise ValueError("layout was built from other configs than this engine's")
         self.cfg, self.ecfg = cfg, ecfg
         dtype = getattr(torch, ecfg.dtype)
         self.weights = weights if weights is not None else init_weights(cfg, ecfg.seed, dtype)
         self.tokenizer = tokenizer or ByteTokenizer()
         if self.tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids, model only {cfg.vocab_size}")
-        self.cache = CacheManager(cfg, ecfg.num_slots, ecfg.num_blocks, ecfg.extra_state)
+        self.cache = CacheManager(self.layout)
         dec_mode = "mask" if ecfg.truncation == "mask" else "compact"
         self.runner = ModelRunner(cfg, self.weights, self.cache.states, self.cache.store, dec_mode)
         self.scheduler = Scheduler(ecfg, self.cache, on_admit=self._on_admit)
@@ -216,7 +220,7 @@ class EngineCore:
     def rollback(self, request_id: str, r: int) -> None:
         """Take back the last r computed tokens of a running request (speculative decoding)."""
         seq = self.requests[request_id]
-        self.cache.rollback(seq, r, rings.max_backtrack())
+        self.cache.rollback(seq, r, self.layout.backtrack)
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.scheduler.running)
