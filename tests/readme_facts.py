@@ -37,7 +37,7 @@ def token_kinds(text: str) -> set[str]:
 
 def engine_counters(text: str) -> list[str]:
     section = text.split("## Engine counters", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"`([a-z_]+)`", section)
+    return list(dict.fromkeys(re.findall(r"`([a-z_]+)`", section)))
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

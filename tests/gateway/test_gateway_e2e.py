@@ -334,7 +334,7 @@ def _token_totals(mesh, service: str) -> dict[str, float]:
 def test_every_metric_the_readme_names_is_exported_and_counts(gw, mesh):
     """README truth: each `kvmesh_*` metric, token kind and engine counter the README names
     is on a live /metrics page, and a cold request, a snapshot miss, a snapshot hit and an
-    abort move the counters by exactly what the hit policy says (design.md §5)."""
+    abort move the counters by exactly what the hit policy says (docs/design.md §5)."""
     text = readme_facts.readme()
     names, kinds = readme_facts.metric_names(text), readme_facts.token_kinds(text)
     counters = readme_facts.engine_counters(text)
