@@ -5,6 +5,8 @@ Metric families are defined once per process (module level) and labelled by
 
     serve_metrics(port)                start /metrics on a port (0 = free port); returns it
     RequestMetrics(service)            per-request: status counts, latency, TTFT, tokens
+                                       (the engine counts its tokens in EngineServicer.events,
+                                       the one path of Generate calls and Session generations)
     StatsExporter(service, read)       expose a dict of numbers (e.g. engine GetStats
                                        counters) as gauges kvmesh_<service>_<name>
 
@@ -72,7 +74,11 @@ class RequestMetrics:
         LATENCY.labels(self.service, method).observe(total_s)
         if ttft_s is not None:
             TTFT.labels(self.service, method).observe(ttft_s)
-        for kind, n in (usage or {}).items():
+        self.count_tokens(usage or {})
+
+    def count_tokens(self, usage: Mapping[str, int]) -> None:
+        """Add to kvmesh_tokens_total by kind (prompt, cached, replayed, generated)."""
+        for kind, n in usage.items():
             if n:
                 self._tokens[kind].inc(n)
 

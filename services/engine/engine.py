@@ -34,6 +34,12 @@ from services.engine.sequence import Finish, Sequence, Status
 from services.engine.tokenizer import ByteTokenizer
 
 TRAFFIC_CLASSES = ("", "agent", "chatbot")
+# Counters EngineCore and PrefixReuse always report, 0 until their event first happens, so
+# GetStats and /metrics (kvmesh_engine_<name>) show every one from the start. Only the
+# engine thread changes them; remote.py adds its own kvstore_*/peer_*/directory_* keys.
+COUNTERS = ("requests", "prompt_tokens", "cache_hit_tokens", "replayed_tokens", "snapshot_hits",
+            "snapshot_misses", "snapshot_stores", "generated_tokens", "computed_tokens",
+            "finished", "aborted", "steps")
 
 
 class Hooks:
@@ -78,7 +84,7 @@ class EngineCore:
         self.scheduler = Scheduler(ecfg, self.cache, on_admit=self._on_admit)
         self.requests: dict[str, Sequence] = {}
         self.outputs: dict[str, OutputState] = {}
-        self.counters: Counter = Counter()
+        self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
         self.prefix = PrefixReuse(self.cache, ecfg, self.counters)
         self.hooks = Hooks()
         self.prefix.on_store = lambda key, snap: self.hooks.snapshot_stored(key, snap)
