@@ -12,6 +12,7 @@ import functools
 import re
 from pathlib import Path
 
+from kvmesh.cli import build_parser
 from tests.kustomize import render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +56,36 @@ def container_env(resources: list[dict], container: dict) -> dict[str, str]:
 def expand(args: list[str], env: dict[str, str]) -> list[str]:
     """The kubelet's $(VAR) expansion (an undefined reference stays as written)."""
     return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), a) for a in args]
+
+
+def workload(res: list[dict], name: str) -> dict:
+    [w] = [r for r in res if r["kind"] in ("Deployment", "StatefulSet")
+           and r["metadata"]["name"] == name]
+    return w
+
+
+def main_container(w: dict) -> dict:
+    return w["spec"]["template"]["spec"]["containers"][0]
+
+
+def argv(res: list[dict], name: str) -> list[str]:
+    c = main_container(workload(res, name))
+    return expand(c["command"] + c.get("args", []), container_env(res, c))
+
+
+def parse(res: list[dict], name: str):
+    cmd = argv(res, name)
+    assert cmd[:3] == ["kvmesh", name, "serve"], cmd
+    return build_parser().parse_args(cmd[1:])
+
+
+def services(res: list[dict]) -> dict[str, dict]:
+    return {r["metadata"]["name"]: r for r in res if r["kind"] == "Service"}
+
+
+def selected(res: list[dict], selector: dict) -> list[dict]:
+    return [r for r in res if r["kind"] in ("Deployment", "StatefulSet")
+            and selector.items() <= r["spec"]["template"]["metadata"]["labels"].items()]
 
 
 def named_port(container: dict, name: str) -> int:

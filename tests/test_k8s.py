@@ -20,56 +20,29 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvmesh.cli import build_parser
 from tests.k8s_env import (
     ENV_EXAMPLE,
     FIELD_VALUES,
     ROOT,
+    argv,
     container_env,
-    expand,
     grpc_port,
+    main_container,
     memory_bytes,
     named_port,
+    parse,
     quantity,
     rendered,
+    selected,
+    services,
+    workload,
 )
 
-K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ["bundled", "external"]
 SERVICES = ["gateway", "engine", "directory", "kvstore"]
 # Oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) and newest.
 K8S_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
 SOURCE = "\n".join(p.read_text() for d in ("kvmesh", "services") for p in (ROOT / d).rglob("*.py"))
-
-
-def workload(res: list[dict], name: str) -> dict:
-    [w] = [r for r in res if r["kind"] in ("Deployment", "StatefulSet")
-           and r["metadata"]["name"] == name]
-    return w
-
-
-def main_container(w: dict) -> dict:
-    return w["spec"]["template"]["spec"]["containers"][0]
-
-
-def argv(res: list[dict], name: str) -> list[str]:
-    c = main_container(workload(res, name))
-    return expand(c["command"] + c.get("args", []), container_env(res, c))
-
-
-def parse(res: list[dict], name: str):
-    cmd = argv(res, name)
-    assert cmd[:3] == ["kvmesh", name, "serve"], cmd
-    return build_parser().parse_args(cmd[1:])
-
-
-def services(res: list[dict]) -> dict[str, dict]:
-    return {r["metadata"]["name"]: r for r in res if r["kind"] == "Service"}
-
-
-def selected(res: list[dict], selector: dict) -> list[dict]:
-    return [r for r in res if r["kind"] in ("Deployment", "StatefulSet")
-            and selector.items() <= r["spec"]["template"]["metadata"]["labels"].items()]
 
 
 # -- schemas ---------------------------------------------------------------------------
