@@ -379,3 +379,50 @@ def test_bundled_seaweedfs_flags_exist_in_weed():
     mount = c["volumeMounts"][0]["mountPath"]
     assert f"-dir={mount}" in cmd
 
+
+
+def test_bundled_seaweedfs_takes_writes_to_all_12_buckets(tmp_path, clean_env):
+    """weed with the manifest's flags (loopback ports and a temp dir swapped in) has volume
+    slots for all 12 shard buckets, and those slots fit the PersistentVolume."""
+    from kvmesh.backing.proc import ManagedProcess, free_port
+    from kvmesh.backing.seaweed import ensure_bucket, s3_client, weed_binary
+
+    res = rendered("bundled")
+    sts = workload(res, "seaweedfs")
+    flags = dict(a.split("=", 1) for a in argv(res, "seaweedfs")[2:] if "=" in a)
+    slots, size_mib = int(flags["-volume.max"]), int(flags["-master.volumeSizeLimitMB"])
+    pvc = quantity(sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]
+                   ["storage"])
+    # An explicit count: the one weed derives from free space (-volume.max=0) depends on
+    # the disk it happens to start on, not on the volume claimed here.
+    assert 0 < slots and slots * size_mib * 2**20 <= 0.95 * pvc
+    ports = {f"-{role}.port{grpc}": str(free_port())
+             for role in ("master", "volume", "filer", "s3") for grpc in ("", ".grpc")}
+    local = {"-dir": str(tmp_path), "-ip.bind": "127.0.0.1", "-ip": "127.0.0.1", **ports}
+    cmd = [a for a in argv(res, "seaweedfs")[2:] if a.split("=")[0] not in local]
+    cmd += [f"{k}={v}" for k, v in local.items()]
+    proc = ManagedProcess("weed", [weed_binary(), "server", *cmd], tmp_path / "logs").start()
+    try:
+        clean_env({"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""})
+        client = s3_client(f"http://127.0.0.1:{ports['-s3.port']}", read_timeout=30)
+        wait_s3(client, proc)
+        for i in range(12):
+            bucket = f"kvshard-{i:02d}"
+            ensure_bucket(client, bucket)
+            client.put_object(Bucket=bucket, Key="probe", Body=b"kv" * 500)
+            assert client.get_object(Bucket=bucket, Key="probe")["Body"].read() == b"kv" * 500
+    finally:
+        proc.stop(timeout=3)
+
+
+def wait_s3(client, proc, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.list_buckets()
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            assert proc.alive and time.monotonic() < deadline, proc.tail()
+            time.sleep(0.2)
