@@ -190,9 +190,7 @@ def clean_env(monkeypatch):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_service_configs_build_from_the_rendered_environment(overlay, clean_env):
     from services.directory.cli import config_from_args as directory_config
-    from services.engine.build import engine_config
-    from services.engine.cache.rings import clear_ring_size_cache
-    from services.engine.config import preset
+    from services.engine.build import runtime_layout
     from services.gateway.cli import config_from_args as gateway_config
     from services.kvstore.config import KvstoreConfig
 
@@ -204,10 +202,8 @@ def test_service_configs_build_from_the_rendered_environment(overlay, clean_env)
     assert (gw.port, gw.metrics_port, gw.directory) == (7000, 9100, "directory:50070")
     d = directory_config(parse(res, "directory"))
     assert d.redis_url == env["KVMESH_DIRECTORY_REDIS_URL"]
-    args = parse(res, "engine")
-    ecfg = engine_config(args)
-    clear_ring_size_cache()
-    ecfg.check_model(preset(args.preset))  # KEEP >= W + B for the configured truncation
+    model, ecfg, _layout = runtime_layout(parse(res, "engine"))  # the engine's start-up sizes
+    ecfg.check_model(model)  # KEEP >= W + B for the configured truncation
     assert (ecfg.truncation, ecfg.keep_tokens) == ("compact", 134)
 
     args = parse(res, "kvstore")
