@@ -107,10 +107,9 @@ def test_every_service_port_reaches_a_container_port(overlay):
 def test_every_address_in_commands_and_config_is_a_service_port(overlay):
     res = rendered(overlay)
     env = container_env(res, main_container(workload(res, "kvstore")))
-    addresses = [argv(res, "engine")[argv(res, "engine").index(f) + 1]
-                 for f in ("--directory", "--kvstore")]
-    addresses += [argv(res, "gateway")[argv(res, "gateway").index("--directory") + 1],
-                  env["KVMESH_GATEWAY_ADDR"], env["KVMESH_KVSTORE_ADDR"]]
+    engine, gateway = parse(res, "engine"), parse(res, "gateway")
+    addresses = [engine.directory, engine.kvstore, gateway.directory,
+                 env["KVMESH_GATEWAY_ADDR"], env["KVMESH_KVSTORE_ADDR"]]
     if overlay == "bundled":
         addresses.append(env["KVMESH_DIRECTORY_REDIS_URL"].split("//")[1].split("/")[0])
         addresses += {loc.split("//")[1].split("/")[0]
