@@ -37,6 +37,7 @@ from tests.k8s_env import (
     services,
     workload,
 )
+from tests.kustomize import render
 
 OVERLAYS = ["bundled", "external"]
 SERVICES = ["gateway", "engine", "directory", "kvstore"]
@@ -140,6 +141,22 @@ def test_every_variable_reference_is_defined_before_use(overlay):
         for arg in c.get("args", []):
             for ref in re.findall(r"\$\((\w+)\)", arg):
                 assert ref in defined, f"{w['metadata']['name']}: $({ref}) not in env"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlays_add_to_the_base_and_drop_nothing(overlay):
+    """A JSON patch `add .../env` replaces a list that exists: base settings must survive."""
+    base = {(r["kind"], r["metadata"]["name"]): r for r in render(ROOT / "deploy/k8s/base")}
+    for r in rendered(overlay):
+        if (r["kind"], r["metadata"]["name"]) not in base or r["kind"] == "Namespace":
+            continue
+        b = base[(r["kind"], r["metadata"]["name"])]
+        assert b.get("data", {}).items() <= r.get("data", {}).items()
+        if r["kind"] in ("Deployment", "StatefulSet"):
+            bc, rc = main_container(b), main_container(r)
+            for key in ("env", "envFrom", "ports", "volumeMounts"):
+                assert all(item in rc.get(key, []) for item in bc.get(key, [])), key
+            assert rc["args"][:len(bc["args"])] == bc["args"]
 
 
 # -- environment -----------------------------------------------------------------------
