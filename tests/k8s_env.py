@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -107,3 +108,12 @@ def quantity(text: str | int) -> float:
 
 
 memory_bytes = quantity
+
+
+def use_env(monkeypatch, env: dict[str, str]) -> None:
+    """Replace every KVMESH_* and AWS_* variable of this process by `env` (for this test)."""
+    for name in list(os.environ):
+        if name.startswith(("KVMESH_", "AWS_")):
+            monkeypatch.delenv(name)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
