@@ -6,7 +6,7 @@ tests/gateway/test_compose.py does for docker-compose.yml, every kvmesh command 
 parsed by the real `kvmesh` argparse parser, the resulting configs are built from the
 rendered environment by the services' own config classes, and every port, address,
 variable and shutdown budget is checked against what the code does. The bundled
-Valkey command is run for real; the SeaweedFS flags are checked against `weed`.
+Valkey and SeaweedFS commands are run for real in tests/test_k8s_bundled.py.
 """
 
 from __future__ import annotations
