@@ -91,6 +91,7 @@ class EngineCore:
         self.prefix.store.on_evict = lambda key: self.hooks.snapshot_evicted(key)
         self.prefill_token_s = 0.0       # EMA of prefill seconds per token (replay cost model)
         self.prefetched: dict[str, Prefetched] = {}   # request id -> cache contents fetched for it
+        self.last_rows: dict[str, int] = {}     # query rows the last step's forward computed
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
@@ -155,22 +156,24 @@ class EngineCore:
         plan = self.scheduler.schedule()
         events = [self._finish(seq, [], "") for seq in plan.out_of_memory]
         sampled: list[tuple[Sequence, torch.Tensor]] = []
-        if plan.decode:
-            works = [self._work(s, s.num_computed, s.num_computed + 1) for s in plan.decode]
-            res = self.runner.forward(works)
-            for i, s in enumerate(plan.decode):
-                self._after_forward(s, works[i], res, i)
-                sampled.append((s, res.logits[i]))
-        for seq, start, end in plan.prefill:
-            work = self._work(seq, start, end)
+        # one ragged forward for the whole step: decode rows and prefill chunks side by side
+        jobs = [(s, s.num_computed, s.num_computed + 1) for s in plan.decode] + plan.prefill
+        if jobs:
+            works = [self._work(seq, start, end) for seq, start, end in jobs]
             t0 = time.perf_counter()
-            res = self.runner.forward([work])
-            per_token = (time.perf_counter() - t0) / (end - start)
-            self.prefill_token_s = per_token if not self.prefill_token_s else \
-                0.8 * self.prefill_token_s + 0.2 * per_token
-            self._after_forward(seq, work, res, 0)
-            if not seq.prefilling:
-                sampled.append((seq, res.logits[0]))
+            res = self.runner.forward(works)
+            self.last_rows = res.rows
+            prefill_tokens = sum(end - start for _, start, end in plan.prefill)
+            if prefill_tokens:
+                # the step's time charged to its tokens (decode rows included): the replay
+                # cost model wants seconds per computed token at the current batch mix
+                per_token = (time.perf_counter() - t0) / sum(w.end - w.start for w in works)
+                self.prefill_token_s = per_token if not self.prefill_token_s else \
+                    0.8 * self.prefill_token_s + 0.2 * per_token
+            for i, (seq, _, _) in enumerate(jobs):
+                self._after_forward(seq, works[i], res, i)
+                if not seq.prefilling and i in res.logits:
+                    sampled.append((seq, res.logits[i]))
         self.counters["steps"] += 1
         if self.counters["steps"] % 256 == 0:      # reclaim expired snapshots even if unread
             self.prefix.store.expire()

@@ -1,4 +1,4 @@
-"""ModelRunner: one cached forward over a batch of sequence chunks.
+"""ModelRunner: one cached forward over a ragged batch of sequence chunks.
 
 Each `Work` asks for tokens [start, end) of one sequence whose cache holds
 [0, start). The runner reads and writes only that sequence's slot (SWA rings,
@@ -17,6 +17,12 @@ Encoder layers compress their own normed input; decoder layers compress H_enc
 (the normed encoder output) of the whole chunk, while their queries are limited
 to positions >= dec_lo (YOCO prefill truncation; `compact` gathers only those
 rows, `mask` runs every row with earlier keys masked).
+
+The batch is ragged (batch.py): all works' rows form one [T, hidden] tensor, every
+per-row quantity (window keys, visible entries, top-k picks) is gathered by index from
+per-step index tensors, and ring writes, compressor feeding (compressor.py) and block
+scatters/gathers run for all works at once. Only snapshot capture loops, over the
+(rare) works that ask for one.
 """
 
 from __future__ import annotations
@@ -27,14 +33,20 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import mxfp8
-from kernels.attention import union_attention
-from kernels.indexer import indexer_scores, select_topk, selected_indices
-from kernels.ring import ring_window, ring_write
+from kernels.indexer import select_topk, selected_indices
+from kernels.ragged import ragged_indexer_scores, ragged_union_attention, ring_put, ring_rows
+from services.engine import compressor
+from services.engine.batch import Segments, StepBatch
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
 from services.engine.model import ops
 from services.engine.model.weights import Weights
+
+# Works with at most this many rows gather each row's W window keys by index; longer
+# chunks share one key pool (their ring rows + chunk rows) with a mask, which is cheaper
+# than W keys per row once a chunk is longer than a few rows.
+GATHER_MAX_ROWS = 16
 
 
 @dataclass
@@ -55,14 +67,7 @@ class Work:
 class ForwardResult:
     logits: dict[int, torch.Tensor] = field(default_factory=dict)     # work index -> [V]
     captures: dict[int, torch.Tensor] = field(default_factory=dict)   # work index -> [E, R_inf, 528]
-
-
-@dataclass
-class _Rows:
-    """A padded batch of query rows: x [N, T, hidden], pos [N, T], valid [N, T]."""
-    x: torch.Tensor
-    pos: torch.Tensor
-    valid: torch.Tensor
+    rows: dict[str, int] = field(default_factory=dict)                # query rows computed per layer
 
 
 class ModelRunner:
@@ -78,94 +83,99 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, works: list[Work]) -> ForwardResult:
         cfg, result = self.cfg, ForwardResult()
-        rows = self._rows(works, [w.start for w in works])
-        x = self.w["embed"][rows.x]
-        rows = _Rows(x, rows.pos, rows.valid)
+        if not works:
+            return result
+        step = StepBatch.build(works, compact=self.dec_mode == "compact")
+        toks = [t for w in works for t in w.tokens[w.start : w.end]]
+        x = self.w["embed"][torch.tensor(toks, dtype=torch.long)]
         for layer in range(cfg.n_encoder_layers):
-            rows.x = self._layer(layer, rows, works, [w.enc_lo for w in works], None, result)
-        chunk = _Rows(ops.encoder_output(self.w, rows.x, cfg), rows.pos, rows.valid)
-
-        if self.dec_mode == "compact":
-            firsts = [max(w.start, w.dec_lo) for w in works]
-            drows = self._rows(works, firsts, source=rows)
-        else:
-            drows = rows
+            x = self._layer(layer, x, step, step.enc, None, works, result)
+        h_enc = ops.encoder_output(self.w, x, cfg)
+        if step.dec_rows is not None:
+            x = x[step.dec_rows]
         for layer in range(cfg.n_encoder_layers, cfg.n_layers):
-            drows.x = self._layer(layer, drows, works, [w.dec_lo for w in works], chunk, result)
+            x = self._layer(layer, x, step, step.dec, h_enc, works, result)
+        result.rows = {"encoder": step.enc.rows, "decoder": step.dec.rows}
 
-        for n, w in enumerate(works):
-            if w.want_logits:
-                last = int(torch.nonzero(drows.pos[n] == w.end - 1)[0, 0])
-                result.logits[n] = ops.logits(self.w, drows.x[n, last], cfg)
+        want = [i for i, w in enumerate(works) if w.want_logits]
+        if want:
+            wi = torch.tensor(want, dtype=torch.long)
+            last = step.dec.rows_at(wi, step.ends[wi] - 1)
+            logits = ops.logits(self.w, x[last], cfg)
+            for k, i in enumerate(want):
+                result.logits[i] = logits[k]
         return result
 
-    # --- batching ---------------------------------------------------------
-    def _rows(self, works, firsts, source: _Rows | None = None) -> _Rows:
-        """Pad per-work rows [first, end) into one batch: token ids, or with `source` hidden
-        rows cut out of an existing batch (decoder rows of a compact run)."""
-        lens = [max(0, w.end - f) for w, f in zip(works, firsts, strict=True)]
-        t = max(1, max(lens))
-        n = len(works)
-        pos = torch.tensor(firsts).unsqueeze(1) + torch.arange(t).unsqueeze(0)
-        valid = torch.arange(t).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-        if source is None:
-            toks = torch.zeros(n, t, dtype=torch.long)
-            for i, w in enumerate(works):
-                toks[i, : lens[i]] = torch.tensor(w.tokens[w.start : w.end])
-            return _Rows(toks, pos, valid)
-        x = source.x.new_zeros(n, t, source.x.shape[-1])
-        for i, (w, f) in enumerate(zip(works, firsts, strict=True)):
-            off = f - w.start
-            x[i, : lens[i]] = source.x[i, off : off + lens[i]]
-        return _Rows(x, pos, valid)
-
     # --- one layer ----------------------------------------------------------
-    def _layer(self, layer, rows: _Rows, works, los, chunk: _Rows | None, result) -> torch.Tensor:
+    def _layer(self, layer, x, step: StepBatch, seg: Segments, h_enc, works, result):
         cfg, w = self.cfg, self.w
         p = f"layers.{layer}."
-        h = ops.rms_norm(rows.x, w[p + "attn_norm"], cfg.norm_eps)
-        q, kv = ops.query_and_kv(w, layer, h, rows.pos, cfg)
-        kv_bytes, kv = ops.quantize_kv(kv)
-        k_win, win_ok = self._window(layer, rows, kv, works, los)
-        if cfg.is_encoder(layer):
-            self._capture(layer, rows, kv_bytes, works, result)
-        self._write_ring(layer, rows, kv_bytes, works)
-
-        groups = [(k_win, win_ok)]
         m = cfg.compress_ratio(layer)
-        if m is not None:
-            src = _Rows(h, rows.pos, rows.valid) if chunk is None else chunk
-            for i, wk in enumerate(works):
-                self._compress(layer, wk, src.x[i], int(src.pos[i, 0]), int(src.valid[i].sum()))
-            groups.append(self._compressed(layer, rows, h, works, m))
+        if seg.rows == 0:          # compact decoder with every row before dec_lo: only compress
+            if m is not None:
+                compressor.feed(cfg, w, self.states, self.blocks, layer, step, step.enc, h_enc)
+            return x
+        h = ops.rms_norm(x, w[p + "attn_norm"], cfg.norm_eps)
+        q, kv = ops.query_and_kv(w, layer, h, seg.pos, cfg)
+        kv_bytes, kv = ops.quantize_kv(kv)
+        short = (seg.n <= GATHER_MAX_ROWS)[seg.wid]
+        windows = self._windows(layer, seg, step, kv, short)
+        if cfg.is_encoder(layer):
+            self._capture(layer, seg, step, kv_bytes, works, result)
+        ring = self.states.swa[layer]
+        last = seg.pos >= seg.end[seg.wid] - ring.shape[1]     # older rows would be overwritten
+        ring_put(ring, step.slots[seg.wid[last]], seg.pos[last], kv_bytes[last])
 
-        o = union_attention(q, groups, w[p + "sink"], self.scale)
-        x = rows.x + ops.attn_output(w, layer, o)
+        cmp = None
+        if m is not None:
+            compressor.feed(cfg, w, self.states, self.blocks, layer, step, step.enc,
+                            h if h_enc is None else h_enc)
+            cmp = self._compressed(layer, seg, step, h, m)
+
+        sink = w[p + "sink"]
+        o = torch.empty_like(q)
+        for rows, win in windows:
+            groups = [win] if cmp is None else [win, (cmp[0][rows], cmp[1][rows])]
+            o[rows] = ragged_union_attention(q[rows], groups, sink, self.scale)
+        x = x + ops.attn_output(w, layer, o)
         return x + ops.ffn(w, layer, x, cfg)
 
-    def _window(self, layer, rows: _Rows, kv, works, los):
-        """Window keys: W-1 positions before each work's first row (ring) + its new rows."""
-        width = self.cfg.window - 1
-        slots = torch.tensor([wk.slot for wk in works])
-        first = rows.pos[:, 0] - width
-        old = mxfp8.dequantize(ring_window(self.states.swa[layer], slots, first, width), kv.dtype)
-        old_pos = first.unsqueeze(1) + torch.arange(width).unsqueeze(0)
-        keys = torch.cat([old, kv], dim=1)
-        kpos = torch.cat([old_pos, rows.pos], dim=1)
-        kvalid = torch.cat([old_pos >= 0, rows.valid], dim=1)
-        qpos = rows.pos.unsqueeze(2)
-        lo = torch.clamp(qpos - self.cfg.window + 1, min=torch.tensor(los).view(-1, 1, 1))
-        k = kpos.unsqueeze(1)
-        ok = kvalid.unsqueeze(1) & rows.valid.unsqueeze(2) & (k <= qpos) & (k >= lo)
-        return keys, ok
+    def _windows(self, layer, seg: Segments, step: StepBatch, kv, short):
+        """[(rows, (keys, ok))]: window keys of positions max(lo, p - W + 1) .. p per row.
+        Short works' rows gather their own W keys; long works' rows share one pool of their
+        W - 1 ring rows and chunk rows, masked per row. Keys older than the chunk come from
+        the ring (read before this chunk writes it)."""
+        out = []
+        big_w = self.cfg.window
+        ring = self.states.swa[layer]
+        for rows in (torch.nonzero(short).squeeze(1), torch.nonzero(~short).squeeze(1)):
+            if not len(rows):
+                continue
+            wid, pos = seg.wid[rows], seg.pos[rows]
+            lo = torch.clamp(seg.lo[wid], min=0)
+            if bool(short[rows[0]]):
+                kpos = pos.unsqueeze(1) - big_w + 1 + torch.arange(big_w)        # [t, W]
+                kw = wid.unsqueeze(1).expand_as(kpos)
+                in_chunk = kpos >= seg.first[kw]
+                old = mxfp8.dequantize(ring_rows(ring, step.slots[kw], kpos), kv.dtype)
+                new = kv[torch.clamp(seg.rows_at(kw, kpos), 0, len(kv) - 1)]
+                keys = torch.where(in_chunk.unsqueeze(-1), new, old)
+                out.append((rows, (keys, kpos >= lo.unsqueeze(1))))
+                continue
+            works = torch.unique(wid)
+            opos = seg.first[works].unsqueeze(1) - big_w + 1 + torch.arange(big_w - 1)
+            owid = works.unsqueeze(1).expand_as(opos)
+            old = mxfp8.dequantize(ring_rows(ring, step.slots[owid.flatten()], opos.flatten()), kv.dtype)
+            keys = torch.cat([old, kv[rows]])
+            kpos = torch.cat([opos.flatten(), pos])
+            kwid = torch.cat([owid.flatten(), wid])
+            qp = pos.unsqueeze(1)
+            ok = (kwid.unsqueeze(0) == wid.unsqueeze(1)) & (kpos <= qp) & \
+                (kpos >= torch.maximum(qp - big_w + 1, lo.unsqueeze(1)))
+            out.append((rows, (keys, ok)))
+        return out
 
-    def _write_ring(self, layer, rows: _Rows, kv_bytes, works):
-        for i, wk in enumerate(works):
-            n = int(rows.valid[i].sum())
-            if n:
-                ring_write(self.states.swa[layer], wk.slot, int(rows.pos[i, 0]), kv_bytes[i, :n])
-
-    def _capture(self, layer, rows: _Rows, kv_bytes, works, result):
+    def _capture(self, layer, seg: Segments, step: StepBatch, kv_bytes, works, result):
         """Copy the window ending at `capture` into canonical inference-ring order
         (row p % R_inf holds position p), before this chunk overwrites the ring."""
         e = self.cfg.n_encoder_layers
@@ -176,62 +186,32 @@ class ModelRunner:
                 continue
             out = result.captures.setdefault(
                 i, torch.zeros(e, r_inf, ring.shape[2], dtype=torch.uint8))
-            first = int(rows.pos[i, 0])
+            first = int(seg.first[i])
             positions = torch.arange(wk.capture - r_inf, wk.capture)
             positions = positions[positions >= 0]
             new = positions >= first
             src = torch.empty(len(positions), ring.shape[2], dtype=torch.uint8)
-            src[new] = kv_bytes[i, positions[new] - first]
+            src[new] = kv_bytes[int(seg.cu[i]) + positions[new] - first]
             src[~new] = ring[wk.slot, positions[~new].remainder(ring.shape[1])]
             out[layer, positions.remainder(r_inf)] = src
 
     # --- compressed entries ------------------------------------------------------
-    def _compress(self, layer, wk: Work, u, first: int, n: int):
-        """Feed rows u[:n] (positions first..first+n-1) to this layer's compressor: emit the
-        entries of groups that complete, keep the open group's tail in the compression ring."""
-        cfg, m = self.cfg, self.cfg.compress_ratio(layer)
-        skip = max(0, wk.cmp_from - first)
-        if skip >= n:
-            return
-        s0, end = first + skip, first + n
-        u = u[skip:n]
-        g0, gend = (s0 // m) * m, (end // m) * m
-        streams = [(self.states.cmp[layer], *ops.compressor_inputs(self.w, layer, u), False)]
-        if cfg.layers[layer] == "csa":
-            streams.append((self.states.idx[layer], *ops.indexer_inputs(self.w, layer, u), True))
-        for ring, v, z, is_index in streams:
-            r = ring.shape[1]
-            tail = ring[wk.slot, torch.arange(g0, s0).remainder(r)].to(v.dtype)  # [s0-g0, 2, dim]
-            if gend > g0:
-                fv = torch.cat([tail[:, 0], v])[: gend - g0]
-                fz = torch.cat([tail[:, 1], z])[: gend - g0]
-                if is_index:
-                    rows = ops.pool_index_keys(self.w, layer, fv, fz, m)
-                else:
-                    rows = ops.pool_entries(self.w, layer, fv, fz, g0 // m, m, cfg)
-                self.blocks.scatter(wk.table, layer, g0 // m, rows, keys=is_index)
-            ring_write(ring, wk.slot, s0, torch.stack([v, z], dim=1))
-
-    def _compressed(self, layer, rows: _Rows, h, works, m):
-        """Entries visible to each query row. HCA: all of them, shared by the rows.
-        CSA: each row's top-k picks, gathered per row ([N, T, k, D]) so attention never
-        touches the entries it did not pick."""
-        counts = [wk.end // m for wk in works]
-        kc = max(counts)
-        n, t = rows.pos.shape
-        keys = h.new_zeros(n, kc, self.cfg.head_dim)
-        for i, wk in enumerate(works):
-            keys[i, : counts[i]] = self.blocks.gather(wk.table, layer, counts[i])
-        visible = torch.arange(kc).view(1, 1, kc) < ((rows.pos + 1) // m).unsqueeze(2)
-        visible &= rows.valid.unsqueeze(2)
-        if self.cfg.layers[layer] != "csa":
-            return keys, visible
-        ikeys = h.new_zeros(n, kc, self.cfg.index_dim)
-        for i, wk in enumerate(works):
-            ikeys[i, : counts[i]] = self.blocks.gather(wk.table, layer, counts[i], keys=True)
-        iq, iw = ops.index_query(self.w, layer, h, self.cfg)
-        chosen = select_topk(indexer_scores(iq, iw, ikeys), visible, self.cfg.csa_topk)
-        idx, ok = selected_indices(chosen, self.cfg.csa_topk)                 # [N, T, k]
-        picked = torch.gather(keys.unsqueeze(1).expand(n, t, kc, keys.shape[-1]), 2,
-                              idx.unsqueeze(-1).expand(*idx.shape, keys.shape[-1]))
-        return picked, ok
+    def _compressed(self, layer, seg: Segments, step: StepBatch, h, m):
+        """(keys [T, K, D], ok [T, K]): entries visible to each row (j < (p + 1) // m).
+        HCA: all of them; CSA: the indexer's top-k, so attention never touches the rest.
+        Entry rows are gathered straight from the block store by a per-step index."""
+        cfg = self.cfg
+        entries = self.blocks.entries[layer]
+        per = entries.shape[1]
+        count = int((step.ends // m).max())
+        flat = step.entry_index(per, count)[seg.wid]                         # [T, K]
+        visible = torch.arange(count).unsqueeze(0) < ((seg.pos + 1) // m).unsqueeze(1)
+        table = entries.view(-1, entries.shape[-1])
+        if cfg.layers[layer] != "csa":
+            return table[flat].to(h.dtype), visible
+        ikeys = self.blocks.index_keys[layer]
+        ikeys = ikeys.view(-1, ikeys.shape[-1])[flat].to(h.dtype)           # [T, K, Di]
+        iq, iw = ops.index_query(self.w, layer, h, cfg)
+        chosen = select_topk(ragged_indexer_scores(iq, iw, ikeys), visible, cfg.csa_topk)
+        idx, ok = selected_indices(chosen, cfg.csa_topk)                     # [T, k]
+        return table[flat.gather(1, idx)].to(h.dtype), ok

@@ -76,6 +76,15 @@ def pool_entries(w: Weights, layer: int, v, z, first_group: int, m: int, cfg: Mo
     return storage_round(rope(pooled, pos, cfg))
 
 
+def pool_entries_at(w: Weights, layer: int, v, z, groups, m: int, cfg: ModelConfig):
+    """Like pool_entries for groups that need not be consecutive: v, z [G*m, D], groups [G]
+    the group index of each (its entry is roped at position group * m)."""
+    g = v.shape[0] // m
+    pooled = gated_pool(v.view(g, m, -1), z.view(g, m, -1), w[f"layers.{layer}.cmp_bias"])
+    pooled = rms_norm(pooled, w[f"layers.{layer}.cmp_norm"], cfg.norm_eps)
+    return storage_round(rope(pooled, groups * m, cfg))
+
+
 def pool_index_keys(w: Weights, layer: int, v, z, m: int):
     g = v.shape[0] // m
     return storage_round(gated_pool(v.view(g, m, -1), z.view(g, m, -1), w[f"layers.{layer}.idx_bias"]))

@@ -1,0 +1,91 @@
+"""Index tensors of one ragged step, built once per forward and shared by every layer.
+
+A step is a list of works (one sequence chunk each). Its rows are flattened
+cu_seqlens-style: work i owns rows cu[i]:cu[i+1] at positions first[i] ..
+first[i] + n[i] - 1. No row is padding, so a decode next to a long prefill chunk
+adds exactly one row.
+
+Owned by the forward that built it (read-only once built).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Segments:
+    first: torch.Tensor        # [N] position of each work's first row
+    n: torch.Tensor            # [N] rows per work (0 allowed)
+    cu: torch.Tensor           # [N + 1] row offsets
+    wid: torch.Tensor          # [T] work of each row
+    pos: torch.Tensor          # [T] position of each row
+    lo: torch.Tensor           # [N] window lower bound (keys at positions < lo are masked)
+
+    @staticmethod
+    def build(firsts: list[int], ends: list[int], los: list[int]) -> Segments:
+        first = torch.tensor(firsts, dtype=torch.long)
+        n = torch.clamp(torch.tensor(ends, dtype=torch.long) - first, min=0)
+        cu = torch.zeros(len(firsts) + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(n, 0)
+        wid = torch.repeat_interleave(torch.arange(len(firsts)), n)
+        pos = first[wid] + torch.arange(int(cu[-1])) - cu[wid]
+        return Segments(first, n, cu, wid, pos, torch.tensor(los, dtype=torch.long))
+
+    @property
+    def rows(self) -> int:
+        return int(self.cu[-1])
+
+    @property
+    def end(self) -> torch.Tensor:
+        return self.first + self.n
+
+    def rows_at(self, wid: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Row index of position pos of work wid (caller guarantees it is inside the chunk)."""
+        return self.cu[wid] + pos - self.first[wid]
+
+
+@dataclass
+class StepBatch:
+    """Per-step facts about the works: slots, block tables, bounds, and the encoder and
+    decoder row segments (decoder rows are a subset of encoder rows in compact mode)."""
+
+    slots: torch.Tensor        # [N]
+    tables: torch.Tensor       # [N, max table length] block ids, 0-padded (never read past a table)
+    ends: torch.Tensor         # [N] end of each chunk
+    cmp_from: torch.Tensor     # [N]
+    enc: Segments
+    dec: Segments
+    dec_rows: torch.Tensor | None   # [Td] rows of enc that the decoder runs (None: all of them)
+
+    @staticmethod
+    def build(works, compact: bool) -> StepBatch:
+        starts = [w.start for w in works]
+        ends = [w.end for w in works]
+        width = max(1, max(len(w.table) for w in works))
+        tables = torch.zeros(len(works), width, dtype=torch.long)
+        for i, w in enumerate(works):
+            tables[i, : len(w.table)] = torch.tensor(w.table, dtype=torch.long)
+        enc = Segments.build(starts, ends, [w.enc_lo for w in works])
+        dec_lo = [w.dec_lo for w in works]
+        if compact:
+            dec = Segments.build([max(s, lo) for s, lo in zip(starts, dec_lo, strict=True)], ends, dec_lo)
+            dec_rows = enc.rows_at(dec.wid, dec.pos)
+            if len(dec_rows) == enc.rows:
+                dec_rows = None
+        else:
+            dec = Segments(enc.first, enc.n, enc.cu, enc.wid, enc.pos, torch.tensor(dec_lo))
+            dec_rows = None
+        return StepBatch(torch.tensor([w.slot for w in works], dtype=torch.long), tables,
+                         torch.tensor(ends, dtype=torch.long),
+                         torch.tensor([w.cmp_from for w in works], dtype=torch.long),
+                         enc, dec, dec_rows)
+
+    def entry_index(self, per_block: int, count: int) -> torch.Tensor:
+        """[N, count] flat row (block * per_block + row) of entries 0..count-1 of each work;
+        entries past a work's table point at block 0 and must be masked by the caller."""
+        j = torch.arange(count)
+        col = torch.clamp(j // per_block, max=self.tables.shape[1] - 1)
+        return self.tables[:, col] * per_block + (j % per_block)

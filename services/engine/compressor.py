@@ -1,0 +1,80 @@
+"""Vectorized compressor feeding: every sequence of a step in a few tensor ops per layer.
+
+For each work, rows at positions >= cmp_from of its chunk are fed to the layer's
+compressor. A group of m positions that completes in this chunk is pooled into one
+entry (and, for CSA, one indexer key) written to the block rows its table points at;
+the open group's tail stays in the slot's compression ring (m + B rows, position % R).
+
+All works' completed groups are laid out as one stream: for work i, positions
+g0_i .. gend_i - 1 with g0_i = floor(s0_i / m) * m (s0_i: first fed position) and
+gend_i = floor(end_i / m) * m. A stream row comes from the ring (the stored tail,
+positions < s0_i) or from this chunk's new rows; every m consecutive rows are one
+group, so pooling is a single call. The ring is read before it is written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.ragged import ring_put, ring_rows
+from services.engine.batch import Segments, StepBatch
+from services.engine.cache.block_store import BlockStore
+from services.engine.cache.state_pool import StatePool
+from services.engine.config import ModelConfig
+from services.engine.model import ops
+from services.engine.model.weights import Weights
+
+
+def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, layer: int,
+         step: StepBatch, seg: Segments, u: torch.Tensor) -> None:
+    """u: [seg.rows, hidden] compressor input of the rows `seg` describes."""
+    m = cfg.compress_ratio(layer)
+    keep = seg.pos >= step.cmp_from[seg.wid]          # rows whose entries must not be rewritten
+    if not bool(keep.any()):
+        return
+    rows = torch.nonzero(keep).squeeze(1)
+    wid, pos = seg.wid[rows], seg.pos[rows]
+    n_new = torch.bincount(wid, minlength=len(seg.n))
+    s0 = torch.maximum(seg.first, step.cmp_from)      # first fed position per work
+    end = seg.end
+    new_cu = torch.zeros(len(n_new) + 1, dtype=torch.long)
+    new_cu[1:] = torch.cumsum(n_new, 0)
+
+    # stream of completed groups, per work [g0, gend)
+    g0 = torch.div(s0, m, rounding_mode="floor") * m
+    gend = torch.div(end, m, rounding_mode="floor") * m
+    glen = torch.where(n_new > 0, torch.clamp(gend - g0, min=0), torch.zeros_like(g0))
+    g_cu = torch.zeros(len(glen) + 1, dtype=torch.long)
+    g_cu[1:] = torch.cumsum(glen, 0)
+    swid = torch.repeat_interleave(torch.arange(len(glen)), glen)
+    spos = g0[swid] + torch.arange(int(g_cu[-1])) - g_cu[swid]
+    from_ring = spos < s0[swid]
+    new_idx = torch.clamp(new_cu[swid] + spos - s0[swid], min=0)
+
+    # ring rows to write: the last R fed rows of each work (older ones would be overwritten)
+    uk = u[rows]
+    streams = [(states.cmp[layer], *ops.compressor_inputs(w, layer, uk), False)]
+    if cfg.layers[layer] == "csa":
+        streams.append((states.idx[layer], *ops.indexer_inputs(w, layer, uk), True))
+    for ring, v, z, is_index in streams:
+        vz = torch.stack([v, z], dim=1)                                 # [rows, 2, dim]
+        if len(spos):
+            tail = ring_rows(ring, step.slots[swid], spos).to(vz.dtype)
+            new_idx_c = torch.clamp(new_idx, max=max(len(vz) - 1, 0))
+            vals = torch.where(from_ring.view(-1, 1, 1), tail, vz[new_idx_c])
+            gwid, gid = swid[::m], torch.div(spos[::m], m, rounding_mode="floor")
+            if is_index:
+                out = ops.pool_index_keys(w, layer, vals[:, 0], vals[:, 1], m)
+            else:
+                out = ops.pool_entries_at(w, layer, vals[:, 0], vals[:, 1], gid, m, cfg)
+            _scatter(blocks, step, gwid, layer, gid, out, is_index)
+        last = pos >= end[wid] - ring.shape[1]
+        ring_put(ring, step.slots[wid[last]], pos[last], vz[last])
+
+
+def _scatter(blocks: BlockStore, step: StepBatch, wid, layer: int, entry, rows, keys: bool) -> None:
+    """Write entry rows of many works at once: entry j of work i lives in block
+    tables[i, j // per] at row j % per (block_store.py)."""
+    dst = (blocks.index_keys if keys else blocks.entries)[layer]
+    per = dst.shape[1]
+    dst[step.tables[wid, torch.div(entry, per, rounding_mode="floor")], entry % per] = rows.to(dst.dtype)
