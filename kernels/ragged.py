@@ -59,6 +59,20 @@ def ragged_indexer_scores(q, w, keys):
     return torch.einsum("the,tke->thk", q, keys).relu().mul(w.unsqueeze(-1)).sum(1)
 
 
+_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def dequantize_rows(q, dtype=torch.float32):
+    """mxfp8.dequantize through a 256-entry E4M3 table: the same numbers bit for bit
+    (each E4M3 code is exact in fp32, then the same power-of-two scaling), about twice
+    as fast on CPU as the float8 conversion."""
+    d = (q.shape[-1] * 32) // 33
+    values = _E4M3[q[..., :d].to(torch.int32)]
+    exp = q[..., d:].float() - 127.0
+    blocks = values.reshape(*q.shape[:-1], d // 32, 32) * torch.exp2(exp).unsqueeze(-1)
+    return blocks.reshape(*q.shape[:-1], d).to(dtype)
+
+
 def ring_rows(ring, slots, pos):
     """ring [S, R, ...]; slots, pos: same-shape long tensors -> rows [*shape, ...]."""
     return ring[slots, pos.remainder(ring.shape[1])]

@@ -22,7 +22,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     g.add_argument("--num-slots", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=1024)
-    g.add_argument("--max-batched-tokens", type=int, default=512)
+    g.add_argument("--max-batched-tokens", type=int, default=512,
+                   help="tokens one step computes: decodes first, then prefill chunks")
+    g.add_argument("--long-prefill-chunk", type=int, default=256,
+                   help="most prompt tokens one sequence prefills per step (0: up to the "
+                        "budget); bounds the inter-token latency of decodes beside a long prompt")
     g.add_argument("--max-running", type=int, default=16)
     g.add_argument("--truncation", choices=TRUNCATION_MODES, default=None,
                    help="YOCO prefill truncation (env KVMESH_YOCO_PREFILL_TRUNCATION_MODE, default off)")
@@ -48,6 +52,7 @@ def engine_config(args, env=None) -> EngineConfig:
         env,
         num_slots=args.num_slots, num_blocks=args.num_blocks,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running,
+        long_prefill_chunk=args.long_prefill_chunk,
         truncation=args.truncation, keep_tokens=args.keep_tokens, extra_state=args.extra_state,
         extra_state_size=args.extra_state_size, max_backtrack=args.max_backtrack,
         deterministic=args.deterministic, swa_policy=args.swa_policy,

@@ -26,6 +26,7 @@ class EngineConfig:
     num_blocks: int = 1024
     max_batched_tokens: int = 512       # prefill chunk budget per step (decode tokens count too)
     max_running: int = 16
+    long_prefill_chunk: int = 0         # most prompt tokens per sequence per step (0: budget only)
     truncation: str = "off"             # YOCO prefill truncation: off | mask | compact
     keep_tokens: int = 0                # KEEP; must be explicit when truncation is on
     extra_state: bool = False           # prefill-engine SWA ring of 396
@@ -47,7 +48,7 @@ class EngineConfig:
         for name in ("num_slots", "num_blocks", "max_batched_tokens", "max_running"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        for name in ("keep_tokens", "extra_state_size", "max_backtrack"):
+        for name in ("keep_tokens", "extra_state_size", "max_backtrack", "long_prefill_chunk"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
         if self.dtype not in ("float32", "float64"):

@@ -32,9 +32,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import mxfp8
 from kernels.indexer import select_topk, selected_indices
-from kernels.ragged import ragged_indexer_scores, ragged_union_attention, ring_put, ring_rows
+from kernels.ragged import (
+    dequantize_rows,
+    ragged_indexer_scores,
+    ragged_union_attention,
+    ring_put,
+    ring_rows,
+)
 from services.engine import compressor
 from services.engine.batch import Segments, StepBatch
 from services.engine.cache.block_store import BlockStore
@@ -153,20 +158,28 @@ class ModelRunner:
                 continue
             wid, pos = seg.wid[rows], seg.pos[rows]
             lo = torch.clamp(seg.lo[wid], min=0)
-            if bool(short[rows[0]]):
-                kpos = pos.unsqueeze(1) - big_w + 1 + torch.arange(big_w)        # [t, W]
-                kw = wid.unsqueeze(1).expand_as(kpos)
-                in_chunk = kpos >= seg.first[kw]
-                old = mxfp8.dequantize(ring_rows(ring, step.slots[kw], kpos), kv.dtype)
-                new = kv[torch.clamp(seg.rows_at(kw, kpos), 0, len(kv) - 1)]
-                keys = torch.where(in_chunk.unsqueeze(-1), new, old)
-                out.append((rows, (keys, kpos >= lo.unsqueeze(1))))
-                continue
-            works = torch.unique(wid)
+            # key pool: W - 1 ring rows before each work's first row, then the chunk rows
+            works, local = torch.unique(wid, return_inverse=True)
             opos = seg.first[works].unsqueeze(1) - big_w + 1 + torch.arange(big_w - 1)
             owid = works.unsqueeze(1).expand_as(opos)
-            old = mxfp8.dequantize(ring_rows(ring, step.slots[owid.flatten()], opos.flatten()), kv.dtype)
+            old = dequantize_rows(ring_rows(ring, step.slots[owid.flatten()], opos.flatten()), kv.dtype)
+            if len(works) == len(rows) and bool(short[rows[0]]):
+                # decode rows: a row's keys are its work's W - 1 ring rows and itself
+                keys = torch.cat([old.view(len(rows), big_w - 1, -1), kv[rows].unsqueeze(1)], dim=1)
+                kpos = pos.unsqueeze(1) - big_w + 1 + torch.arange(big_w)
+                out.append((rows, (keys, kpos >= lo.unsqueeze(1))))
+                continue
             keys = torch.cat([old, kv[rows]])
+            if bool(short[rows[0]]):
+                # each row gathers its own W keys from the pool (positions p - W + 1 .. p)
+                kpos = pos.unsqueeze(1) - big_w + 1 + torch.arange(big_w)        # [t, W]
+                first = seg.first[wid].unsqueeze(1)
+                in_chunk = kpos >= first
+                ring_i = local.unsqueeze(1) * (big_w - 1) + kpos - first + big_w - 1
+                row_i = len(old) + torch.arange(len(rows)).unsqueeze(1) + kpos - pos.unsqueeze(1)
+                idx = torch.where(in_chunk, row_i, torch.clamp(ring_i, min=0))
+                out.append((rows, (keys[idx], kpos >= lo.unsqueeze(1))))
+                continue
             kpos = torch.cat([opos.flatten(), pos])
             kwid = torch.cat([owid.flatten(), wid])
             qp = pos.unsqueeze(1)

@@ -4,7 +4,9 @@ Owns the waiting queue and the running list (and nothing else). Each step:
 
     1. every running sequence that is decoding gets one token (one batched forward);
     2. running sequences still in prefill get chunks, oldest first, within the
-       token budget `max_batched_tokens`;
+       token budget `max_batched_tokens` (decode tokens count against it), each chunk at
+       most `long_prefill_chunk` tokens when that is set, so one long prompt cannot make
+       a step (and the inter-token latency of every decode in it) arbitrarily long;
     3. waiting sequences are admitted while a slot, blocks for their first chunk,
        and budget remain.
 
@@ -89,7 +91,8 @@ class Scheduler:
 
     def _plan_chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         start = seq.num_computed
-        end = min(seq.prefill_len, start + budget)
+        cap = self.ecfg.long_prefill_chunk or budget
+        end = min(seq.prefill_len, start + min(budget, cap))
         if not self._make_room(seq, end, plan):
             return 0
         plan.prefill.append((seq, start, end))
