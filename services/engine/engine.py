@@ -184,7 +184,7 @@ class EngineCore:
     def _work(self, seq: Sequence, start: int, end: int) -> Work:
         work = Work(seq.slot, seq.table, seq.tokens, start, end, enc_lo=seq.enc_lo,
                     dec_lo=seq.dec_lo, cmp_from=seq.cmp_from,
-                    want_logits=end == len(seq.tokens))
+                    want_logits=end == len(seq.tokens), owner=(seq.request_id, seq.admitted_at))
         if seq.prefilling:
             self.prefix.capture_for(seq, work)
         return work

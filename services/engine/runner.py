@@ -34,11 +34,9 @@ import torch
 
 from kernels.indexer import select_topk, selected_indices
 from kernels.ragged import (
-    dequantize_rows,
     ragged_indexer_scores,
     ragged_union_attention,
     ring_put,
-    ring_rows,
 )
 from services.engine import compressor
 from services.engine.batch import Segments, StepBatch
@@ -47,6 +45,7 @@ from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
 from services.engine.model import ops
 from services.engine.model.weights import Weights
+from services.engine.window_mirror import WindowMirror
 
 # Works with at most this many rows gather each row's W window keys by index; longer
 # chunks share one key pool (their ring rows + chunk rows) with a mask, which is cheaper
@@ -66,6 +65,7 @@ class Work:
     cmp_from: int = 0          # entries for positions < cmp_from exist and must not be rewritten
     capture: int | None = None # snapshot the encoder window ending at this position (in (start, end])
     want_logits: bool = True
+    owner: object = None       # identifies one admission of a sequence (window mirror); None: no mirror
 
 
 @dataclass
@@ -84,6 +84,7 @@ class ModelRunner:
         self.dec_mode = dec_mode
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.inference_ring = states.block.inference_ring
+        self.mirror = WindowMirror(states.swa, cfg.head_dim, weights["embed"].dtype)
 
     @torch.no_grad()
     def forward(self, works: list[Work]) -> ForwardResult:
@@ -91,6 +92,7 @@ class ModelRunner:
         if not works:
             return result
         step = StepBatch.build(works, compact=self.dec_mode == "compact")
+        self.mirror.begin(works)
         toks = [t for w in works for t in w.tokens[w.start : w.end]]
         x = self.w["embed"][torch.tensor(toks, dtype=torch.long)]
         for layer in range(cfg.n_encoder_layers):
@@ -130,6 +132,7 @@ class ModelRunner:
         ring = self.states.swa[layer]
         last = seg.pos >= seg.end[seg.wid] - ring.shape[1]     # older rows would be overwritten
         ring_put(ring, step.slots[seg.wid[last]], seg.pos[last], kv_bytes[last])
+        self.mirror.write(layer, step.slots[seg.wid[last]], seg.pos[last], kv[last])
 
         cmp = None
         if m is not None:
@@ -149,30 +152,31 @@ class ModelRunner:
         """[(rows, (keys, ok))]: window keys of positions max(lo, p - W + 1) .. p per row.
         Short works' rows gather their own W keys; long works' rows share one pool of their
         W - 1 ring rows and chunk rows, masked per row. Keys older than the chunk come from
-        the ring (read before this chunk writes it)."""
+        the ring (read before this chunk writes it), through the window mirror."""
         out = []
         big_w = self.cfg.window
-        ring = self.states.swa[layer]
         for rows in (torch.nonzero(short).squeeze(1), torch.nonzero(~short).squeeze(1)):
             if not len(rows):
                 continue
             wid, pos = seg.wid[rows], seg.pos[rows]
             lo = torch.clamp(seg.lo[wid], min=0)
+            kpos = pos.unsqueeze(1) - big_w + 1 + torch.arange(big_w)            # [t, W]
+            if bool((seg.n[wid] == 1).all()) and kv.dtype == self.mirror.dtype and \
+                    self.states.swa[layer].shape[1] >= big_w:
+                # decode rows: put the new row in the mirror first (the ring holds W + B
+                # rows, so it cannot displace one of this window), then one gather
+                self.mirror.write(layer, step.slots[wid], pos, kv[rows])
+                keys = self.mirror.read(layer, step.slots[wid].unsqueeze(1).expand_as(kpos), kpos, kv.dtype)
+                out.append((rows, (keys, kpos >= lo.unsqueeze(1))))
+                continue
             # key pool: W - 1 ring rows before each work's first row, then the chunk rows
             works, local = torch.unique(wid, return_inverse=True)
             opos = seg.first[works].unsqueeze(1) - big_w + 1 + torch.arange(big_w - 1)
             owid = works.unsqueeze(1).expand_as(opos)
-            old = dequantize_rows(ring_rows(ring, step.slots[owid.flatten()], opos.flatten()), kv.dtype)
-            if len(works) == len(rows) and bool(short[rows[0]]):
-                # decode rows: a row's keys are its work's W - 1 ring rows and itself
-                keys = torch.cat([old.view(len(rows), big_w - 1, -1), kv[rows].unsqueeze(1)], dim=1)
-                kpos = pos.unsqueeze(1) - big_w + 1 + torch.arange(big_w)
-                out.append((rows, (keys, kpos >= lo.unsqueeze(1))))
-                continue
+            old = self.mirror.read(layer, step.slots[owid.flatten()], opos.flatten(), kv.dtype)
             keys = torch.cat([old, kv[rows]])
             if bool(short[rows[0]]):
                 # each row gathers its own W keys from the pool (positions p - W + 1 .. p)
-                kpos = pos.unsqueeze(1) - big_w + 1 + torch.arange(big_w)        # [t, W]
                 first = seg.first[wid].unsqueeze(1)
                 in_chunk = kpos >= first
                 ring_i = local.unsqueeze(1) * (big_w - 1) + kpos - first + big_w - 1

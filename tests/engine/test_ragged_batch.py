@@ -96,3 +96,23 @@ def test_ragged_attention_matches_padded_per_sequence(shared):
         group = (torch.cat([kk.expand(n, k, d) for kk, n in zip(keys, lens, strict=True)]), torch.cat(oks))
     got = ragged_union_attention(torch.cat(qs), [group], sink, 0.3)
     assert torch.allclose(got, want, atol=1e-13, rtol=0)
+
+
+def test_window_mirror_dropped_on_rollback_and_slot_reuse():
+    """The runner's dequantized window mirror must never outlive a rollback or a new owner of
+    the slot: every emitted logit row still matches the reference afterwards."""
+    from services.engine.model import reference
+
+    engine = make_engine(CFG, num_slots=1, max_batched_tokens=64)
+    for prompt_len, seed in ((45, 1), (61, 2)):        # the second request reuses slot 0
+        seq = engine.add_request(random_prompt(prompt_len, seed), SamplingParams(temperature=0.8,
+                                                                                 max_tokens=12))
+        while len(seq.output) < 6:
+            engine.step()
+        engine.rollback(seq.request_id, 3)          # computed prompt + 5 -> prompt + 2
+        assert len(seq.output) == 2
+        seq.output.append(7)                         # a different continuation than sampled
+        run_to_completion(engine)
+        ref = reference.forward(engine.weights, CFG, seq.tokens[:-1]).logits
+        got = torch.stack(engine.logits[seq.request_id][-9:])
+        assert float((got - ref[-9:]).abs().max()) <= EXACT

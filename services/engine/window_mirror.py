@@ -1,0 +1,71 @@
+"""WindowMirror: dequantized copies of SWA ring rows, so a decode step does not dequantize
+its sequences' whole windows (W - 1 MXFP8 rows per sequence per layer) again every step.
+
+Owned by the ModelRunner, which is the only writer of ring rows during a sequence's
+life. The ring bytes stay the source of truth; the mirror is a cache of
+`dequantize(ring row)` that is only trusted when both hold:
+
+  * the row's recorded position equals the one asked for (`pos[layer][slot, p % R] == p`),
+    which also covers rollback (rows past the new end are rewritten before they are read);
+  * the slot still belongs to the same owner, continuing where its last chunk ended. A
+    slot taken by another sequence, a re-admission, a snapshot restore (written into the
+    ring by prefix.py at admission) or a rollback all break that, and the slot's mirror is
+    dropped. Works without an owner never use it.
+
+A missed row is dequantized from the ring bytes (the same numbers, bit for bit) and kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.ragged import dequantize_rows
+
+NOWHERE = -(1 << 62)     # no real or masked (negative) position ever equals this
+
+
+class WindowMirror:
+    def __init__(self, swa: dict[int, torch.Tensor], head_dim: int, dtype: torch.dtype):
+        self.swa = swa
+        slots, ring = next(iter(swa.values())).shape[:2]
+        self.values = {layer: torch.zeros(slots, ring, head_dim, dtype=dtype) for layer in swa}
+        self.pos = {layer: torch.full((slots, ring), NOWHERE, dtype=torch.long) for layer in swa}
+        self.dtype = dtype
+        self._owner: dict[int, tuple[object, int]] = {}     # slot -> (owner, next position)
+
+    def begin(self, works) -> None:
+        """Before a forward: drop the mirror of every slot whose owner or continuity changed."""
+        stale = []
+        for w in works:
+            owner = getattr(w, "owner", None)
+            if owner is None or self._owner.get(w.slot) != (owner, w.start):
+                stale.append(w.slot)
+            if owner is None:
+                self._owner.pop(w.slot, None)
+            else:
+                self._owner[w.slot] = (owner, w.end)
+        if stale:
+            idx = torch.tensor(stale, dtype=torch.long)
+            for p in self.pos.values():
+                p[idx] = NOWHERE
+
+    def read(self, layer: int, slots, pos, dtype) -> torch.Tensor:
+        """Dequantized ring rows at (slots, pos) (same-shape long tensors) -> [*shape, D]."""
+        if dtype != self.dtype:
+            return dequantize_rows(self.swa[layer][slots, pos.remainder(self.swa[layer].shape[1])], dtype)
+        r = self.swa[layer].shape[1]
+        ri = pos.remainder(r)
+        miss = self.pos[layer][slots, ri] != pos
+        if bool(miss.any()):
+            ms, mr = slots[miss], ri[miss]
+            self.values[layer][ms, mr] = dequantize_rows(self.swa[layer][ms, mr], dtype)
+            self.pos[layer][ms, mr] = pos[miss]
+        return self.values[layer][slots, ri]
+
+    def write(self, layer: int, slots, pos, values) -> None:
+        """Rows the runner just wrote to the ring (values = what a reader of them sees)."""
+        if values.dtype != self.dtype:
+            return
+        ri = pos.remainder(self.swa[layer].shape[1])
+        self.values[layer][slots, ri] = values
+        self.pos[layer][slots, ri] = pos
