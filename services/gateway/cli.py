@@ -27,6 +27,9 @@ def register(sub) -> None:
                        "lookups ($KVMESH_GATEWAY_DIRECTORY)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port; 0 = off "
                        "($KVMESH_GATEWAY_METRICS_PORT)")
+    serve.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP API port "
+                       "(/v1/completions, /v1/chat/completions, ...); 0 = off "
+                       "(default $KVMESH_GATEWAY_HTTP_PORT or 0)")
     serve.add_argument("--tokenizer", help="tokenizer.json used for routing keys (default byte-level)")
     serve.add_argument("--max-attempts", type=int, help="engines tried before the first token (3)")
     serve.add_argument("--migration-limit", type=int,
@@ -44,6 +47,7 @@ def register(sub) -> None:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig.from_env(host=args.host, port=args.port, engines=args.engines,
                                   directory=args.directory, metrics_port=args.metrics_port,
+                                  http_port=getattr(args, "http_port", None),
                                   tokenizer=args.tokenizer, max_attempts=args.max_attempts,
                                   migration_limit=getattr(args, "migration_limit", None),
                                   event_loop=getattr(args, "event_loop", None),
