@@ -12,8 +12,8 @@ import time
 from kvmesh.backing.proc import port_open
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
-UP = [sys.executable, "-m", "kvmesh.cli", "up", "--gateway-port", "0", "--num-slots", "4",
-      "--num-blocks", "64"]
+UP = [sys.executable, "-m", "kvmesh.cli", "up", "--gateway-port", "0", "--http-port", "0",
+      "--num-slots", "4", "--num-blocks", "64"]
 
 
 def ports_in(text: str) -> set[int]:
