@@ -22,6 +22,7 @@ All state is the core's; the app holds only the chat template and owns nothing m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -29,7 +30,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -91,43 +92,52 @@ class Generation:
             self.complete = True
         await send({"type": "http.response.body", "body": body, "more_body": more})
 
+    async def _error(self, send, exc: Exception) -> None:
+        """The whole response is this error (nothing was sent yet)."""
+        if not isinstance(exc, KvmeshError):
+            log.exception("internal error in HTTP handler (request %s)", self.gr.req.request_id)
+        status, body = http_error(exc)
+        await self._start(send, status, JSON_HEADERS)
+        await self._body(send, json.dumps(body).encode())
+
     async def _unary(self, send) -> None:
         parts, finish = [], None
         try:
             async for c in self.gr:
                 parts.append(c.text)
                 finish = c.finish or finish
-        except KvmeshError as exc:
-            status, body = http_error(exc)
-            await self._start(send, status, JSON_HEADERS)
-            await self._body(send, json.dumps(body).encode())
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, 500 if unknown
+            await self._error(send, exc)
             return
         out = self.r.full("".join(parts), finish, self.gr.usage)
         await self._start(send, 200, JSON_HEADERS)
         await self._body(send, json.dumps(out, separators=(",", ":")).encode())
 
     async def _stream(self, send) -> None:
-        it = aiter(self.gr)
-        try:
-            # The status is sent with the first event: errors found before it (validation,
-            # no engine) are plain HTTP errors, not a 200 stream that fails.
-            first = await anext(it)
-        except KvmeshError as exc:
-            status, body = http_error(exc)
-            await self._start(send, status, JSON_HEADERS)
-            await self._body(send, json.dumps(body).encode())
-            return
-        await self._start(send, 200, SSE_HEADERS)
-        await self._body(send, self.r.chunk(first.text, first.finish, first=True), more=True)
-        try:
-            async for c in it:
-                if c.text or c.finish is not None:
-                    await self._body(send, self.r.chunk(c.text, c.finish), more=True)
-        except KvmeshError as exc:  # after the 200: an error event, as OpenAI streams do
-            await self._body(send, sse(http_error(exc)[1]), more=True)
-        else:
-            if self.r.include_usage:
-                await self._body(send, self.r.usage_chunk(self.gr.usage), more=True)
+        # aclosing: whatever ends this handler early, the generation is closed here (and
+        # its engine tag cancelled), not whenever the garbage collector gets to it.
+        async with contextlib.aclosing(aiter(self.gr)) as it:
+            try:
+                # The status goes out with the first event: errors found before it
+                # (validation, no engine) are plain HTTP errors, not a 200 that fails.
+                first = await anext(it)
+            except Exception as exc:  # noqa: BLE001 - mapped to a status, 500 if unknown
+                await self._error(send, exc)
+                return
+            await self._start(send, 200, SSE_HEADERS)
+            await self._body(send, self.r.chunk(first.text, first.finish, first=True), more=True)
+            try:
+                async for c in it:
+                    if c.text or c.finish is not None:
+                        await self._body(send, self.r.chunk(c.text, c.finish), more=True)
+            except Exception as exc:  # noqa: BLE001 - after the 200: an error event, as OpenAI
+                if not isinstance(exc, KvmeshError):
+                    log.exception("internal error mid-stream (request %s)",
+                                  self.gr.req.request_id)
+                await self._body(send, sse(http_error(exc)[1]), more=True)
+            else:
+                if self.r.include_usage:
+                    await self._body(send, self.r.usage_chunk(self.gr.usage), more=True)
         await self._body(send, DONE)
 
 
@@ -163,6 +173,8 @@ class OpenAIApp:
             await self._model_id(opts.model)
         except KvmeshError as exc:
             return self._refused(method, exc, t0)
+        except ClientDisconnect:  # gone while sending the body: nobody to answer
+            return Response(status_code=499)
         gr = self.core.open(req, None, method)
         r = Renderer(chat, gr.req.request_id, opts.model, opts.include_usage)
         return Generation(self, gr, r, opts.stream)
