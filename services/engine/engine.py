@@ -38,6 +38,11 @@ from services.engine.sequence import Finish, Sequence
 from services.engine.tokenizer import ByteTokenizer
 
 TRAFFIC_CLASSES = ("", "agent", "chatbot")
+# counters present (at 0) from start-up, so /metrics shows them before the first event
+COUNTERS = ("requests", "prompt_tokens", "generated_tokens", "computed_tokens", "finished",
+            "aborted", "steps", "cache_hit_tokens", "replayed_tokens", "recomputed_tokens",
+            "snapshot_hits", "snapshot_misses", "snapshot_stores", "snapshot_refused",
+            "block_hits_local", "block_hits_remote", "remote_blocks_refused")
 
 
 class Hooks:
@@ -78,7 +83,7 @@ class EngineCore:
         self.scheduler = Scheduler(ecfg, self.cache)
         self.requests: dict[str, Sequence] = {}
         self.outputs: dict[str, OutputState] = {}
-        self.counters: Counter = Counter()
+        self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
         self.prefix: PrefixReuse = self.cache.snapshots     # capture/store around forwards
         self.hooks = Hooks()
         self.prefix.store.on_put = self._snapshot_stored
