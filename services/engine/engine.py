@@ -158,7 +158,7 @@ class EngineCore:
                 sampled.append((seq, res.logits[0]))
         self.counters["steps"] += 1
         if self.counters["steps"] % 256 == 0:      # reclaim expired snapshots even if unread
-            self.prefix.store.expire()
+            self.prefix.expire()
         for seq, logits in sampled:
             events.append(self._emit(seq, logits))
         return events

@@ -123,6 +123,10 @@ class PrefixReuse:
     def admitted(self, slot: int) -> None:
         self.replica_pos[slot] = 0
 
+    def expire(self) -> None:
+        """Drop snapshots past their TTL (EngineCore calls this now and then)."""
+        self.store.expire()
+
     # --- store rules ----------------------------------------------------------------
     def _stores_at(self, position: int) -> bool:
         period = self.ecfg.snapshot_period if self.enabled else None

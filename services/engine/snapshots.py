@@ -1,7 +1,7 @@
 """SnapshotStore: SWA snapshots in the engine's host memory.
 
 Owns every stored snapshot; the store itself is owned by PrefixReuse (which
-alone puts into it) and used on the engine thread only. Snapshots are frozen,
+alone puts into it and sweeps it) and used on the engine thread only. Snapshots are frozen,
 so one handed to a peer (FetchSwaSnapshot) cannot change under it.
 A snapshot is the stored region of a slot (`state_size_to_disk` bytes: the
 encoder SWA rings in the inference layout) at a block boundary S, keyed by
