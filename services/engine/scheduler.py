@@ -12,9 +12,9 @@ Owns the waiting queue, the running list and each sequence's scheduling fields
 
 When a sequence needs a block and none is free, the most recently admitted
 running sequence is preempted: its slot and blocks go back, it returns to the
-front of the queue and is recomputed from scratch (prompt + what it generated)
-when readmitted (its slot's replica is stored first, so a readmission can
-resume from it: see the replica rule in prefix.py).
+front of the queue and is recomputed (prompt + what it generated; with truncation on,
+from its prefix hits) when readmitted. Its slot's replica is stored first, so a
+readmission can resume from it (see the replica rule in prefix.py).
 """
 
 from __future__ import annotations

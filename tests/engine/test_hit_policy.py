@@ -49,11 +49,11 @@ def check_exact(warm, got, cold, want, cfg, keep):
 
 # (policy, first prompt length, L1): the first prompt caches blocks [0, L1) and its prefill
 # stores one snapshot, at L1 - 16 (one block, = W, before the end of the run)
-CASES = [("periodic:2", 90, 80), ("periodic:3", 70, 64), ("periodic:4", 90, 80)]
+CASES = [("periodic:2", 90, 80, 1000), ("periodic:2", 90, 80, 7), ("periodic:3", 70, 64, 1000),
+         ("periodic:4", 90, 80, 1000)]
 
 
-@pytest.mark.parametrize("policy,first_len,l1", CASES)
-@pytest.mark.parametrize("chunk", [1000, 7])
+@pytest.mark.parametrize("policy,first_len,l1,chunk", CASES)
 def test_snapshot_one_block_back_resumes_exactly(policy, first_len, l1, chunk):
     base = random_prompt(200, 31)
     second = base[:l1] + random_prompt(40, 32)        # the block run ends exactly at L1
