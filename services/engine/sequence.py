@@ -5,7 +5,9 @@ Every field has one writer, all on the engine thread:
     request      request_id, params, seed, salt, traffic_class
                  set when EngineCore creates the Sequence; never changed
     tokens       prompt, output
-                 CacheManager: `append_token` after a sample, `rollback` takes tokens back
+                 set when EngineCore creates the Sequence (a resumed generation starts
+                 with output); then CacheManager: `append_token` after a sample, `rollback`
+                 takes tokens back
                  together with their cache rows (the two must never disagree)
     cache        slot, table, hashes, num_computed, prefill_len, enc_lo, dec_lo, cmp_from,
                  cached_tokens, replayed_tokens, recomputed_tokens, prefetched

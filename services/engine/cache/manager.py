@@ -27,9 +27,8 @@ import torch
 from services.engine.cache import hashing
 from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
+from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.state_pool import StatePool
-from services.engine.config import ModelConfig
-from services.engine.engine_config import EngineConfig
 from services.engine.prefix import PrefixReuse
 from services.engine.sequence import Sequence
 from services.engine.snapshots import Snapshot
@@ -77,14 +76,13 @@ class LocalView:
 
 
 class CacheManager:
-    def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, extra_state: bool = False,
-                 ecfg: EngineConfig | None = None):
-        self.cfg = cfg
-        self.ecfg = ecfg or EngineConfig(num_slots=num_slots, num_blocks=num_blocks,
-                                         extra_state=extra_state)
-        self.states = StatePool(cfg, num_slots, extra_state)
-        self.pool = BlockPool(num_blocks)
-        self.store = BlockStore(cfg, num_blocks)
+    def __init__(self, layout: RuntimeLayout):
+        self.layout = layout                 # the engine's one layout: pool sizes come from here
+        self.cfg = cfg = layout.model
+        self.ecfg = layout.engine            # truncation, KEEP, snapshot policy
+        self.states = StatePool(layout)
+        self.pool = BlockPool(layout.num_blocks)
+        self.store = BlockStore(cfg, layout.num_blocks)
         self.snapshots = PrefixReuse(self.states, self.ecfg)
         self.fingerprint = cfg.fingerprint()
 
