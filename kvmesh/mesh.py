@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmesh.mesh_runner import Mesh, MeshConfig
+from kvmesh.running import RUNNING_MESH_FILE, remove_running, write_running
 
 DEMO_PROMPT = ("kvmesh keeps compressed attention entries in a shared, erasure-coded store and "
                "sliding-window state in the engine that produced it; the gateway routes this "
@@ -85,8 +86,10 @@ def address_lines(mesh: Mesh) -> list[str]:
         url = mesh.endpoints["gateway-http"]
         lines.append(f"OpenAI-compatible HTTP API: {url}/v1    curl {url}/v1/models")
     kv = mesh.endpoints["kvstore"]
-    lines.append(f"kvstore admin: {kv}    kvmesh admin --kvstore {kv} gc stats   "
-                 f"(or export KVMESH_KVSTORE_ADDR={kv})")
+    found = Path(mesh.cfg.log_dir).parent / "running.json" == Path(RUNNING_MESH_FILE)
+    lines.append(f"kvstore admin: {kv}    kvmesh admin --kvstore {kv} gc stats   " + (
+        "(run from this directory, `kvmesh admin gc stats` finds it)" if found
+        else f"(or export KVMESH_KVSTORE_ADDR={kv})"))
     return lines
 
 
@@ -99,9 +102,13 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     status = console.status("starting kvmesh ...")
     mesh = Mesh(cfg, on_progress=lambda name, state: status.update(f"{name}: {state} ..."))
+    running = None
     try:
         with status:
             mesh.start()
+        # Beside the logs: with the default --log-dir, .kvmesh/running.json, where
+        # `kvmesh admin` looks for the kvstore (kvmesh/running.py).
+        running = write_running(mesh.endpoints, Path(args.log_dir).parent / "running.json")
         console.print(endpoint_table(mesh))
         for line in address_lines(mesh):
             console.print(line, highlight=False, soft_wrap=True)
@@ -115,6 +122,8 @@ def run_up(args: argparse.Namespace) -> int:
         console.print(f"[red]kvmesh up failed:[/red] {exc}")
         return 1
     finally:
+        if running is not None:
+            remove_running(running)
         mesh.stop()
         console.print("kvmesh stopped")
     return 0

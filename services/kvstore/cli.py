@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvmesh.clihelp import env_default
+from kvmesh.running import RUNNING_MESH_FILE
 from services.kvstore.client import KvstoreClient
 from services.kvstore.config import KvstoreConfig
 
@@ -52,8 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=_serve)
 
     admin = sub.add_parser("admin", help="kvstore administration over gRPC")
-    admin.add_argument("--kvstore", default=os.environ.get("KVMESH_KVSTORE_ADDR", DEFAULT_ADDR),
-                       help="kvstore address (default $KVMESH_KVSTORE_ADDR or %(default)s)")
+    admin.add_argument("--kvstore", default=None,
+                       help="kvstore address (default $KVMESH_KVSTORE_ADDR, else the kvstore of "
+                       f"the `kvmesh up` running from this directory ({RUNNING_MESH_FILE}), "
+                       f"else {DEFAULT_ADDR})")
     admin.add_argument("--timeout", type=float, default=600.0, help="seconds per admin call")
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
     gc = admin_sub.add_parser("gc", help="garbage collection")
@@ -138,9 +141,22 @@ def _export_metrics(server, port: int) -> None:
 
 
 # -- admin -------------------------------------------------------------------------
+def admin_address(flag: str | None, env=None) -> str:
+    """--kvstore, else $KVMESH_KVSTORE_ADDR, else the running `kvmesh up`'s kvstore (the
+    file it writes while it runs), else 127.0.0.1:7100."""
+    env = os.environ if env is None else env
+    if flag:
+        return flag
+    if env.get("KVMESH_KVSTORE_ADDR"):
+        return env["KVMESH_KVSTORE_ADDR"]
+    from kvmesh.running import running_endpoints
+
+    return running_endpoints().get("kvstore") or DEFAULT_ADDR
+
+
 def _run(args, fn) -> int:
     async def go():
-        async with KvstoreClient(args.kvstore, timeout=args.timeout) as client:
+        async with KvstoreClient(admin_address(args.kvstore), timeout=args.timeout) as client:
             return await fn(client)
 
     import grpc

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import subprocess
 import sys
@@ -142,3 +143,23 @@ def test_bad_input_via_gateway_exits_2_with_status(lone_gateway):
     # valid input that no engine can serve is not the user's fault: exit 1
     out = _generate(lone_gateway, "hello", "--max-tokens", "2")
     assert out.returncode == 1 and b"UNAVAILABLE" in out.stderr
+
+
+def test_admin_finds_the_running_mesh(tmp_path, monkeypatch):
+    from kvmesh.running import RUNNING_MESH_FILE, remove_running, write_running
+    from services.kvstore.cli import DEFAULT_ADDR, admin_address
+
+    monkeypatch.chdir(tmp_path)
+    assert admin_address(None, {}) == DEFAULT_ADDR  # nothing running here
+    path = write_running({"kvstore": "127.0.0.1:45678"})
+    assert path.resolve() == tmp_path / RUNNING_MESH_FILE
+    assert admin_address(None, {}) == "127.0.0.1:45678"
+    assert admin_address(None, {"KVMESH_KVSTORE_ADDR": "10.0.0.1:7100"}) == "10.0.0.1:7100"
+    assert admin_address("h:1", {"KVMESH_KVSTORE_ADDR": "10.0.0.1:7100"}) == "h:1"
+    # a launcher that died without cleaning up: its file is ignored
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path.write_text(json.dumps({"pid": dead.pid, "endpoints": {"kvstore": "127.0.0.1:1"}}))
+    assert admin_address(None, {}) == DEFAULT_ADDR
+    remove_running()
+    assert not path.exists() and admin_address(None, {}) == DEFAULT_ADDR

@@ -65,10 +65,13 @@ def test_up_stops_everything_on_sigterm(tmp_path):
         ports = ports_in(log.read_text())
         assert all(port_open("127.0.0.1", p) for p in ports)
         check_printed_addresses(log.read_text())
+        running = json.loads((tmp_path / "running.json").read_text())  # beside --log-dir
+        assert running["pid"] == proc.pid and running["endpoints"]["kvstore"] in log.read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
     assert "kvmesh stopped" in log.read_text()
+    assert not (tmp_path / "running.json").exists()
     assert not [p for p in ports if port_open("127.0.0.1", p)], "a service outlived kvmesh up"
