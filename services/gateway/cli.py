@@ -75,7 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         run(serve(cfg), cfg.event_loop)
-    except ValueError as exc:  # uvloop asked for but not installed
+    except (ValueError, OSError) as exc:  # uvloop asked for but not installed; port taken
         print(f"kvmesh gateway: {exc}", file=sys.stderr)
         return 2
     return 0

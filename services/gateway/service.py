@@ -149,7 +149,12 @@ async def serve(cfg: GatewayConfig) -> None:
         from services.gateway.openai_api.server import HttpServer
 
         http = HttpServer(core, cfg.host, cfg.http_port)
-        await http.start()
+        try:
+            await http.start()
+        except OSError:  # port taken: stop what started; the CLI prints why and exits 2
+            await server.stop(grace=0)
+            await core.close()
+            raise
     log.info("gateway listening on %s:%d (engines %s, directory %s, metrics %s, HTTP API %s, "
              "loop %s)", cfg.host, server.port, cfg.engines or "-", cfg.directory or "-",
              cfg.metrics_port or "off", http.port if http else "off",

@@ -163,3 +163,17 @@ def test_admin_finds_the_running_mesh(tmp_path, monkeypatch):
     assert admin_address(None, {}) == DEFAULT_ADDR
     remove_running()
     assert not path.exists() and admin_address(None, {}) == DEFAULT_ADDR
+
+
+def test_gateway_exits_2_when_its_http_port_is_taken():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run([*KVMESH, "gateway", "serve", "--port", "0", "--engines",
+                              f"127.0.0.1:{free_port()}", "--http-port", str(port)],
+                             env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"kvmesh gateway: HTTP API: cannot listen on 127.0.0.1:{port}" in out.stderr
