@@ -119,7 +119,9 @@ def _export_metrics(server, port: int) -> None:
 
     def read() -> dict[str, float]:
         return {"durable_bytes": core.meta.complete_bytes, "mem_bytes": core.mem.used,
-                "disk_bytes": core.disk.used, **dict(core.counters)}
+                "disk_bytes": core.disk.used,
+                "locations_down": len(core.cfg.locations) - core.shards.up_count(),
+                **dict(core.counters)}
 
     StatsExporter("kvstore", read)
     serve_metrics(port)

@@ -59,7 +59,7 @@ class _Gathered:
 
 class DurableStore:
     def __init__(self, layout: ec.Layout, shards: ShardStore, write_quorum: int,
-                 put_grace_s: float = 0.5):
+                 put_grace_s: float = 1.0):
         self.layout = layout
         self.shards = shards
         self.write_quorum = write_quorum
@@ -73,11 +73,13 @@ class DurableStore:
     async def put(self, key: str, generation: int, data: bytes) -> int:
         """Write all shards; Unavailable when fewer than `write_quorum` landed.
 
-        Once the quorum has landed the stragglers get `put_grace_s` more (a hung
-        location must not hold every put for the 5 s timeout); a shard that
-        lands later is still the right one, one that never does is repaired
-        by the next read or scrub."""
+        Once the quorum has landed the stragglers get max(`put_grace_s`, 2 x the
+        time the quorum took) more (a hung location must not hold every put for
+        the 5 s timeout, a merely busy one should land); a shard that lands
+        later is still the right one, one that never does is repaired by the
+        next read or scrub."""
         blobs = await self._encode(key, generation, data)
+        t0 = time.monotonic()
         tasks = [asyncio.ensure_future(self.shards.put(i, key, b)) for i, b in enumerate(blobs)]
         pending = set(tasks)
         stored = 0
@@ -90,7 +92,8 @@ class DurableStore:
                 break
             stored += sum(t.result() for t in done)
             if stored >= self.write_quorum and grace_until is None:
-                grace_until = time.monotonic() + self.put_grace_s
+                now = time.monotonic()
+                grace_until = now + max(self.put_grace_s, 2 * (now - t0))
             if stored + len(pending) < self.write_quorum:
                 break
         if stored < self.write_quorum:
