@@ -15,8 +15,8 @@ metadata and decides which generation is current. Read path (`get`):
          (only if `still_current()` says the object was not deleted meanwhile)
 
 Scrub (`full`) reads all n shards, also from locations marked down, and
-counts a shard that does not arrive within `straggler_s` as bad (timed out);
-its repair writes to every location, down or not.
+counts a shard that does not arrive within max(2 s, 8 x budget) as bad (timed
+out); its repair writes to every location, down or not.
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ from services.kvstore import ec
 from services.kvstore.shards import ShardStore
 
 log = logging.getLogger("kvmesh.kvstore.durable")
-GIVE_UP_FACTOR = 8  # with nothing left to start, a late read is awaited this x its budget
-GIVE_UP_MIN_S = 1.0
+# With nothing left to start, a late read is awaited max(GIVE_UP_MIN_S, GIVE_UP_FACTOR x
+# its budget) from its start, then counted as timed out: a hung location must not hold a
+# get for the 5 s socket timeout (more: reads queue behind its 4 hung connections).
+GIVE_UP_FACTOR = 8
+GIVE_UP_MIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,9 @@ class DurableStore:
         Locations with a read already late are put last (parity is read instead
         of waiting on them again). A late read is never cancelled: it runs to
         its answer or socket timeout in the background, so the location's
-        health sees the real outcome. Without `full` a late read is awaited
-        when nothing else can complete the object (slow beats a miss); with
-        `full` (scrub) a shard not in after `max(1 s, 8 x budget)` is timed out."""
+        health sees the real outcome. When nothing else can complete the set,
+        late reads are awaited up to `max(2 s, 8 x budget)` (slow beats a
+        miss), then counted as timed out."""
         readable = [i for i in order if full or self.shards.readable(i)]
         queue = [i for i in readable if not self.shards.slow(i)]
         queue += [i for i in readable if i not in queue]
@@ -138,11 +141,10 @@ class DurableStore:
             pending[asyncio.ensure_future(self.shards.get(i, key, force=True))] = i
 
         def deadline(i: int) -> float:
+            budget = self.shards.budget(i)
             if i not in late:
-                return started[i] + self.shards.budget(i)
-            if full:
-                return started[i] + max(GIVE_UP_MIN_S, GIVE_UP_FACTOR * self.shards.budget(i))
-            return float("inf")
+                return started[i] + budget
+            return started[i] + max(GIVE_UP_MIN_S, GIVE_UP_FACTOR * budget)
 
         try:
             while True:
@@ -153,8 +155,7 @@ class DurableStore:
                 if not pending or out.good >= want:
                     break
                 wake = min(deadline(i) for i in pending.values())
-                timeout = None if wake == float("inf") else max(0.0, wake - time.monotonic())
-                done, _ = await asyncio.wait(list(pending), timeout=timeout,
+                done, _ = await asyncio.wait(list(pending), timeout=max(0.0, wake - time.monotonic()),
                                              return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     i = pending.pop(task)
@@ -166,7 +167,7 @@ class DurableStore:
                 for task, i in list(pending.items()):
                     if now < deadline(i):
                         continue
-                    if i in late:  # scrub gave up on it
+                    if i in late:  # given up on
                         pending.pop(task)
                         timed_out.add(i)
                         self._keep(task)
