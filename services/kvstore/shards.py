@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import email.utils
+import functools
 import logging
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +40,7 @@ PREFIX = "blk/"
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 URL_TTL_S = 3600  # presigned GET URLs are valid this long; reused for half of it
 URL_CACHE = 8192  # presigned URLs kept per store (LRU)
+_SESSION_LOCK = threading.Lock()
 
 
 def _fast_timestamp(value):
@@ -63,18 +66,25 @@ def shard_client(endpoint: str, connect_timeout: float, read_timeout: float, poo
     timeouts, path addressing) plus: no response checksum validation unless the
     operation requires it (every shard carries its own crc32 over all its bytes,
     checked in `ec.parse`; botocore's would hash each body a second time) and a
-    dateutil-free timestamp parser. Own botocore session so the parser setting
-    stays private to the kvstore.
+    dateutil-free timestamp parser. Own botocore session (shared by the kvstore's
+    clients) so the parser setting stays private to the kvstore.
     """
+    with _SESSION_LOCK:  # creating clients from one boto3 session is not thread-safe
+        return s3_client(endpoint, connect_timeout, read_timeout, pool,
+                         session=_shard_session(), response_checksum_validation="when_required")
+
+
+@functools.cache
+def _shard_session():
+    """One boto3 session for every shard client of the process: the S3 service model
+    is loaded once (~0.15-0.5 s per client on the CI box otherwise, 12 per kvstore)."""
     import boto3
     import botocore.session
 
     core = botocore.session.Session()
     core.get_component("response_parser_factory").set_parser_defaults(
         timestamp_parser=_fast_timestamp)
-    return s3_client(endpoint, connect_timeout, read_timeout, pool,
-                     session=boto3.Session(botocore_session=core),
-                     response_checksum_validation="when_required")
+    return boto3.Session(botocore_session=core)
 
 
 class LocationDown(Exception):
