@@ -37,6 +37,13 @@ from services.kvstore.reports import GcReport, ListEntry, ScrubReport, Stats
 from services.kvstore.shards import LocationDown, ShardStore
 from services.kvstore.tiers import DiskTier, MemoryTier
 
+# What each GC pass adds to `counters` (run_gc); /metrics shows them from the start, at 0.
+GC_COUNTERS = ("gc_runs", "gc_deleted", "gc_expired", "gc_evicted", "gc_orphans_removed",
+               "gc_bytes_freed")
+# What durable-tier reads add (`_count`): repairs, hedging, integrity; also shown from 0.
+READ_COUNTERS = ("shards_repaired", "shard_reads_hedged", "shard_reads_timed_out",
+                 "digest_mismatches_recovered", "shards_forged", "digest_mismatches_unrecovered")
+
 log = logging.getLogger("kvmesh.kvstore")
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
