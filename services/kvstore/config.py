@@ -66,8 +66,8 @@ class KvstoreConfig:
     # replaced by a parity read. A location is down when, within health_window_s, it
     # had >= health_min_errors errors (timeouts, late reads, 5xx) and an error share
     # >= health_error_rate.
-    hedge_factor: float = 3.0
-    hedge_floor_s: float = 0.15
+    hedge_factor: float = 2.0
+    hedge_floor_s: float = 0.1
     health_window_s: float = 10.0
     health_min_errors: int = 3
     health_error_rate: float = 0.6

@@ -57,6 +57,7 @@ class _Gathered:
     hedged: int = 0
     timed_out: frozenset[int] = frozenset()  # started, no answer in time (cancelled)
     launched: set[int] = field(default_factory=set)
+    answered: set[int] = field(default_factory=set)  # the location replied (any reply)
     skipped: frozenset[int] = frozenset()  # location down, not read
 
 
@@ -160,6 +161,8 @@ class DurableStore:
                 for task in done:
                     i = pending.pop(task)
                     blob = None if task.exception() is not None else task.result()
+                    if task.exception() is None:
+                        out.answered.add(i)
                     if self._check(key, i, blob, generation):
                         out.blobs[i] = blob
                         out.good += 1
@@ -222,10 +225,10 @@ class DurableStore:
             missing = missing & (got.launched | {i for i in got.skipped if i < k})
         repaired: frozenset[int] = frozenset()
         if missing and repair:
-            # The data path does not wait on a location that just timed out or is down
-            # (the write would hang too); scrub (`full`) tries every location.
-            targets = missing if full else frozenset(
-                i for i in missing - got.timed_out if self.shards.is_up(i))
+            # The data path writes back only where the location just answered this
+            # read (a 404 or a bad shard): one that is down, hung or was not asked
+            # could hold the get for a write timeout. Scrub (`full`) tries every location.
+            targets = missing if full else frozenset(missing & got.answered)
             repaired = await self._repair(key, decoded, targets, still_current)
         return ReadResult(decoded.data, frozenset(missing), repaired, decoded.forged, False,
                           got.hedged, got.timed_out)

@@ -29,8 +29,8 @@ class HealthPolicy:
     min_errors: int = 3
     error_rate: float = 0.6
     retry_s: float = 2.0
-    factor: float = 3.0
-    floor_s: float = 0.15
+    factor: float = 2.0
+    floor_s: float = 0.1
     ceiling_s: float = 5.0
     samples: int = 64
 

@@ -107,7 +107,7 @@ def test_hung_locations_hedged_health_by_rate_scrub_repairs(make_server, own_lay
     # -- 2 locations hung (shards 3 and 7) -------------------------------------------------
     stopper(2)
     two: list[float] = []
-    n2 = gets_for(kv, items, 3.0, two)
+    n2 = gets_for(kv, items, 4.0, two)
     assert kv.core.shards.up_count() >= 10, "slow reads alone must not take locations down"
 
     # -- 3 locations hung (3, 7, 4): below k, every get is a clean miss -----------------------
