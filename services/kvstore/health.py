@@ -42,6 +42,7 @@ class LocationHealth:
         self._latencies: deque[float] = deque(maxlen=policy.samples)
         self._next_trial = 0.0
         self._budget: float | None = None  # cached until the next latency sample
+        self._refused = False  # the last connection attempt was refused; cleared by a success
 
     def _trim(self, now: float) -> None:
         horizon = now - self.policy.window_s
@@ -50,9 +51,11 @@ class LocationHealth:
         while len(self._outcomes) > 4 * self.policy.samples:
             self._outcomes.popleft()
 
-    def record(self, now: float, ok: bool, latency: float | None = None) -> None:
+    def record(self, now: float, ok: bool, latency: float | None = None,
+               refused: bool = False) -> None:
         if ok and self.down(now):
             self._outcomes.clear()  # it answered: back at once, old errors forgotten
+        self._refused = refused and not ok
         self._outcomes.append((now, ok))
         if ok and latency is not None:
             self._latencies.append(latency)
@@ -68,6 +71,8 @@ class LocationHealth:
         return errors, errors / len(self._outcomes)
 
     def down(self, now: float) -> bool:
+        if self._refused:
+            return True
         errors, rate = self.error_rate(now)
         return errors >= self.policy.min_errors and rate >= self.policy.error_rate
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import aiohttp
 import yarl
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
 
 from kvmesh.backing.seaweed import s3_client
 from services.kvstore.config import KvstoreConfig, ShardLocation
@@ -158,11 +158,12 @@ class ShardStore:
     def error_rate(self, i: int) -> tuple[int, float]:
         return self._health[i].error_rate(time.monotonic())
 
-    def _mark(self, i: int, ok: bool, latency: float | None = None) -> None:
+    def _mark(self, i: int, ok: bool, latency: float | None = None,
+              refused: bool = False) -> None:
         now = time.monotonic()
         health = self._health[i]
         was_down = health.down(now)
-        health.record(now, ok, latency)
+        health.record(now, ok, latency, refused)
         if health.down(now) != was_down:
             errors, rate = health.error_rate(now)
             if was_down:
@@ -189,7 +190,7 @@ class ShardStore:
                 raise LocationDown(f"{self.locations[i]}: {code}") from exc
             raise
         except (BotoCoreError, OSError) as exc:
-            self._mark(i, False)
+            self._mark(i, False, refused=isinstance(exc, EndpointConnectionError))
             raise LocationDown(f"{self.locations[i]}: {exc}") from exc
         self._mark(i, True)
         return result
@@ -271,7 +272,7 @@ class ShardStore:
                 status = resp.status
                 body = await resp.read() if status == 200 else b""
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            self._mark(i, False)
+            self._mark(i, False, refused=isinstance(exc, aiohttp.ClientConnectorError))
             log.debug("get shard %d of %s: location down: %s", i, key, exc)
             return None
         if status == 200:
