@@ -136,3 +136,13 @@ def test_hf_chat_template_errors_and_sandbox():
 
 def test_plain_template_exact():
     assert plain_template([{"role": "user", "content": "hi"}]) == "<|user|>\nhi\n<|assistant|>\n"
+
+
+def test_template_failures_are_invalid_argument_and_body_errors_have_null_param():
+    with pytest.raises(InvalidArgument, match="no element 5"):  # jinja's UndefinedError
+        JinjaTemplate("{{ messages[5]['content'] }}")([{"role": "user", "content": "x"}])
+    with pytest.raises(InvalidArgument, match="TypeError"):
+        JinjaTemplate("{{ 1 + messages }}")([])
+    with pytest.raises(fields.FieldError) as err:
+        fields.completion_request("not an object")
+    assert err.value.param is None

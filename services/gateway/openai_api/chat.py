@@ -53,6 +53,9 @@ class JinjaTemplate:
                                         bos_token=self.bos, eos_token=self.eos)
         except self._error as exc:  # the template refused these messages
             raise InvalidArgument(f"messages: the chat template refused them: {exc}") from None
+        except (TypeError, ValueError, KeyError, IndexError) as exc:  # the template's own bug
+            raise InvalidArgument(f"messages: the chat template failed on them: "
+                                  f"{type(exc).__name__}: {exc}") from None
 
 
 def load_template(tokenizer_path: str):

@@ -24,7 +24,7 @@ class FieldError(InvalidArgument):
 
     def __init__(self, param: str, message: str):
         super().__init__(message)
-        self.param = param
+        self.param = param or None  # "" = the body as a whole: JSON null
 
 
 @dataclass(frozen=True)
