@@ -15,7 +15,7 @@ import torch
 
 def ring_window(ring, slots, first, count: int):
     r = ring.shape[1]
-    pos = first.unsqueeze(1) + torch.arange(count).unsqueeze(0)     # [N, count]
+    pos = first.unsqueeze(1) + torch.arange(count, device=first.device).unsqueeze(0)  # [N, count]
     return ring[slots.unsqueeze(1), pos.remainder(r)]
 
 
