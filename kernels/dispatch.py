@@ -5,6 +5,9 @@
     KVMESH_KERNELS=triton  always Triton; on CPU only under TRITON_INTERPRET=1 (Triton's
                            interpreter, which must be set before triton is first imported)
 
+The Triton kernels compute in fp32; float64 tensors (the exactness tests of the engine)
+always take the torch path, forced or not.
+
 The choice is read on every call (it is one environment lookup), so a test can flip it
 with monkeypatch. The Triton modules are imported only when first chosen: importing
 kernels/ never imports triton, and a process that never asks for Triton never pays for it.
@@ -35,7 +38,7 @@ def interpreting() -> bool:
 def use_triton(t: torch.Tensor) -> bool:
     """True when the operation on tensor `t` should run its Triton kernel."""
     choice = forced()
-    if choice == "torch":
+    if choice == "torch" or t.dtype == torch.float64:
         return False
     if choice == "triton":
         if t.device.type != "cuda" and not interpreting():
