@@ -100,6 +100,8 @@ def ring_attention(q, ring, slots, chunk, qpos, valid, lo, window: int, sink, sc
         raise ValueError(f"MXFP8 rows of {d}-d keys are {d + d // 32} bytes, got ring "
                          f"{tuple(ring.shape)} and chunk {tuple(chunk.shape)}")
     dev = q.device
+    # small per-sequence index tensors may come from the host; bring them along
+    slots, qpos, valid, lo = (x.to(dev, non_blocking=True) for x in (slots, qpos, valid, lo))
     qc = q.contiguous()
     out = torch.empty(n, t, h, d, dtype=torch.float32, device=dev)
     args = dict(K=0, KC=0)
