@@ -42,12 +42,12 @@ class AsyncEngine:
 
     # --- caller side (event loop) ---------------------------------------------------
     async def generate(self, prompt_ids, params, request_id="", salt="", traffic_class="",
-                       prefetched=None) -> AsyncIterator[Event]:
+                       prefetched=None, resume: int = 0) -> AsyncIterator[Event]:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         fut: cf.Future = cf.Future()
-        self._cmds.put(("add", (prompt_ids, params, request_id, salt, traffic_class, prefetched),
-                        fut, loop, sink))
+        self._cmds.put(("add", (prompt_ids, params, request_id, salt, traffic_class, prefetched,
+                                resume), fut, loop, sink))
         try:
             seq = await asyncio.wrap_future(fut)      # raises InvalidArgument etc.
         except asyncio.CancelledError:

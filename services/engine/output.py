@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.errors import InvalidArgument
 from services.engine.sampling import SamplingParams
 from services.engine.sequence import Finish
 from services.engine.stops import StopMatcher
@@ -28,6 +29,18 @@ class OutputState:
 
     def __post_init__(self):
         self.stops = StopMatcher(tuple(self.params.stop))
+
+    def resume(self, tokens: list[int]) -> None:
+        """Take over a generation whose `tokens` another engine produced and sent: rebuild
+        the stop-string state and what was sent from them, so the next push continues as
+        the first engine would have."""
+        p = self.params
+        if any((t == self.eos_id and not p.ignore_eos) or t in p.stop_token_ids for t in tokens):
+            raise InvalidArgument("resumed output contains an end token: it already finished")
+        self.stream.push(tokens)
+        if self.stops.feed(self.stream.text) is not None:
+            raise InvalidArgument("resumed output contains a stop string: it already finished")
+        self.sent = len(self.stream.text) - self.stops.hold
 
     def push(self, token: int, n_generated: int) -> tuple[str, Finish | None]:
         """Feed one sampled token; return (text delta, finish reason or None)."""

@@ -108,6 +108,7 @@ def test_cancelled_call_is_skipped(engine):
         skipped = asyncio.ensure_future(engine.call(lambda core: ran.append(1)))
         await asyncio.sleep(0.05)
         skipped.cancel()
+        await asyncio.sleep(0.05)        # let the cancellation reach its future
         gate.set()
         await blocker
         return await collect(engine, random_prompt(20, 3))

@@ -197,3 +197,27 @@ def test_invalid_utf8_is_invalid_argument(mesh, channels, svc, method, path):
             list(out)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert "UTF-8" in info.value.details() and method.name in info.value.details()
+
+
+# --- last: kills an engine ------------------------------------------------------------
+def test_migration_with_truncation_completes_the_stream(mesh, gw):
+    """Engines here run YOCO truncation (compact), where a cold prefill of prompt +
+    generated tokens is an approximation of the decode that produced them: the stream
+    must still complete, with every token, and report the migration."""
+    call = gw.stream("truncation on, then a migration " * 8, timeout=120, max_tokens=160,
+                     temperature=0.0, ignore_eos=True)
+    msgs = [next(call), next(call)]
+
+    def serving():
+        return next((n for n in mesh.engine_names
+                     if gw.engine_stats(n).get("running", 0) >= 1), None)
+
+    victim = wait_for(serving)
+    assert victim
+    try:
+        mesh.kill(victim)
+        msgs += list(call)
+    finally:
+        mesh.restart(victim)
+    assert sum(len(m.token_ids) for m in msgs) == 160
+    assert msgs[-1].migrations == 1 and msgs[-1].usage.generated_tokens == 160
