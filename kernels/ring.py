@@ -25,5 +25,5 @@ def ring_write(ring, slot: int, first: int, rows):
     n = rows.shape[0]
     if n > r:
         rows, first = rows[n - r :], first + n - r
-    idx = torch.arange(first, first + rows.shape[0]).remainder(r)
+    idx = torch.arange(first, first + rows.shape[0], device=ring.device).remainder(r)
     ring[slot, idx] = rows.to(ring.dtype)

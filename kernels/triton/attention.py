@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.mxfp8 import _e4m3_value, _pow2
+from kernels.triton.mxfp8 import _e4m3_value, _e8m0_scale
 
 BH = 16      # heads per program
 BK = 16      # keys per tile
@@ -71,7 +71,7 @@ def _ring_attention_kernel(
                        chunk_ptr + (n * T + (kpos - p0)) * TB)
         code = tl.load(src[:, None] + d[None, :], mask=kmask[:, None], other=0)
         sc = tl.load(src[:, None] + D + d[None, :] // 32, mask=kmask[:, None], other=127)
-        k = _e4m3_value(code.to(tl.int32)) * _pow2(sc.to(tl.int32) - 127)
+        k = _e4m3_value(code.to(tl.int32)) * _e8m0_scale(sc.to(tl.int32))
         m_i, l_i, acc = _update(q, k, kmask, m_i, l_i, acc, scale)
 
     if HAS_CMP:

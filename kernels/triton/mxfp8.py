@@ -83,20 +83,28 @@ def _dequantize_kernel(q_ptr, out_ptr, n_blocks, D: tl.constexpr, NB: tl.constex
     lane = tl.arange(0, 32)
     base = q_ptr + tok * (D + NB)
     code = tl.load((base + blk * 32)[:, None] + lane[None, :], mask=live[:, None], other=0)
-    scale = _pow2(tl.load(base + D + blk, mask=live, other=127).to(tl.int32) - 127)
+    scale = _e8m0_scale(tl.load(base + D + blk, mask=live, other=127).to(tl.int32))
     tl.store((out_ptr + tok * D + blk * 32)[:, None] + lane[None, :],
              _e4m3_value(code.to(tl.int32)) * scale[:, None], mask=live[:, None])
 
 
 @triton.jit
 def _e4m3_value(code):
-    """E4M3 byte (as int32) -> fp32, exact (0x7F / 0xFF are NaN)."""
+    """E4M3 byte (as int32) -> fp32, exact: a normal code's fp32 bits are put together
+    directly (exponent field ef - 7 + 127, mantissa bits on top); subnormals are
+    mf * 2**-9; 0x7F / 0xFF are NaN."""
     ef = (code >> 3) & 0xF
     mf = code & 0x7
-    mag = tl.where(ef == 0, mf.to(tl.float32) * (2.0**-9),
-                   (8 + mf).to(tl.float32) * _pow2(ef - 10))
+    normal = (((ef + 120) << 23) | (mf << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(ef == 0, mf.to(tl.float32) * (2.0**-9), normal)
     mag = tl.where((ef == 15) & (mf == 7), float("nan"), mag)
     return tl.where((code & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _e8m0_scale(e):
+    """E8M0 byte (as int32) -> 2.0**(e - 127); e = 0 is the subnormal 2**-127 (255 unused)."""
+    return tl.where(e > 0, e << 23, 1 << 22).to(tl.float32, bitcast=True)
 
 
 def _check(d: int):

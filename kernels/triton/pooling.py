@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-BD = 64
-
 
 @triton.jit
 def _pool_kernel(v_ptr, z_ptr, b_ptr, out_ptr, M, D, MP: tl.constexpr, BD: tl.constexpr):
@@ -33,7 +31,9 @@ def _pool_kernel(v_ptr, z_ptr, b_ptr, out_ptr, M, D, MP: tl.constexpr, BD: tl.co
 def gated_pool(v, z, bias):
     g, m, d = v.shape
     out = torch.empty(g, d, dtype=torch.float32, device=v.device)
+    mp = triton.next_power_of_2(m)
+    bd = min(triton.next_power_of_2(d), max(16, 4096 // mp))   # tiles of at most 4096 values
     if g * d:
-        _pool_kernel[(g, triton.cdiv(d, BD))](v.contiguous(), z.contiguous(), bias.contiguous(),
-                                             out, m, d, MP=triton.next_power_of_2(m), BD=BD)
+        _pool_kernel[(g, triton.cdiv(d, bd))](v.contiguous(), z.contiguous(), bias.contiguous(),
+                                             out, m, d, MP=mp, BD=bd)
     return out.to(v.dtype)
