@@ -144,7 +144,7 @@ def main(argv=None):
         records.append(dict(case=name, bytes=nbytes, triton_us=t_tri * 1e6, gbs=gbs,
                             frac_peak=gbs / peak, torch_us=t_ref * 1e6, speedup=t_ref / t_tri))
     device = torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter: not a speed)"
-    print(f"device: {device}; peak {peak:.0f} GB/s ({peak_src}); median of {reps}")
+    print(f"device: {device}; peak {peak:.1f} GB/s ({peak_src}); median of {reps}")
     print(table(["case", "bytes", "triton us", "GB/s", "of peak", "torch us", "torch/triton"], rows))
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / ("kernels_smoke.json" if smoke else "kernels.json")

@@ -40,7 +40,7 @@ def _e4m3_bits(v):
     full = tl.where(e32 > 0, (bits & 0x7FFFFF) | 0x800000, bits & 0x7FFFFF)
     e = tl.where(e32 > 0, e32 - 127, -126)
     # normal E4M3 (e >= -6) keeps 3 of the 23 mantissa bits: drop 20; subnormal: 14 - e
-    shift = tl.minimum(tl.where(e >= -6, 20, 14 - e), 31)
+    shift = tl.minimum(tl.where(e >= -6, 20, 14 - e), 30)     # >= 25 already rounds to 0
     q = full >> shift
     rem = full & ((1 << shift) - 1)
     half = 1 << (shift - 1)
