@@ -222,10 +222,16 @@ class GatewayRequest:
             # A stream continued on another engine draws its next tokens from the same
             # (seed, position) stream only if the seed is known here.
             msg.sampling.seed = random.getrandbits(62)
-        tried: list[str] = []
+        failed_at: dict[str, float] = {}   # engine address -> when it failed this request
         last: Exception | None = None
         while self.attempts < core.cfg.max_attempts + self.migrations:
-            choice = core.router.pick(core.clock(), keys, holders, exclude=tried)
+            # An engine that failed this request is avoided while it is marked down, not for
+            # the request's whole life: a long request (queued, then migrated) may need an
+            # engine that failed a minute ago and has restarted since. `max_attempts` and
+            # `migration_limit` bound the loop.
+            now = core.clock()
+            avoid = [a for a, t in failed_at.items() if now - t < core.cfg.down_s]
+            choice = core.router.pick(now, keys, holders, exclude=avoid)
             if choice is None:
                 break
             st = choice.engine
@@ -256,10 +262,11 @@ class GatewayRequest:
                     core.metrics.migrations.inc()
                     log.warning("request %s: engine %s failed after %d tokens (%s); continuing "
                                 "on another engine", req.request_id, st.engine_id, self.tokens, exc)
-                tried.append(st.address)
+                else:
+                    log.warning("request %s: engine %s failed before the first token (%s); "
+                                "retrying", req.request_id, st.engine_id, exc)
+                failed_at[st.address] = core.clock()
                 last = exc
-                log.warning("request %s: engine %s failed before the first token (%s); retrying",
-                            req.request_id, st.engine_id, exc)
                 continue
             finally:
                 st.in_flight -= 1
