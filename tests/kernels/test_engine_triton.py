@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.interpreter
+@pytest.mark.timeout(1200)       # minutes of interpreter on a busy 2-core machine
 def test_triton_engine_greedy_tokens_equal_torch(monkeypatch):
     monkeypatch.setenv("KVMESH_KERNELS", "torch")
     want = engine_tokens.main(300)
