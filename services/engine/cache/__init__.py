@@ -6,6 +6,8 @@
     block_pool.py    BlockPool: paged 128-token blocks of compressed entries, refcounts, hashes, LRU
     block_store.py   BlockStore: the tensors behind block ids (entries + indexer keys per layer)
     hashing.py       chained block hashes
+    manager.py       CacheManager: the only caller of the pools; prefix matching (MatchResult),
+                     admission, growth, commit, release, rollback
 
 Layers do not import upwards: nothing here imports the scheduler or the service.
 """
