@@ -47,10 +47,13 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+CHUNK: dict = {}       # {"long_prefill_chunk": n} when --long-prefill-chunk is given (newer engines)
+
+
 def engine(slots: int, prompt_len: int, extra: int = 0) -> EngineCore:
     blocks = slots * ((prompt_len + 600) // 128 + 2) + extra // 128 + 8
     return EngineCore(TINY, EngineConfig(num_slots=slots, max_running=slots, num_blocks=blocks,
-                                         max_batched_tokens=512, swa_policy="zero"))
+                                         max_batched_tokens=512, swa_policy="zero", **CHUNK))
 
 
 def params(n: int) -> SamplingParams:
@@ -189,12 +192,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sequential", type=int, default=2)
     ap.add_argument("--long", type=int, default=4096)
     ap.add_argument("--compare", help="JSON of an earlier run to print side by side")
+    ap.add_argument("--long-prefill-chunk", type=int, default=0,
+                    help="cap prefill chunks (engines with issue 11's scheduler); 0: budget only")
+    ap.add_argument("--itl-only", action="store_true", help="only the inter-token latency part")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     args = ap.parse_args(argv)
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
+    if args.long_prefill_chunk:
+        CHUNK["long_prefill_chunk"] = args.long_prefill_chunk
     print(f"load average {os.getloadavg()}", flush=True)
+    if args.itl_only:
+        itl(args.prompt, args.long, 20)
+        return 0
     t0 = time.perf_counter()
     res = {"label": args.label, "load": os.getloadavg(), "args": vars(args)}
     res["step_s"] = step_times(args.prompt, args.steps)
