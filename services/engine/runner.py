@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.indexer import select_topk, selected_indices
+from kernels.indexer import indexer_scores, select_topk, selected_indices
 from kernels.ragged import (
     ragged_indexer_scores,
     ragged_union_attention,
@@ -134,16 +134,16 @@ class ModelRunner:
         ring_put(ring, step.slots[seg.wid[last]], seg.pos[last], kv_bytes[last])
         self.mirror.write(layer, step.slots[seg.wid[last]], seg.pos[last], kv[last])
 
-        cmp = None
         if m is not None:
             compressor.feed(cfg, w, self.states, self.blocks, layer, step, step.enc,
                             h if h_enc is None else h_enc)
-            cmp = self._compressed(layer, seg, step, h, m)
 
         sink = w[p + "sink"]
         o = torch.empty_like(q)
         for rows, win in windows:
-            groups = [win] if cmp is None else [win, (cmp[0][rows], cmp[1][rows])]
+            groups = [win]
+            if m is not None:
+                groups.append(self._compressed(layer, seg, step, h, m, rows, bool(short[rows[0]])))
             o[rows] = ragged_union_attention(q[rows], groups, sink, self.scale)
         x = x + ops.attn_output(w, layer, o)
         return x + ops.ffn(w, layer, x, cfg)
@@ -213,22 +213,39 @@ class ModelRunner:
             out[layer, positions.remainder(r_inf)] = src
 
     # --- compressed entries ------------------------------------------------------
-    def _compressed(self, layer, seg: Segments, step: StepBatch, h, m):
-        """(keys [T, K, D], ok [T, K]): entries visible to each row (j < (p + 1) // m).
-        HCA: all of them; CSA: the indexer's top-k, so attention never touches the rest.
-        Entry rows are gathered straight from the block store by a per-step index."""
+    def _compressed(self, layer, seg: Segments, step: StepBatch, h, m, rows, short: bool):
+        """(keys, ok) of the entries visible to `rows` (j < (p + 1) // m). HCA: all of them;
+        CSA: the indexer's top-k, so attention never touches the rest. Entry rows come
+        straight from the block store through a per-step index. Short works' rows get their
+        own candidates ([t, K]); long chunks' rows share one pool of their works' entries,
+        masked per row (a chunk's rows see nearly the same entries)."""
         cfg = self.cfg
         entries = self.blocks.entries[layer]
         per = entries.shape[1]
         count = int((step.ends // m).max())
-        flat = step.entry_index(per, count)[seg.wid]                         # [T, K]
-        visible = torch.arange(count).unsqueeze(0) < ((seg.pos + 1) // m).unsqueeze(1)
+        index = step.entry_index(per, count)                                 # [N, K]
+        wid, n_vis = seg.wid[rows], (seg.pos[rows] + 1) // m
+        if short:
+            flat = index[wid]                                                # [t, K]
+            visible = torch.arange(count).unsqueeze(0) < n_vis.unsqueeze(1)
+        else:
+            works = torch.unique(wid)
+            counts = step.ends[works] // m
+            pwid = torch.repeat_interleave(works, counts)
+            pj = torch.arange(len(pwid)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+            flat = index[pwid, pj]                                           # [L]
+            visible = (pwid.unsqueeze(0) == wid.unsqueeze(1)) & (pj.unsqueeze(0) < n_vis.unsqueeze(1))
         table = entries.view(-1, entries.shape[-1])
         if cfg.layers[layer] != "csa":
             return table[flat].to(h.dtype), visible
         ikeys = self.blocks.index_keys[layer]
-        ikeys = ikeys.view(-1, ikeys.shape[-1])[flat].to(h.dtype)           # [T, K, Di]
-        iq, iw = ops.index_query(self.w, layer, h, cfg)
-        chosen = select_topk(ragged_indexer_scores(iq, iw, ikeys), visible, cfg.csa_topk)
-        idx, ok = selected_indices(chosen, cfg.csa_topk)                     # [T, k]
-        return table[flat.gather(1, idx)].to(h.dtype), ok
+        ikeys = ikeys.view(-1, ikeys.shape[-1])[flat].to(h.dtype)           # [t, K, Di] / [L, Di]
+        iq, iw = ops.index_query(self.w, layer, h[rows], cfg)
+        if short:
+            scores = ragged_indexer_scores(iq, iw, ikeys)
+        else:
+            scores = indexer_scores(iq[None], iw[None], ikeys[None])[0]
+        chosen = select_topk(scores, visible, cfg.csa_topk)
+        idx, ok = selected_indices(chosen, cfg.csa_topk)                     # [t, k]
+        picked = flat.gather(1, idx) if short else flat[idx]
+        return table[picked].to(h.dtype), ok
