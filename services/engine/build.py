@@ -48,9 +48,9 @@ def engine_config(args) -> EngineConfig:
 def build_core(args):
     """-> EngineCore. torch is imported here, not at module import: `kvmesh --help` and the
     remote `kvmesh generate` stay fast."""
+    from kvmesh.tokenizer import load_tokenizer
     from services.engine.engine import EngineCore
     from services.engine.model import weights as weights_mod
-    from services.engine.tokenizer import load_tokenizer
 
     cfg = preset(args.preset)
     ecfg = engine_config(args)

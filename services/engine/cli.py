@@ -6,6 +6,7 @@ import asyncio
 import sys
 
 from kvmesh.errors import KvmeshError
+from kvmesh.generation import DEFAULT_MAX_TOKENS
 from services.engine.build import add_engine_args, build_core
 
 
@@ -37,7 +38,7 @@ def register(sub) -> None:
     where.add_argument("--engine", help="engine address host:port")
     where.add_argument("--gateway", default=None, help="gateway address (default $KVMESH_GATEWAY_ADDR "
                                                        "or 127.0.0.1:7000)")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -64,7 +65,7 @@ def _serve(args) -> int:
 def _generate(args) -> int:
     if args.local:
         return _generate_local(args)
-    from services.gateway.cli import generate_remote  # gateway issue provides this
+    from kvmesh.generate import generate_remote
 
     return generate_remote(args)
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.generation import check_traffic_class
+from kvmesh.tokenizer import ByteTokenizer
 from services.engine.cache import rings
 from services.engine.cache.manager import CacheManager
 from services.engine.config import ModelConfig
@@ -31,9 +33,6 @@ from services.engine.runner import ModelRunner, Work
 from services.engine.sampling import SamplingParams, sample
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Finish, Sequence, Status
-from services.engine.tokenizer import ByteTokenizer
-
-TRAFFIC_CLASSES = ("", "agent", "chatbot")
 
 
 class Hooks:
@@ -99,8 +98,7 @@ class EngineCore:
         if self.cache.blocks_for(len(prompt_ids) + 1) > self.ecfg.num_blocks:
             raise InvalidArgument(f"prompt needs more cache blocks than this engine has "
                                   f"({self.ecfg.num_blocks} x {self.cfg.block_size} tokens)")
-        if traffic_class not in TRAFFIC_CLASSES:
-            raise InvalidArgument(f"traffic_class must be agent or chatbot, not {traffic_class!r}")
+        check_traffic_class(traffic_class)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
@@ -108,6 +106,8 @@ class EngineCore:
         seq = Sequence(request_id, list(prompt_ids), params, seed, salt, traffic_class)
         self.requests[request_id] = seq
         if prefetched is not None:
+            # hashed for the prefetch from these very ids and salt: the chain's start
+            seq.block_hashes = list(prefetched.hashes)
             self.prefetched[request_id] = prefetched
         self.outputs[request_id] = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
         self.scheduler.add(seq)

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.cache import hashing
+from kvmesh.cachekeys import chain, extend_chain, snapshot_key
 from services.engine.cache.manager import CacheManager
-from services.engine.cache.snapshot_keys import layout_fingerprint, snapshot_key
+from services.engine.cache.snapshot_keys import layout_fingerprint
 from services.engine.engine_config import EngineConfig
 from services.engine.runner import ForwardResult, Work
 from services.engine.sequence import Sequence
@@ -47,7 +47,10 @@ from services.engine.snapshots import Snapshot, SnapshotStore
 
 @dataclass
 class Prefetched:
-    """Cache contents fetched from other tiers before admission (kvstore blocks, peer snapshot)."""
+    """Cache contents fetched from other tiers before admission (kvstore blocks, peer snapshot),
+    and the prompt's block hashes computed for the fetch (the sequence starts its chain with
+    them instead of hashing the prompt again)."""
+    hashes: list[bytes] = field(default_factory=list)
     blocks: dict[bytes, bytes] = field(default_factory=dict)   # block hash -> serialized block
     snapshots: dict[str, Snapshot] = field(default_factory=dict)
 
@@ -76,7 +79,8 @@ class PrefixReuse:
             return
         bs, w = self.cfg.block_size, self.cfg.window
         cap = len(seq.tokens) - self.ecfg.keep_tokens
-        hashes = hashing.chain(seq.tokens[: max(0, cap)], bs, self.cfg.fingerprint(), seq.salt)
+        hashes = extend_chain(seq.block_hashes, seq.tokens, max(0, cap) // bs, bs,
+                              self.cfg.fingerprint(), seq.salt)
         table, hit = self._acquire_blocks(hashes, prefetched)
         if not table:
             return
@@ -104,7 +108,7 @@ class PrefixReuse:
         if not self.enabled:
             return [], 0, set()
         cap = len(tokens) - self.ecfg.keep_tokens
-        hashes = hashing.chain(tokens[: max(0, cap)], self.cfg.block_size, self.cfg.fingerprint(), salt)
+        hashes = chain(tokens[: max(0, cap)], self.cfg.block_size, self.cfg.fingerprint(), salt)
         n = 0
         while n < len(hashes) and self.cache.pool.lookup(hashes[n]) is not None:
             n += 1

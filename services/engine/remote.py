@@ -22,9 +22,10 @@ import time
 
 import grpc
 
+from kvmesh.cachekeys import snapshot_key
 from kvmesh.errors import KvmeshError
+from kvmesh.generation import DEFAULT_TRAFFIC_CLASS
 from services.engine.async_engine import AsyncEngine
-from services.engine.cache.snapshot_keys import snapshot_key
 from services.engine.engine import Hooks
 from services.engine.fetch_policy import FetchPolicy
 from services.engine.peers import FetchError, fetch_snapshot
@@ -78,7 +79,7 @@ class RemoteTiers(Hooks):
 
     # --- hooks (engine thread): only enqueue ---------------------------------------------
     def block_done(self, block_hash: bytes, payload: bytes, traffic_class: str) -> None:
-        self._post(self._enqueue_upload, (block_hash.hex(), payload, traffic_class or "chatbot"))
+        self._post(self._enqueue_upload, (block_hash.hex(), payload, traffic_class or DEFAULT_TRAFFIC_CLASS))
 
     def snapshot_stored(self, key: str, snap) -> None:
         self._post(self.publishes.put_nowait, ("publish", key, snap.position, len(snap.data)))
@@ -105,7 +106,7 @@ class RemoteTiers(Hooks):
             lambda core: core.prefix.local_view(prompt_ids, salt))
         if not hashes:
             return None
-        out = Prefetched()
+        out = Prefetched(hashes)
         n = n_local + await self._fetch_blocks(hashes[n_local:], out)
         if n == 0:
             return out

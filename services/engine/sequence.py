@@ -7,6 +7,9 @@ for this sequence:
     slot          its state slot (SWA rings, compression tails), None while waiting
     table         block ids; entry rows for tokens [0, num_computed)
     hashes        chained hashes of the blocks registered for sharing (complete blocks)
+    block_hashes  the chain of `tokens`' complete blocks as far as it was needed: each
+                  block is hashed once per request (admission, commit, re-admission
+                  after preemption read it); cut back only by a rollback
     num_computed  tokens whose KV is in the cache; the next forward starts here
 """
 
@@ -45,6 +48,7 @@ class Sequence:
     slot: int | None = None
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     num_computed: int = 0
     prefill_len: int = 0        # tokens to compute before the next sample (set at admission)
     enc_lo: int = 0

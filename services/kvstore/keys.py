@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import re
 
+from kvmesh import generation
 from kvmesh.errors import InvalidArgument
 
 _KEY = re.compile(r"[0-9a-f]{32,128}")
-TRAFFIC_CLASSES = ("agent", "chatbot")
-DEFAULT_CLASS = "chatbot"
 
 
 def check_key(key: str) -> str:
@@ -28,14 +27,10 @@ def check_keys(keys) -> list[str]:
     return [check_key(k) for k in keys]
 
 
-def check_traffic_class(name: str) -> str:
-    if name == "":
-        return DEFAULT_CLASS
-    if name not in TRAFFIC_CLASSES:
-        raise InvalidArgument(
-            f"unknown traffic class {name!r}: expected one of {', '.join(TRAFFIC_CLASSES)}"
-        )
-    return name
+def check_traffic_class(value: int) -> str:
+    """The class name of a common.v1 TrafficClass number; UNSPECIFIED files as chatbot."""
+    name = generation.check_traffic_class(generation.traffic_class_name(value))
+    return name or generation.DEFAULT_TRAFFIC_CLASS
 
 
 def check_size(key: str, size: int, limit: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.cache import hashing
+from kvmesh.cachekeys import extend_chain
 from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
@@ -68,8 +68,7 @@ class CacheManager:
         fresh = []
         while len(seq.hashes) < new_computed // bs:
             k = len(seq.hashes)
-            parent = seq.hashes[-1] if seq.hashes else hashing.ROOT
-            h = hashing.block_hash(parent, tokens[k * bs : (k + 1) * bs], self.fingerprint, seq.salt)
+            h = extend_chain(seq.block_hashes, tokens, k + 1, bs, self.fingerprint, seq.salt)[k]
             if self.pool.hash_of[seq.table[k]] is None and self.pool.register(seq.table[k], h):
                 fresh.append((h, seq.table[k]))
             seq.hashes.append(h)
@@ -93,6 +92,7 @@ class CacheManager:
                 self.pool.release([block])
                 seq.table[k] = copy
         del seq.hashes[full:]
+        del seq.block_hashes[full:]
         keep = self.blocks_for(new)
         self.pool.release(reversed(seq.table[keep:]))
         del seq.table[keep:]
