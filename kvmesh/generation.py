@@ -15,6 +15,8 @@ class added to the proto without a name here fails at start-up, not on a request
 
 from __future__ import annotations
 
+from typing import Protocol, TypeVar
+
 from kvmesh.errors import InvalidArgument
 from kvmesh.proto import common_pb2
 
@@ -64,8 +66,20 @@ def finish_name(value: int) -> str | None:
     return _FINISH_FROM_PROTO.get(value)
 
 
-def set_sampling(req, max_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None):
+class _SamplingRequest(Protocol):
+    """A gateway or engine GenerateRequest: both carry these two fields."""
+    max_tokens: int
+
+    @property
+    def sampling(self) -> common_pb2.SamplingParams: ...
+
+
+_Req = TypeVar("_Req", bound=_SamplingRequest)
+
+
+def set_sampling(req: _Req, max_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None
+                 ) -> _Req:
     """Fill max_tokens and the common.v1 SamplingParams fields that were given, on a gateway
     or engine GenerateRequest (both carry `max_tokens` and `sampling`); unset ones keep
     the server-side defaults."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.tokenizer import TextStream
 from services.engine.sampling import SamplingParams
 from services.engine.sequence import Finish
 
@@ -17,7 +18,7 @@ from services.engine.sequence import Finish
 class OutputState:
     params: SamplingParams
     eos_id: int | None
-    stream: object                      # tokenizer.TextStream
+    stream: TextStream
     sent: int = 0                       # characters of stream.text already sent
     done_text: str | None = None        # final text once a stop string matched
     pending_ids: list[int] = field(default_factory=list)

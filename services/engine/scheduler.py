@@ -17,6 +17,7 @@ when readmitted.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.engine.cache.manager import CacheManager
@@ -36,7 +37,8 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, cache: CacheManager, on_admit=None):
+    def __init__(self, ecfg: EngineConfig, cache: CacheManager,
+                 on_admit: Callable[[Sequence], None] | None = None):
         self.ecfg = ecfg
         self.cache = cache
         self.waiting: deque[Sequence] = deque()

@@ -37,6 +37,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from isal.isal_zlib import crc32
 
@@ -95,7 +96,7 @@ class Layout:
         return zlib.crc32(f"{self.k}/{self.m}/{self.backend}/{FORMAT_VERSION}".encode())
 
     @cached_property
-    def _driver(self):
+    def _driver(self) -> Any:  # pyeclib's ECDriver; pyeclib ships no type information
         from pyeclib.ec_iface import ECDriver
 
         return ECDriver(k=self.k, m=self.m, ec_type=self.backend)
@@ -187,13 +188,16 @@ def decode(layout: Layout, key: str, blobs: dict[int, bytes | None],
     if len(good) < layout.k:
         raise NotEnoughShards(f"{key}: {len(good)} healthy shards, need {layout.k}")
     chosen = sorted(good)[: layout.k]
-    size = next(iter(good.values()))[0].object_size
+    # every shard left has the chosen generation and size: read both from one header
+    # (mypy cannot tell that `generation` is set once `good` is non-empty)
+    first = next(iter(good.values()))[0]
+    size = first.object_size
     data = _concat_data(layout, [good[i][1] for i in chosen], size)
     if data is None:
         data = layout._driver.decode([bytes(good[i][1]) for i in chosen])
     if len(data) != size:
         raise NotEnoughShards(f"{key}: decoded {len(data)} bytes, header says {size}")
-    return Decoded(data, generation, frozenset(good), frozenset(range(layout.n)) - set(good))
+    return Decoded(data, first.generation, frozenset(good), frozenset(range(layout.n)) - set(good))
 
 
 def _concat_data(layout: Layout, payloads: list[memoryview], size: int) -> bytes | None:

@@ -7,6 +7,7 @@ gRPC layer turns into INVALID_ARGUMENT.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from kvmesh import generation
 from kvmesh.errors import InvalidArgument
@@ -23,7 +24,7 @@ def check_key(key: str) -> str:
     return key
 
 
-def check_keys(keys) -> list[str]:
+def check_keys(keys: Iterable[str]) -> list[str]:
     return [check_key(k) for k in keys]
 
 
