@@ -18,6 +18,7 @@ import grpc
 from kvmesh.errors import KvmeshError, ResourceExhausted
 from kvmesh.generation import finish_to_proto, traffic_class_name
 from kvmesh.metrics import serve_metrics
+from kvmesh.proto import common_pb2
 from kvmesh.proto import gateway_pb2 as pb
 from kvmesh.proto import gateway_pb2_grpc as pb_grpc
 from kvmesh.rpc import Server, shutdown_signal
@@ -75,7 +76,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                                                 token_ids=c.token_ids, text=c.text)
                 if c.finish is not None:
                     msg.finish_reason = finish_to_proto(c.finish)
-                    msg.usage.CopyFrom(pb.Usage(**c.usage._asdict()))
+                    msg.usage.CopyFrom(common_pb2.Usage(**c.usage._asdict()))
                     msg.engine_id = gr.engine_id
                 yield msg
         except grpc.aio.AbortError:
@@ -92,7 +93,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 out.text += c.text
                 if c.finish is not None:
                     out.finish_reason = finish_to_proto(c.finish)
-                    out.usage.CopyFrom(pb.Usage(**c.usage._asdict()))
+                    out.usage.CopyFrom(common_pb2.Usage(**c.usage._asdict()))
             out.request_id, out.engine_id, out.attempts = gr.req.request_id, gr.engine_id, gr.attempts
             return out
         except grpc.aio.AbortError:

@@ -105,7 +105,7 @@ class KvStore:
         return set(self._readers)
 
     # -- data path --------------------------------------------------------------
-    def check_put(self, key: str, size: int, traffic_class: int) -> str:
+    def check_put(self, key: str, size: int, traffic_class: str) -> str:
         keys.check_key(key)
         keys.check_size(key, size, self.cfg.max_object_bytes)
         return keys.check_traffic_class(traffic_class)

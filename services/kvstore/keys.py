@@ -28,10 +28,9 @@ def check_keys(keys: Iterable[str]) -> list[str]:
     return [check_key(k) for k in keys]
 
 
-def check_traffic_class(value: int) -> str:
-    """The class name of a common.v1 TrafficClass number; UNSPECIFIED files as chatbot."""
-    name = generation.check_traffic_class(generation.traffic_class_name(value))
-    return name or generation.DEFAULT_TRAFFIC_CLASS
+def check_traffic_class(name: str) -> str:
+    """A known class name, with "" (none given) filed as chatbot."""
+    return generation.check_traffic_class(name) or generation.DEFAULT_TRAFFIC_CLASS
 
 
 def check_size(key: str, size: int, limit: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.generation import traffic_class_to_proto
+from kvmesh.generation import traffic_class_name, traffic_class_to_proto
 from kvmesh.proto import kvstore_pb2 as pb
 from kvmesh.proto import kvstore_pb2_grpc as pb_grpc
 from kvmesh.rpc import map_errors
@@ -39,7 +39,8 @@ class KvstoreServicer(pb_grpc.KvstoreServiceServicer):
             part = req.WhichOneof("part")
             if part == "header":
                 h = req.header
-                tc = self.core.check_put(h.key, h.size, h.traffic_class)
+                # a number outside the enum becomes a name check_put rejects, naming it
+                tc = self.core.check_put(h.key, h.size, traffic_class_name(h.traffic_class))
                 items.append((h.key, bytearray(), tc, h.size))
             elif part == "chunk":
                 if not items:
