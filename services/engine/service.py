@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.generation import DEFAULT_MAX_TOKENS, finish_to_proto, traffic_class_name
+from kvmesh.metrics import RequestMetrics
 from kvmesh.proto import common_pb2, engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
 from services.engine.async_engine import AsyncEngine
@@ -43,6 +44,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.engine = engine
         self.remote = remote            # RemoteTiers: kvstore blocks and peer snapshots
         self.tokenizer = engine.core.tokenizer
+        self.metrics = RequestMetrics("engine")   # tokens; RPC counts come from the interceptor
         self.sessions = SessionHub(self.events)
 
     def prompt_ids(self, req) -> list[int]:
@@ -61,21 +63,36 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             yield msg
 
     async def events(self, request) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        """The messages of one generation, for Generate and for a Session alike."""
+        """The messages of one generation, for Generate and for a Session alike.
+
+        Counts kvmesh_tokens_total{service="engine"} as the gateway does: every token sent
+        as generated (an aborted generation's too), prompt/cached/replayed from the usage
+        of a generation that finished."""
         params = params_from_proto(request)
         ids = self.prompt_ids(request)
         prefetched = None
         if self.remote is not None and ids:
             prefetched = await self.remote.prefetch(ids, request.cache_salt)
+        generated, usage = 0, None
         traffic_class = traffic_class_name(request.traffic_class)   # checked by the core
-        async for ev in self.engine.generate(ids, params, request.request_id, request.cache_salt,
-                                             traffic_class, prefetched):
-            msg = engine_pb2.GenerateResponse(request_id=ev.request_id, token_ids=ev.token_ids,
-                                              text=ev.text)
-            if ev.finish is not None:
-                msg.finish_reason = finish_to_proto(ev.finish.value)
-                msg.usage.CopyFrom(usage_proto(ev.seq))
-            yield msg
+        try:
+            async for ev in self.engine.generate(ids, params, request.request_id,
+                                                 request.cache_salt, traffic_class,
+                                                 prefetched, request.resume_generated):
+                msg = engine_pb2.GenerateResponse(request_id=ev.request_id,
+                                                  token_ids=ev.token_ids, text=ev.text)
+                generated += len(ev.token_ids)
+                if ev.finish is not None:
+                    msg.finish_reason = finish_to_proto(ev.finish.value)
+                    usage = usage_proto(ev.seq)
+                    msg.usage.CopyFrom(usage)
+                yield msg
+        finally:
+            counts = {"generated": generated}
+            if usage is not None:
+                counts.update(prompt=usage.prompt_tokens, cached=usage.cached_tokens,
+                              replayed=usage.replayed_tokens)
+            self.metrics.count_tokens(counts)
 
     @map_errors
     async def GetModelInfo(self, request, context):

@@ -5,7 +5,9 @@ One request (see README.md for the walk-through):
     check_request -> tokenize -> snapshot keys of the prefix -> directory Lookup
     -> Router.pick -> EnginePool.stream -> yield chunks ...
        engine fails before any token: mark it down, pick another (max_attempts)
-       engine fails after N tokens:   Unavailable("engine X failed mid-stream after N tokens")
+       engine fails after N tokens:   continue on another engine from prompt + the N tokens
+                                      (migration_limit times), then
+                                      Unavailable("engine X failed mid-stream after N tokens")
 
 The core owns the `Router` (engine table + affinity map) and the cached model
 info; all of it is touched only from the event loop the core runs on. The
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,7 +32,7 @@ from kvmesh.metrics import RequestMetrics
 from kvmesh.tokenizer import load_tokenizer
 from services.gateway import validate
 from services.gateway.config import GatewayConfig
-from services.gateway.engines import EnginePool, engine_request
+from services.gateway.engines import EnginePool, engine_request, resume_request
 from services.gateway.model import (
     Chunk,
     DeadlineExceeded,
@@ -176,6 +179,8 @@ class GatewayRequest:
         self.method = method
         self.engine_id = ""
         self.attempts = 0
+        self.migrations = 0
+        self.generated: list[int] = []   # every token sent so far: a migration resumes from them
         self.route = ""
         self.tokens = 0
         self.usage = Usage()
@@ -215,10 +220,20 @@ class GatewayRequest:
             keys = info.snapshot_keys(ids, req.cache_salt)
             holders = await core.holders(keys[:info.lookup_count(len(ids))])
         msg = engine_request(req)
-        tried: list[str] = []
+        if core.cfg.migration_limit and not msg.sampling.HasField("seed"):
+            # A stream continued on another engine draws its next tokens from the same
+            # (seed, position) stream only if the seed is known here.
+            msg.sampling.seed = random.getrandbits(62)
+        failed_at: dict[str, float] = {}   # engine address -> when it failed this request
         last: Exception | None = None
-        while self.attempts < core.cfg.max_attempts:
-            choice = core.router.pick(core.clock(), keys, holders, exclude=tried)
+        while self.attempts < core.cfg.max_attempts + self.migrations:
+            # An engine that failed this request is avoided while it is marked down, not for
+            # the request's whole life: a long request (queued, then migrated) may need an
+            # engine that failed a minute ago and has restarted since. `max_attempts` and
+            # `migration_limit` bound the loop.
+            now = core.clock()
+            avoid = [a for a, t in failed_at.items() if now - t < core.cfg.down_s]
+            choice = core.router.pick(now, keys, holders, exclude=avoid)
             if choice is None:
                 break
             st = choice.engine
@@ -234,18 +249,26 @@ class GatewayRequest:
                         if self.ttft is None and chunk.token_ids:
                             self.ttft = core.clock() - self.t0
                         self.tokens += len(chunk.token_ids)
+                        self.generated.extend(chunk.token_ids)
                         if chunk.usage is not None:
                             self.usage = chunk.usage
                         yield chunk
             except EngineFailure as exc:
                 core.router.mark_down(st.address, core.clock() + core.cfg.down_s)
                 if self.tokens:
-                    raise Unavailable(f"engine {st.engine_id} failed mid-stream after "
-                                      f"{self.tokens} tokens: {exc}") from None
-                tried.append(st.address)
+                    if self.migrations >= core.cfg.migration_limit:
+                        raise Unavailable(f"engine {st.engine_id} failed mid-stream after "
+                                          f"{self.tokens} tokens: {exc}") from None
+                    msg = resume_request(msg, ids, self.generated)
+                    self.migrations += 1
+                    core.metrics.migrations.inc()
+                    log.warning("request %s: engine %s failed after %d tokens (%s); continuing "
+                                "on another engine", req.request_id, st.engine_id, self.tokens, exc)
+                else:
+                    log.warning("request %s: engine %s failed before the first token (%s); "
+                                "retrying", req.request_id, st.engine_id, exc)
+                failed_at[st.address] = core.clock()
                 last = exc
-                log.warning("request %s: engine %s failed before the first token (%s); retrying",
-                            req.request_id, st.engine_id, exc)
                 continue
             finally:
                 st.in_flight -= 1

@@ -78,6 +78,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     msg.finish_reason = finish_to_proto(c.finish)
                     msg.usage.CopyFrom(common_pb2.Usage(**c.usage._asdict()))
                     msg.engine_id = gr.engine_id
+                    msg.migrations = gr.migrations
                 yield msg
         except grpc.aio.AbortError:
             raise
@@ -95,6 +96,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     out.finish_reason = finish_to_proto(c.finish)
                     out.usage.CopyFrom(common_pb2.Usage(**c.usage._asdict()))
             out.request_id, out.engine_id, out.attempts = gr.req.request_id, gr.engine_id, gr.attempts
+            out.migrations = gr.migrations
             return out
         except grpc.aio.AbortError:
             raise
