@@ -242,8 +242,13 @@ def plot(run: Run, path: Path) -> None:
 
 async def soak(args) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-soak-")) / "logs"
-    cfg = MeshConfig(engines=2, num_slots=8, num_blocks=256, log_dir=log_dir,
-                     engine_extra=("--fetch-deadline-ms", "5000"))
+    # The kvstore's memory tier and the engines' snapshot stores (256 MiB each by default)
+    # fill for the first tens of minutes of a soak, which is caching, not a leak: small
+    # budgets fill during warm-up, so RSS growth after it measures leaks only.
+    env = {"OMP_NUM_THREADS": "1", "KVMESH_KVSTORE_MEM_BYTES": str(args.cache_mib << 20)}
+    cfg = MeshConfig(engines=2, num_slots=8, num_blocks=256, log_dir=log_dir, env=env,
+                     engine_extra=("--fetch-deadline-ms", "5000",
+                                   "--snapshot-mb", str(args.cache_mib)))
     print(f"[soak] starting a mesh (logs in {log_dir})", flush=True)
     mesh = await asyncio.to_thread(lambda: Mesh(cfg).start())
     run = Run()
@@ -287,6 +292,8 @@ def report(args, run: Run, stats: list[dict], tracebacks: list[str]) -> int:
     print(table(["service", "RSS after warm-up MB", "RSS end MB", "growth %", "fds end"],
                 [[n, a, b, g * 100, run.samples[-1][n][1]] for n, (a, b, g) in growth.items()]))
     leftovers = [(s["slots_in_use"], s["blocks_in_use"]) for s in stats]
+    print(f"engine snapshot stores at the end (MB): "
+          f"{[round(s['snapshot_bytes'] / 2**20, 1) for s in stats]}")
     print(f"\nengines once idle (slots, blocks in use): {leftovers}; "
           f"migrations: {sum(r.migrations for r in res)}; faults: {run.faults}")
     OUT.mkdir(parents=True, exist_ok=True)
@@ -332,6 +339,9 @@ def main(argv=None) -> int:
                     "growth is measured")
     ap.add_argument("--rss-limit", type=float, default=0.10, help="allowed RSS growth")
     ap.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
+    ap.add_argument("--cache-mib", type=int, default=16,
+                    help="kvstore memory tier and engine snapshot store budgets, MiB "
+                    "(see the comment in soak())")
     ap.add_argument("--seed", type=int, default=0)
     return asyncio.run(soak(ap.parse_args(argv)))
 

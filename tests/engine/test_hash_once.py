@@ -58,9 +58,9 @@ def test_warm_request_and_prefetch_reuse_the_chain(hashed):
     serve(engine, random_prompt(100, 3))
     hashed.clear()
     prompt = random_prompt(100, 3)[:64] + random_prompt(36, 4)
-    hashes, n_local, _ = engine.prefix.local_view(prompt, "")   # what a prefetch computes
-    assert n_local == 4 and hashed == blocks_of(prompt, 4)
-    seq = serve(engine, prompt, Prefetched(hashes=hashes))
+    view = engine.cache.local_view(prompt, "")                  # what a prefetch computes
+    assert view.n_local == 4 and hashed == blocks_of(prompt, 4)
+    seq = serve(engine, prompt, Prefetched(hashes=view.hashes))
     assert seq.cached_tokens == 64
     assert hashed == blocks_of(seq.tokens, 7)                    # 4 by the prefetch, 3 commits
 

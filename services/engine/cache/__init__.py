@@ -7,6 +7,8 @@
     block_store.py   BlockStore: the tensors behind block ids (entries + indexer keys per layer)
     snapshot_keys.py the engine's layout fingerprint; block hashes and snapshot keys
                      themselves are kvmesh/cachekeys.py (the gateway names them too)
+    manager.py       CacheManager: the only caller of the pools; prefix matching (MatchResult),
+                     admission, growth, commit, release, rollback
 
 Layers do not import upwards: nothing here imports the scheduler or the service.
 """
