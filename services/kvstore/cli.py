@@ -118,11 +118,12 @@ def _export_metrics(server, port: int) -> None:
 
     core = server.core
 
-    from services.kvstore.core import GC_COUNTERS
+    from services.kvstore.core import GC_COUNTERS, READ_COUNTERS
 
     def read() -> dict[str, float]:
         return {"durable_bytes": core.meta.complete_bytes, "mem_bytes": core.mem.used,
-                "disk_bytes": core.disk.used, **dict.fromkeys(GC_COUNTERS, 0),
+                "disk_bytes": core.disk.used, **dict.fromkeys(GC_COUNTERS + READ_COUNTERS, 0),
+                "locations_down": len(core.cfg.locations) - core.shards.up_count(),
                 **dict(core.counters)}
 
     StatsExporter("kvstore", read)

@@ -49,7 +49,7 @@ class MatchResult:
     l1: int = 0
     snapshot: Snapshot | None = None
     start: int = 0
-    refused_blocks: int = 0       # prefetched payloads of the wrong size (a miss from there)
+    refused_blocks: int = 0       # prefetched payloads failing BlockStore.check (a miss from there)
     refused_snapshots: int = 0    # snapshots found but not restorable (layout, size, position)
 
     @property
@@ -112,8 +112,10 @@ class CacheManager:
                 free -= self.pool.ref_cnt[b] == 0      # reviving a cached block takes a free one
                 blocks.append(b)
             elif prefetched is not None and h in prefetched.blocks and free > 0:
-                if len(prefetched.blocks[h]) != self.store.bytes_per_block():
-                    refused = 1                        # not this layout's block: a miss from here
+                try:                                   # size, header, layout, digest
+                    self.store.check(prefetched.blocks[h])
+                except ValueError:                     # damaged or foreign: a miss from here
+                    refused = 1
                     break
                 free -= 1
                 blocks.append(None)
