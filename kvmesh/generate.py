@@ -15,6 +15,10 @@ import grpc
 
 from kvmesh.generation import finish_name
 
+# Statuses that mean "fix the request": `kvmesh generate` exits 2 on them.
+BAD_INPUT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.OUT_OF_RANGE)
+
 
 def generate_remote(args: argparse.Namespace) -> int:
     """`kvmesh generate "prompt"` through a gateway: text as it streams, usage at the end."""
@@ -26,7 +30,8 @@ def generate_remote(args: argparse.Namespace) -> int:
         return asyncio.run(_stream(address, engine, args))
     except grpc.aio.AioRpcError as exc:
         print(f"\nkvmesh generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
+        # Bad input exits 2, as `--local` does; anything else (unreachable, failed) 1.
+        return 2 if exc.code() in BAD_INPUT else 1
     except KeyboardInterrupt:
         return 130
 

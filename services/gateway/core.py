@@ -60,6 +60,8 @@ class ModelInfo:
         self.vocab_size: int = cfg["vocab_size"]
         self.block_size: int = cfg["block_size"]
         self.window: int = cfg["window"]
+        self.name: str = cfg["name"]                    # the served model id (HTTP API)
+        self.max_seq_len: int = cfg["max_seq_len"]
         # Part of every block hash; computing it costs more than hashing a short prompt.
         self.model_fp = cachekeys.model_fingerprint(cfg)
 

@@ -15,7 +15,7 @@ from collections.abc import Coroutine
 
 import grpc
 
-from kvmesh.errors import KvmeshError, ResourceExhausted
+from kvmesh.errors import KvmeshError, TooLarge
 from kvmesh.generation import finish_to_proto, traffic_class_name
 from kvmesh.metrics import serve_metrics
 from kvmesh.proto import common_pb2
@@ -33,7 +33,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GatewayService"].full_name
 def request_from_proto(msg: pb.GenerateRequest, max_bytes: int) -> GenRequest:
     size = msg.ByteSize()
     if size > max_bytes:
-        raise ResourceExhausted(f"request is {size} bytes; the limit is {max_bytes}")
+        raise TooLarge(f"request is {size} bytes; the limit is {max_bytes}")
     s = msg.sampling
     which = msg.WhichOneof("prompt_input")
     return GenRequest(
@@ -142,11 +142,25 @@ async def serve(cfg: GatewayConfig) -> None:
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.host)
     server, core = await start_gateway(cfg, directory)
-    log.info("gateway listening on %s:%d (engines %s, directory %s, metrics %s, loop %s)",
-             cfg.host, server.port, cfg.engines or "-", cfg.directory or "-",
-             cfg.metrics_port or "off", type(asyncio.get_running_loop()).__module__)
+    http = None
+    if cfg.http_port:
+        from services.gateway.openai_api.server import HttpServer
+
+        http = HttpServer(core, cfg.host, cfg.http_port)
+        try:
+            await http.start()
+        except OSError:  # port taken: stop what started; the CLI prints why and exits 2
+            await server.stop(grace=0)
+            await core.close()
+            raise
+    log.info("gateway listening on %s:%d (engines %s, directory %s, metrics %s, HTTP API %s, "
+             "loop %s)", cfg.host, server.port, cfg.engines or "-", cfg.directory or "-",
+             cfg.metrics_port or "off", http.port if http else "off",
+             type(asyncio.get_running_loop()).__module__)
     stop = shutdown_signal()
     await stop.wait()
     log.info("gateway shutting down")
+    if http is not None:
+        await http.stop()
     await server.stop(grace=5.0)
     await core.close()
