@@ -6,7 +6,7 @@ import pytest
 import torch
 from blake3 import blake3
 
-from services.engine.cache import hashing
+from kvmesh import cachekeys as hashing
 from services.engine.cache.block_store import OVERHEAD, BlockStore
 from services.engine.config import small_test_config
 from services.engine.prefix import Prefetched
