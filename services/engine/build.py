@@ -9,8 +9,7 @@ from __future__ import annotations
 import argparse
 
 from services.engine.cache.layout import RuntimeLayout
-from services.engine.config import PRESETS, ModelConfig, preset
-from services.engine.engine_config import TRUNCATION_MODES, EngineConfig
+from services.engine.config import PRESETS, TRUNCATION_MODES, EngineConfig, ModelConfig, preset
 
 
 def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
@@ -80,7 +79,7 @@ def build_core(args):
     """-> EngineCore. torch is imported here, not at module import: `kvmesh --help` and the
     remote `kvmesh generate` stay fast."""
     from kvmesh.tokenizer import load_tokenizer
-    from services.engine.engine import EngineCore
+    from services.engine.core.engine import EngineCore
     from services.engine.model import weights as weights_mod
 
     cfg, ecfg, layout = runtime_layout(args)
