@@ -32,9 +32,15 @@ if os.environ.get("PYTHONPATH"):        # an older checkout under test goes firs
 
 from bench._common import OUT, plot, table  # noqa: E402
 from services.engine.config import TINY  # noqa: E402
-from services.engine.engine import EngineCore  # noqa: E402
-from services.engine.engine_config import EngineConfig  # noqa: E402
-from services.engine.sampling import SamplingParams  # noqa: E402
+
+try:
+    from services.engine.config import EngineConfig
+    from services.engine.core.engine import EngineCore
+    from services.engine.core.sampling import SamplingParams
+except ImportError:            # a checkout from before the engine layout of issue 10
+    from services.engine.engine import EngineCore
+    from services.engine.engine_config import EngineConfig
+    from services.engine.sampling import SamplingParams
 
 BATCHES = (1, 8, 32, 64)
 # The bench machine is shared and loaded (load average >> cores), so wall time mostly

@@ -9,8 +9,7 @@ from __future__ import annotations
 import argparse
 
 from services.engine.cache.layout import RuntimeLayout
-from services.engine.config import PRESETS, ModelConfig, preset
-from services.engine.engine_config import TRUNCATION_MODES, EngineConfig
+from services.engine.config import PRESETS, TRUNCATION_MODES, EngineConfig, ModelConfig, preset
 
 
 def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
@@ -83,9 +82,9 @@ def runtime_layout(args, env=None) -> tuple[ModelConfig, EngineConfig, RuntimeLa
 def build_core(args):
     """-> EngineCore. torch is imported here, not at module import: `kvmesh --help` and the
     remote `kvmesh generate` stay fast."""
-    from services.engine.engine import EngineCore
+    from kvmesh.tokenizer import load_tokenizer
+    from services.engine.core.engine import EngineCore
     from services.engine.model import weights as weights_mod
-    from services.engine.tokenizer import load_tokenizer
 
     cfg, ecfg, layout = runtime_layout(args)
     w = weights_mod.load(args.checkpoint, cfg) if args.checkpoint else None

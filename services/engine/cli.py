@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from kvmesh.errors import KvmeshError
+from kvmesh.generation import DEFAULT_MAX_TOKENS
 from services.engine.build import add_engine_args, build_core, runtime_layout
 
 
@@ -62,7 +63,7 @@ def register(sub) -> None:
     where.add_argument("--gateway", default=None, help="gateway address (default "
                        "$KVMESH_GATEWAY_ADDR or 127.0.0.1:7000)")
     samp = gen.add_argument_group("sampling")
-    samp.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    samp.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
     samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     samp.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest; 0 = off")
     samp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
@@ -78,7 +79,7 @@ def register(sub) -> None:
 
 
 def _serve(args) -> int:
-    from services.engine.server import serve
+    from services.engine.rpc.server import serve
 
     try:
         core = build_core(args)
@@ -166,13 +167,13 @@ def _generate(args) -> int:
         return 2
     if args.local:
         return _generate_local(args)
-    from services.gateway.cli import generate_remote  # gateway issue provides this
+    from kvmesh.generate import generate_remote
 
     return generate_remote(args)
 
 
 def _generate_local(args) -> int:
-    from services.engine.sampling import SamplingParams
+    from services.engine.core.sampling import SamplingParams
 
     try:
         core = build_core(args)

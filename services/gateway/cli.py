@@ -1,4 +1,4 @@
-"""`kvmesh gateway serve` and the remote half of `kvmesh generate` (`generate_remote`).
+"""`kvmesh gateway serve` (the remote half of `kvmesh generate` is kvmesh/generate.py).
 
 Flags override `KVMESH_GATEWAY_*` environment variables (see config.py).
 """
@@ -6,17 +6,9 @@ Flags override `KVMESH_GATEWAY_*` environment variables (see config.py).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
-import grpc
-
-from services.gateway.config import GatewayConfig, client_address
-
-FINISH_NAMES = {0: "unfinished", 1: "length", 2: "stop", 3: "aborted"}
-# Statuses that mean "fix the request": `kvmesh generate` exits 2 on them.
-BAD_INPUT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.OUT_OF_RANGE)
+from services.gateway.config import GatewayConfig
 
 
 def register(sub) -> None:
@@ -78,48 +70,4 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # uvloop asked for but not installed; port taken
         print(f"kvmesh gateway: {exc}", file=sys.stderr)
         return 2
-    return 0
-
-
-def generate_remote(args: argparse.Namespace) -> int:
-    """`kvmesh generate "prompt"` through a gateway: text as it streams, usage at the end."""
-    address = getattr(args, "gateway", None) or client_address()
-    engine = getattr(args, "engine", None)
-    try:
-        return asyncio.run(_stream(address, engine, args))
-    except grpc.aio.AioRpcError as exc:
-        print(f"\nkvmesh generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        # Bad input exits 2, as `--local` does; anything else (unreachable, failed) 1.
-        return 2 if exc.code() in BAD_INPUT else 1
-    except KeyboardInterrupt:
-        return 130
-
-
-async def _stream(address: str, engine: str | None, args) -> int:
-    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.gen_seed, stop=args.stop)
-    if engine:  # straight to one engine (debugging), same output format
-        from services.engine.client import EngineClient
-
-        client, served_by = EngineClient(engine), engine
-        stream = client.generate(args.prompt, **kw)
-    else:
-        from services.gateway.client import GatewayClient
-
-        client, served_by = GatewayClient(address), address
-        stream = client.stream(args.prompt, **kw)
-    last = None
-    try:
-        async for msg in stream:
-            sys.stdout.write(msg.text)
-            sys.stdout.flush()
-            last = msg
-    finally:
-        await client.close()
-    if last is not None:
-        u = last.usage
-        served_by = getattr(last, "engine_id", "") or served_by
-        print(f"\n[{FINISH_NAMES.get(last.finish_reason, '?')}: {u.prompt_tokens} prompt tokens "
-              f"({u.cached_tokens} cached, {u.replayed_tokens} replayed), {u.generated_tokens} "
-              f"generated; engine {served_by}]", file=sys.stderr)
     return 0

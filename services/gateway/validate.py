@@ -12,8 +12,9 @@ import math
 import re
 
 from kvmesh.errors import InvalidArgument, TooLarge
+from kvmesh.generation import check_traffic_class
 from services.gateway.config import GatewayConfig
-from services.gateway.model import TRAFFIC_CLASSES, GenRequest
+from services.gateway.model import GenRequest
 
 # Salts and request ids end up in logs and cache keys: keep them printable and short.
 SALT_RE = re.compile(r"[A-Za-z0-9._:-]{0,128}")
@@ -58,8 +59,7 @@ def check_request(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None = 
     """Everything that does not need the tokenizer. `vocab_size` None = not known yet."""
     if req.request_id and not REQUEST_ID_RE.fullmatch(req.request_id):
         raise InvalidArgument("request_id must be 1-128 characters of [A-Za-z0-9._:-]")
-    if req.traffic_class not in TRAFFIC_CLASSES:
-        raise InvalidArgument(f"traffic_class must be agent or chatbot, not {req.traffic_class!r}")
+    check_traffic_class(req.traffic_class)
     if not SALT_RE.fullmatch(req.cache_salt):
         raise InvalidArgument("cache_salt must be at most 128 characters of [A-Za-z0-9._:-]")
     if req.prompt is not None:

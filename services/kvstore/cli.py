@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvmesh.clihelp import env_default
+from kvmesh.generation import traffic_class_name
 from kvmesh.running import RUNNING_MESH_FILE
 from services.kvstore.client import KvstoreClient
 from services.kvstore.config import KvstoreConfig
@@ -227,7 +228,7 @@ def _stats(args) -> int:
         table.add_row("durable (S3, EC 10+2)", str(s.objects), f"{s.bytes:,}",
                       f"{s.capacity_bytes:,} (GC {s.high_watermark:.0%} -> {s.low_watermark:.0%})")
         for c in s.classes:
-            table.add_row(f"  class {c.traffic_class}", str(c.objects), f"{c.bytes:,}", "")
+            table.add_row(f"  class {traffic_class_name(c.traffic_class)}", str(c.objects), f"{c.bytes:,}", "")
         table.add_row("memory tier", str(s.mem_objects), f"{s.mem_bytes:,}", f"{s.mem_capacity:,}")
         table.add_row("disk tier", str(s.disk_objects), f"{s.disk_bytes:,}", f"{s.disk_capacity:,}")
         table.add_row("uploads in flight", str(s.pending), "", "")
@@ -257,7 +258,7 @@ def _ls(args) -> int:
                 continue
             shown += 1
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(obj.last_access_unix))
-            table.add_row(obj.key, f"{obj.size:,}", obj.traffic_class, when,
+            table.add_row(obj.key, f"{obj.size:,}", traffic_class_name(obj.traffic_class), when,
                           "ok" if obj.complete else "uploading")
         console.print(table)
         console.print(f"{shown} of {total} objects shown")

@@ -107,6 +107,7 @@ class KvstoreConfig:
         return f"{self.host}:{self.port}"
 
     def ttl_s(self, traffic_class: str) -> float:
+        """TTL of a class name (kvmesh.generation.TRAFFIC_CLASSES); anything else: chatbot's."""
         return self.ttl_agent_s if traffic_class == "agent" else self.ttl_chatbot_s
 
     @classmethod

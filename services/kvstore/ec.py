@@ -45,6 +45,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from blake3 import blake3
 from isal.isal_zlib import crc32
@@ -81,7 +82,7 @@ class DigestMismatch(NotEnoughShards):
 DIGEST_SIZE = 32
 
 
-def digest(data) -> bytes:
+def digest(data: bytes | bytearray | memoryview) -> bytes:
     """The object digest recorded at put time (blake3, 32 bytes)."""
     return blake3(data).digest()
 
@@ -117,7 +118,7 @@ class Layout:
         return zlib.crc32(f"{self.k}/{self.m}/{self.backend}/{FORMAT_VERSION}".encode())
 
     @cached_property
-    def _driver(self):
+    def _driver(self) -> Any:  # pyeclib's ECDriver; pyeclib ships no type information
         from pyeclib.ec_iface import ECDriver
 
         return ECDriver(k=self.k, m=self.m, ec_type=self.backend)
@@ -214,7 +215,10 @@ def decode(layout: Layout, key: str, blobs: dict[int, bytes | None],
         good = {i: hp for i, hp in good.items() if hp[0].object_size == size}
     if len(good) < layout.k:
         raise NotEnoughShards(f"{key}: {len(good)} healthy shards, need {layout.k}")
-    size = next(iter(good.values()))[0].object_size
+    # every shard left has one generation and size: read both from one header (`generation`
+    # may still be None here for the type checker, never in fact once `good` is non-empty)
+    head = next(iter(good.values()))[0]
+    size, gen = head.object_size, head.generation
     everything = frozenset(range(layout.n))
     first = sorted(good)[: layout.k]
     data = _assemble(layout, key, good, first, size)
@@ -222,14 +226,14 @@ def decode(layout: Layout, key: str, blobs: dict[int, bytes | None],
         if data is None:
             raise NotEnoughShards(f"{key}: decoded size disagrees with the header ({size})")
         if verify_all and expect is not None:  # without a digest, no shard is the judge
-            return _verified(layout, key, blobs, good, generation, data)
-        return Decoded(data, generation, frozenset(good), everything - set(good))
+            return _verified(layout, key, blobs, good, gen, data)
+        return Decoded(data, gen, frozenset(good), everything - set(good))
     for chosen in itertools.combinations(sorted(good), layout.k):
         if list(chosen) == first:
             continue
         data = _assemble(layout, key, good, list(chosen), size)
         if data is not None and digest(data) == expect:
-            return _verified(layout, key, blobs, good, generation, data)
+            return _verified(layout, key, blobs, good, gen, data)
     raise DigestMismatch(f"{key}: no {layout.k} of {len(good)} healthy shards match the "
                          "recorded digest")
 
@@ -238,7 +242,7 @@ def _verified(layout: Layout, key: str, blobs: dict[int, bytes | None], good: di
               generation: int, data: bytes) -> Decoded:
     """`data` is right: every healthy shard that differs from its fresh encoding is forged."""
     fresh = encode(layout, key, generation, data)
-    forged = frozenset(i for i in good if bytes(blobs[i]) != fresh[i])
+    forged = frozenset(i for i in good if blobs[i] != fresh[i])   # `good` shards parsed: not None
     healthy = frozenset(good) - forged
     return Decoded(data, generation, healthy, frozenset(range(layout.n)) - healthy, forged)
 

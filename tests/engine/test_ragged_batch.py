@@ -7,10 +7,10 @@ import torch
 from kernels import mxfp8
 from kernels.attention import union_attention
 from kernels.ragged import dequantize_rows, ragged_union_attention
-from services.engine import runner as runner_mod
 from services.engine.config import small_test_config
+from services.engine.core.sampling import SamplingParams
 from services.engine.model import ops
-from services.engine.sampling import SamplingParams
+from services.engine.model import runner as runner_mod
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 from tests.engine.test_equivalence import EXACT, max_logit_error
 
@@ -111,7 +111,7 @@ def test_window_mirror_dropped_on_rollback_and_slot_reuse():
             engine.step()
         engine.rollback(seq.request_id, 3)          # computed prompt + 5 -> prompt + 2
         assert len(seq.output) == 2
-        seq.output.append(7)                         # a different continuation than sampled
+        engine.cache.append_token(seq, 7)            # a different continuation than sampled
         run_to_completion(engine)
         ref = reference.forward(engine.weights, CFG, seq.tokens[:-1]).logits
         got = torch.stack(engine.logits[seq.request_id][-9:])

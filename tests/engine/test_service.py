@@ -12,11 +12,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvmesh.proto import engine_pb2_grpc
 from kvmesh.rpc import Server
-from services.engine.async_engine import AsyncEngine
-from services.engine.client import EngineClient, generate_request
 from services.engine.config import small_test_config
-from services.engine.server import SERVICE_NAME
-from services.engine.service import EngineServicer
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.rpc.client import EngineClient, generate_request
+from services.engine.rpc.server import SERVICE_NAME
+from services.engine.rpc.service import EngineServicer
 from tests.engine.helpers import make_engine
 from tests.loop import LoopThread
 
@@ -93,7 +93,7 @@ BAD = [
     (dict(prompt="x", top_p=1.5), "top_p"),
     (dict(prompt="x", top_p=math.nan), "top_p"),
     (dict(prompt=[1, 99999]), "outside"),
-    (dict(prompt="x", traffic_class="batch"), "traffic_class"),
+    (dict(prompt="x", traffic_class=7), "traffic_class"),   # a number outside the enum
     (dict(prompt="x", stop=[""]), "stop strings"),
 ]
 

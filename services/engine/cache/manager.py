@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.cache import hashing
+from kvmesh.cachekeys import extend_chain
 from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.layout import RuntimeLayout
+from services.engine.cache.prefix import Prefetched, PrefixReuse
+from services.engine.cache.snapshots import Snapshot
 from services.engine.cache.state_pool import StatePool
-from services.engine.prefix import PrefixReuse
-from services.engine.sequence import Sequence
-from services.engine.snapshots import Snapshot
+from services.engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -90,16 +90,19 @@ class CacheManager:
         return -(-n_tokens // self.cfg.block_size)
 
     # --- prefix matching -----------------------------------------------------------
-    def _prompt_hashes(self, tokens: list[int], salt: str) -> list[bytes]:
-        """Hashes of the complete blocks within the cap L - KEEP (none with truncation off)."""
+    def _prompt_hashes(self, tokens: list[int], salt: str, chain: list[bytes] | None = None
+                       ) -> list[bytes]:
+        """Hashes of the complete blocks within the cap L - KEEP (none with truncation off).
+        `chain` is a sequence's own `block_hashes`: grown in place, so no block is hashed twice."""
         if not self.snapshots.enabled:
             return []
-        cap = len(tokens) - self.ecfg.keep_tokens
-        return hashing.chain(tokens[: max(0, cap)], self.cfg.block_size, self.fingerprint, salt)
+        bs, cap = self.cfg.block_size, len(tokens) - self.ecfg.keep_tokens
+        return extend_chain([] if chain is None else chain, tokens, max(0, cap) // bs, bs,
+                            self.fingerprint, salt)
 
     def match_prefix(self, seq: Sequence) -> MatchResult:
         """The longest usable block run (local, then prefetched payloads) and how to resume."""
-        hashes = self._prompt_hashes(seq.tokens, seq.salt)
+        hashes = self._prompt_hashes(seq.tokens, seq.salt, seq.block_hashes)
         prefetched = seq.prefetched
         blocks: list[int | None] = []
         free, refused = self.pool.num_free, 0
@@ -159,7 +162,7 @@ class CacheManager:
         seq.cached_tokens = match.l1
         seq.replayed_tokens, seq.recomputed_tokens = match.replayed, match.recomputed
 
-    def _take_blocks(self, match: MatchResult, prefetched) -> list[int]:
+    def _take_blocks(self, match: MatchResult, prefetched: Prefetched | None) -> list[int]:
         # Shared blocks first: they leave the free queue, so installing the prefetched
         # ones (which allocate from its head) cannot evict a block the plan relies on.
         for b in match.blocks:
@@ -167,7 +170,8 @@ class CacheManager:
                 self.pool.acquire(b)
         table = []
         for h, b in zip(match.hashes, match.blocks, strict=True):
-            if b is None:
+            if b is None:           # match_prefix plans these only from a prefetch
+                assert prefetched is not None
                 (b,) = self.pool.allocate(1)
                 self.store.deserialize(b, prefetched.blocks[h])
                 self.pool.register(b, h)
@@ -205,8 +209,7 @@ class CacheManager:
         fresh = []
         while len(seq.hashes) < new_computed // bs:
             k = len(seq.hashes)
-            parent = seq.hashes[-1] if seq.hashes else hashing.ROOT
-            h = hashing.block_hash(parent, tokens[k * bs : (k + 1) * bs], self.fingerprint, seq.salt)
+            h = extend_chain(seq.block_hashes, tokens, k + 1, bs, self.fingerprint, seq.salt)[k]
             if self.pool.hash_of[seq.table[k]] is None and self.pool.register(seq.table[k], h):
                 fresh.append((h, seq.table[k]))
             seq.hashes.append(h)
@@ -230,6 +233,7 @@ class CacheManager:
                 self.pool.release([block])
                 seq.table[k] = copy
         del seq.hashes[full:]
+        del seq.block_hashes[full:]
         keep = self.blocks_for(new)
         self.pool.release(reversed(seq.table[keep:]))
         del seq.table[keep:]

@@ -212,7 +212,7 @@ class OpenAIApp:
         info = await self.core.model_info()
         if info is None:
             raise Unavailable("no engine available: the model is not known yet")
-        name = info.cfg.name
+        name = info.name
         if wanted is not None and wanted != name:
             err = NotFound(f"the model {wanted!r} does not exist; this gateway serves {name!r}")
             err.param = "model"
@@ -221,7 +221,7 @@ class OpenAIApp:
 
     def _model_obj(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh",
-                "max_model_len": self.core.info.cfg.max_seq_len}
+                "max_model_len": self.core.info.max_seq_len}
 
     async def models(self, request: Request):
         try:

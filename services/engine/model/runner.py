@@ -38,14 +38,13 @@ from kernels.ragged import (
     ragged_union_attention,
     ring_put,
 )
-from services.engine import compressor
-from services.engine.batch import Segments, StepBatch
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
-from services.engine.model import ops
+from services.engine.model import compressor, ops
+from services.engine.model.batch import Segments, StepBatch
 from services.engine.model.weights import Weights
-from services.engine.window_mirror import WindowMirror
+from services.engine.model.window_mirror import WindowMirror
 
 # Works with at most this many rows gather each row's W window keys by index; longer
 # chunks share one key pool (their ring rows + chunk rows) with a mask, which is cheaper

@@ -26,13 +26,14 @@ import time
 
 import grpc
 
+from kvmesh.cachekeys import snapshot_key
 from kvmesh.errors import KvmeshError
-from services.engine.async_engine import AsyncEngine
-from services.engine.cache.snapshot_keys import snapshot_key
-from services.engine.engine import Hooks
-from services.engine.fetch_policy import FetchPolicy
-from services.engine.peers import FetchError, fetch_snapshot
-from services.engine.prefix import Prefetched
+from kvmesh.generation import DEFAULT_TRAFFIC_CLASS
+from services.engine.cache.prefix import Prefetched
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.engine import Hooks
+from services.engine.rpc.fetch_policy import FetchPolicy
+from services.engine.rpc.peers import FetchError, fetch_snapshot
 
 log = logging.getLogger("kvmesh.engine.remote")
 UPLOAD_QUEUE = 4096
@@ -85,7 +86,7 @@ class RemoteTiers(Hooks):
 
     # --- hooks (engine thread): only enqueue ---------------------------------------------
     def block_done(self, block_hash: bytes, payload: bytes, traffic_class: str) -> None:
-        self._post(self._enqueue_upload, (block_hash.hex(), payload, traffic_class or "chatbot"))
+        self._post(self._enqueue_upload, (block_hash.hex(), payload, traffic_class or DEFAULT_TRAFFIC_CLASS))
 
     def snapshot_stored(self, key: str, snap) -> None:
         self._post(self.publishes.put_nowait, ("publish", key, snap.position, len(snap.data)))
@@ -116,7 +117,7 @@ class RemoteTiers(Hooks):
         hashes = view.hashes
         if not hashes:
             return None
-        out = Prefetched()
+        out = Prefetched(hashes)
         n = view.n_local + await self._fetch_blocks(hashes[view.n_local:], out)
         if n == 0:
             return out

@@ -24,20 +24,19 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.generation import check_traffic_class
+from kvmesh.tokenizer import ByteTokenizer
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager, MatchResult
-from services.engine.config import ModelConfig
-from services.engine.engine_config import EngineConfig
+from services.engine.cache.prefix import Prefetched, PrefixReuse
+from services.engine.config import EngineConfig, ModelConfig
+from services.engine.core.output import OutputState
+from services.engine.core.sampling import SamplingParams, sample
+from services.engine.core.scheduler import Scheduler
+from services.engine.core.sequence import Finish, Sequence
+from services.engine.model.runner import ModelRunner, Work
 from services.engine.model.weights import Weights, init_weights
-from services.engine.output import OutputState
-from services.engine.prefix import Prefetched, PrefixReuse
-from services.engine.runner import ModelRunner, Work
-from services.engine.sampling import SamplingParams, sample
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import Finish, Sequence
-from services.engine.tokenizer import ByteTokenizer
 
-TRAFFIC_CLASSES = ("", "agent", "chatbot")
 # Counters EngineCore always reports, 0 until their event first happens, so GetStats and
 # /metrics (kvmesh_engine_<name>) show every one from the start. Only the engine thread
 # changes them; remote.py adds its own kvstore_*/peer_*/directory_* keys (through it too).
@@ -122,15 +121,16 @@ class EngineCore:
         if self.cache.blocks_for(len(prompt_ids) + 1) > self.ecfg.num_blocks:
             raise InvalidArgument(f"prompt needs more cache blocks than this engine has "
                                   f"({self.ecfg.num_blocks} x {self.cfg.block_size} tokens)")
-        if traffic_class not in TRAFFIC_CLASSES:
-            raise InvalidArgument(f"traffic_class must be agent or chatbot, not {traffic_class!r}")
+        check_traffic_class(traffic_class)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         cut = len(prompt_ids) - resume
         seq = Sequence(request_id, list(prompt_ids[:cut]), params, seed, salt, traffic_class,
-                       output=list(prompt_ids[cut:]), prefetched=prefetched)
+                       output=list(prompt_ids[cut:]), prefetched=prefetched,
+                       # hashed for the prefetch from these very ids and salt: the chain's start
+                       block_hashes=list(prefetched.hashes) if prefetched else [])
         out = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
         out.resume(seq.output)            # raises InvalidArgument if they already finished
         self.requests[request_id] = seq

@@ -9,9 +9,10 @@ Every field has one writer, all on the engine thread:
                  with output); then CacheManager: `append_token` after a sample, `rollback`
                  takes tokens back
                  together with their cache rows (the two must never disagree)
-    cache        slot, table, hashes, num_computed, prefill_len, enc_lo, dec_lo, cmp_from,
-                 cached_tokens, replayed_tokens, recomputed_tokens, prefetched
-                 CacheManager (admit, grow, commit, release, rollback)
+    cache        slot, table, hashes, block_hashes, num_computed, prefill_len, enc_lo,
+                 dec_lo, cmp_from, cached_tokens, replayed_tokens, recomputed_tokens, prefetched
+                 CacheManager (match, admit, grow, commit, release, rollback); EngineCore
+                 seeds `prefetched` and `block_hashes` (the prefetch's hashes) at creation
     scheduling   status, finish, preemptions, admitted_at
                  Scheduler (admission, preemption, finish)
 
@@ -20,6 +21,9 @@ What the cache fields say about the two ledgers:
     slot          its state slot (SWA rings, compression tails), None while waiting
     table         block ids; entry rows for tokens [0, num_computed)
     hashes        chained hashes of the blocks registered for sharing (complete blocks)
+    block_hashes  the chain of `tokens`' complete blocks as far as it was needed: each
+                  block is hashed once per request (admission, commit, re-admission
+                  after preemption read it); cut back only by a rollback
     num_computed  tokens whose KV is in the cache; the next forward starts here
     enc_lo        encoder SWA keys start here (bounded replay start; 0 = full window)
     dec_lo        decoder SWA keys start here (YOCO truncation: L - KEEP)
@@ -32,7 +36,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.sampling import SamplingParams
+from services.engine.core.sampling import SamplingParams
 
 
 class Status(enum.Enum):
@@ -62,6 +66,7 @@ class Sequence:
     slot: int | None = None
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     num_computed: int = 0
     prefill_len: int = 0        # tokens to compute before the next sample (set at admission)
     enc_lo: int = 0

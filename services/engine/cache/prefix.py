@@ -53,19 +53,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.cache.snapshot_keys import layout_fingerprint, snapshot_key
+from kvmesh.cachekeys import snapshot_key
+from services.engine.cache.snapshot_keys import layout_fingerprint
+from services.engine.cache.snapshots import Snapshot, SnapshotStore
 from services.engine.cache.state_pool import StatePool
-from services.engine.engine_config import EngineConfig
-from services.engine.sequence import Sequence
-from services.engine.snapshots import Snapshot, SnapshotStore
+from services.engine.config import EngineConfig
+from services.engine.core.sequence import Sequence
 
 if TYPE_CHECKING:
-    from services.engine.runner import ForwardResult, Work
+    from services.engine.model.runner import ForwardResult, Work
 
 
 @dataclass
 class Prefetched:
-    """Cache contents fetched from other tiers before admission (kvstore blocks, peer snapshot)."""
+    """Cache contents fetched from other tiers before admission (kvstore blocks, peer snapshot),
+    and the prompt's block hashes computed for the fetch (the sequence starts its chain with
+    them instead of hashing the prompt again)."""
+    hashes: list[bytes] = field(default_factory=list)
     blocks: dict[bytes, bytes] = field(default_factory=dict)   # block hash -> serialized block
     snapshots: dict[str, Snapshot] = field(default_factory=dict)
 

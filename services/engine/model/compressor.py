@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from kernels.ragged import ring_put, ring_rows
-from services.engine.batch import Segments, StepBatch
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
 from services.engine.model import ops
+from services.engine.model.batch import Segments, StepBatch
 from services.engine.model.weights import Weights
 
 
