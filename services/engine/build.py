@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvmesh import envs
 from services.engine.config import PRESETS, preset
 from services.engine.engine_config import TRUNCATION_MODES, EngineConfig
 
+# The trained checkpoint shipped in the repository (models/v4-mini-tiny/MODEL_CARD.md): the
+# default weights of the `tiny` preset. Seeded random weights only with --random-weights.
+DEFAULT_CHECKPOINTS = {"tiny": Path(__file__).resolve().parents[2] / "models" / "v4-mini-tiny" / "model.safetensors"}
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and cache")
     g.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    g.add_argument("--checkpoint", help="safetensors file (default: seeded random weights)")
+    g.add_argument("--checkpoint", help="safetensors file (default for tiny: the shipped "
+                                        "models/v4-mini-tiny checkpoint)")
+    g.add_argument("--random-weights", action="store_true",
+                   help="seeded random weights (--seed) instead of a checkpoint: tests, benchmarks")
     g.add_argument("--tokenizer", help="HuggingFace tokenizer.json (default: byte-level)")
-    g.add_argument("--seed", type=int, default=0, help="weight init seed without a checkpoint")
+    g.add_argument("--seed", type=int, default=0, help="weight init seed with --random-weights")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     g.add_argument("--num-slots", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=1024)
@@ -54,5 +62,34 @@ def build_core(args):
 
     cfg = preset(args.preset)
     ecfg = engine_config(args)
-    w = weights_mod.load(args.checkpoint, cfg) if args.checkpoint else None
+    path = checkpoint_path(args)
+    w = weights_mod.load(path, cfg) if path else None
     return EngineCore(cfg, ecfg, weights=w, tokenizer=load_tokenizer(args.tokenizer))
+
+
+def checkpoint_path(args) -> Path | None:
+    """The checkpoint to load, or None for seeded random weights (only when asked for)."""
+    if args.random_weights:
+        if args.checkpoint:
+            raise ValueError("--checkpoint and --random-weights exclude each other")
+        return None
+    if args.checkpoint:
+        return Path(args.checkpoint)
+    default = DEFAULT_CHECKPOINTS.get(args.preset)
+    if default is None:
+        raise ValueError(f"preset {args.preset!r} has no shipped checkpoint: pass --checkpoint "
+                         "or --random-weights")
+    if not default.exists():
+        raise ValueError(f"shipped checkpoint {default} is missing: pass --checkpoint or "
+                         "--random-weights")
+    return default
+
+
+def default_weights(preset_name: str = "tiny", random_weights: bool = False):
+    """Weights for scripts (benchmarks): the shipped checkpoint, or None (the engine then
+    draws seeded random weights) when `random_weights`."""
+    from services.engine.model import weights as weights_mod
+
+    args = argparse.Namespace(preset=preset_name, checkpoint=None, random_weights=random_weights)
+    path = checkpoint_path(args)
+    return weights_mod.load(path, preset(preset_name)) if path else None
