@@ -1,30 +1,28 @@
 """Every KVMESH_* environment variable, read in one place with its type and default.
 
-Values are read when asked for (not at import), so tests may set them; code
-that caches a size derived from them must offer a way to clear that cache
-(see services/engine/cache/rings.py).
+Environment is only a fallback: a value given on the command line (or passed to
+a config constructor) always wins, then the variable, then the dataclass
+default. Values are read when a config is built, never at import, and nothing
+derived from them is cached at module level: a config object, once built, is
+the single answer for the process (see services/engine/cache/layout.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 
-
-def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-
-def _bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    return _to_bool(name, raw)
+# EngineConfig field -> the variable the design uses for it. These names have no
+# common prefix (they predate the per-service KVMESH_<SERVICE>_* scheme), so the
+# engine lists them instead of deriving them from field names.
+ENGINE_VARS = {
+    "truncation": "KVMESH_YOCO_PREFILL_TRUNCATION_MODE",     # off | mask | compact
+    "keep_tokens": "KVMESH_YOCO_PREFILL_KEEP_TOKENS",        # KEEP; required with truncation
+    "extra_state": "KVMESH_PREFILL_STORE_EXTRA_STATE",       # 1/0: prefill-engine long ring
+    "extra_state_size": "KVMESH_PREFILL_STORE_EXTRA_SIZE",   # PREFILL_STORE_EXTRA (128)
+    "max_backtrack": "KVMESH_MAX_BACKTRACKING_TOKENS",       # B (6)
+}
 
 
 def _to_bool(name: str, raw: str) -> bool:
@@ -35,48 +33,42 @@ def _to_bool(name: str, raw: str) -> bool:
     raise ValueError(f"{name}={raw!r} is not a boolean (use 1/0)")
 
 
-def max_backtracking_tokens() -> int:
-    """B: tokens a sequence may take back (speculative decoding); also absorbs snapshot lag."""
-    return _int("KVMESH_MAX_BACKTRACKING_TOKENS", 6)
+def _parse(name: str, raw: str, kind: type):
+    """`raw` as the type of the field's default; errors name the variable."""
+    if kind is bool:
+        return _to_bool(name, raw)
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
 
 
-def prefill_store_extra_state() -> bool:
-    """Prefill engines keep a longer SWA ring so a window can be re-assembled at any chunk end."""
-    return _bool("KVMESH_PREFILL_STORE_EXTRA_STATE", False)
-
-
-def prefill_store_extra_size() -> int:
-    return _int("KVMESH_PREFILL_STORE_EXTRA_SIZE", 128)
-
-
-def yoco_truncation_mode() -> str:
-    mode = os.environ.get("KVMESH_YOCO_PREFILL_TRUNCATION_MODE", "off") or "off"
-    if mode not in ("off", "mask", "compact"):
-        raise ValueError(f"KVMESH_YOCO_PREFILL_TRUNCATION_MODE={mode!r}: use off, mask or compact")
-    return mode
-
-
-def yoco_keep_tokens() -> int:
-    """0 = not given. Must be set explicitly (>= W + B) when truncation is on."""
-    return _int("KVMESH_YOCO_PREFILL_KEEP_TOKENS", 0)
+def _from_names(cls, names: Mapping[str, str], env: Mapping[str, str] | None,
+                overrides: dict):
+    """Defaults, then each set variable `names[field]`, then overrides that are not None.
+    A variable whose field is overridden is not even parsed: a given flag wins outright."""
+    env = os.environ if env is None else env
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values: dict = {}
+    for f in dataclasses.fields(cls):
+        name = names.get(f.name)
+        raw = env.get(name) if name and f.name not in given else None
+        if raw is None or raw == "":
+            continue
+        values[f.name] = _parse(name, raw, type(f.default))
+    values.update(given)
+    return cls(**values)
 
 
 def config_from_env(cls, prefix: str, env=None, **overrides):
     """Build a frozen config dataclass: field defaults, then `<prefix><FIELD>` variables
     (parsed as the default's type), then explicit overrides that are not None."""
-    import dataclasses
+    names = {f.name: prefix + f.name.upper() for f in dataclasses.fields(cls)}
+    return _from_names(cls, names, env, overrides)
 
-    env = os.environ if env is None else env
-    values: dict = {}
-    for f in dataclasses.fields(cls):
-        name = prefix + f.name.upper()
-        raw = env.get(name)
-        if raw is None or raw == "":
-            continue
-        kind = type(f.default)
-        try:
-            values[f.name] = _to_bool(name, raw) if kind is bool else kind(raw)
-        except ValueError as exc:
-            raise ValueError(f"{name}={raw!r}: {exc}") from None
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return cls(**values)
+
+def engine_config_from_flags(cls, env=None, **flags):
+    """EngineConfig from command-line values: a flag that is not None wins, then the
+    ENGINE_VARS variable, then the field default. The only place the engine reads
+    the environment."""
+    return _from_names(cls, ENGINE_VARS, env, flags)

@@ -41,6 +41,7 @@ class MeshConfig:
     num_slots: int = 8
     num_blocks: int = 512
     engine_extra: tuple[str, ...] = ()
+    gateway_extra: tuple[str, ...] = ()
     # Two cores run several torch processes in tests: one thread each.
     env: dict = field(default_factory=lambda: {
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
@@ -122,7 +123,8 @@ class Mesh:
                                 "--port", str(gw_port),
                                 "--engines", ",".join(self.endpoints[n] for n in self.engine_names),
                                 "--directory", self.endpoints["directory"],
-                                "--metrics-port", str(metrics_port)], gw_port)
+                                "--metrics-port", str(metrics_port), *cfg.gateway_extra],
+                    gw_port)
         self._wait_healthy(["gateway"])
         self.endpoints["gateway-metrics"] = f"http://127.0.0.1:{metrics_port}/metrics"
 

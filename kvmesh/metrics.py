@@ -5,6 +5,8 @@ Metric families are defined once per process (module level) and labelled by
 
     serve_metrics(port)                start /metrics on a port (0 = free port); returns it
     RequestMetrics(service)            per-request: status counts, latency, TTFT, tokens
+                                       (the engine counts its tokens in EngineServicer.events,
+                                       the one path of Generate calls and Session generations)
     StatsExporter(service, read)       expose a dict of numbers (e.g. engine GetStats
                                        counters) as gauges kvmesh_<service>_<name>
 
@@ -44,6 +46,9 @@ TOKENS = Counter("kvmesh_tokens_total",
 IN_FLIGHT = Gauge("kvmesh_in_flight_requests", "Requests being served now", ["service"])
 RETRIES = Counter("kvmesh_retries_total", "Requests moved to another engine before the first token",
                   ["service"])
+MIGRATIONS = Counter("kvmesh_migrations_total",
+                     "Streams continued on another engine after their engine failed mid-stream",
+                     ["service"])
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> int:
@@ -59,6 +64,7 @@ class RequestMetrics:
         self.service = service
         self.in_flight = IN_FLIGHT.labels(service)
         self.retries = RETRIES.labels(service)
+        self.migrations = MIGRATIONS.labels(service)
         self._tokens = {k: TOKENS.labels(service, k)
                         for k in ("prompt", "cached", "replayed", "generated")}
 
@@ -68,7 +74,11 @@ class RequestMetrics:
         LATENCY.labels(self.service, method).observe(total_s)
         if ttft_s is not None:
             TTFT.labels(self.service, method).observe(ttft_s)
-        for kind, n in (usage or {}).items():
+        self.count_tokens(usage or {})
+
+    def count_tokens(self, usage: Mapping[str, int]) -> None:
+        """Add to kvmesh_tokens_total by kind (prompt, cached, replayed, generated)."""
+        for kind, n in usage.items():
             if n:
                 self._tokens[kind].inc(n)
 

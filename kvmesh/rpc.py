@@ -4,7 +4,9 @@ Every servicer stays thin: it converts messages and calls a transport-free core.
 `serve()` adds the stock health servicer (liveness + readiness through the
 per-service status) and reflection, so `grpcurl` works against any service.
 `map_errors` turns domain errors into status codes; anything else is logged and
-reported as INTERNAL (a bug, never the caller's fault).
+reported as INTERNAL (a bug, never the caller's fault). `DecodeGuard` answers a
+request that cannot be parsed (bad UTF-8 in a string field, a truncated message)
+with INVALID_ARGUMENT on every server, instead of gRPC's bare UNKNOWN.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import signal
 from collections.abc import Callable, Iterable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -104,16 +107,112 @@ def map_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+class _Undecodable:
+    """What a guarded deserializer returns for bytes that are not a valid message."""
+
+    def __init__(self, method: str, exc: Exception):
+        self.message = (f"{method}: the request is not a valid protobuf message ({exc}); "
+                        "string fields must be valid UTF-8")
+
+
+async def _reject(context, bad: _Undecodable):
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.message)
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Server interceptor: an undecodable request gets INVALID_ARGUMENT naming the problem.
+
+    gRPC calls the deserializer before any handler code runs and reports its exception
+    as UNKNOWN. Here the deserializer returns an `_Undecodable` marker instead, and the
+    handler wrapper aborts with INVALID_ARGUMENT when it sees one. For client streams
+    the marker is found while the handler reads its request iterator: the iterator
+    raises InvalidArgument there, which reaches the stream's end as that status.
+    """
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method, deserialize = details.method, handler.request_deserializer
+
+        def guarded(data: bytes):
+            try:
+                return deserialize(data)
+            except (DecodeError, UnicodeDecodeError) as exc:
+                return _Undecodable(method, exc)
+
+        kw = dict(request_deserializer=guarded, response_serializer=handler.response_serializer)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_unary(handler.unary_unary), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_server_stream(handler.unary_stream),
+                                                        **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(_client_stream(handler.stream_unary),
+                                                        **kw)
+        return grpc.stream_stream_rpc_method_handler(_bidi(handler.stream_stream), **kw)
+
+
+def _unary(fn):
+    async def wrapped(request, context):
+        if isinstance(request, _Undecodable):
+            await _reject(context, request)
+        return await fn(request, context)
+    return wrapped
+
+
+def _server_stream(fn):
+    if not inspect.isasyncgenfunction(fn):
+        return _unary(fn)  # a coroutine that writes with context.write (health's Watch)
+
+    async def wrapped(request, context):
+        if isinstance(request, _Undecodable):
+            await _reject(context, request)
+        async for item in fn(request, context):
+            yield item
+    return wrapped
+
+
+async def _checked(requests):
+    async for req in requests:
+        if isinstance(req, _Undecodable):
+            raise errors.InvalidArgument(req.message)
+        yield req
+
+
+def _client_stream(fn):
+    async def wrapped(requests, context):
+        try:
+            return await fn(_checked(requests), context)
+        except errors.InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    return wrapped
+
+
+def _bidi(fn):
+    if not inspect.isasyncgenfunction(fn):
+        return _client_stream(fn)
+
+    async def wrapped(requests, context):
+        try:
+            async for item in fn(_checked(requests), context):
+                yield item
+        except errors.InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    return wrapped
+
+
 class Server:
     """A grpc.aio server with health and reflection; `start()` then `stop()`."""
 
     def __init__(self, address: str, service_names: Iterable[str], metrics_service: str = "",
                  options: list | None = None, metrics_skip: tuple[str, ...] = ()):
-        interceptors = []
+        interceptors: list[grpc.aio.ServerInterceptor] = []
         if metrics_service:  # per-RPC status, latency and TTFT on the shared /metrics families
             from kvmesh.metrics import RpcMetrics
 
             interceptors.append(RpcMetrics(metrics_service, metrics_skip))
+        interceptors.append(DecodeGuard())  # inside metrics: refused requests are counted
         self.server = grpc.aio.server(options=options or CHANNEL_OPTIONS,
                                       interceptors=interceptors)
         self.health = HealthServicer()

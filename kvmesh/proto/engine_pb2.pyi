@@ -31,7 +31,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "stop", "cache_salt", "ignore_eos", "traffic_class")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "stop", "cache_salt", "ignore_eos", "traffic_class", "resume_generated")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_GENERATED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -52,7 +53,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     ignore_eos: bool
     traffic_class: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., traffic_class: _Optional[str] = ...) -> None: ...
+    resume_generated: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., traffic_class: _Optional[str] = ..., resume_generated: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "replayed_tokens", "generated_tokens")

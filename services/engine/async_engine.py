@@ -5,6 +5,16 @@ commands through a queue (add, abort, call) and receive events through their
 own asyncio.Queue, posted with `call_soon_threadsafe`. A caller that goes away
 (cancelled, deadline passed, client gone) aborts its request, which frees the
 sequence's slot and blocks at the next step boundary.
+
+Cancellation can come at any moment, including while a command waits in the
+queue. Each command carries a `concurrent.futures.Future`; the engine thread
+claims it with `set_running_or_notify_cancel()` before doing the work, so a
+command whose caller already left is skipped, and a claimed one can no longer
+be cancelled (its result always lands). A caller cancelled after its `add`
+was claimed queues an `abort_admitted` behind it, which the thread (FIFO)
+sees after the add and uses to drop the admitted sequence. Nothing a caller
+does can raise on the engine thread, so one client's cancel never reaches
+another client's stream.
 """
 
 from __future__ import annotations
@@ -32,13 +42,19 @@ class AsyncEngine:
 
     # --- caller side (event loop) ---------------------------------------------------
     async def generate(self, prompt_ids, params, request_id="", salt="", traffic_class="",
-                       prefetched=None) -> AsyncIterator[Event]:
+                       prefetched=None, resume: int = 0) -> AsyncIterator[Event]:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         fut: cf.Future = cf.Future()
-        self._cmds.put(("add", (prompt_ids, params, request_id, salt, traffic_class, prefetched),
-                        fut, loop, sink))
-        seq = await asyncio.wrap_future(fut)          # raises InvalidArgument etc.
+        self._cmds.put(("add", (prompt_ids, params, request_id, salt, traffic_class, prefetched,
+                                resume), fut, loop, sink))
+        try:
+            seq = await asyncio.wrap_future(fut)      # raises InvalidArgument etc.
+        except asyncio.CancelledError:
+            # wrap_future cancelled `fut`: if the thread had not claimed it, the add is
+            # skipped; if it had, the sequence is admitted and must be dropped again.
+            self._cmds.put(("abort_admitted", fut))
+            raise
         done = False
         try:
             while True:
@@ -67,17 +83,22 @@ class AsyncEngine:
     # --- engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._drain(block=not self.core.has_work)
+            if not self.core.has_work:
+                continue
             try:
-                self._drain(block=not self.core.has_work)
-                if self.core.has_work:
-                    for ev in self.core.step():
-                        self._deliver(ev)
+                events = self.core.step()
             except Exception as exc:  # noqa: BLE001 - keep serving; fail what was in flight
+                # A failed step leaves no request in a known state, so every running one
+                # is failed and freed. Commands never get here: `_handle` contains its own.
                 log.exception("engine step failed")
                 for rid in list(self._sinks):
                     self._post(rid, exc)
                     self.core.abort(rid)
                     self._sinks.pop(rid, None)
+                continue
+            for ev in events:
+                self._deliver(ev)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -95,6 +116,8 @@ class AsyncEngine:
         kind = cmd[0]
         if kind == "add":
             _, args, fut, loop, sink = cmd
+            if not fut.set_running_or_notify_cancel():
+                return                    # the caller left before admission: nothing to undo
             try:
                 seq = self.core.add_request(*args)
             except Exception as exc:  # noqa: BLE001 - returned to the caller
@@ -103,14 +126,26 @@ class AsyncEngine:
             self._sinks[seq.request_id] = (loop, sink)
             fut.set_result(seq)
         elif kind == "abort":
-            self.core.abort(cmd[1])
-            self._sinks.pop(cmd[1], None)
+            self._abort(cmd[1])
+        elif kind == "abort_admitted":
+            fut = cmd[1]
+            # Done without exception = the add ran and admitted a sequence nobody will read.
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._abort(fut.result().request_id)
         elif kind == "call":
             _, fn, fut = cmd
+            if not fut.set_running_or_notify_cancel():
+                return                    # the caller left (e.g. a stats call timed out)
             try:
-                fut.set_result(fn(self.core))
-            except Exception as exc:  # noqa: BLE001
+                result = fn(self.core)
+            except Exception as exc:  # noqa: BLE001 - returned to the caller
                 fut.set_exception(exc)
+                return
+            fut.set_result(result)
+
+    def _abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+        self._sinks.pop(request_id, None)
 
     def _deliver(self, ev: Event) -> None:
         self._post(ev.request_id, ev)

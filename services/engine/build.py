@@ -1,12 +1,16 @@
-"""Build an EngineCore from command-line options (shared by `serve` and `generate --local`)."""
+"""Build an EngineCore from command-line options (shared by `serve`, `layout` and `generate --local`).
+
+Flags that size the cache default to None so that `EngineConfig.from_flags` can
+tell "not given" (fall back to the KVMESH_* variable) from "given".
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from kvmesh import envs
-from services.engine.config import PRESETS, preset
+from services.engine.cache.layout import RuntimeLayout
+from services.engine.config import PRESETS, ModelConfig, preset
 from services.engine.engine_config import TRUNCATION_MODES, EngineConfig
 
 # The trained checkpoint shipped in the repository (models/v4-mini-tiny/MODEL_CARD.md): the
@@ -29,28 +33,42 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batched-tokens", type=int, default=512)
     g.add_argument("--max-running", type=int, default=16)
     g.add_argument("--truncation", choices=TRUNCATION_MODES, default=None,
-                   help="YOCO prefill truncation (env KVMESH_YOCO_PREFILL_TRUNCATION_MODE)")
+                   help="YOCO prefill truncation (env KVMESH_YOCO_PREFILL_TRUNCATION_MODE, default off)")
     g.add_argument("--keep-tokens", type=int, default=None,
                    help="KEEP, required with truncation (env KVMESH_YOCO_PREFILL_KEEP_TOKENS)")
-    g.add_argument("--extra-state", action="store_true", default=None,
-                   help="prefill-engine SWA ring of 396 (env KVMESH_PREFILL_STORE_EXTRA_STATE)")
+    g.add_argument("--extra-state", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill-engine SWA ring of W + B + EXTRA (+ KEEP with truncation): 396 "
+                        "(env KVMESH_PREFILL_STORE_EXTRA_STATE, default off)")
+    g.add_argument("--extra-state-size", type=int, default=None,
+                   help="EXTRA rows of the long ring (env KVMESH_PREFILL_STORE_EXTRA_SIZE, default 128)")
+    g.add_argument("--max-backtrack", type=int, default=None,
+                   help="B: tokens a sequence may take back (env KVMESH_MAX_BACKTRACKING_TOKENS, "
+                        "default 6)")
     g.add_argument("--deterministic", action="store_true")
     g.add_argument("--swa-policy", default="full", help="full | periodic:N | zero")
     g.add_argument("--snapshot-mb", type=int, default=256)
     g.add_argument("--snapshot-ttl-min", type=float, default=60.0)
 
 
-def engine_config(args) -> EngineConfig:
-    return EngineConfig(
+def engine_config(args, env=None) -> EngineConfig:
+    """Flags first; the KVMESH_* variables (env, default os.environ) only for flags not given."""
+    return EngineConfig.from_flags(
+        env,
         num_slots=args.num_slots, num_blocks=args.num_blocks,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running,
-        truncation=args.truncation or envs.yoco_truncation_mode(),
-        keep_tokens=args.keep_tokens if args.keep_tokens is not None else envs.yoco_keep_tokens(),
-        extra_state=args.extra_state if args.extra_state is not None else envs.prefill_store_extra_state(),
+        truncation=args.truncation, keep_tokens=args.keep_tokens, extra_state=args.extra_state,
+        extra_state_size=args.extra_state_size, max_backtrack=args.max_backtrack,
         deterministic=args.deterministic, swa_policy=args.swa_policy,
         snapshot_bytes=args.snapshot_mb << 20, snapshot_ttl_min=args.snapshot_ttl_min,
         dtype=args.dtype, seed=args.seed,
     )
+
+
+def runtime_layout(args, env=None) -> tuple[ModelConfig, EngineConfig, RuntimeLayout]:
+    """The configs and the one layout the engine built from `args` runs with."""
+    cfg = preset(args.preset)
+    ecfg = engine_config(args, env)
+    return cfg, ecfg, RuntimeLayout.build(cfg, ecfg)
 
 
 def build_core(args):
@@ -60,11 +78,10 @@ def build_core(args):
     from services.engine.model import weights as weights_mod
     from services.engine.tokenizer import load_tokenizer
 
-    cfg = preset(args.preset)
-    ecfg = engine_config(args)
+    cfg, ecfg, layout = runtime_layout(args)
     path = checkpoint_path(args)
     w = weights_mod.load(path, cfg) if path else None
-    return EngineCore(cfg, ecfg, weights=w, tokenizer=load_tokenizer(args.tokenizer))
+    return EngineCore(cfg, ecfg, weights=w, tokenizer=load_tokenizer(args.tokenizer), layout=layout)
 
 
 def checkpoint_path(args) -> Path | None:

@@ -1,12 +1,14 @@
-"""`kvmesh engine serve` and `kvmesh generate` (local in-process, or against a server)."""
+"""`kvmesh engine serve`, `kvmesh engine layout` and `kvmesh generate` (local in-process,
+or against a server)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 
 from kvmesh.errors import KvmeshError
-from services.engine.build import add_engine_args, build_core
+from services.engine.build import add_engine_args, build_core, runtime_layout
 
 
 def register(sub) -> None:
@@ -29,6 +31,15 @@ def register(sub) -> None:
                        help="serve Prometheus /metrics on this port (0 = any free port)")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
+
+    lay = esub.add_parser("layout", help="print ring sizes, slot regions and bytes, and what fits "
+                                         "a memory budget, for the given engine flags (no engine "
+                                         "is started)")
+    lay.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    lay.add_argument("--memory", type=_budget, default=None,
+                     help="cache memory budget (e.g. 80GiB): slots and blocks that fit it")
+    add_engine_args(lay)
+    lay.set_defaults(func=_layout)
 
     gen = sub.add_parser("generate", help="generate text and stream it to the terminal")
     gen.add_argument("prompt")
@@ -58,6 +69,30 @@ def _serve(args) -> int:
     asyncio.run(serve(core, f"{args.host}:{args.port}", args.engine_id, args.advertise,
                       args.directory, args.kvstore, args.swa_fetch, args.fetch_deadline_ms / 1000,
                       args.metrics_port))
+    return 0
+
+
+def _budget(text: str) -> int:
+    from services.engine.layout_report import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        import argparse
+
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _layout(args) -> int:
+    from services.engine import layout_report
+
+    try:
+        _, _, layout = runtime_layout(args)
+    except ValueError as exc:
+        print(f"kvmesh engine layout: {exc}", file=sys.stderr)
+        return 2
+    report = layout_report.to_dict(layout, args.memory)
+    print(json.dumps(report, indent=2) if args.json else layout_report.table(report))
     return 0
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.errors import InvalidArgument
-from services.engine.cache import rings
+from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager
 from services.engine.config import ModelConfig
 from services.engine.engine_config import EngineConfig
@@ -34,6 +34,12 @@ from services.engine.sequence import Finish, Sequence, Status
 from services.engine.tokenizer import ByteTokenizer
 
 TRAFFIC_CLASSES = ("", "agent", "chatbot")
+# Counters EngineCore and PrefixReuse always report, 0 until their event first happens, so
+# GetStats and /metrics (kvmesh_engine_<name>) show every one from the start. Only the
+# engine thread changes them; remote.py adds its own kvstore_*/peer_*/directory_* keys.
+COUNTERS = ("requests", "prompt_tokens", "cache_hit_tokens", "replayed_tokens", "snapshot_hits",
+            "snapshot_misses", "snapshot_stores", "generated_tokens", "computed_tokens",
+            "finished", "aborted", "steps")
 
 
 class Hooks:
@@ -60,21 +66,25 @@ class Event:
 
 class EngineCore:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, weights: Weights | None = None,
-                 tokenizer=None):
-        ecfg.check_model(cfg)
+                 tokenizer=None, layout: RuntimeLayout | None = None):
+        """`layout`, when given, must have been built from these two configs (the CLI builds
+        it once and hands the same object here); otherwise it is built now."""
+        self.layout = layout if layout is not None else RuntimeLayout.build(cfg, ecfg)
+        if (self.layout.model, self.layout.engine) != (cfg, ecfg):
+            raise ValueError("layout was built from other configs than this engine's")
         self.cfg, self.ecfg = cfg, ecfg
         dtype = getattr(torch, ecfg.dtype)
         self.weights = weights if weights is not None else init_weights(cfg, ecfg.seed, dtype)
         self.tokenizer = tokenizer or ByteTokenizer()
         if self.tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids, model only {cfg.vocab_size}")
-        self.cache = CacheManager(cfg, ecfg.num_slots, ecfg.num_blocks, ecfg.extra_state)
+        self.cache = CacheManager(self.layout)
         dec_mode = "mask" if ecfg.truncation == "mask" else "compact"
         self.runner = ModelRunner(cfg, self.weights, self.cache.states, self.cache.store, dec_mode)
         self.scheduler = Scheduler(ecfg, self.cache, on_admit=self._on_admit)
         self.requests: dict[str, Sequence] = {}
         self.outputs: dict[str, OutputState] = {}
-        self.counters: Counter = Counter()
+        self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
         self.prefix = PrefixReuse(self.cache, ecfg, self.counters)
         self.hooks = Hooks()
         self.prefix.on_store = lambda key, snap: self.hooks.snapshot_stored(key, snap)
@@ -85,16 +95,24 @@ class EngineCore:
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
                     salt: str = "", traffic_class: str = "",
-                    prefetched: Prefetched | None = None) -> Sequence:
+                    prefetched: Prefetched | None = None, resume: int = 0) -> Sequence:
+        """`resume` > 0 continues a generation that another engine started (the gateway's
+        mid-stream migration): the last `resume` ids are that generation's output. They
+        count toward max_tokens and usage, sampling continues at their position (same
+        seed, same tokens as an uninterrupted run), and their text, already delivered,
+        only sets the stop-string state."""
         params.validate(self.cfg.vocab_size)
         if not prompt_ids:
             raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise InvalidArgument(f"prompt_token_ids {bad[:5]} are outside [0, {self.cfg.vocab_size})")
-        limit = self.cfg.max_seq_len
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise InvalidArgument(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+        if not 0 <= resume < min(len(prompt_ids), params.max_tokens):
+            raise InvalidArgument(f"resume_generated must be in [0, min(prompt length, max_tokens)) "
+                                  f"= [0, {min(len(prompt_ids), params.max_tokens)}), got {resume}")
+        limit, n_prompt = self.cfg.max_seq_len, len(prompt_ids) - resume
+        if n_prompt + params.max_tokens > limit:
+            raise InvalidArgument(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) "
                                   f"exceeds the model's maximum of {limit} tokens")
         if self.cache.blocks_for(len(prompt_ids) + 1) > self.ecfg.num_blocks:
             raise InvalidArgument(f"prompt needs more cache blocks than this engine has "
@@ -105,11 +123,15 @@ class EngineCore:
         if request_id in self.requests:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        seq = Sequence(request_id, list(prompt_ids), params, seed, salt, traffic_class)
+        cut = len(prompt_ids) - resume
+        seq = Sequence(request_id, list(prompt_ids[:cut]), params, seed, salt, traffic_class,
+                       output=list(prompt_ids[cut:]))
+        out = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
+        out.resume(seq.output)            # raises InvalidArgument if they already finished
         self.requests[request_id] = seq
         if prefetched is not None:
             self.prefetched[request_id] = prefetched
-        self.outputs[request_id] = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
+        self.outputs[request_id] = out
         self.scheduler.add(seq)
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(prompt_ids)
@@ -204,7 +226,7 @@ class EngineCore:
     def rollback(self, request_id: str, r: int) -> None:
         """Take back the last r computed tokens of a running request (speculative decoding)."""
         seq = self.requests[request_id]
-        self.cache.rollback(seq, r, rings.max_backtrack())
+        self.cache.rollback(seq, r, self.layout.backtrack)
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.scheduler.running)

@@ -3,14 +3,18 @@
 `OutputState` belongs to one sequence and is changed only by the engine thread.
 Text that might be the start of a stop string is held back until it is clear
 that it is not; a matched stop string and everything after it is never sent.
+Stop strings are matched incrementally (`stops.StopMatcher`): each step costs
+what its new characters cost.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.errors import InvalidArgument
 from services.engine.sampling import SamplingParams
 from services.engine.sequence import Finish
+from services.engine.stops import StopMatcher
 
 
 @dataclass
@@ -21,26 +25,41 @@ class OutputState:
     sent: int = 0                       # characters of stream.text already sent
     done_text: str | None = None        # final text once a stop string matched
     pending_ids: list[int] = field(default_factory=list)
+    stops: StopMatcher | None = None
+
+    def __post_init__(self):
+        self.stops = StopMatcher(tuple(self.params.stop))
+
+    def resume(self, tokens: list[int]) -> None:
+        """Take over a generation whose `tokens` another engine produced and sent: rebuild
+        the stop-string state and what was sent from them, so the next push continues as
+        the first engine would have."""
+        p = self.params
+        if any((t == self.eos_id and not p.ignore_eos) or t in p.stop_token_ids for t in tokens):
+            raise InvalidArgument("resumed output contains an end token: it already finished")
+        self.stream.push(tokens)
+        if self.stops.feed(self.stream.text) is not None:
+            raise InvalidArgument("resumed output contains a stop string: it already finished")
+        self.sent = len(self.stream.text) - self.stops.hold
 
     def push(self, token: int, n_generated: int) -> tuple[str, Finish | None]:
         """Feed one sampled token; return (text delta, finish reason or None)."""
         p = self.params
         if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
             return self._flush(), Finish.STOP
-        self.stream.push([token])
+        new = self.stream.push([token])
         text = self.stream.text
-        for stop in p.stop:
-            at = text.find(stop, max(0, self.sent - len(stop) + 1))
-            if at != -1:
-                delta = text[self.sent : at]
-                self.sent = at
-                return delta, Finish.STOP
+        hit = self.stops.feed(new)
+        if hit is not None:
+            end, length = hit
+            at = len(text) - len(new) + end - length   # where the stop string starts
+            delta = text[self.sent : at]
+            self.sent = at
+            return delta, Finish.STOP
         finish = Finish.LENGTH if n_generated >= p.max_tokens else None
         if finish:
             return self._flush(), finish
-        hold = max((k for s in p.stop for k in range(len(s) - 1, 0, -1)
-                    if text.endswith(s[:k])), default=0)
-        end = len(text) - hold
+        end = len(text) - self.stops.hold
         delta = text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta, None

@@ -14,6 +14,11 @@ import torch
 
 from kvmesh.errors import InvalidArgument
 
+# Engines are reachable by every peer, not only through the gateway (whose own limits,
+# `--max-stop` and `--max-stop-bytes`, default to 16 and 256), so they bound stop work too.
+MAX_STOPS = 64              # stop strings, and stop token ids, each
+MAX_STOP_BYTES = 1024       # UTF-8 bytes per stop string
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,8 +44,15 @@ class SamplingParams:
         bad = [i for i in self.stop_token_ids if not 0 <= i < vocab_size]
         if bad:
             raise InvalidArgument(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
-        if any(s == "" for s in self.stop):
-            raise InvalidArgument("stop strings must not be empty")
+        if len(self.stop) > MAX_STOPS or len(self.stop_token_ids) > MAX_STOPS:
+            raise InvalidArgument(f"{len(self.stop)} stop strings and {len(self.stop_token_ids)} "
+                                  f"stop_token_ids given; at most {MAX_STOPS} of each")
+        for i, s in enumerate(self.stop):
+            if s == "":
+                raise InvalidArgument(f"stop[{i}] is empty; stop strings must not be empty")
+            if len(s.encode()) > MAX_STOP_BYTES:
+                raise InvalidArgument(f"stop[{i}] has {len(s.encode())} bytes; at most "
+                                      f"{MAX_STOP_BYTES}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidArgument("seed must be in [0, 2**63)")
 

@@ -6,6 +6,7 @@ import math
 from collections.abc import AsyncIterator
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.metrics import RequestMetrics
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
 from services.engine.async_engine import AsyncEngine
@@ -51,6 +52,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.engine = engine
         self.remote = remote            # RemoteTiers: kvstore blocks and peer snapshots
         self.tokenizer = engine.core.tokenizer
+        self.metrics = RequestMetrics("engine")   # tokens; RPC counts come from the interceptor
         self.sessions = SessionHub(self.events)
 
     def prompt_ids(self, req) -> list[int]:
@@ -69,20 +71,35 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             yield msg
 
     async def events(self, request) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        """The messages of one generation, for Generate and for a Session alike."""
+        """The messages of one generation, for Generate and for a Session alike.
+
+        Counts kvmesh_tokens_total{service="engine"} as the gateway does: every token sent
+        as generated (an aborted generation's too), prompt/cached/replayed from the usage
+        of a generation that finished."""
         params = params_from_proto(request)
         ids = self.prompt_ids(request)
         prefetched = None
         if self.remote is not None and ids:
             prefetched = await self.remote.prefetch(ids, request.cache_salt)
-        async for ev in self.engine.generate(ids, params, request.request_id, request.cache_salt,
-                                             request.traffic_class, prefetched):
-            msg = engine_pb2.GenerateResponse(request_id=ev.request_id, token_ids=ev.token_ids,
-                                              text=ev.text)
-            if ev.finish is not None:
-                msg.finish_reason = FINISH[ev.finish]
-                msg.usage.CopyFrom(usage_proto(ev.seq))
-            yield msg
+        generated, usage = 0, None
+        try:
+            async for ev in self.engine.generate(ids, params, request.request_id,
+                                                 request.cache_salt, request.traffic_class,
+                                                 prefetched, request.resume_generated):
+                msg = engine_pb2.GenerateResponse(request_id=ev.request_id,
+                                                  token_ids=ev.token_ids, text=ev.text)
+                generated += len(ev.token_ids)
+                if ev.finish is not None:
+                    msg.finish_reason = FINISH[ev.finish]
+                    usage = usage_proto(ev.seq)
+                    msg.usage.CopyFrom(usage)
+                yield msg
+        finally:
+            counts = {"generated": generated}
+            if usage is not None:
+                counts.update(prompt=usage.prompt_tokens, cached=usage.cached_tokens,
+                              replayed=usage.replayed_tokens)
+            self.metrics.count_tokens(counts)
 
     @map_errors
     async def GetModelInfo(self, request, context):

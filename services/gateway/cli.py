@@ -29,6 +29,9 @@ def register(sub) -> None:
                        "($KVMESH_GATEWAY_METRICS_PORT)")
     serve.add_argument("--tokenizer", help="tokenizer.json used for routing keys (default byte-level)")
     serve.add_argument("--max-attempts", type=int, help="engines tried before the first token (3)")
+    serve.add_argument("--migration-limit", type=int,
+                       help="times a stream whose engine fails after the first token is continued "
+                       "on another engine; 0 = off (1; $KVMESH_GATEWAY_MIGRATION_LIMIT)")
     serve.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"),
                        help="default uvloop; auto = uvloop when installed "
                        "($KVMESH_GATEWAY_EVENT_LOOP)")
@@ -42,6 +45,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig.from_env(host=args.host, port=args.port, engines=args.engines,
                                   directory=args.directory, metrics_port=args.metrics_port,
                                   tokenizer=args.tokenizer, max_attempts=args.max_attempts,
+                                  migration_limit=getattr(args, "migration_limit", None),
                                   event_loop=getattr(args, "event_loop", None),
                                   engine_sessions=getattr(args, "engine_sessions", None))
 

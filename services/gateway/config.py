@@ -13,6 +13,7 @@
 | KVMESH_GATEWAY_MAX_PROMPT_TOKENS     | max_prompt_tokens     | 65536              |
 | KVMESH_GATEWAY_MAX_TOKENS_LIMIT      | max_tokens_limit      | 8192               |
 | KVMESH_GATEWAY_MAX_ATTEMPTS          | max_attempts          | 3                  |
+| KVMESH_GATEWAY_MIGRATION_LIMIT       | migration_limit       | 1                  |
 | KVMESH_GATEWAY_AFFINITY_ENTRIES      | affinity_entries      | 65536              |
 | KVMESH_GATEWAY_MAX_IMBALANCE         | max_imbalance         | 4                  |
 | KVMESH_GATEWAY_REFRESH_S             | refresh_s             | 1.0                |
@@ -77,6 +78,7 @@ class GatewayConfig:
     max_stop_bytes: int = 256
     # Routing and retries.
     max_attempts: int = 3               # engines tried before the first token
+    migration_limit: int = 1            # engine failures after the first token continued elsewhere
     affinity_entries: int = 65536       # bounded LRU of prefix key -> engine
     max_imbalance: int = 4              # leave a cache-preferred engine this much busier than the idlest
     refresh_s: float = 1.0              # ListEngines period
@@ -96,6 +98,8 @@ class GatewayConfig:
                      "affinity_entries", "max_imbalance"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0 (0 = off), got {self.migration_limit}")
         for name in ("refresh_s", "directory_timeout_s", "down_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

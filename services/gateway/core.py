@@ -5,7 +5,9 @@ One request (see README.md for the walk-through):
     check_request -> tokenize -> snapshot keys of the prefix -> directory Lookup
     -> Router.pick -> EnginePool.stream -> yield chunks ...
        engine fails before any token: mark it down, pick another (max_attempts)
-       engine fails after N tokens:   Unavailable("engine X failed mid-stream after N tokens")
+       engine fails after N tokens:   continue on another engine from prompt + the N tokens
+                                      (migration_limit times), then
+                                      Unavailable("engine X failed mid-stream after N tokens")
 
 The core owns the `Router` (engine table + affinity map) and the cached model
 info; all of it is touched only from the event loop the core runs on. The
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,7 +33,7 @@ from services.engine.config import ModelConfig
 from services.engine.tokenizer import load_tokenizer
 from services.gateway import validate
 from services.gateway.config import GatewayConfig
-from services.gateway.engines import EnginePool, engine_request
+from services.gateway.engines import EnginePool, engine_request, resume_request
 from services.gateway.model import (
     Chunk,
     DeadlineExceeded,
@@ -174,6 +177,8 @@ class GatewayRequest:
         self.method = method
         self.engine_id = ""
         self.attempts = 0
+        self.migrations = 0
+        self.generated: list[int] = []   # every token sent so far: a migration resumes from them
         self.route = ""
         self.tokens = 0
         self.usage = Usage()
@@ -213,9 +218,13 @@ class GatewayRequest:
             keys = info.snapshot_keys(ids, req.cache_salt)
             holders = await core.holders(keys[:info.lookup_count(len(ids))])
         msg = engine_request(req)
+        if core.cfg.migration_limit and not msg.sampling.HasField("seed"):
+            # A stream continued on another engine draws its next tokens from the same
+            # (seed, position) stream only if the seed is known here.
+            msg.sampling.seed = random.getrandbits(62)
         tried: list[str] = []
         last: Exception | None = None
-        while self.attempts < core.cfg.max_attempts:
+        while self.attempts < core.cfg.max_attempts + self.migrations:
             choice = core.router.pick(core.clock(), keys, holders, exclude=tried)
             if choice is None:
                 break
@@ -232,14 +241,21 @@ class GatewayRequest:
                         if self.ttft is None and chunk.token_ids:
                             self.ttft = core.clock() - self.t0
                         self.tokens += len(chunk.token_ids)
+                        self.generated.extend(chunk.token_ids)
                         if chunk.usage is not None:
                             self.usage = chunk.usage
                         yield chunk
             except EngineFailure as exc:
                 core.router.mark_down(st.address, core.clock() + core.cfg.down_s)
                 if self.tokens:
-                    raise Unavailable(f"engine {st.engine_id} failed mid-stream after "
-                                      f"{self.tokens} tokens: {exc}") from None
+                    if self.migrations >= core.cfg.migration_limit:
+                        raise Unavailable(f"engine {st.engine_id} failed mid-stream after "
+                                          f"{self.tokens} tokens: {exc}") from None
+                    msg = resume_request(msg, ids, self.generated)
+                    self.migrations += 1
+                    core.metrics.migrations.inc()
+                    log.warning("request %s: engine %s failed after %d tokens (%s); continuing "
+                                "on another engine", req.request_id, st.engine_id, self.tokens, exc)
                 tried.append(st.address)
                 last = exc
                 log.warning("request %s: engine %s failed before the first token (%s); retrying",

@@ -43,6 +43,20 @@ def engine_request(req: GenRequest) -> engine_pb2.GenerateRequest:
     return set_sampling(msg, req.max_tokens, req.temperature, req.top_k, req.top_p, req.seed)
 
 
+def resume_request(msg: engine_pb2.GenerateRequest, prompt_ids: list[int],
+                   generated: list[int]) -> engine_pb2.GenerateRequest:
+    """The engine request that continues `msg` after `generated` tokens were sent: the
+    prompt grows by them and the engine resumes at their position (same seed, same
+    max_tokens, stop state rebuilt from them), so the client's stream goes on as one."""
+    out = engine_pb2.GenerateRequest()
+    out.CopyFrom(msg)
+    out.ClearField("prompt")
+    del out.prompt_token_ids[:]
+    out.prompt_token_ids.extend([*prompt_ids, *generated])
+    out.resume_generated = len(generated)
+    return out
+
+
 class EnginePool:
     """`session=True` (the default) sends generations over one Session stream per engine;
     False makes one Generate call per request (the plain path, kept for comparison)."""

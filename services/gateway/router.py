@@ -1,6 +1,6 @@
 """Routing: which engine serves a request. Pure logic: no I/O, no clock of its own.
 
-Order of preference (DESIGN.md §4):
+Order of preference (docs/design.md §10):
 
     1. snapshot  the live engine holding the deepest SWA snapshot of the prompt's
                  prefix (directory Lookup results, passed in as `holders`)

@@ -80,6 +80,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     msg.finish_reason = FINISH[c.finish]
                     msg.usage.CopyFrom(pb.Usage(**c.usage._asdict()))
                     msg.engine_id = gr.engine_id
+                    msg.migrations = gr.migrations
                 yield msg
         except grpc.aio.AbortError:
             raise
@@ -97,6 +98,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                     out.finish_reason = FINISH[c.finish]
                     out.usage.CopyFrom(pb.Usage(**c.usage._asdict()))
             out.request_id, out.engine_id, out.attempts = gr.req.request_id, gr.engine_id, gr.attempts
+            out.migrations = gr.migrations
             return out
         except grpc.aio.AbortError:
             raise

@@ -117,9 +117,12 @@ def _export_metrics(server, port: int) -> None:
 
     core = server.core
 
+    from services.kvstore.core import GC_COUNTERS
+
     def read() -> dict[str, float]:
         return {"durable_bytes": core.meta.complete_bytes, "mem_bytes": core.mem.used,
-                "disk_bytes": core.disk.used, **dict(core.counters)}
+                "disk_bytes": core.disk.used, **dict.fromkeys(GC_COUNTERS, 0),
+                **dict(core.counters)}
 
     StatsExporter("kvstore", read)
     serve_metrics(port)

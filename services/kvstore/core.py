@@ -37,6 +37,10 @@ from services.kvstore.reports import GcReport, ListEntry, ScrubReport, Stats
 from services.kvstore.shards import LocationDown, ShardStore
 from services.kvstore.tiers import DiskTier, MemoryTier
 
+# What each GC pass adds to `counters` (run_gc); /metrics shows them from the start, at 0.
+GC_COUNTERS = ("gc_runs", "gc_deleted", "gc_expired", "gc_evicted", "gc_orphans_removed",
+               "gc_bytes_freed")
+
 log = logging.getLogger("kvmesh.kvstore")
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 

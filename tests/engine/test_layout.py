@@ -1,65 +1,65 @@
-"""State ledger geometry: ring sizes, the StateBlock layout and its start-up check."""
+"""State ledger geometry: ring sizes (RuntimeLayout), the StateBlock layout and its start-up check."""
 
 import pytest
 
-from services.engine.cache import rings
-from services.engine.cache.state_layout import LayoutBuilder, StateBlock, is_dropped_swa_layer
+from kvmesh import envs
+from services.engine.cache.layout import RuntimeLayout
+from services.engine.cache.state_layout import LayoutBuilder, is_dropped_swa_layer
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import TINY, V41_FLASH, small_test_config
+from services.engine.engine_config import EngineConfig
 
 
 @pytest.fixture
 def clean_rings(monkeypatch):
-    for var in ("KVMESH_MAX_BACKTRACKING_TOKENS", "KVMESH_PREFILL_STORE_EXTRA_STATE",
-                "KVMESH_PREFILL_STORE_EXTRA_SIZE", "KVMESH_YOCO_PREFILL_TRUNCATION_MODE",
-                "KVMESH_YOCO_PREFILL_KEEP_TOKENS"):
+    for var in envs.ENGINE_VARS.values():
         monkeypatch.delenv(var, raising=False)
-    rings.clear_ring_size_cache()
-    yield monkeypatch
-    rings.clear_ring_size_cache()
+    return monkeypatch
+
+
+def layout(cfg=V41_FLASH, **ecfg) -> RuntimeLayout:
+    return RuntimeLayout.build(cfg, EngineConfig(**ecfg))
 
 
 def test_v41_flash_sizes(clean_rings):
     assert V41_FLASH.n_layers == 40 and V41_FLASH.n_encoder_layers == 20
     assert V41_FLASH.layers[:4] == ("swa", "swa", "csa", "hca")
     assert V41_FLASH.swa_bytes_per_token == 528
-    assert rings.inference_swa_ring(128) == 134
-    sb = StateBlock.for_config(V41_FLASH)
+    assert layout().inference_ring == 134
+    sb = layout().block
     assert sb.n_stored_layers == 20
     assert sb.state_size_to_disk == 20 * 134 * 528 == 1_415_040
 
 
 def test_kvstore_ring_is_396_with_extra_state_and_truncation(clean_rings):
-    clean_rings.setenv("KVMESH_PREFILL_STORE_EXTRA_STATE", "1")
-    clean_rings.setenv("KVMESH_YOCO_PREFILL_TRUNCATION_MODE", "compact")
-    clean_rings.setenv("KVMESH_YOCO_PREFILL_KEEP_TOKENS", "134")
-    rings.clear_ring_size_cache()
-    assert rings.kvstore_swa_ring(128) == 134 + 128 + 134 == 396
-    sb = StateBlock.for_config(V41_FLASH, extra_state=True)
+    lay = layout(extra_state=True, truncation="compact", keep_tokens=134)
+    assert lay.kvstore_ring == 134 + 128 + 134 == 396
+    sb = lay.block
     assert sb.swa_ring == 396
     # what is persisted is still the inference window
     assert sb.state_size_to_disk == 1_415_040
 
 
 def test_kvstore_ring_without_truncation_or_extra_state(clean_rings):
-    assert rings.kvstore_swa_ring(128) == 134               # extra-state off
-    clean_rings.setenv("KVMESH_PREFILL_STORE_EXTRA_STATE", "1")
-    rings.clear_ring_size_cache()
-    assert rings.kvstore_swa_ring(128) == 134 + 128          # truncation off: no YOCO keep
+    assert layout().kvstore_ring == 134                                  # extra-state off
+    assert layout(extra_state=True).kvstore_ring == 134 + 128            # truncation off: no YOCO keep
 
 
-def test_ring_sizes_are_cached_until_cleared(clean_rings):
-    assert rings.inference_swa_ring(128) == 134
-    assert rings.compress_ring(4) == 10 and rings.compress_ring(128) == 134
+def test_ring_sizes_are_fixed_once_built(clean_rings):
+    """A built layout is the process's answer: a later environment change reaches only
+    layouts built after it (the engine builds one, at start-up)."""
+    lay = RuntimeLayout.build(V41_FLASH, EngineConfig.from_flags())
+    assert lay.inference_ring == 134
+    assert lay.compress_ring(4) == 10 and lay.compress_ring(128) == 134
     clean_rings.setenv("KVMESH_MAX_BACKTRACKING_TOKENS", "2")
-    assert rings.inference_swa_ring(128) == 134              # stale until cleared, by design
-    rings.clear_ring_size_cache()
-    assert rings.inference_swa_ring(128) == 130
-    assert rings.compress_ring(4) == 6
+    assert lay.inference_ring == 134              # frozen: never recomputed behind its back
+    lay = RuntimeLayout.build(V41_FLASH, EngineConfig.from_flags())
+    assert lay.inference_ring == 130
+    assert lay.compress_ring(4) == 6
 
 
 def test_v41_flash_region_offsets(clean_rings):
-    sb = StateBlock.for_config(V41_FLASH)
+    sb = layout().block
     regions = sb.regions()
     swa = [r for r in regions if r.name == "swa"]
     assert [r.layer for r in swa] == list(range(40))
@@ -81,12 +81,15 @@ def test_dropped_layers_come_from_the_config_only(clean_rings):
     assert [is_dropped_swa_layer(TINY, i) for i in range(8)] == [False] * 4 + [True] * 4
     clean_rings.setenv("KVMESH_YOCO_PREFILL_TRUNCATION_MODE", "compact")
     clean_rings.setenv("KVMESH_YOCO_PREFILL_KEEP_TOKENS", "134")
-    rings.clear_ring_size_cache()
     assert [is_dropped_swa_layer(TINY, i) for i in range(8)] == [False] * 4 + [True] * 4
+    # nor does truncation change the stored layers of a layout
+    on = RuntimeLayout.build(TINY, EngineConfig.from_flags()).block
+    off = layout(TINY).block
+    assert on.n_stored_layers == off.n_stored_layers == 4 and on.stored_bytes == off.stored_bytes
 
 
 def test_layout_drift_fails_loudly(clean_rings):
-    sb = StateBlock.for_config(TINY)
+    sb = layout(TINY).block
     b = LayoutBuilder(sb)
     b.add("swa", 0, (134, 528), "uint8")
     with pytest.raises(AssertionError, match="state layout drift"):
@@ -95,7 +98,7 @@ def test_layout_drift_fails_loudly(clean_rings):
 
 def test_pool_views_cover_the_slot_bytes(clean_rings):
     cfg = small_test_config()
-    pool = StatePool(cfg, num_slots=3)
+    pool = StatePool(RuntimeLayout.build(cfg, EngineConfig(num_slots=3)))
     sb = pool.block
     assert pool.data.shape == (3, sb.slot_bytes)
     # writing through a view lands at the documented byte offset of that slot

@@ -126,30 +126,22 @@ def test_decode_crossings_and_policies(policy, expected):
 
 
 @pytest.mark.parametrize("length,chunk", [(100, 1000), (100, 7), (131, 40)])
-def test_extra_state_ring_reassembles_the_same_snapshot(monkeypatch, length, chunk):
+def test_extra_state_ring_reassembles_the_same_snapshot(length, chunk):
     """A prefill engine with the long (kvstore) ring re-assembles the window at the store
     position from the ring after the last chunk; it must equal the window captured in flight."""
-    from services.engine.cache import rings
-
-    monkeypatch.setenv("KVMESH_PREFILL_STORE_EXTRA_STATE", "1")
-    monkeypatch.setenv("KVMESH_YOCO_PREFILL_TRUNCATION_MODE", "compact")
-    monkeypatch.setenv("KVMESH_YOCO_PREFILL_KEEP_TOKENS", "22")
-    rings.clear_ring_size_cache()
-    try:
-        prompt = random_prompt(length, 8)
-        snaps = []
-        for extra in (False, True):
-            engine = make_engine(CFG, truncation="compact", keep_tokens=22, extra_state=extra,
-                                 max_batched_tokens=chunk)
-            assert engine.cache.states.ring == (22 + 128 + 22 if extra else 22)
-            serve(engine, prompt, SamplingParams(temperature=0, max_tokens=1))
-            (snap,) = (s for _, s in engine.prefix.store.items())
-            snaps.append(snap)
-        assert snaps[0].position == snaps[1].position == (length - 1) // 16 * 16
-        assert len(snaps[0].data) == engine.cache.states.block.state_size_to_disk == 4 * 22 * 528
-        assert snaps[0].data == snaps[1].data
-    finally:
-        rings.clear_ring_size_cache()
+    # the ring is sized by the config alone (no KVMESH_* variable is read by make_engine)
+    prompt = random_prompt(length, 8)
+    snaps = []
+    for extra in (False, True):
+        engine = make_engine(CFG, truncation="compact", keep_tokens=22, extra_state=extra,
+                             max_batched_tokens=chunk)
+        assert engine.cache.states.ring == (22 + 128 + 22 if extra else 22)
+        serve(engine, prompt, SamplingParams(temperature=0, max_tokens=1))
+        (snap,) = (s for _, s in engine.prefix.store.items())
+        snaps.append(snap)
+    assert snaps[0].position == snaps[1].position == (length - 1) // 16 * 16
+    assert len(snaps[0].data) == engine.cache.states.block.state_size_to_disk == 4 * 22 * 528
+    assert snaps[0].data == snaps[1].data
 
 
 def test_prefetched_blocks_install_and_a_bad_payload_is_a_miss():

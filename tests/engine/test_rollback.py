@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager
 from services.engine.config import small_test_config
+from services.engine.engine_config import EngineConfig
 from services.engine.model import reference
 from services.engine.model import weights as weights_mod
 from services.engine.runner import ModelRunner, Work
@@ -17,7 +19,7 @@ W = weights_mod.init_weights(CFG, 0, torch.float64)
 
 
 def setup(num_blocks=64):
-    cache = CacheManager(CFG, num_slots=2, num_blocks=num_blocks)
+    cache = CacheManager(RuntimeLayout.build(CFG, EngineConfig(num_slots=2, num_blocks=num_blocks)))
     return cache, ModelRunner(CFG, W, cache.states, cache.store)
 
 

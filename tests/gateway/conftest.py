@@ -23,14 +23,16 @@ TEST_MESH = dict(engines=2, num_slots=4, num_blocks=64,
                  engine_extra=("--fetch-deadline-ms", "5000", "--random-weights"))
 
 
-def start_mesh(tmp_path_factory, name: str) -> Mesh:
-    cfg = MeshConfig(log_dir=tmp_path_factory.mktemp(name) / "logs", **TEST_MESH)
+def start_mesh(tmp_path_factory, name: str, **overrides) -> Mesh:
+    cfg = MeshConfig(log_dir=tmp_path_factory.mktemp(name) / "logs", **{**TEST_MESH, **overrides})
     return Mesh(cfg).start()
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, request):
-    m = start_mesh(tmp_path_factory, request.module.__name__.rsplit(".", 1)[-1])
+    """One mesh per module; a module may set MESH_OVERRIDES (MeshConfig fields)."""
+    overrides = getattr(request.module, "MESH_OVERRIDES", {})
+    m = start_mesh(tmp_path_factory, request.module.__name__.rsplit(".", 1)[-1], **overrides)
     try:
         yield m
     finally:

@@ -17,9 +17,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from services.gateway.client import gateway_request
+from tests import readme_facts
 from tests.gateway.cases import BAD, build
 from tests.gateway.conftest import wait_for
 
+# These tests pin the plain failure behaviour (a stream whose engine dies mid-stream ends
+# UNAVAILABLE); test_migration.py covers the default, where it continues elsewhere.
+MESH_OVERRIDES = dict(gateway_extra=("--migration-limit", "0"))
 PROMPT = "The gateway routes by prefix."
 LONG = dict(max_tokens=3000, ignore_eos=True, temperature=0.0)  # ~30 s of tokens: killed early
 
@@ -311,3 +315,82 @@ def test_every_service_exports_metrics(gw, mesh):
     assert wait_for(lambda: "kvmesh_kvstore_durable_bytes" in scrape("kvstore"))
     assert wait_for(lambda: 'method="Heartbeat",service="directory",status="OK"'
                     in scrape("directory"))
+
+
+def _engine_totals(gw, mesh) -> dict[str, float]:
+    """GetStats summed over the engines (exact and immediate, unlike the 1 s gauges)."""
+    out: dict[str, float] = {}
+    for name in mesh.engine_names:
+        for k, v in gw.engine_stats(name).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _token_totals(mesh, service: str) -> dict[str, float]:
+    urls = ([mesh.endpoints[f"{n}-metrics"] for n in mesh.engine_names] if service == "engine"
+            else [mesh.endpoints["gateway-metrics"]])
+    pages = [readme_facts.scrape(u) for u in urls]
+    return {kind: sum(readme_facts.total(p, "kvmesh_tokens_total", service=service, kind=kind)
+                      for p in pages) for kind in ("prompt", "cached", "replayed", "generated")}
+
+
+def test_every_metric_the_readme_names_is_exported_and_counts(gw, mesh):
+    """README truth: each `kvmesh_*` metric, token kind and engine counter the README names
+    is on a live /metrics page, and a cold request, a snapshot miss, a snapshot hit and an
+    abort move the counters by exactly what the hit policy says (docs/design.md §5)."""
+    text = readme_facts.readme()
+    names, kinds = readme_facts.metric_names(text), readme_facts.token_kinds(text)
+    counters = readme_facts.engine_counters(text)
+    assert {"kvmesh_requests_total", "kvmesh_tokens_total"} <= names and counters, \
+        "the README parser found nothing: did a heading change?"
+
+    aborted0 = _engine_totals(gw, mesh)["aborted"]
+    with pytest.raises(grpc.RpcError):
+        list(gw.stream(PROMPT, timeout=0.5, **LONG))
+    assert wait_for(lambda: _engines_idle(gw, mesh)[0]), _engines_idle(gw, mesh)[1]
+    assert wait_for(lambda: _engine_totals(gw, mesh)["aborted"] >= aborted0 + 1)
+
+    # Cold (stores its window at 384), then a prompt sharing only its first two blocks
+    # (L1 = 256, no window there: replay 128), then one extending it (window at 384: exact).
+    text_ = "".join(f"metric line {i:03d}. " for i in range(40))
+    cold, miss, hit = text_[:400], text_[:300] + "x" * 250, text_[:600]
+    before = (_engine_totals(gw, mesh), _token_totals(mesh, "engine"),
+              _token_totals(mesh, "gateway"))
+    usages = []
+    for prompt, (cached, replayed) in ((cold, (0, 0)), (miss, (256, 128)), (hit, (384, 0))):
+        u = gw.generate(prompt, max_tokens=1, temperature=0.0, cache_salt="readme").usage
+        assert (u.prompt_tokens, u.cached_tokens, u.replayed_tokens, u.generated_tokens) == \
+            (len(prompt), cached, replayed, 1), prompt[-20:]
+        usages.append(u)
+    tokens = dict(prompt=1550, cached=640, replayed=128, generated=3)
+    want = dict(requests=3, finished=3, prompt_tokens=1550, cache_hit_tokens=640,
+                replayed_tokens=128, snapshot_hits=1, snapshot_misses=1, snapshot_stores=3,
+                generated_tokens=3, computed_tokens=400 + (550 - 128) + (600 - 384))
+
+    def deltas():
+        stats, eng, gate = (_engine_totals(gw, mesh), _token_totals(mesh, "engine"),
+                            _token_totals(mesh, "gateway"))
+        return ({k: stats[k] - before[0][k] for k in want},
+                {k: eng[k] - before[1][k] for k in tokens},
+                {k: gate[k] - before[2][k] for k in tokens})
+
+    assert wait_for(lambda: deltas() == (want, tokens, tokens)), deltas()
+
+    pages = {n: readme_facts.scrape(mesh.endpoints[f"{n}-metrics"])
+             for n in (*mesh.engine_names, "gateway", "kvstore", "directory")}
+    for name in sorted(names):
+        owners = (mesh.engine_names if name.startswith("kvmesh_engine_") else
+                  ["kvstore"] if name.startswith("kvmesh_kvstore_") else list(pages))
+        assert any(readme_facts.exported(pages[o], name) for o in owners), name
+    for n in mesh.engine_names:
+        stats = gw.engine_stats(n)
+        for c in counters:
+            assert c in stats, (n, c)
+            assert readme_facts.exported(pages[n], f"kvmesh_engine_{c}"), (n, c)
+    for service, page in (("gateway", pages["gateway"]), ("engine", pages[mesh.engine_names[0]])):
+        for kind in kinds:
+            assert (("kind", kind), ("service", service)) in {lab for _, lab in page}, (service, kind)
+    levels = _engine_totals(gw, mesh)
+    assert levels["snapshot_bytes"] > 0 and levels["blocks_cached"] > 0
+    assert wait_for(lambda: readme_facts.total(readme_facts.scrape(
+        mesh.endpoints["kvstore-metrics"]), "kvmesh_kvstore_durable_bytes") > 0)

@@ -1,6 +1,6 @@
 """The engine's two cache ledgers.
 
-    rings.py         ring sizes (SWA inference / kvstore, compression) from config + environment
+    layout.py        RuntimeLayout: ring sizes, slot and block bytes, built once from the configs
     state_layout.py  StateBlock: byte layout of one state slot, state_size_to_disk
     state_pool.py    StatePool: fixed slots (SWA rings, compression tails), one per running sequence
     block_pool.py    BlockPool: paged 128-token blocks of compressed entries, refcounts, hashes, LRU

@@ -16,17 +16,18 @@ import torch
 from services.engine.cache import hashing
 from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
+from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.state_pool import StatePool
-from services.engine.config import ModelConfig
 from services.engine.sequence import Sequence
 
 
 class CacheManager:
-    def __init__(self, cfg: ModelConfig, num_slots: int, num_blocks: int, extra_state: bool = False):
-        self.cfg = cfg
-        self.states = StatePool(cfg, num_slots, extra_state)
-        self.pool = BlockPool(num_blocks)
-        self.store = BlockStore(cfg, num_blocks)
+    def __init__(self, layout: RuntimeLayout):
+        self.layout = layout                 # the engine's one layout: pool sizes come from here
+        self.cfg = cfg = layout.model
+        self.states = StatePool(layout)
+        self.pool = BlockPool(layout.num_blocks)
+        self.store = BlockStore(cfg, layout.num_blocks)
         self.fingerprint = cfg.fingerprint()
 
     def blocks_for(self, n_tokens: int) -> int:

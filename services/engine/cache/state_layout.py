@@ -20,7 +20,8 @@ slot in the inference layout (R = 134), i.e. E * 134 * 528 B. For v41-flash:
 20 * 134 * 528 = 1,415,040 B. Which layers are dropped depends on the model
 config only (decoder = YOCO consumer), never on a runtime switch.
 
-`StateBlock` precomputes every size in closed form; `LayoutBuilder` walks the
+`StateBlock` is built by `RuntimeLayout` (layout.py), which decides R and B;
+it precomputes every size in closed form; `LayoutBuilder` walks the
 tensors one by one as the pool lays them out; `finalize()` insists the two
 agree (a mismatch means corrupted memory, not slowness).
 """
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.engine.cache import rings
 from services.engine.config import ModelConfig
 
 FP32 = 4
@@ -58,12 +58,6 @@ class StateBlock:
     swa_ring: int                       # R of this pool
     inference_ring: int                 # 134 with the defaults
     backtrack: int
-
-    @staticmethod
-    def for_config(cfg: ModelConfig, extra_state: bool = False) -> StateBlock:
-        inf = rings.inference_swa_ring(cfg.window)
-        ring = rings.kvstore_swa_ring(cfg.window) if extra_state else inf
-        return StateBlock(cfg, ring, inf, rings.max_backtrack())
 
     @property
     def swa_token_bytes(self) -> int:

@@ -6,15 +6,15 @@ the sequence ends or is preempted: no block table, no refcount, no eviction.
 
 All slots live in one uint8 tensor `[num_slots, slot_bytes]`; every ring is a
 typed view into it, laid out by `StateBlock` (see state_layout.py), so a
-snapshot of the stored region is a plain byte slice.
+snapshot of the stored region is a plain byte slice. Slot count and ring
+lengths come from the engine's one `RuntimeLayout`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.engine.cache.state_layout import StateBlock
-from services.engine.config import ModelConfig
+from services.engine.cache.layout import RuntimeLayout
 
 
 class NoFreeSlot(RuntimeError):
@@ -22,12 +22,11 @@ class NoFreeSlot(RuntimeError):
 
 
 class StatePool:
-    def __init__(self, cfg: ModelConfig, num_slots: int, extra_state: bool = False):
-        if num_slots <= 0:
-            raise ValueError("num_slots must be positive")
-        self.cfg = cfg
-        self.block = StateBlock.for_config(cfg, extra_state)
-        self.num_slots = num_slots
+    def __init__(self, layout: RuntimeLayout):
+        self.layout = layout
+        self.cfg = layout.model
+        self.block = layout.block
+        self.num_slots = num_slots = layout.num_slots
         self.data = torch.zeros(num_slots, self.block.slot_bytes, dtype=torch.uint8)
         self.swa: dict[int, torch.Tensor] = {}   # layer -> [S, R, 528] uint8
         self.cmp: dict[int, torch.Tensor] = {}   # layer -> [S, m+B, 2, D] fp32

@@ -1,0 +1,103 @@
+"""Stop strings: the incremental matcher against a plain re-search, and the engine's bounds."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.engine.client import generate_request
+from services.engine.sampling import MAX_STOP_BYTES, MAX_STOPS
+from services.engine.stops import StopMatcher
+from tests.engine.test_service import h  # noqa: F401 - the module's engine harness fixture
+
+ALPHABET = "ab\u00e9"       # few letters: overlaps and repeats are common
+
+
+def plain_first_match(text: str, fed: int, stops) -> tuple[int, int] | None:
+    """The earliest-ending stop string that ends after position `fed` (the longest of
+    those that end at the same place), by searching the whole text."""
+    best = None
+    for s in stops:
+        start = text.find(s)
+        while start != -1:
+            end = start + len(s)
+            if end > fed:
+                if best is None or end < best[0] or (end == best[0] and len(s) > best[1]):
+                    best = (end, len(s))
+                break
+            start = text.find(s, start + 1)
+    return best
+
+
+def plain_hold(text: str, stops) -> int:
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(stops=st.lists(st.text(ALPHABET, min_size=1, max_size=6), min_size=1, max_size=4),
+       chunks=st.lists(st.text(ALPHABET, max_size=4), max_size=30))
+def test_matcher_agrees_with_plain_search(stops, chunks):
+    m, text = StopMatcher(tuple(stops)), ""
+    for chunk in chunks:
+        fed = len(text)
+        text += chunk
+        hit = m.feed(chunk)
+        want = plain_first_match(text, fed, stops)
+        if want is None:
+            assert hit is None
+            assert m.hold == plain_hold(text, stops)
+        else:
+            assert hit is not None and (fed + hit[0], hit[1]) == want
+            return  # generation ends at the first stop string
+
+
+def test_long_stop_string_costs_what_new_text_costs():
+    """A stop string of MAX_STOP_BYTES that keeps almost matching: feeding 20,000
+    characters stays linear (the quadratic prefix scan took seconds here)."""
+    stop = "a" * (MAX_STOP_BYTES - 1) + "b"
+    m = StopMatcher((stop,) * 8)
+    t0 = time.perf_counter()
+    for _ in range(5000):
+        assert m.feed("aaaa") is None
+    assert m.hold == MAX_STOP_BYTES - 1
+    assert time.perf_counter() - t0 < 5.0
+    assert m.feed("b") == (1, MAX_STOP_BYTES)
+
+
+@pytest.mark.parametrize("stop,field", [
+    (["x" * (1 << 20)], f"at most {MAX_STOP_BYTES}"),
+    (["\u00e9" * (MAX_STOP_BYTES // 2 + 1)], f"at most {MAX_STOP_BYTES}"),
+    (["s"] * (MAX_STOPS + 1), f"at most {MAX_STOPS}"),
+    (["ok", ""], "stop[1] is empty"),
+])
+def test_engine_bounds_stop_strings(h, stop, field):  # noqa: F811
+    async def call():
+        req = generate_request([1, 2, 3], max_tokens=4)
+        req.stop.extend(stop)
+        return [m async for m in h.client.stub.Generate(req, timeout=30)]
+
+    t0 = time.perf_counter()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        h.run(call())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_engine_stops_at_a_stop_string(h):  # noqa: F811
+    """The stop string is cut from the text, and nothing after it is sent."""
+    async def run(stop):
+        req = generate_request([10, 11, 12], max_tokens=40, temperature=0.0)
+        req.ignore_eos = True
+        req.stop.extend(stop)
+        return [m async for m in h.client.stub.Generate(req, timeout=30)]
+
+    full = "".join(m.text for m in h.run(run([])))
+    stop = full[5:8]
+    cut = h.run(run([stop]))
+    assert "".join(m.text for m in cut) == full[: full.find(stop)]
+    assert cut[-1].finish_reason != 0

@@ -1,0 +1,67 @@
+"""What README.md promises about metrics, read from the README itself, so that a new
+metric named there is checked by the tests without anyone editing them.
+
+    metric_names(text)       every `kvmesh_...` metric the README mentions; a name ending
+                             in `_*` or `_<name>` (`kvmesh_kvstore_gc_*`) is a prefix
+    token_kinds(text)        the kinds listed in `kvmesh_tokens_total{...kind=a|b|c}`
+    engine_counters(text)    the names listed under "## Engine counters"
+    scrape(url)              samples of a live /metrics page: {(name, labels): value}
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme() -> str:
+    return README.read_text()
+
+
+def metric_names(text: str) -> set[str]:
+    # lower case only: KVMESH_* are environment variables, not metrics. A placeholder
+    # (`kvmesh_engine_<name>`) is a prefix, as `kvmesh_kvstore_gc_*` is.
+    found = re.findall(r"\bkvmesh_[a-z][a-z0-9_]*(?:\*|<\w+>)?", text)
+    return {re.sub(r"<\w+>$", "*", n) for n in found}
+
+
+def token_kinds(text: str) -> set[str]:
+    found = re.findall(r"kvmesh_tokens_total\{[^}]*kind=([a-z|]+)", text)
+    return {k for group in found for k in group.split("|")}
+
+
+def engine_counters(text: str) -> list[str]:
+    section = text.split("## Engine counters", 1)[1].split("\n## ", 1)[0]
+    return list(dict.fromkeys(re.findall(r"`([a-z_]+)`", section)))
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    body = urllib.request.urlopen(url, timeout=5).read().decode()
+    out: Samples = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def exported(samples: Samples, name: str) -> bool:
+    """True if `name` (or, ending in `*`, a name with that prefix) has at least one sample.
+    A histogram counts by its `_bucket`/`_count`/`_sum` samples."""
+    names = {n for n, _ in samples}
+    if name.endswith("*"):
+        return any(n.startswith(name[:-1]) for n in names)
+    return any(n == name or n in (f"{name}_bucket", f"{name}_count") for n in names)
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
