@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--command", required=True, help="the exact training command")
     ap.add_argument("--metrics", help="metrics JSON already measured for this checkpoint")
     ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--cut-stride", type=int, default=32)
     args = ap.parse_args(argv)
     run, dest = Path(args.run), Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
     if args.metrics:
         m = json.loads(Path(args.metrics).read_text())
     else:
-        m = evaluate(str(dest / "model.safetensors"), windows=args.windows)
+        m = evaluate(str(dest / "model.safetensors"), windows=args.windows,
+                     cut_stride=args.cut_stride)
     m["checkpoint"] = str(dest / "model.safetensors")
     t = training_record(run, args.command)
     (dest / "metrics.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
