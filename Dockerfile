@@ -1,4 +1,5 @@
-# One image for every kvmesh service; docker-compose.yml picks the command.
+# One image for every kvmesh service (and, in deploy/k8s, the bundled Valkey and SeaweedFS);
+# docker-compose.yml and deploy/k8s pick the command.
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 OMP_NUM_THREADS=2

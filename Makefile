@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-all install protos lint clean
+.PHONY: run test test-all test-interpreter install protos lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ run: $(STAMP)
 	$(BIN)/kvmesh up --demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not gpu and not interpreter" $(PYTEST_ARGS)
+
+# the engine on Triton kernels under the CPU interpreter vs the torch kernels (minutes)
+test-interpreter: $(STAMP)
+	$(BIN)/python -m pytest -m interpreter tests/kernels $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)

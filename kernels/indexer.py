@@ -18,8 +18,19 @@ from __future__ import annotations
 
 import torch
 
+from kernels import dispatch
+
 
 def indexer_scores(q, w, k):
+    """-> [N, T, Kc] scores (every entry; visibility is select_topk's business)."""
+    if dispatch.use_triton(q):
+        from kernels.triton import indexer as tri
+
+        return tri.indexer_scores(q, w, k)
+    return indexer_scores_torch(q, w, k)
+
+
+def indexer_scores_torch(q, w, k):
     return torch.einsum("nthe,nke->nthk", q, k).relu().mul(w.unsqueeze(-1)).sum(2)
 
 
@@ -42,6 +53,7 @@ def selected_indices(selected, k: int):
     """Mask [N, T, Kc] -> (idx [N, T, k'], ok [N, T, k']) with k' = min(k, Kc), ascending index."""
     kc = selected.shape[-1]
     kk = min(k, kc)
-    order = selected.to(torch.float32) * (kc + 1) - torch.arange(kc, dtype=torch.float32)
+    order = (selected.to(torch.float32) * (kc + 1)
+             - torch.arange(kc, dtype=torch.float32, device=selected.device))
     idx = torch.topk(order, kk, dim=-1).indices
     return idx, selected.gather(-1, idx)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import dispatch
+
 E4M3_MAX = 448.0
 BLOCK = 32
 
@@ -27,15 +29,31 @@ def token_bytes(dim: int) -> int:
     return dim + dim // BLOCK
 
 
+def rceil_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest e with amax <= 448 * 2**e, exactly (E8M0 RCEIL), clamped to [-127, 127].
+
+    Exact from frexp: amax = f * 2**k with f in [0.5, 1), 448 = 0.875 * 2**9, so
+    amax <= 448 * 2**e  <=>  e >= k - 9 + (f > 0.875). (ceil(log2(amax / 448)) would be
+    the same number if log2 were exact; it is not just above powers of two.)"""
+    f, k = torch.frexp(torch.clamp(amax, min=2.0**-120))
+    return torch.clamp(k - 9 + (f > 0.875).to(k.dtype), -127, 127).float()
+
+
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """x: [..., D] float -> [..., D + D/32] uint8."""
     assert x.is_floating_point() and x.shape[-1] % BLOCK == 0, x.shape
+    if dispatch.use_triton(x):
+        from kernels.triton import mxfp8 as tri
+
+        return tri.quantize(x)
+    return quantize_torch(x)
+
+
+def quantize_torch(x: torch.Tensor) -> torch.Tensor:
+    """The reference (and CPU) quantizer; the Triton kernel must give the same bytes."""
     d = x.shape[-1]
     blocks = x.float().reshape(*x.shape[:-1], d // BLOCK, BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    # exponent of the smallest power of two with amax / 2**e <= 448
-    exp = torch.ceil(torch.log2(torch.clamp(amax, min=2.0**-120) / E4M3_MAX))
-    exp = torch.clamp(exp, -127, 127)
+    exp = rceil_exponent(blocks.abs().amax(-1, keepdim=True))
     scaled = blocks / torch.exp2(exp)
     values = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(*x.shape[:-1], d)
     scales = (exp.squeeze(-1) + 127).to(torch.uint8)
@@ -45,6 +63,14 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
 def dequantize(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q: [..., D + D/32] uint8 -> [..., D] dtype."""
     assert q.dtype == torch.uint8, q.dtype
+    if dispatch.use_triton(q):
+        from kernels.triton import mxfp8 as tri
+
+        return tri.dequantize(q, dtype)
+    return dequantize_torch(q, dtype)
+
+
+def dequantize_torch(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     d = (q.shape[-1] * BLOCK) // (BLOCK + 1)
     assert token_bytes(d) == q.shape[-1], q.shape
     values = q[..., :d].contiguous().view(torch.float8_e4m3fn).float()

@@ -15,7 +15,7 @@ import torch
 
 def ring_window(ring, slots, first, count: int):
     r = ring.shape[1]
-    pos = first.unsqueeze(1) + torch.arange(count).unsqueeze(0)     # [N, count]
+    pos = first.unsqueeze(1) + torch.arange(count, device=first.device).unsqueeze(0)  # [N, count]
     return ring[slots.unsqueeze(1), pos.remainder(r)]
 
 
@@ -25,5 +25,5 @@ def ring_write(ring, slot: int, first: int, rows):
     n = rows.shape[0]
     if n > r:
         rows, first = rows[n - r :], first + n - r
-    idx = torch.arange(first, first + rows.shape[0]).remainder(r)
+    idx = torch.arange(first, first + rows.shape[0], device=ring.device).remainder(r)
     ring[slot, idx] = rows.to(ring.dtype)

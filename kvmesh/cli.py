@@ -11,6 +11,8 @@ import importlib
 import logging
 import sys
 
+from kvmesh.clihelp import DefaultsFormatter, walk
+
 # Modules that add sub-commands, in the order they appear in --help.
 COMMAND_MODULES = [
     "services.engine.cli",       # kvmesh generate --local, kvmesh engine serve
@@ -23,8 +25,10 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO")
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__.splitlines()[0],
+                                     formatter_class=DefaultsFormatter)
+    parser.add_argument("--log-level", default="INFO",
+                        help="DEBUG, INFO, WARNING or ERROR (logs go to stderr)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         try:
@@ -34,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    for p in walk(parser):  # every flag's help shows its default (kvmesh/clihelp.py)
+        p.formatter_class = DefaultsFormatter
     return parser
 
 

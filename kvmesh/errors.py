@@ -24,5 +24,10 @@ class ResourceExhausted(KvmeshError):
     """A size or capacity limit was hit (prompt too long, batch too large)."""
 
 
+class TooLarge(ResourceExhausted):
+    """A size limit on the request itself (bytes or tokens): HTTP 413, where other
+    RESOURCE_EXHAUSTED (capacity) is 429. Still RESOURCE_EXHAUSTED over gRPC."""
+
+
 class Unavailable(KvmeshError):
     """A dependency is down or overloaded; retrying later may succeed."""

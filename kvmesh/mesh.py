@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmesh.mesh_runner import Mesh, MeshConfig
+from kvmesh.running import RUNNING_MESH_FILE, remove_running, write_running
 
 # A Python snippet the shipped model (models/v4-mini-tiny, trained on the standard library)
 # continues. 309 bytes: two full 128-token blocks plus a partial one.
@@ -52,15 +53,22 @@ DEMO_SEED = 1
 
 def register(sub) -> None:
     up = sub.add_parser("up", help="start the whole mesh locally (Ctrl-C stops it)")
-    up.add_argument("--engines", type=int, default=2, help="number of engines (2)")
-    up.add_argument("--gateway-port", type=int, default=7000, help="0 = a free port")
-    up.add_argument("--metrics-port", type=int, default=0, help="gateway /metrics; 0 = free port")
-    up.add_argument("--log-dir", default=".kvmesh/logs")
-    up.add_argument("--num-slots", type=int, default=8)
-    up.add_argument("--num-blocks", type=int, default=512)
+    up.add_argument("--engines", type=int, default=2, help="number of engines")
+    up.add_argument("--gateway-port", type=int, default=7000,
+                    help="gateway gRPC port; 0 = a free port")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="gateway OpenAI-compatible HTTP API port; 0 = a free port, -1 = off")
+    up.add_argument("--metrics-port", type=int, default=0,
+                    help="gateway /metrics port; 0 = a free port")
+    up.add_argument("--log-dir", default=".kvmesh/logs",
+                    help="service logs, SeaweedFS and kvstore data")
+    up.add_argument("--num-slots", type=int, default=8, help="state slots per engine")
+    up.add_argument("--num-blocks", type=int, default=512, help="cache blocks per engine")
     up.add_argument("--demo", action="store_true",
-                    help="send one sample Generate through the gateway, then stop and exit")
-    up.add_argument("--prompt", default=DEMO_PROMPT, help="prompt for --demo")
+                    help="stream two greedy requests through the gateway (the second extends "
+                    "the first, so its usage shows cached tokens), then stop and exit")
+    up.add_argument("--prompt", default=DEMO_PROMPT,
+                    help="first prompt for --demo (default: a 309-byte text about kvmesh)")
     up.set_defaults(func=run_up)
 
 
@@ -88,26 +96,47 @@ def endpoint_table(mesh: Mesh) -> Table:
     for name, url in mesh.endpoints.items():
         if name.endswith("-metrics"):
             table.add_row(f"{name[:-8]} /metrics", url, "", "")
+    if "gateway-http" in mesh.endpoints:
+        table.add_row("gateway HTTP (OpenAI API)", mesh.endpoints["gateway-http"] + "/v1", "", "")
     return table
+
+
+def address_lines(mesh: Mesh) -> list[str]:
+    """Where to point clients and admin commands (printed under the table)."""
+    lines = [f"gateway gRPC: {mesh.gateway}    kvmesh generate \"Hello\" --gateway {mesh.gateway}"]
+    if "gateway-http" in mesh.endpoints:
+        url = mesh.endpoints["gateway-http"]
+        lines.append(f"OpenAI-compatible HTTP API: {url}/v1    curl {url}/v1/models")
+    kv = mesh.endpoints["kvstore"]
+    found = Path(mesh.cfg.log_dir).parent / "running.json" == Path(RUNNING_MESH_FILE)
+    lines.append(f"kvstore admin: {kv}    kvmesh admin --kvstore {kv} gc stats   " + (
+        "(run from this directory, `kvmesh admin gc stats` finds it)" if found
+        else f"(or export KVMESH_KVSTORE_ADDR={kv})"))
+    return lines
 
 
 def run_up(args: argparse.Namespace) -> int:
     # Endpoints must not wrap mid-address: never narrower than the table needs.
     console = Console(stderr=True, width=max(Console(stderr=True).width, 100))
     cfg = MeshConfig(engines=args.engines, gateway_port=args.gateway_port,
-                     metrics_port=args.metrics_port, log_dir=Path(args.log_dir),
+                     http_port=args.http_port, metrics_port=args.metrics_port, log_dir=Path(args.log_dir),
                      num_slots=args.num_slots, num_blocks=args.num_blocks)
     signal.signal(signal.SIGTERM, _on_sigterm)
     status = console.status("starting kvmesh ...")
     mesh = Mesh(cfg, on_progress=lambda name, state: status.update(f"{name}: {state} ..."))
+    running = None
     try:
         with status:
             mesh.start()
+        # Beside the logs: with the default --log-dir, .kvmesh/running.json, where
+        # `kvmesh admin` looks for the kvstore (kvmesh/running.py).
+        running = write_running(mesh.endpoints, Path(args.log_dir).parent / "running.json")
         console.print(endpoint_table(mesh))
+        for line in address_lines(mesh):
+            console.print(line, highlight=False, soft_wrap=True)
         if args.demo:
             return asyncio.run(_demo(mesh.gateway, args.prompt, console))
-        console.print(f"gateway on {mesh.gateway}: try  kvmesh generate \"Hello\" --gateway "
-                      f"{mesh.gateway}   (Ctrl-C stops the mesh)")
+        console.print("kvmesh is running (Ctrl-C stops the mesh)")
         threading.Event().wait()  # until SIGINT (KeyboardInterrupt) or SIGTERM (_Stop)
     except (KeyboardInterrupt, _Stop):
         console.print("stopping kvmesh ...")
@@ -115,6 +144,8 @@ def run_up(args: argparse.Namespace) -> int:
         console.print(f"[red]kvmesh up failed:[/red] {exc}")
         return 1
     finally:
+        if running is not None:
+            remove_running(running)
         mesh.stop()
         console.print("kvmesh stopped")
     return 0

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh.backing.proc import ManagedProcess, free_port
+from kvmesh.backing.proc import ManagedProcess, free_port, port_open
 from kvmesh.backing.valkey import ValkeyProcess
 from kvmesh.healthcheck import check as health_check
 
@@ -36,6 +36,7 @@ class MeshConfig:
     engines: int = 2
     gateway_port: int = 0            # 0 = a free port (kvmesh up uses 7000)
     metrics_port: int = 0            # gateway /metrics; 0 = a free port
+    http_port: int = 0               # gateway OpenAI-compatible HTTP API; 0 = a free port, -1 = off
     log_dir: Path = Path(".kvmesh/logs")
     preset: str = "tiny"
     num_slots: int = 8
@@ -119,14 +120,19 @@ class Mesh:
         self._wait_healthy(self.engine_names)
         gw_port = cfg.gateway_port or free_port()
         metrics_port = cfg.metrics_port or free_port()
+        http_port = 0 if cfg.http_port < 0 else cfg.http_port or free_port()
         self._spawn("gateway", [*KVMESH, "gateway", "serve", "--host", "127.0.0.1",
                                 "--port", str(gw_port),
                                 "--engines", ",".join(self.endpoints[n] for n in self.engine_names),
                                 "--directory", self.endpoints["directory"],
-                                "--metrics-port", str(metrics_port), *cfg.gateway_extra],
+                                "--metrics-port", str(metrics_port),
+                                "--http-port", str(http_port), *cfg.gateway_extra],
                     gw_port)
         self._wait_healthy(["gateway"])
         self.endpoints["gateway-metrics"] = f"http://127.0.0.1:{metrics_port}/metrics"
+        if http_port:
+            self._wait_port("gateway", http_port)
+            self.endpoints["gateway-http"] = f"http://127.0.0.1:{http_port}"
 
     def _start_kvstore(self, log_dir: Path) -> str:
         """One SeaweedFS server with 12 buckets (the 12 shard locations), then the kvstore."""
@@ -170,6 +176,15 @@ class Mesh:
                                    f"{self.cfg.start_timeout_s}s; see {self.cfg.log_dir}")
             if waiting:
                 time.sleep(0.1)
+
+    def _wait_port(self, name: str, port: int) -> None:
+        """The gateway opens its HTTP port just after its gRPC one: wait for it too."""
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while not port_open("127.0.0.1", port):
+            if not self.procs[name].alive or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not open port {port}; last log lines:\n"
+                                   f"{self.procs[name].tail()}")
+            time.sleep(0.05)
 
     # --- run time ------------------------------------------------------------------
     def alive(self, name: str) -> bool:

@@ -13,6 +13,7 @@ matters: the default 10 s pre-stop wait made every stop take 25 s.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import time
@@ -24,6 +25,21 @@ from kvmesh.backing.proc import ManagedProcess, free_port
 log = logging.getLogger("kvmesh.seaweed")
 
 ANY_CREDENTIALS = {"aws_access_key_id": "kvmesh", "aws_secret_access_key": "kvmesh"}
+
+
+def s3_credentials(env=None) -> dict[str, str]:
+    """Keys for S3 requests: $AWS_ACCESS_KEY_ID and $AWS_SECRET_ACCESS_KEY (plus
+    $AWS_SESSION_TOKEN if set) when both are given, as for an external S3 (deploy/k8s's
+    external overlay); else ANY_CREDENTIALS, which a SeaweedFS without IAM accepts. Never
+    boto3's own search: on a machine outside a cloud its instance-metadata probe stalls."""
+    env = os.environ if env is None else env
+    key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+    if not (key and secret):
+        return dict(ANY_CREDENTIALS)
+    creds = {"aws_access_key_id": key, "aws_secret_access_key": secret}
+    if env.get("AWS_SESSION_TOKEN"):
+        creds["aws_session_token"] = env["AWS_SESSION_TOKEN"]
+    return creds
 
 
 def weed_binary() -> str:
@@ -47,7 +63,8 @@ def s3_client(endpoint: str, connect_timeout: float = 1.0, read_timeout: float =
     return (session or boto3).client(
         "s3",
         endpoint_url=endpoint,
-        region_name="us-east-1",
+        # Signature v4 names a region; SeaweedFS takes any, AWS the bucket's ($AWS_REGION).
+        region_name=os.environ.get("AWS_REGION") or "us-east-1",
         config=Config(
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
@@ -56,7 +73,7 @@ def s3_client(endpoint: str, connect_timeout: float = 1.0, read_timeout: float =
             s3={"addressing_style": "path"},
             **config,
         ),
-        **ANY_CREDENTIALS,
+        **s3_credentials(),
     )
 
 

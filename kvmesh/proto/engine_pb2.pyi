@@ -1,34 +1,11 @@
+from kvmesh.proto import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
-    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
-    FINISH_REASON_STOP: _ClassVar[FinishReason]
-    FINISH_REASON_ABORTED: _ClassVar[FinishReason]
-FINISH_REASON_UNSPECIFIED: FinishReason
-FINISH_REASON_LENGTH: FinishReason
-FINISH_REASON_STOP: FinishReason
-FINISH_REASON_ABORTED: FinishReason
-
-class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "stop", "cache_salt", "ignore_eos", "traffic_class", "resume_generated")
@@ -46,27 +23,15 @@ class GenerateRequest(_message.Message):
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: SamplingParams
+    sampling: _common_pb2.SamplingParams
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop: _containers.RepeatedScalarFieldContainer[str]
     cache_salt: str
     ignore_eos: bool
-    traffic_class: str
+    traffic_class: _common_pb2.TrafficClass
     resume_generated: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., traffic_class: _Optional[str] = ..., resume_generated: _Optional[int] = ...) -> None: ...
-
-class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "replayed_tokens", "generated_tokens")
-    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    prompt_tokens: int
-    cached_tokens: int
-    replayed_tokens: int
-    generated_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., resume_generated: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage")
@@ -78,9 +43,9 @@ class GenerateResponse(_message.Message):
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    finish_reason: FinishReason
-    usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    finish_reason: _common_pb2.FinishReason
+    usage: _common_pb2.Usage
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("tag", "generate", "cancel")

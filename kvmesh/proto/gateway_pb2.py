@@ -22,31 +22,24 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from kvmesh.proto import common_pb2 as kvmesh_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/proto/gateway.proto\x12\x11kvmesh.gateway.v1\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xe3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x37\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1b.kvmesh.gateway.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.kvmesh.gateway.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x36\n\rtraffic_class\x18\x08 \x01(\x0e\x32\x1f.kvmesh.gateway.v1.TrafficClass\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x0e\n\x0cprompt_inputB\r\n\x0b_max_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"h\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x17\n\x0freplayed_tokens\x18\x03 \x01(\r\x12\x18\n\x10generated_tokens\x18\x04 \x01(\r\"\xd5\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x36\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1f.kvmesh.gateway.v1.FinishReason\x12\'\n\x05usage\x18\x05 \x01(\x0b\x32\x18.kvmesh.gateway.v1.Usage\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x12\n\nmigrations\x18\x07 \x01(\r\"\xe1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x36\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1f.kvmesh.gateway.v1.FinishReason\x12\'\n\x05usage\x18\x05 \x01(\x0b\x32\x18.kvmesh.gateway.v1.Usage\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x07 \x01(\r\x12\x12\n\nmigrations\x18\x08 \x01(\r*a\n\x0cTrafficClass\x12\x1d\n\x19TRAFFIC_CLASS_UNSPECIFIED\x10\x00\x12\x17\n\x13TRAFFIC_CLASS_AGENT\x10\x01\x12\x19\n\x15TRAFFIC_CLASS_CHATBOT\x10\x02*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32\xc8\x01\n\x0eGatewayService\x12S\n\x08Generate\x12\".kvmesh.gateway.v1.GenerateRequest\x1a#.kvmesh.gateway.v1.GenerateResponse\x12\x61\n\x0eGenerateStream\x12\".kvmesh.gateway.v1.GenerateRequest\x1a).kvmesh.gateway.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/proto/gateway.proto\x12\x11kvmesh.gateway.v1\x1a\x19kvmesh/proto/common.proto\"\xe1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x37\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1b.kvmesh.gateway.v1.TokenIdsH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x35\n\rtraffic_class\x18\x08 \x01(\x0e\x32\x1e.kvmesh.common.v1.TrafficClass\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x0e\n\x0cprompt_inputB\r\n\x0b_max_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd3\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12&\n\x05usage\x18\x05 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x12\n\nmigrations\x18\x07 \x01(\r\"\xdf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12&\n\x05usage\x18\x05 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x07 \x01(\r\x12\x12\n\nmigrations\x18\x08 \x01(\r2\xc8\x01\n\x0eGatewayService\x12S\n\x08Generate\x12\".kvmesh.gateway.v1.GenerateRequest\x1a#.kvmesh.gateway.v1.GenerateResponse\x12\x61\n\x0eGenerateStream\x12\".kvmesh.gateway.v1.GenerateRequest\x1a).kvmesh.gateway.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.proto.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAFFICCLASS']._serialized_start=1131
-  _globals['_TRAFFICCLASS']._serialized_end=1228
-  _globals['_FINISHREASON']._serialized_start=1230
-  _globals['_FINISHREASON']._serialized_end=1352
-  _globals['_SAMPLINGPARAMS']._serialized_start=50
-  _globals['_SAMPLINGPARAMS']._serialized_end=196
-  _globals['_GENERATEREQUEST']._serialized_start=199
-  _globals['_GENERATEREQUEST']._serialized_end=554
-  _globals['_TOKENIDS']._serialized_start=556
-  _globals['_TOKENIDS']._serialized_end=579
-  _globals['_USAGE']._serialized_start=581
-  _globals['_USAGE']._serialized_end=685
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=688
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=901
-  _globals['_GENERATERESPONSE']._serialized_start=904
-  _globals['_GENERATERESPONSE']._serialized_end=1129
-  _globals['_GATEWAYSERVICE']._serialized_start=1355
-  _globals['_GATEWAYSERVICE']._serialized_end=1555
+  _globals['_GENERATEREQUEST']._serialized_start=77
+  _globals['_GENERATEREQUEST']._serialized_end=430
+  _globals['_TOKENIDS']._serialized_start=432
+  _globals['_TOKENIDS']._serialized_end=455
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=458
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=669
+  _globals['_GENERATERESPONSE']._serialized_start=672
+  _globals['_GENERATERESPONSE']._serialized_end=895
+  _globals['_GATEWAYSERVICE']._serialized_start=898
+  _globals['_GATEWAYSERVICE']._serialized_end=1098
 # @@protoc_insertion_point(module_scope)

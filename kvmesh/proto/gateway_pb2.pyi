@@ -1,43 +1,11 @@
+from kvmesh.proto import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class TrafficClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    TRAFFIC_CLASS_UNSPECIFIED: _ClassVar[TrafficClass]
-    TRAFFIC_CLASS_AGENT: _ClassVar[TrafficClass]
-    TRAFFIC_CLASS_CHATBOT: _ClassVar[TrafficClass]
-
-class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
-    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
-    FINISH_REASON_STOP: _ClassVar[FinishReason]
-    FINISH_REASON_ABORTED: _ClassVar[FinishReason]
-TRAFFIC_CLASS_UNSPECIFIED: TrafficClass
-TRAFFIC_CLASS_AGENT: TrafficClass
-TRAFFIC_CLASS_CHATBOT: TrafficClass
-FINISH_REASON_UNSPECIFIED: FinishReason
-FINISH_REASON_LENGTH: FinishReason
-FINISH_REASON_STOP: FinishReason
-FINISH_REASON_ABORTED: FinishReason
-
-class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "max_tokens", "stop", "stop_token_ids", "traffic_class", "cache_salt", "ignore_eos")
@@ -54,32 +22,20 @@ class GenerateRequest(_message.Message):
     request_id: str
     prompt: str
     prompt_token_ids: TokenIds
-    sampling: SamplingParams
+    sampling: _common_pb2.SamplingParams
     max_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    traffic_class: TrafficClass
+    traffic_class: _common_pb2.TrafficClass
     cache_salt: str
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., traffic_class: _Optional[_Union[TrafficClass, str]] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "replayed_tokens", "generated_tokens")
-    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    prompt_tokens: int
-    cached_tokens: int
-    replayed_tokens: int
-    generated_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "engine_id", "migrations")
@@ -93,11 +49,11 @@ class GenerateStreamResponse(_message.Message):
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    finish_reason: FinishReason
-    usage: Usage
+    finish_reason: _common_pb2.FinishReason
+    usage: _common_pb2.Usage
     engine_id: str
     migrations: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., engine_id: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., engine_id: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "engine_id", "attempts", "migrations")
@@ -112,9 +68,9 @@ class GenerateResponse(_message.Message):
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    finish_reason: FinishReason
-    usage: Usage
+    finish_reason: _common_pb2.FinishReason
+    usage: _common_pb2.Usage
     engine_id: str
     attempts: int
     migrations: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., engine_id: _Optional[str] = ..., attempts: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., engine_id: _Optional[str] = ..., attempts: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...

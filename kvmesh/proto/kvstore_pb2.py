@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from kvmesh.proto import common_pb2 as kvmesh_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/proto/kvstore.proto\x12\x11kvmesh.kvstore.v1\"@\n\x0cObjectHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x15\n\rtraffic_class\x18\x03 \x01(\t\"X\n\nPutRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.kvmesh.kvstore.v1.ObjectHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x1d\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"7\n\tGetHeader\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0c\n\x04size\x18\x03 \x01(\x04\"V\n\x0bGetResponse\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.kvmesh.kvstore.v1.GetHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\'\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"C\n\nClassUsage\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x0f\n\x07objects\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"=\n\x0eLocationStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08location\x18\x02 \x01(\t\x12\n\n\x02up\x18\x03 \x01(\x08\"\xdf\x03\n\rStatsResponse\x12\x0f\n\x07objects\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07pending\x18\x03 \x01(\x04\x12.\n\x07\x63lasses\x18\x04 \x03(\x0b\x32\x1d.kvmesh.kvstore.v1.ClassUsage\x12\x13\n\x0bmem_objects\x18\x05 \x01(\x04\x12\x11\n\tmem_bytes\x18\x06 \x01(\x04\x12\x14\n\x0cmem_capacity\x18\x07 \x01(\x04\x12\x14\n\x0c\x64isk_objects\x18\x08 \x01(\x04\x12\x12\n\ndisk_bytes\x18\t \x01(\x04\x12\x15\n\rdisk_capacity\x18\n \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x0b \x01(\x04\x12\x16\n\x0ehigh_watermark\x18\x0c \x01(\x01\x12\x15\n\rlow_watermark\x18\r \x01(\x01\x12\x34\n\tlocations\x18\x0e \x03(\x0b\x32!.kvmesh.kvstore.v1.LocationStatus\x12@\n\x08\x63ounters\x18\x0f \x03(\x0b\x32..kvmesh.kvstore.v1.StatsResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"4\n\x0bListRequest\x12\x12\n\npage_token\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\"\x80\x01\n\nObjectInfo\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x15\n\rtraffic_class\x18\x03 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x04 \x01(\x01\x12\x18\n\x10last_access_unix\x18\x05 \x01(\x01\x12\x10\n\x08\x63omplete\x18\x06 \x01(\x08\"W\n\x0cListResponse\x12.\n\x07objects\x18\x01 \x03(\x0b\x32\x1d.kvmesh.kvstore.v1.ObjectInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"6\n\x08Progress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\x04\x12\r\n\x05total\x18\x03 \x01(\x04\"\x1f\n\x0cRunGCRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"\x9e\x01\n\x08GcReport\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\x12\x0f\n\x07\x65xpired\x18\x02 \x03(\t\x12\x0f\n\x07\x65victed\x18\x03 \x03(\t\x12\r\n\x05stale\x18\x04 \x03(\t\x12\x0f\n\x07orphans\x18\x05 \x03(\t\x12\x14\n\x0cskipped_busy\x18\x06 \x03(\t\x12\x13\n\x0b\x62ytes_freed\x18\x07 \x01(\x04\x12\x14\n\x0c\x62ytes_before\x18\x08 \x01(\x04\"w\n\rRunGCResponse\x12/\n\x08progress\x18\x01 \x01(\x0b\x32\x1b.kvmesh.kvstore.v1.ProgressH\x00\x12-\n\x06report\x18\x02 \x01(\x0b\x32\x1b.kvmesh.kvstore.v1.GcReportH\x00\x42\x06\n\x04part\"\x1e\n\x0cScrubRequest\x12\x0e\n\x06repair\x18\x01 \x01(\x08\"\x8c\x01\n\x0bScrubReport\x12\x0e\n\x06repair\x18\x01 \x01(\x08\x12\x0f\n\x07objects\x18\x02 \x01(\x04\x12\x0f\n\x07healthy\x18\x03 \x01(\x04\x12\x10\n\x08\x64\x65graded\x18\x04 \x03(\t\x12\x0c\n\x04lost\x18\x05 \x03(\t\x12\x12\n\nshards_bad\x18\x06 \x01(\x04\x12\x17\n\x0fshards_repaired\x18\x07 \x01(\x04\"z\n\rScrubResponse\x12/\n\x08progress\x18\x01 \x01(\x0b\x32\x1b.kvmesh.kvstore.v1.ProgressH\x00\x12\x30\n\x06report\x18\x02 \x01(\x0b\x32\x1e.kvmesh.kvstore.v1.ScrubReportH\x00\x42\x06\n\x04part2\xef\x04\n\x0eKvstoreService\x12\x46\n\x03Put\x12\x1d.kvmesh.kvstore.v1.PutRequest\x1a\x1e.kvmesh.kvstore.v1.PutResponse(\x01\x12\x46\n\x03Get\x12\x1d.kvmesh.kvstore.v1.GetRequest\x1a\x1e.kvmesh.kvstore.v1.GetResponse0\x01\x12M\n\x06Lookup\x12 .kvmesh.kvstore.v1.LookupRequest\x1a!.kvmesh.kvstore.v1.LookupResponse\x12M\n\x06\x44\x65lete\x12 .kvmesh.kvstore.v1.DeleteRequest\x1a!.kvmesh.kvstore.v1.DeleteResponse\x12J\n\x05Stats\x12\x1f.kvmesh.kvstore.v1.StatsRequest\x1a .kvmesh.kvstore.v1.StatsResponse\x12G\n\x04List\x12\x1e.kvmesh.kvstore.v1.ListRequest\x1a\x1f.kvmesh.kvstore.v1.ListResponse\x12L\n\x05RunGC\x12\x1f.kvmesh.kvstore.v1.RunGCRequest\x1a .kvmesh.kvstore.v1.RunGCResponse0\x01\x12L\n\x05Scrub\x12\x1f.kvmesh.kvstore.v1.ScrubRequest\x1a .kvmesh.kvstore.v1.ScrubResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvmesh/proto/kvstore.proto\x12\x11kvmesh.kvstore.v1\x1a\x19kvmesh/proto/common.proto\"`\n\x0cObjectHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x35\n\rtraffic_class\x18\x03 \x01(\x0e\x32\x1e.kvmesh.common.v1.TrafficClass\"X\n\nPutRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.kvmesh.kvstore.v1.ObjectHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x1d\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"7\n\tGetHeader\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0c\n\x04size\x18\x03 \x01(\x04\"V\n\x0bGetResponse\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.kvmesh.kvstore.v1.GetHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\'\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"c\n\nClassUsage\x12\x35\n\rtraffic_class\x18\x01 \x01(\x0e\x32\x1e.kvmesh.common.v1.TrafficClass\x12\x0f\n\x07objects\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"=\n\x0eLocationStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08location\x18\x02 \x01(\t\x12\n\n\x02up\x18\x03 \x01(\x08\"\xdf\x03\n\rStatsResponse\x12\x0f\n\x07objects\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07pending\x18\x03 \x01(\x04\x12.\n\x07\x63lasses\x18\x04 \x03(\x0b\x32\x1d.kvmesh.kvstore.v1.ClassUsage\x12\x13\n\x0bmem_objects\x18\x05 \x01(\x04\x12\x11\n\tmem_bytes\x18\x06 \x01(\x04\x12\x14\n\x0cmem_capacity\x18\x07 \x01(\x04\x12\x14\n\x0c\x64isk_objects\x18\x08 \x01(\x04\x12\x12\n\ndisk_bytes\x18\t \x01(\x04\x12\x15\n\rdisk_capacity\x18\n \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x0b \x01(\x04\x12\x16\n\x0ehigh_watermark\x18\x0c \x01(\x01\x12\x15\n\rlow_watermark\x18\r \x01(\x01\x12\x34\n\tlocations\x18\x0e \x03(\x0b\x32!.kvmesh.kvstore.v1.LocationStatus\x12@\n\x08\x63ounters\x18\x0f \x03(\x0b\x32..kvmesh.kvstore.v1.StatsResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"4\n\x0bListRequest\x12\x12\n\npage_token\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\"\xa0\x01\n\nObjectInfo\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x35\n\rtraffic_class\x18\x03 \x01(\x0e\x32\x1e.kvmesh.common.v1.TrafficClass\x12\x14\n\x0c\x63reated_unix\x18\x04 \x01(\x01\x12\x18\n\x10last_access_unix\x18\x05 \x01(\x01\x12\x10\n\x08\x63omplete\x18\x06 \x01(\x08\"W\n\x0cListResponse\x12.\n\x07objects\x18\x01 \x03(\x0b\x32\x1d.kvmesh.kvstore.v1.ObjectInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"6\n\x08Progress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\x04\x12\r\n\x05total\x18\x03 \x01(\x04\"\x1f\n\x0cRunGCRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\"\x9e\x01\n\x08GcReport\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\x12\x0f\n\x07\x65xpired\x18\x02 \x03(\t\x12\x0f\n\x07\x65victed\x18\x03 \x03(\t\x12\r\n\x05stale\x18\x04 \x03(\t\x12\x0f\n\x07orphans\x18\x05 \x03(\t\x12\x14\n\x0cskipped_busy\x18\x06 \x03(\t\x12\x13\n\x0b\x62ytes_freed\x18\x07 \x01(\x04\x12\x14\n\x0c\x62ytes_before\x18\x08 \x01(\x04\"w\n\rRunGCResponse\x12/\n\x08progress\x18\x01 \x01(\x0b\x32\x1b.kvmesh.kvstore.v1.ProgressH\x00\x12-\n\x06report\x18\x02 \x01(\x0b\x32\x1b.kvmesh.kvstore.v1.GcReportH\x00\x42\x06\n\x04part\"\x1e\n\x0cScrubRequest\x12\x0e\n\x06repair\x18\x01 \x01(\x08\"\x8c\x01\n\x0bScrubReport\x12\x0e\n\x06repair\x18\x01 \x01(\x08\x12\x0f\n\x07objects\x18\x02 \x01(\x04\x12\x0f\n\x07healthy\x18\x03 \x01(\x04\x12\x10\n\x08\x64\x65graded\x18\x04 \x03(\t\x12\x0c\n\x04lost\x18\x05 \x03(\t\x12\x12\n\nshards_bad\x18\x06 \x01(\x04\x12\x17\n\x0fshards_repaired\x18\x07 \x01(\x04\"z\n\rScrubResponse\x12/\n\x08progress\x18\x01 \x01(\x0b\x32\x1b.kvmesh.kvstore.v1.ProgressH\x00\x12\x30\n\x06report\x18\x02 \x01(\x0b\x32\x1e.kvmesh.kvstore.v1.ScrubReportH\x00\x42\x06\n\x04part2\xef\x04\n\x0eKvstoreService\x12\x46\n\x03Put\x12\x1d.kvmesh.kvstore.v1.PutRequest\x1a\x1e.kvmesh.kvstore.v1.PutResponse(\x01\x12\x46\n\x03Get\x12\x1d.kvmesh.kvstore.v1.GetRequest\x1a\x1e.kvmesh.kvstore.v1.GetResponse0\x01\x12M\n\x06Lookup\x12 .kvmesh.kvstore.v1.LookupRequest\x1a!.kvmesh.kvstore.v1.LookupResponse\x12M\n\x06\x44\x65lete\x12 .kvmesh.kvstore.v1.DeleteRequest\x1a!.kvmesh.kvstore.v1.DeleteResponse\x12J\n\x05Stats\x12\x1f.kvmesh.kvstore.v1.StatsRequest\x1a .kvmesh.kvstore.v1.StatsResponse\x12G\n\x04List\x12\x1e.kvmesh.kvstore.v1.ListRequest\x1a\x1f.kvmesh.kvstore.v1.ListResponse\x12L\n\x05RunGC\x12\x1f.kvmesh.kvstore.v1.RunGCRequest\x1a .kvmesh.kvstore.v1.RunGCResponse0\x01\x12L\n\x05Scrub\x12\x1f.kvmesh.kvstore.v1.ScrubRequest\x1a .kvmesh.kvstore.v1.ScrubResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,56 +34,56 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_OBJECTHEADER']._serialized_start=49
-  _globals['_OBJECTHEADER']._serialized_end=113
-  _globals['_PUTREQUEST']._serialized_start=115
-  _globals['_PUTREQUEST']._serialized_end=203
-  _globals['_PUTRESPONSE']._serialized_start=205
-  _globals['_PUTRESPONSE']._serialized_end=234
-  _globals['_GETREQUEST']._serialized_start=236
-  _globals['_GETREQUEST']._serialized_end=262
-  _globals['_GETHEADER']._serialized_start=264
-  _globals['_GETHEADER']._serialized_end=319
-  _globals['_GETRESPONSE']._serialized_start=321
-  _globals['_GETRESPONSE']._serialized_end=407
-  _globals['_LOOKUPREQUEST']._serialized_start=409
-  _globals['_LOOKUPREQUEST']._serialized_end=438
-  _globals['_LOOKUPRESPONSE']._serialized_start=440
-  _globals['_LOOKUPRESPONSE']._serialized_end=479
-  _globals['_DELETEREQUEST']._serialized_start=481
-  _globals['_DELETEREQUEST']._serialized_end=510
-  _globals['_DELETERESPONSE']._serialized_start=512
-  _globals['_DELETERESPONSE']._serialized_end=545
-  _globals['_STATSREQUEST']._serialized_start=547
-  _globals['_STATSREQUEST']._serialized_end=561
-  _globals['_CLASSUSAGE']._serialized_start=563
-  _globals['_CLASSUSAGE']._serialized_end=630
-  _globals['_LOCATIONSTATUS']._serialized_start=632
-  _globals['_LOCATIONSTATUS']._serialized_end=693
-  _globals['_STATSRESPONSE']._serialized_start=696
-  _globals['_STATSRESPONSE']._serialized_end=1175
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=1128
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=1175
-  _globals['_LISTREQUEST']._serialized_start=1177
-  _globals['_LISTREQUEST']._serialized_end=1229
-  _globals['_OBJECTINFO']._serialized_start=1232
-  _globals['_OBJECTINFO']._serialized_end=1360
-  _globals['_LISTRESPONSE']._serialized_start=1362
-  _globals['_LISTRESPONSE']._serialized_end=1449
-  _globals['_PROGRESS']._serialized_start=1451
-  _globals['_PROGRESS']._serialized_end=1505
-  _globals['_RUNGCREQUEST']._serialized_start=1507
-  _globals['_RUNGCREQUEST']._serialized_end=1538
-  _globals['_GCREPORT']._serialized_start=1541
-  _globals['_GCREPORT']._serialized_end=1699
-  _globals['_RUNGCRESPONSE']._serialized_start=1701
-  _globals['_RUNGCRESPONSE']._serialized_end=1820
-  _globals['_SCRUBREQUEST']._serialized_start=1822
-  _globals['_SCRUBREQUEST']._serialized_end=1852
-  _globals['_SCRUBREPORT']._serialized_start=1855
-  _globals['_SCRUBREPORT']._serialized_end=1995
-  _globals['_SCRUBRESPONSE']._serialized_start=1997
-  _globals['_SCRUBRESPONSE']._serialized_end=2119
-  _globals['_KVSTORESERVICE']._serialized_start=2122
-  _globals['_KVSTORESERVICE']._serialized_end=2745
+  _globals['_OBJECTHEADER']._serialized_start=76
+  _globals['_OBJECTHEADER']._serialized_end=172
+  _globals['_PUTREQUEST']._serialized_start=174
+  _globals['_PUTREQUEST']._serialized_end=262
+  _globals['_PUTRESPONSE']._serialized_start=264
+  _globals['_PUTRESPONSE']._serialized_end=293
+  _globals['_GETREQUEST']._serialized_start=295
+  _globals['_GETREQUEST']._serialized_end=321
+  _globals['_GETHEADER']._serialized_start=323
+  _globals['_GETHEADER']._serialized_end=378
+  _globals['_GETRESPONSE']._serialized_start=380
+  _globals['_GETRESPONSE']._serialized_end=466
+  _globals['_LOOKUPREQUEST']._serialized_start=468
+  _globals['_LOOKUPREQUEST']._serialized_end=497
+  _globals['_LOOKUPRESPONSE']._serialized_start=499
+  _globals['_LOOKUPRESPONSE']._serialized_end=538
+  _globals['_DELETEREQUEST']._serialized_start=540
+  _globals['_DELETEREQUEST']._serialized_end=569
+  _globals['_DELETERESPONSE']._serialized_start=571
+  _globals['_DELETERESPONSE']._serialized_end=604
+  _globals['_STATSREQUEST']._serialized_start=606
+  _globals['_STATSREQUEST']._serialized_end=620
+  _globals['_CLASSUSAGE']._serialized_start=622
+  _globals['_CLASSUSAGE']._serialized_end=721
+  _globals['_LOCATIONSTATUS']._serialized_start=723
+  _globals['_LOCATIONSTATUS']._serialized_end=784
+  _globals['_STATSRESPONSE']._serialized_start=787
+  _globals['_STATSRESPONSE']._serialized_end=1266
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=1219
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=1266
+  _globals['_LISTREQUEST']._serialized_start=1268
+  _globals['_LISTREQUEST']._serialized_end=1320
+  _globals['_OBJECTINFO']._serialized_start=1323
+  _globals['_OBJECTINFO']._serialized_end=1483
+  _globals['_LISTRESPONSE']._serialized_start=1485
+  _globals['_LISTRESPONSE']._serialized_end=1572
+  _globals['_PROGRESS']._serialized_start=1574
+  _globals['_PROGRESS']._serialized_end=1628
+  _globals['_RUNGCREQUEST']._serialized_start=1630
+  _globals['_RUNGCREQUEST']._serialized_end=1661
+  _globals['_GCREPORT']._serialized_start=1664
+  _globals['_GCREPORT']._serialized_end=1822
+  _globals['_RUNGCRESPONSE']._serialized_start=1824
+  _globals['_RUNGCRESPONSE']._serialized_end=1943
+  _globals['_SCRUBREQUEST']._serialized_start=1945
+  _globals['_SCRUBREQUEST']._serialized_end=1975
+  _globals['_SCRUBREPORT']._serialized_start=1978
+  _globals['_SCRUBREPORT']._serialized_end=2118
+  _globals['_SCRUBRESPONSE']._serialized_start=2120
+  _globals['_SCRUBRESPONSE']._serialized_end=2242
+  _globals['_KVSTORESERVICE']._serialized_start=2245
+  _globals['_KVSTORESERVICE']._serialized_end=2868
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from kvmesh.proto import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -13,8 +14,8 @@ class ObjectHeader(_message.Message):
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     key: str
     size: int
-    traffic_class: str
-    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., traffic_class: _Optional[str] = ...) -> None: ...
+    traffic_class: _common_pb2.TrafficClass
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -87,10 +88,10 @@ class ClassUsage(_message.Message):
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
-    traffic_class: str
+    traffic_class: _common_pb2.TrafficClass
     objects: int
     bytes: int
-    def __init__(self, traffic_class: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class LocationStatus(_message.Message):
     __slots__ = ("index", "location", "up")
@@ -161,11 +162,11 @@ class ObjectInfo(_message.Message):
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     key: str
     size: int
-    traffic_class: str
+    traffic_class: _common_pb2.TrafficClass
     created_unix: float
     last_access_unix: float
     complete: bool
-    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., traffic_class: _Optional[str] = ..., created_unix: _Optional[float] = ..., last_access_unix: _Optional[float] = ..., complete: _Optional[bool] = ...) -> None: ...
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., created_unix: _Optional[float] = ..., last_access_unix: _Optional[float] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class ListResponse(_message.Message):
     __slots__ = ("objects", "next_page_token")

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 
+from kvmesh.clihelp import env_default
 from services.directory.config import DirectoryConfig
 
 log = logging.getLogger("kvmesh.directory")
@@ -19,17 +20,23 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("directory", help="snapshot directory service (Redis-backed)")
     sub = parser.add_subparsers(dest="directory_command", required=True)
     serve = sub.add_parser("serve", help="serve DirectoryService over gRPC")
-    serve.add_argument("--host", default="0.0.0.0")
-    serve.add_argument("--port", type=int, default=50070)
+    d = lambda name: env_default(DirectoryConfig, "KVMESH_DIRECTORY_", name)  # noqa: E731
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    serve.add_argument("--port", type=int, default=50070, help="gRPC port")
     serve.add_argument("--redis-url", help="default: $KVMESH_DIRECTORY_REDIS_URL or "
                        "redis://127.0.0.1:6379/0")
-    serve.add_argument("--key-prefix")
-    serve.add_argument("--entry-ttl-s", type=float)
-    serve.add_argument("--lease-ttl-s", type=float)
-    serve.add_argument("--sweep-interval-s", type=float)
-    serve.add_argument("--max-batch", type=int)
+    serve.add_argument("--key-prefix", help=f"prefix of every Redis key ({d('key_prefix')})")
+    serve.add_argument("--entry-ttl-s", type=float,
+                       help=f"default lifetime of a published snapshot entry ({d('entry_ttl_s')})")
+    serve.add_argument("--lease-ttl-s", type=float,
+                       help=f"an engine drops out this long after its last heartbeat "
+                       f"({d('lease_ttl_s')})")
+    serve.add_argument("--sweep-interval-s", type=float,
+                       help=f"seconds between sweeps of lapsed engines ({d('sweep_interval_s')})")
+    serve.add_argument("--max-batch", type=int,
+                       help=f"most keys in one Lookup or Publish ({d('max_batch')})")
     serve.add_argument("--metrics-port", type=int, default=None,
-                       help="serve Prometheus /metrics on this port")
+                       help="serve Prometheus /metrics on this port (default: off)")
     serve.set_defaults(func=run_serve)
 
 

@@ -75,6 +75,13 @@ class AsyncEngine:
         self._cmds.put(("call", fn, fut))
         return await asyncio.wrap_future(fut)
 
+    def post(self, fn: Callable[[EngineCore], object]) -> cf.Future:
+        """Queue fn(core) for the engine thread without waiting for it (counters written
+        from the event loop); commands run in the order they were queued."""
+        fut: cf.Future = cf.Future()
+        self._cmds.put(("call", fn, fut))
+        return fut
+
     def shutdown(self) -> None:
         self._stop.set()
         self._cmds.put(("wake",))

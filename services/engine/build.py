@@ -18,24 +18,31 @@ from services.engine.engine_config import TRUNCATION_MODES, EngineConfig
 DEFAULT_CHECKPOINTS = {"tiny": Path(__file__).resolve().parents[2] / "models" / "v4-mini-tiny" / "model.safetensors"}
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and cache")
-    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
+    """Adds the group of model and cache flags; returns it."""
+    g = p.add_argument_group(title)
+    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     g.add_argument("--checkpoint", help="safetensors file (default for tiny: the shipped "
                                         "models/v4-mini-tiny checkpoint)")
     g.add_argument("--random-weights", action="store_true",
                    help="seeded random weights (--seed) instead of a checkpoint: tests, benchmarks")
     g.add_argument("--tokenizer", help="HuggingFace tokenizer.json (default: byte-level)")
     g.add_argument("--seed", type=int, default=0, help="weight init seed with --random-weights")
-    g.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    g.add_argument("--num-slots", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=1024)
-    g.add_argument("--max-batched-tokens", type=int, default=512)
-    g.add_argument("--max-running", type=int, default=16)
+    g.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                   help="weights and activations (float64: the exactness tests)")
+    g.add_argument("--num-slots", type=int, default=16,
+                   help="state slots: requests that can run at once")
+    g.add_argument("--num-blocks", type=int, default=1024,
+                   help="128-token cache blocks of compressed entries")
+    g.add_argument("--max-batched-tokens", type=int, default=512,
+                   help="tokens one engine step computes (prefill chunks + decodes)")
+    g.add_argument("--max-running", type=int, default=16,
+                   help="sequences scheduled in one step")
     g.add_argument("--truncation", choices=TRUNCATION_MODES, default=None,
                    help="YOCO prefill truncation (env KVMESH_YOCO_PREFILL_TRUNCATION_MODE, default off)")
     g.add_argument("--keep-tokens", type=int, default=None,
-                   help="KEEP, required with truncation (env KVMESH_YOCO_PREFILL_KEEP_TOKENS)")
+                   help="KEEP, required with truncation (env KVMESH_YOCO_PREFILL_KEEP_TOKENS, "
+                        "default none)")
     g.add_argument("--extra-state", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill-engine SWA ring of W + B + EXTRA (+ KEEP with truncation): 396 "
                         "(env KVMESH_PREFILL_STORE_EXTRA_STATE, default off)")
@@ -44,10 +51,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-backtrack", type=int, default=None,
                    help="B: tokens a sequence may take back (env KVMESH_MAX_BACKTRACKING_TOKENS, "
                         "default 6)")
-    g.add_argument("--deterministic", action="store_true")
-    g.add_argument("--swa-policy", default="full", help="full | periodic:N | zero")
-    g.add_argument("--snapshot-mb", type=int, default=256)
-    g.add_argument("--snapshot-ttl-min", type=float, default=60.0)
+    g.add_argument("--deterministic", action="store_true",
+                   help="refuse settings whose output may change under preemption "
+                        "(truncation on)")
+    g.add_argument("--swa-policy", default="full",
+                   help="which 128-token boundaries keep an SWA snapshot: full | periodic:N | zero")
+    g.add_argument("--snapshot-mb", type=int, default=256,
+                   help="host memory for SWA snapshots, MiB")
+    g.add_argument("--snapshot-ttl-min", type=float, default=60.0,
+                   help="minutes an unused snapshot is kept")
+    return g
 
 
 def engine_config(args, env=None) -> EngineConfig:
@@ -74,9 +87,9 @@ def runtime_layout(args, env=None) -> tuple[ModelConfig, EngineConfig, RuntimeLa
 def build_core(args):
     """-> EngineCore. torch is imported here, not at module import: `kvmesh --help` and the
     remote `kvmesh generate` stay fast."""
+    from kvmesh.tokenizer import load_tokenizer
     from services.engine.engine import EngineCore
     from services.engine.model import weights as weights_mod
-    from services.engine.tokenizer import load_tokenizer
 
     cfg, ecfg, layout = runtime_layout(args)
     path = checkpoint_path(args)

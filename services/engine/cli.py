@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from kvmesh.errors import KvmeshError
+from kvmesh.generation import DEFAULT_MAX_TOKENS
 from services.engine.build import add_engine_args, build_core, runtime_layout
 
 
@@ -15,8 +17,8 @@ def register(sub) -> None:
     eng = sub.add_parser("engine", help="engine commands")
     esub = eng.add_subparsers(dest="engine_command", required=True)
     serve = esub.add_parser("serve", help="serve EngineService over gRPC")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=7200)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=7200, help="gRPC port")
     serve.add_argument("--engine-id", default="", help="name in the directory (default engine-PORT)")
     serve.add_argument("--advertise", default="", help="host:port peers and the gateway use "
                                                        "(default HOST:PORT)")
@@ -26,9 +28,11 @@ def register(sub) -> None:
                                                      "fetch missing prefix blocks")
     serve.add_argument("--swa-fetch", default="auto", choices=["auto", "always", "never"],
                        help="peer snapshot fetch vs bounded replay (auto: cost model)")
-    serve.add_argument("--fetch-deadline-ms", type=int, default=1000)
+    serve.add_argument("--fetch-deadline-ms", type=int, default=1000,
+                       help="a peer snapshot fetch slower than this replays instead")
     serve.add_argument("--metrics-port", type=int, default=None,
-                       help="serve Prometheus /metrics on this port (0 = any free port)")
+                       help="serve Prometheus /metrics on this port (0 = any free port; "
+                       "default: off)")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 
@@ -37,24 +41,40 @@ def register(sub) -> None:
                                          "is started)")
     lay.add_argument("--json", action="store_true", help="print JSON instead of a table")
     lay.add_argument("--memory", type=_budget, default=None,
-                     help="cache memory budget (e.g. 80GiB): slots and blocks that fit it")
+                     help="cache memory budget (e.g. 80GiB): slots and blocks that fit it "
+                     "(default: none, no budget report)")
     add_engine_args(lay)
     lay.set_defaults(func=_layout)
 
-    gen = sub.add_parser("generate", help="generate text and stream it to the terminal")
-    gen.add_argument("prompt")
-    where = gen.add_mutually_exclusive_group()
-    where.add_argument("--local", action="store_true", help="run the model in this process")
-    where.add_argument("--engine", help="engine address host:port")
-    where.add_argument("--gateway", default=None, help="gateway address (default $KVMESH_GATEWAY_ADDR "
-                                                       "or 127.0.0.1:7000)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--gen-seed", type=int, default=None, help="sampling seed")
-    gen.add_argument("--stop", action="append", default=[])
-    add_engine_args(gen)
+    gen = sub.add_parser(
+        "generate", help="generate text and stream it to the terminal",
+        description="Stream generated text to stdout and a usage line to stderr. Runs through "
+        "the gateway unless --local or --engine is given. Bad input exits 2 with the status.")
+    gen.add_argument("prompt", nargs="?",
+                     help="prompt text; - reads it from stdin (for long prompts; see --prompt-file)")
+    gen.add_argument("--prompt-file", help="read the prompt from this UTF-8 file (- = stdin) "
+                     "instead of the command line (default: the prompt argument)")
+    where = gen.add_argument_group("where it runs (default: through the gateway)"
+                                   ).add_mutually_exclusive_group()
+    where.add_argument("--local", action="store_true",
+                       help="run the model in this process (flags under 'local only' apply)")
+    where.add_argument("--engine", help="send straight to one engine host:port, bypassing the "
+                       "gateway (debugging; default: through the gateway)")
+    where.add_argument("--gateway", default=None, help="gateway address (default "
+                       "$KVMESH_GATEWAY_ADDR or 127.0.0.1:7000)")
+    samp = gen.add_argument_group("sampling")
+    samp.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
+    samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    samp.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest; 0 = off")
+    samp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    samp.add_argument("--gen-seed", type=int, default=None,
+                      help="sampling seed (default: none, a fresh draw per request)")
+    samp.add_argument("--stop", action="append", default=[], type=unescape,
+                      help="stop string, repeatable; backslash escapes are decoded, so \"\\n\" "
+                      "is a newline (default: none)")
+    local = add_engine_args(gen, title="local only (--local): model and cache")
+    gen.set_defaults(local_only={a.dest: (a.option_strings[0], a.default)
+                                 for a in local._group_actions})
     gen.set_defaults(func=_generate)
 
 
@@ -96,10 +116,58 @@ def _layout(args) -> int:
     return 0
 
 
+def unescape(text: str) -> str:
+    """`--stop "\\n"` from a shell is a backslash and an n: decode Python-style escapes
+    (\\n, \\t, \\\\, \\x41, \\u00e9); other characters pass through unchanged."""
+    try:
+        # latin-1 + backslashreplace keeps non-Latin characters as \\uXXXX escapes, which
+        # unicode_escape turns back into themselves.
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as exc:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"bad escape in {text!r}: {exc.reason}") from None
+
+
+def read_prompt(args, stdin=None) -> str:
+    """The prompt from the argument, `-` (stdin) or --prompt-file; ValueError if none or two."""
+    if args.prompt is not None and args.prompt_file is not None:
+        raise ValueError("give the prompt as an argument or with --prompt-file, not both")
+    source = args.prompt_file if args.prompt_file is not None else args.prompt
+    if source is None:
+        raise ValueError("no prompt: give it as an argument, - for stdin, or --prompt-file PATH")
+    if args.prompt_file is None and source != "-":
+        return source
+    try:
+        data = (stdin or sys.stdin.buffer).read() if source == "-" else Path(source).read_bytes()
+        return data.decode("utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the prompt: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the prompt is not valid UTF-8: {exc}") from None
+
+
+def check_no_local_flags(args) -> None:
+    """Model and cache flags only mean something with --local: refuse them elsewhere
+    instead of ignoring them (the gateway's engines have their own)."""
+    given = [flag for dest, (flag, default) in args.local_only.items()
+             if getattr(args, dest) != default]
+    if given:
+        raise ValueError(f"{', '.join(given)} only apply with --local (the engines behind "
+                         "the gateway have their own settings)")
+
+
 def _generate(args) -> int:
+    try:
+        args.prompt = read_prompt(args)
+        if not args.local:
+            check_no_local_flags(args)
+    except ValueError as exc:
+        print(f"kvmesh generate: {exc}", file=sys.stderr)
+        return 2
     if args.local:
         return _generate_local(args)
-    from services.gateway.cli import generate_remote  # gateway issue provides this
+    from kvmesh.generate import generate_remote
 
     return generate_remote(args)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from kvmesh.generation import set_sampling, traffic_class_to_proto
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import RpcClient
 
@@ -12,8 +13,12 @@ def generate_request(prompt: str | list[int], max_tokens: int | None = None,
                      temperature: float | None = None, top_k: int | None = None,
                      top_p: float | None = None, seed: int | None = None,
                      stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
-                     cache_salt: str = "", traffic_class: str = "", request_id: str = "",
+                     cache_salt: str = "", traffic_class: str | int = "", request_id: str = "",
                      ignore_eos: bool = False) -> engine_pb2.GenerateRequest:
+    """`traffic_class`: a name ("agent", "chatbot", "" = none) or a common.v1 TrafficClass
+    number as is (the engine rejects numbers outside the enum)."""
+    if isinstance(traffic_class, str):
+        traffic_class = traffic_class_to_proto(traffic_class)
     req = engine_pb2.GenerateRequest(request_id=request_id, cache_salt=cache_salt,
                                      traffic_class=traffic_class, ignore_eos=ignore_eos,
                                      stop=stop or [], stop_token_ids=stop_token_ids or [])
@@ -22,18 +27,6 @@ def generate_request(prompt: str | list[int], max_tokens: int | None = None,
     else:
         req.prompt_token_ids.extend(prompt)
     return set_sampling(req, max_tokens, temperature, top_k, top_p, seed)
-
-
-def set_sampling(req, max_tokens=None, temperature=None, top_k=None, top_p=None, seed=None):
-    """Fill max_tokens and the optional sampling fields that were given (engine and gateway
-    requests share these field names); unset ones keep the server-side defaults."""
-    if max_tokens is not None:
-        req.max_tokens = max_tokens
-    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                        ("seed", seed)):
-        if value is not None:
-            setattr(req.sampling, name, value)
-    return req
 
 
 class EngineClient(RpcClient):

@@ -15,10 +15,11 @@ The first half of the layers is the YOCO encoder, the second half the decoder.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, replace
+
+from kvmesh.cachekeys import model_fingerprint
 
 LAYER_KINDS = ("swa", "csa", "hca")
 
@@ -64,6 +65,9 @@ class ModelConfig:
             raise ValueError(f"{self.name}: window must be in (0, block_size]")
         if self.csa_topk <= 0:
             raise ValueError(f"{self.name}: csa_topk must be positive")
+        # Once per config (so once per engine): admission, snapshot checks and GetModelInfo
+        # read it. Not a field, so equality, asdict() and to_json() ignore it.
+        object.__setattr__(self, "_fingerprint", model_fingerprint(asdict(self)))
 
     # --- derived geometry -------------------------------------------------
     @property
@@ -95,9 +99,9 @@ class ModelConfig:
         return self.head_dim + self.head_dim // self.mxfp8_block
 
     def fingerprint(self) -> str:
-        """Identifies the model's cache semantics: part of every block hash."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """Identifies the model's cache semantics: part of every block hash
+        (kvmesh.cachekeys.model_fingerprint of the fields, computed at construction)."""
+        return self._fingerprint
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

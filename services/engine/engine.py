@@ -6,7 +6,11 @@
     abort()        drop a request and free its slot and blocks
 
 Only the thread that calls step() may call the others (AsyncEngine serializes
-them); every mutable structure below is owned by exactly one object here.
+them). Owners: EngineCore owns `requests`, `outputs`, `counters` and
+`prefill_token_s`; the Scheduler owns the queues, the CacheManager the pools,
+the snapshot store (through its PrefixReuse) and every sequence's cache fields
+(sequence.py lists each field's writer). The engine only reads the StepPlan the
+scheduler returns and counts what it says.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.generation import check_traffic_class
+from kvmesh.tokenizer import ByteTokenizer
 from services.engine.cache.layout import RuntimeLayout
-from services.engine.cache.manager import CacheManager
+from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.config import ModelConfig
 from services.engine.engine_config import EngineConfig
 from services.engine.model.weights import Weights, init_weights
@@ -30,16 +36,15 @@ from services.engine.prefix import Prefetched, PrefixReuse
 from services.engine.runner import ModelRunner, Work
 from services.engine.sampling import SamplingParams, sample
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import Finish, Sequence, Status
-from services.engine.tokenizer import ByteTokenizer
+from services.engine.sequence import Finish, Sequence
 
-TRAFFIC_CLASSES = ("", "agent", "chatbot")
-# Counters EngineCore and PrefixReuse always report, 0 until their event first happens, so
-# GetStats and /metrics (kvmesh_engine_<name>) show every one from the start. Only the
-# engine thread changes them; remote.py adds its own kvstore_*/peer_*/directory_* keys.
-COUNTERS = ("requests", "prompt_tokens", "cache_hit_tokens", "replayed_tokens", "snapshot_hits",
-            "snapshot_misses", "snapshot_stores", "generated_tokens", "computed_tokens",
-            "finished", "aborted", "steps")
+# Counters EngineCore always reports, 0 until their event first happens, so GetStats and
+# /metrics (kvmesh_engine_<name>) show every one from the start. Only the engine thread
+# changes them; remote.py adds its own kvstore_*/peer_*/directory_* keys (through it too).
+COUNTERS = ("requests", "prompt_tokens", "cache_hit_tokens", "replayed_tokens",
+            "recomputed_tokens", "snapshot_hits", "snapshot_misses", "snapshot_stores",
+            "snapshot_refused", "block_hits_local", "block_hits_remote", "remote_blocks_refused",
+            "generated_tokens", "computed_tokens", "finished", "aborted", "steps")
 
 
 class Hooks:
@@ -81,16 +86,15 @@ class EngineCore:
         self.cache = CacheManager(self.layout)
         dec_mode = "mask" if ecfg.truncation == "mask" else "compact"
         self.runner = ModelRunner(cfg, self.weights, self.cache.states, self.cache.store, dec_mode)
-        self.scheduler = Scheduler(ecfg, self.cache, on_admit=self._on_admit)
+        self.scheduler = Scheduler(ecfg, self.cache)
         self.requests: dict[str, Sequence] = {}
         self.outputs: dict[str, OutputState] = {}
         self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
-        self.prefix = PrefixReuse(self.cache, ecfg, self.counters)
+        self.prefix: PrefixReuse = self.cache.snapshots     # capture/store around forwards
         self.hooks = Hooks()
-        self.prefix.on_store = lambda key, snap: self.hooks.snapshot_stored(key, snap)
+        self.prefix.store.on_put = self._snapshot_stored
         self.prefix.store.on_evict = lambda key: self.hooks.snapshot_evicted(key)
         self.prefill_token_s = 0.0       # EMA of prefill seconds per token (replay cost model)
-        self.prefetched: dict[str, Prefetched] = {}   # request id -> cache contents fetched for it
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
@@ -117,20 +121,19 @@ class EngineCore:
         if self.cache.blocks_for(len(prompt_ids) + 1) > self.ecfg.num_blocks:
             raise InvalidArgument(f"prompt needs more cache blocks than this engine has "
                                   f"({self.ecfg.num_blocks} x {self.cfg.block_size} tokens)")
-        if traffic_class not in TRAFFIC_CLASSES:
-            raise InvalidArgument(f"traffic_class must be agent or chatbot, not {traffic_class!r}")
+        check_traffic_class(traffic_class)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         cut = len(prompt_ids) - resume
         seq = Sequence(request_id, list(prompt_ids[:cut]), params, seed, salt, traffic_class,
-                       output=list(prompt_ids[cut:]))
+                       output=list(prompt_ids[cut:]), prefetched=prefetched,
+                       # hashed for the prefetch from these very ids and salt: the chain's start
+                       block_hashes=list(prefetched.hashes) if prefetched else [])
         out = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
         out.resume(seq.output)            # raises InvalidArgument if they already finished
         self.requests[request_id] = seq
-        if prefetched is not None:
-            self.prefetched[request_id] = prefetched
         self.outputs[request_id] = out
         self.scheduler.add(seq)
         self.counters["requests"] += 1
@@ -140,10 +143,8 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         self.outputs.pop(request_id, None)
-        self.prefetched.pop(request_id, None)
         if seq is not None and not seq.finished:
-            self.scheduler.remove(seq)
-            seq.status, seq.finish = Status.FINISHED, Finish.ABORTED
+            self.scheduler.finish(seq, Finish.ABORTED)
             self.counters["aborted"] += 1
 
     @property
@@ -153,6 +154,8 @@ class EngineCore:
     # --- one step ------------------------------------------------------------------
     def step(self) -> list[Event]:
         plan = self.scheduler.schedule()
+        for _, match in plan.admitted:
+            self._count_hit(match)
         events = [self._finish(seq, [], "") for seq in plan.out_of_memory]
         sampled: list[tuple[Sequence, torch.Tensor]] = []
         if plan.decode:
@@ -173,7 +176,7 @@ class EngineCore:
                 sampled.append((seq, res.logits[0]))
         self.counters["steps"] += 1
         if self.counters["steps"] % 256 == 0:      # reclaim expired snapshots even if unread
-            self.prefix.store.expire()
+            self.prefix.expire()
         for seq, logits in sampled:
             events.append(self._emit(seq, logits))
         return events
@@ -193,20 +196,28 @@ class EngineCore:
         self.prefix.after_forward(seq, work, res, index)
         self.counters["computed_tokens"] += work.end - work.start
 
-    def _on_admit(self, seq: Sequence) -> None:
-        """Called by the scheduler right after a sequence gets its slot: bounds, then hits."""
-        seq.enc_lo = seq.cmp_from = seq.cached_tokens = seq.replayed_tokens = 0
-        seq.dec_lo = self._dec_lo(len(seq.tokens))
-        self.prefix.admit(seq, self.prefetched.pop(seq.request_id, None))
+    def _count_hit(self, match: MatchResult) -> None:
+        c = self.counters
+        c["remote_blocks_refused"] += match.refused_blocks
+        c["snapshot_refused"] += match.refused_snapshots
+        if not match.l1:
+            return
+        if match.snapshot is not None:
+            c["snapshot_hits"] += 1
+            c["recomputed_tokens"] += match.recomputed
+        else:
+            c["snapshot_misses"] += 1
+            c["replayed_tokens"] += match.replayed
+        c["cache_hit_tokens"] += match.l1
+        c["block_hits_" + match.source] += len(match.blocks)
 
-    def _dec_lo(self, prompt_len: int) -> int:
-        if self.ecfg.truncation == "off":
-            return 0
-        return max(0, prompt_len - self.ecfg.keep_tokens)
+    def _snapshot_stored(self, snap) -> None:
+        self.counters["snapshot_stores"] += 1
+        self.hooks.snapshot_stored(snap.key, snap)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> Event:
         token = sample(logits, seq.params, len(seq.output), seq.seed)
-        seq.output.append(token)
+        self.cache.append_token(seq, token)
         self.counters["generated_tokens"] += 1
         text, finish = self.outputs[seq.request_id].push(token, len(seq.output))
         if finish:
@@ -214,10 +225,8 @@ class EngineCore:
         return Event(seq.request_id, [token], text, None, seq)
 
     def _finish(self, seq: Sequence, tokens, text, finish: Finish | None = None) -> Event:
-        finish = finish or seq.finish
-        self.prefix.on_finish(seq)
-        self.scheduler.remove(seq)
-        seq.status, seq.finish = Status.FINISHED, finish
+        finish = finish or seq.finish            # out of memory: the scheduler chose LENGTH
+        self.scheduler.finish(seq, finish)
         self.requests.pop(seq.request_id, None)
         self.outputs.pop(seq.request_id, None)
         self.counters["finished"] += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.tokenizer import TextStream
 from services.engine.sampling import SamplingParams
 from services.engine.sequence import Finish
 from services.engine.stops import StopMatcher
@@ -21,13 +22,13 @@ from services.engine.stops import StopMatcher
 class OutputState:
     params: SamplingParams
     eos_id: int | None
-    stream: object                      # tokenizer.TextStream
+    stream: TextStream
     sent: int = 0                       # characters of stream.text already sent
     done_text: str | None = None        # final text once a stop string matched
     pending_ids: list[int] = field(default_factory=list)
-    stops: StopMatcher | None = None
+    stops: StopMatcher = field(init=False)   # built from params.stop
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.stops = StopMatcher(tuple(self.params.stop))
 
     def resume(self, tokens: list[int]) -> None:

@@ -1,151 +1,135 @@
-"""PrefixReuse: the hit policy, SWA snapshots and bounded replay.
+"""PrefixReuse: SWA snapshots (when to take them, where they are, how to restore them).
 
-Owns the snapshot store and the per-slot replica area; the engine calls it at
-admission, around every forward, and when a request ends.
+Owns the SnapshotStore and the per-slot replica area (`replica`, `replica_pos`).
+It never hands out slots or blocks: CacheManager calls it to find and restore a
+snapshot while it admits a sequence, and to keep or drop a slot's replica when
+the slot goes back; EngineCore calls it around every forward.
 
 Hit policy for a prompt of L tokens (KEEP >= W + B tokens are always computed):
 
-    cap  = L - KEEP                        at most this many tokens come from cache
-    L1   = longest run of cached blocks within cap        (a multiple of the block size)
-    snapshot at L1?  -> restore the encoder SWA rings, resume exactly at L1
-    else             -> bounded replay: resume at s = L1 - W with every encoder SWA
-                        query i seeing keys [max(s, i - W + 1), i]; the entries of
-                        [s, L1) are reused as they are (cmp_from = L1)
+    cap  = L - KEEP                   at most this many tokens come from cache
+    L1   = longest run of cached blocks within cap      (a multiple of the block size)
+    S    = the deepest snapshot at a block boundary in [L1 - W, L1]
+    found  -> restore the encoder SWA rings at S, recompute [S, L1) exactly over the
+              cached entries (cmp_from = L1), resume: exact, costs L1 - S <= W tokens
+    none   -> bounded replay: resume at s = L1 - W with every encoder SWA query i
+              seeing keys [max(s, i - W + 1), i]; the entries of [s, L1) are reused
+              as they are (cmp_from = L1): approximate, costs W tokens
 
-         0                  s = L1-W     L1           L-KEEP             L
-         |== cached blocks ===|==========|               |                |
-                              |-- replay --|-------- computed ------------|
-                                           |             |-- decoder -----|
+         0            S          L1-W..L1      L-KEEP             L
+         |== cached blocks ======================|                 |
+                      |-recompute-|------ computed -----------------|
+                                                 |--- decoder ------|
+
+Restoring S < L1 costs no more than the replay it replaces (L1 - S <= W), so an
+exact resume is always preferred; under `periodic:2` a block run often ends one
+block past the last snapshot.
 
 Reuse needs YOCO truncation on: decoder layers keep no persisted state, so only
 a decoder that starts at L - KEEP >= L1 can resume without the prefix's decoder
 SWA. With truncation off every prompt runs cold (and exact).
 
 Snapshot positions (multiples of the block size, filtered by the policy):
-    prefill  floor((L - 1) / bs) * bs when >= bs; captured while the chunk that
-             reaches it runs (or re-assembled from the 396-token ring in extra-state
-             mode), stored after the last chunk
-    decode   each crossing of a boundary copies the window into the replica area
-             (lag <= B - 1 tokens, inside the ring's spare rows); stored at request end
+    prefill  floor((L - 1) / (N * bs)) * (N * bs) when >= bs (N = 1 for `full`);
+             captured while the chunk that reaches it runs (or re-assembled from the
+             396-token ring in extra-state mode), stored after the last chunk
+    decode   each crossing of a stored boundary b copies the window [b - R, b) into the
+             replica area when the step ends at most B - 1 tokens past b (the rows
+             overwritten since then are spare rows outside the window)
+
+Replica rule: when a slot goes back (the request finished, was aborted, ran out
+of memory, or was preempted) its latest completed replica is stored unless a
+snapshot of that position is already held. The replica only ever covers
+committed tokens whose blocks are registered, so it is valid whatever the
+reason; a preempted request then resumes from it when readmitted. A rollback
+below the replica's position drops it (rejected tokens never reach a snapshot).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.cache import hashing
-from services.engine.cache.manager import CacheManager
-from services.engine.cache.snapshot_keys import layout_fingerprint, snapshot_key
+from kvmesh.cachekeys import snapshot_key
+from services.engine.cache.snapshot_keys import layout_fingerprint
+from services.engine.cache.state_pool import StatePool
 from services.engine.engine_config import EngineConfig
-from services.engine.runner import ForwardResult, Work
 from services.engine.sequence import Sequence
 from services.engine.snapshots import Snapshot, SnapshotStore
+
+if TYPE_CHECKING:
+    from services.engine.runner import ForwardResult, Work
 
 
 @dataclass
 class Prefetched:
-    """Cache contents fetched from other tiers before admission (kvstore blocks, peer snapshot)."""
+    """Cache contents fetched from other tiers before admission (kvstore blocks, peer snapshot),
+    and the prompt's block hashes computed for the fetch (the sequence starts its chain with
+    them instead of hashing the prompt again)."""
+    hashes: list[bytes] = field(default_factory=list)
     blocks: dict[bytes, bytes] = field(default_factory=dict)   # block hash -> serialized block
     snapshots: dict[str, Snapshot] = field(default_factory=dict)
 
 
 class PrefixReuse:
-    def __init__(self, cache: CacheManager, ecfg: EngineConfig, counters, clock=time.monotonic):
-        self.cache, self.ecfg, self.counters = cache, ecfg, counters
-        self.cfg = cache.cfg
-        block = cache.states.block
+    def __init__(self, states: StatePool, ecfg: EngineConfig, clock=time.monotonic):
+        self.states, self.ecfg = states, ecfg
+        self.cfg = states.cfg
+        self.model_fp = self.cfg.fingerprint()
+        block = states.block
         self.r_inf = block.inference_ring
         self.layout_fp = layout_fingerprint(block)
         self.store = SnapshotStore(ecfg.snapshot_bytes, ecfg.snapshot_ttl_min, self.layout_fp,
-                                   self.cfg.fingerprint(), clock=clock)
+                                   self.model_fp, clock=clock)
         e = self.cfg.n_encoder_layers
-        self.replica = torch.zeros(cache.states.num_slots, e, self.r_inf,
+        self.replica = torch.zeros(states.num_slots, e, self.r_inf,
                                    self.cfg.swa_bytes_per_token, dtype=torch.uint8)
-        self.replica_pos = [0] * cache.states.num_slots     # 0 = empty
+        self.replica_pos = [0] * states.num_slots     # 0 = empty
         self.enabled = ecfg.truncation != "off"
-        self.on_store = lambda key, snap: None              # engine hook: publish to the directory
 
-    # --- admission ------------------------------------------------------------------
-    def admit(self, seq: Sequence, prefetched: Prefetched | None = None) -> None:
-        """Fill a freshly admitted sequence from cache; sets num_computed and the bounds."""
-        self.replica_pos[seq.slot] = 0
-        if not self.enabled:
-            return
-        bs, w = self.cfg.block_size, self.cfg.window
-        cap = len(seq.tokens) - self.ecfg.keep_tokens
-        hashes = hashing.chain(seq.tokens[: max(0, cap)], bs, self.cfg.fingerprint(), seq.salt)
-        table, hit = self._acquire_blocks(hashes, prefetched)
-        if not table:
-            return
-        l1 = len(table) * bs
-        seq.table, seq.hashes = table, hashes[: len(table)]
-        key = snapshot_key(hashes[len(table) - 1], self.layout_fp)
-        snap = self.store.get(key) or (prefetched.snapshots.get(key) if prefetched else None)
-        if snap is not None and snap.position == l1 and self._valid(snap):
-            self._restore(seq.slot, snap)
-            seq.num_computed = l1
-            self.counters["snapshot_hits"] += 1
-        else:
-            seq.num_computed = seq.enc_lo = l1 - w
-            seq.cmp_from = l1
-            seq.replayed_tokens = w
-            self.counters["snapshot_misses"] += 1
-            self.counters["replayed_tokens"] += w
-        seq.cached_tokens = l1
-        self.counters["cache_hit_tokens"] += l1
-        self.counters["block_hits_" + hit] += len(table)
+    # --- admission (called by CacheManager) ------------------------------------------
+    def key_at(self, hashes: list[bytes], position: int) -> str:
+        return snapshot_key(hashes[position // self.cfg.block_size - 1], self.layout_fp)
 
-    def local_view(self, tokens, salt: str) -> tuple[list[bytes], int, set[str]]:
-        """For prefetching: the prompt's block hashes within the cap, how many lead the
-        local pool, and which of their snapshot keys this engine holds."""
-        if not self.enabled:
-            return [], 0, set()
-        cap = len(tokens) - self.ecfg.keep_tokens
-        hashes = hashing.chain(tokens[: max(0, cap)], self.cfg.block_size, self.cfg.fingerprint(), salt)
-        n = 0
-        while n < len(hashes) and self.cache.pool.lookup(hashes[n]) is not None:
-            n += 1
-        keys = {snapshot_key(h, self.layout_fp) for h in hashes}
-        return hashes, n, {k for k in keys if k in self.store}
+    def find(self, hashes: list[bytes], l1: int, prefetched=None) -> tuple[Snapshot | None, int]:
+        """The deepest usable snapshot at a block boundary in [L1 - W, L1] (local store
+        first, then what was prefetched for this request), and how many were refused."""
+        bs, refused = self.cfg.block_size, 0
+        pos = l1
+        while pos >= bs and l1 - pos <= self.cfg.window:
+            key = self.key_at(hashes, pos)
+            snap = self.store.get(key) or (prefetched.snapshots.get(key) if prefetched else None)
+            if snap is not None:
+                if snap.position == pos and self._valid(snap):
+                    return snap, refused
+                refused += 1
+            pos -= bs
+        return None, refused
 
-    def _acquire_blocks(self, hashes, prefetched):
-        """Longest prefix of hashes found locally or in prefetched blocks (installed here)."""
-        pool, table, source = self.cache.pool, [], "local"
-        for h in hashes:
-            b = pool.lookup(h)
-            if b is not None:
-                pool.acquire(b)
-            elif prefetched is not None and h in prefetched.blocks and pool.num_free > 0:
-                (b,) = pool.allocate(1)
-                try:
-                    self.cache.store.deserialize(b, prefetched.blocks[h])
-                except ValueError:           # wrong size: not this layout's block; a miss
-                    pool.release([b])
-                    self.counters["remote_blocks_refused"] += 1
-                    break
-                pool.register(b, h)
-                source = "remote"
-            else:
-                break
-            table.append(b)
-        return table, source
+    def holds(self, key: str) -> bool:
+        return key in self.store
 
     def _valid(self, snap: Snapshot) -> bool:
-        ok = (snap.layout_fp == self.layout_fp and snap.model_fp == self.cfg.fingerprint()
-              and len(snap.data) == self.replica[0].numel())
-        if not ok:
-            self.counters["snapshot_refused"] += 1
-        return ok
+        return (snap.layout_fp == self.layout_fp and snap.model_fp == self.model_fp
+                and len(snap.data) == self.replica[0].numel())
 
-    def _restore(self, slot: int, snap: Snapshot) -> None:
+    def restore(self, slot: int, snap: Snapshot) -> None:
+        """Write a snapshot's window into a freshly allocated slot's encoder SWA rings."""
         canon = torch.frombuffer(bytearray(snap.data), dtype=torch.uint8).view(self.replica[0].shape)
         positions = torch.arange(max(0, snap.position - self.r_inf), snap.position)
         for layer in range(self.cfg.n_encoder_layers):
-            ring = self.cache.states.swa[layer]
+            ring = self.states.swa[layer]
             ring[slot, positions.remainder(ring.shape[1])] = canon[layer, positions.remainder(self.r_inf)]
+
+    def admitted(self, slot: int) -> None:
+        self.replica_pos[slot] = 0
+
+    def expire(self) -> None:
+        """Drop snapshots past their TTL (EngineCore calls this now and then)."""
+        self.store.expire()
 
     # --- store rules ----------------------------------------------------------------
     def _stores_at(self, position: int) -> bool:
@@ -170,7 +154,7 @@ class PrefixReuse:
 
     @property
     def _long_ring(self) -> bool:
-        return self.cache.states.ring > self.r_inf
+        return self.states.ring > self.r_inf
 
     def after_forward(self, seq: Sequence, work: Work, res: ForwardResult, index: int) -> None:
         """Called after commit(seq, work.end)."""
@@ -192,32 +176,34 @@ class PrefixReuse:
             if b > self.replica_pos[slot] and lag < self.r_inf - self.cfg.window and self._stores_at(b):
                 self._copy_from_ring(seq, b)
 
-    def on_finish(self, seq: Sequence) -> None:
+    def on_release(self, seq: Sequence) -> None:
+        """The slot goes back (finish, abort, out of memory, preemption): store its latest
+        completed replica (see the replica rule above), then forget it."""
         slot = seq.slot
         if slot is None:
             return
         pos = self.replica_pos[slot]
         if pos and pos <= seq.num_computed and pos // self.cfg.block_size <= len(seq.hashes):
-            key = snapshot_key(seq.hashes[pos // self.cfg.block_size - 1], self.layout_fp)
-            if key not in self.store:
+            if self.key_at(seq.hashes, pos) not in self.store:
                 self._store(seq, pos)
         self.replica_pos[slot] = 0
+
+    def rolled_back(self, seq: Sequence) -> None:
+        """Tokens past num_computed were taken back: a replica that saw them is dropped."""
+        if seq.slot is not None and self.replica_pos[seq.slot] > seq.num_computed:
+            self.replica_pos[seq.slot] = 0
 
     def _copy_from_ring(self, seq: Sequence, b: int) -> None:
         positions = torch.arange(max(0, b - self.r_inf), b)
         for layer in range(self.cfg.n_encoder_layers):
-            ring = self.cache.states.swa[layer]
+            ring = self.states.swa[layer]
             self.replica[seq.slot, layer, positions.remainder(self.r_inf)] = \
                 ring[seq.slot, positions.remainder(ring.shape[1])]
         self.replica_pos[seq.slot] = b
 
     def _store(self, seq: Sequence, position: int) -> None:
-        k = position // self.cfg.block_size
-        if k > len(seq.hashes):
+        if position // self.cfg.block_size > len(seq.hashes):
             return
-        key = snapshot_key(seq.hashes[k - 1], self.layout_fp)
-        snap = Snapshot(key, position, self.layout_fp, self.cfg.fingerprint(),
-                        self.replica[seq.slot].numpy().tobytes(), self.store.clock())
-        if self.store.put(snap):
-            self.counters["snapshot_stores"] += 1
-            self.on_store(key, snap)
+        key = self.key_at(seq.hashes, position)
+        self.store.put(Snapshot(key, position, self.layout_fp, self.model_fp,
+                                self.replica[seq.slot].numpy().tobytes(), self.store.clock()))

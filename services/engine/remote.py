@@ -1,7 +1,11 @@
 """RemoteTiers: the engine's asynchronous side of the cache tiers.
 
 Runs on the server's event loop; never on the engine thread. It owns the
-clients for the kvstore and the directory, and three background jobs:
+clients for the kvstore and the directory, and three background jobs. It
+reads or writes nothing of EngineCore's mutable state directly: views, the
+cost model's prefill speed and every counter go through the engine thread
+(`AsyncEngine.call` to read, `AsyncEngine.post` to count); only facts fixed at
+start-up (model and layout fingerprints, sizes) are copied here once.
 
     heartbeat   every lease/3: address + load to the directory
     uploader    write-through of completed blocks to the kvstore, batched; a full
@@ -22,9 +26,10 @@ import time
 
 import grpc
 
+from kvmesh.cachekeys import snapshot_key
 from kvmesh.errors import KvmeshError
+from kvmesh.generation import DEFAULT_TRAFFIC_CLASS
 from services.engine.async_engine import AsyncEngine
-from services.engine.cache.snapshot_keys import snapshot_key
 from services.engine.engine import Hooks
 from services.engine.fetch_policy import FetchPolicy
 from services.engine.peers import FetchError, fetch_snapshot
@@ -46,7 +51,11 @@ class RemoteTiers(Hooks):
     def __init__(self, engine: AsyncEngine, engine_id: str, address: str, directory=None,
                  kvstore=None, policy: FetchPolicy | None = None, fetch_deadline_s: float = 1.0,
                  kvstore_timeout_s: float = 1.0):
-        self.engine, self.core = engine, engine.core
+        self.engine = engine
+        core = engine.core            # start-up facts only; they never change
+        self.block_size, self.window = core.cfg.block_size, core.cfg.window
+        self.model_fp, self.layout_fp = core.cfg.fingerprint(), core.prefix.layout_fp
+        self.snapshot_size = core.cache.states.block.state_size_to_disk
         self.engine_id, self.address = engine_id, address
         self.directory, self.kvstore = directory, kvstore
         self.policy = policy or FetchPolicy()
@@ -56,7 +65,6 @@ class RemoteTiers(Hooks):
         self.uploads: asyncio.Queue = asyncio.Queue(UPLOAD_QUEUE)
         self.publishes: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
-        self.counters = self.core.counters      # shared; remote_* keys only written here
         self.wants_blocks = kvstore is not None
         self.lease_s = 10.0
         self.registered = False
@@ -64,7 +72,7 @@ class RemoteTiers(Hooks):
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.core.hooks = self
+        await self.engine.call(lambda core: setattr(core, "hooks", self))
         if self.directory is not None:
             self.tasks += [asyncio.create_task(self._heartbeats()),
                            asyncio.create_task(self._publisher())]
@@ -78,7 +86,7 @@ class RemoteTiers(Hooks):
 
     # --- hooks (engine thread): only enqueue ---------------------------------------------
     def block_done(self, block_hash: bytes, payload: bytes, traffic_class: str) -> None:
-        self._post(self._enqueue_upload, (block_hash.hex(), payload, traffic_class or "chatbot"))
+        self._post(self._enqueue_upload, (block_hash.hex(), payload, traffic_class or DEFAULT_TRAFFIC_CLASS))
 
     def snapshot_stored(self, key: str, snap) -> None:
         self._post(self.publishes.put_nowait, ("publish", key, snap.position, len(snap.data)))
@@ -94,24 +102,28 @@ class RemoteTiers(Hooks):
         try:
             self.uploads.put_nowait(item)
         except asyncio.QueueFull:
-            self.counters["kvstore_upload_dropped"] += 1
+            self._count("kvstore_upload_dropped")
+
+    def _count(self, key: str, n: float = 1) -> None:
+        """Add to an engine counter on the engine thread (EngineCore owns the counters)."""
+        self.engine.post(lambda core: core.counters.update({key: n}))
 
     # --- prefetch (event loop, before admission) --------------------------------------
     async def prefetch(self, prompt_ids: list[int], salt: str) -> Prefetched | None:
         if self.kvstore is None and self.directory is None:
             return None
-        prefix = self.core.prefix
-        hashes, n_local, local_snaps = await self.engine.call(
-            lambda core: core.prefix.local_view(prompt_ids, salt))
+        view, prefill_token_s = await self.engine.call(
+            lambda core: (core.cache.local_view(prompt_ids, salt), core.prefill_token_s))
+        hashes = view.hashes
         if not hashes:
             return None
-        out = Prefetched()
-        n = n_local + await self._fetch_blocks(hashes[n_local:], out)
+        out = Prefetched(hashes)
+        n = view.n_local + await self._fetch_blocks(hashes[view.n_local:], out)
         if n == 0:
             return out
-        key = snapshot_key(hashes[n - 1], prefix.layout_fp)
-        if key not in local_snaps and self.directory is not None:
-            await self._fetch_snapshot(key, n * self.core.cfg.block_size, out)
+        key = snapshot_key(hashes[n - 1], self.layout_fp)
+        if key not in view.snapshot_keys and self.directory is not None:
+            await self._fetch_snapshot(key, n * self.block_size, prefill_token_s, out)
         return out
 
     async def _fetch_blocks(self, hashes: list[bytes], out: Prefetched) -> int:
@@ -122,7 +134,7 @@ class RemoteTiers(Hooks):
             n = await asyncio.wait_for(self.kvstore.lookup(keys), self.kvstore_timeout_s)
             payloads = await asyncio.wait_for(self.kvstore.get(keys[:n]), self.kvstore_timeout_s) if n else []
         except (TimeoutError, KvmeshError, grpc.aio.AioRpcError, OSError) as exc:
-            self.counters["kvstore_misses_on_error"] += 1
+            self._count("kvstore_misses_on_error")
             log.warning("kvstore unavailable, treating as a miss: %s", exc)
             return 0
         got = 0
@@ -131,33 +143,33 @@ class RemoteTiers(Hooks):
                 break
             out.blocks[h] = p
             got += 1
-        self.counters["kvstore_block_hits"] += got
+        self._count("kvstore_block_hits", got)
         return got
 
-    async def _fetch_snapshot(self, key: str, position: int, out: Prefetched) -> None:
+    async def _fetch_snapshot(self, key: str, position: int, prefill_token_s: float,
+                              out: Prefetched) -> None:
         holders = [h for h in (await self.directory.find_holders([key])).get(key, [])
                    if h.engine_id != self.engine_id]
         if not holders:
-            self.counters["peer_snapshot_unheld"] += 1
+            self._count("peer_snapshot_unheld")
             return
-        size = self.core.cache.states.block.state_size_to_disk
-        replay_s = self.core.prefill_token_s * self.core.cfg.window
+        size = self.snapshot_size
+        replay_s = prefill_token_s * self.window
         if not self.policy.should_fetch(size, replay_s):
-            self.counters["peer_snapshot_replay_chosen"] += 1
+            self._count("peer_snapshot_replay_chosen")
             return
-        prefix = self.core.prefix
         for holder in holders[:2]:
             try:
                 snap, secs = await fetch_snapshot(
-                    holder.address, key, self.fetch_deadline_s, prefix.layout_fp,
-                    self.core.cfg.fingerprint(), size, position)
+                    holder.address, key, self.fetch_deadline_s, self.layout_fp,
+                    self.model_fp, size, position)
             except FetchError as exc:
-                self.counters["peer_snapshot_failures"] += 1
+                self._count("peer_snapshot_failures")
                 log.warning("snapshot fetch failed, will replay: %s", exc)
                 continue
             self.policy.record_fetch(size, secs)
             out.snapshots[key] = snap
-            self.counters["peer_snapshot_fetches"] += 1
+            self._count("peer_snapshot_fetches")
             return
 
     # --- background jobs ----------------------------------------------------------------
@@ -200,11 +212,11 @@ class RemoteTiers(Hooks):
             try:
                 if pubs:
                     await self.directory.publish(self.engine_id, pubs)
-                    self.counters["directory_published"] += len(pubs)
+                    self._count("directory_published", len(pubs))
                 if gone:
                     await self.directory.withdraw(self.engine_id, gone)
             except KvmeshError as exc:
-                self.counters["directory_publish_failures"] += 1
+                self._count("directory_publish_failures")
                 self.republish_needed = True        # the next good heartbeat republishes
                 log.warning("directory publish failed (will republish): %s", exc)
 
@@ -218,8 +230,8 @@ class RemoteTiers(Hooks):
             for cls, items in by_class.items():
                 try:
                     await asyncio.wait_for(self.kvstore.put(items, traffic_class=cls), 30.0)
-                    self.counters["kvstore_blocks_written"] += len(items)
+                    self._count("kvstore_blocks_written", len(items))
                 except (TimeoutError, KvmeshError, grpc.aio.AioRpcError, OSError) as exc:
-                    self.counters["kvstore_write_failures"] += len(items)
+                    self._count("kvstore_write_failures", len(items))
                     log.warning("kvstore write-through failed (blocks stay local): %s", exc)
-            self.counters["kvstore_upload_seconds"] += time.perf_counter() - t0
+            self._count("kvstore_upload_seconds", time.perf_counter() - t0)

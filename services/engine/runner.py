@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import mxfp8
-from kernels.attention import union_attention
+from kernels.attention import ring_attention
 from kernels.indexer import indexer_scores, select_topk, selected_indices
-from kernels.ring import ring_window, ring_write
+from kernels.ring import ring_write
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
@@ -125,39 +125,26 @@ class ModelRunner:
         p = f"layers.{layer}."
         h = ops.rms_norm(rows.x, w[p + "attn_norm"], cfg.norm_eps)
         q, kv = ops.query_and_kv(w, layer, h, rows.pos, cfg)
-        kv_bytes, kv = ops.quantize_kv(kv)
-        k_win, win_ok = self._window(layer, rows, kv, works, los)
+        kv_bytes = mxfp8.quantize(kv)
         if cfg.is_encoder(layer):
             self._capture(layer, rows, kv_bytes, works, result)
-        self._write_ring(layer, rows, kv_bytes, works)
 
-        groups = [(k_win, win_ok)]
+        cmp = None
         m = cfg.compress_ratio(layer)
         if m is not None:
             src = _Rows(h, rows.pos, rows.valid) if chunk is None else chunk
             for i, wk in enumerate(works):
                 self._compress(layer, wk, src.x[i], int(src.pos[i, 0]), int(src.valid[i].sum()))
-            groups.append(self._compressed(layer, rows, h, works, m))
+            cmp = self._compressed(layer, rows, h, works, m)
 
-        o = union_attention(q, groups, w[p + "sink"], self.scale)
+        # window keys: W - 1 ring rows before each work's first row + its new rows (the
+        # ring is written after it is read)
+        o = ring_attention(q, self.states.swa[layer], torch.tensor([wk.slot for wk in works]),
+                           kv_bytes, rows.pos, rows.valid, torch.tensor(los), cfg.window,
+                           w[p + "sink"], self.scale, cmp)
+        self._write_ring(layer, rows, kv_bytes, works)
         x = rows.x + ops.attn_output(w, layer, o)
         return x + ops.ffn(w, layer, x, cfg)
-
-    def _window(self, layer, rows: _Rows, kv, works, los):
-        """Window keys: W-1 positions before each work's first row (ring) + its new rows."""
-        width = self.cfg.window - 1
-        slots = torch.tensor([wk.slot for wk in works])
-        first = rows.pos[:, 0] - width
-        old = mxfp8.dequantize(ring_window(self.states.swa[layer], slots, first, width), kv.dtype)
-        old_pos = first.unsqueeze(1) + torch.arange(width).unsqueeze(0)
-        keys = torch.cat([old, kv], dim=1)
-        kpos = torch.cat([old_pos, rows.pos], dim=1)
-        kvalid = torch.cat([old_pos >= 0, rows.valid], dim=1)
-        qpos = rows.pos.unsqueeze(2)
-        lo = torch.clamp(qpos - self.cfg.window + 1, min=torch.tensor(los).view(-1, 1, 1))
-        k = kpos.unsqueeze(1)
-        ok = kvalid.unsqueeze(1) & rows.valid.unsqueeze(2) & (k <= qpos) & (k >= lo)
-        return keys, ok
 
     def _write_ring(self, layer, rows: _Rows, kv_bytes, works):
         for i, wk in enumerate(works):
@@ -213,25 +200,23 @@ class ModelRunner:
             ring_write(ring, wk.slot, s0, torch.stack([v, z], dim=1))
 
     def _compressed(self, layer, rows: _Rows, h, works, m):
-        """Entries visible to each query row. HCA: all of them, shared by the rows.
-        CSA: each row's top-k picks, gathered per row ([N, T, k, D]) so attention never
-        touches the entries it did not pick."""
+        """Entries visible to each query row, as (keys [N, Kc, D], ok, idx). HCA: all of
+        them (idx None). CSA: each row's top-k picks as indices [N, T, k] into keys, so
+        attention gathers only the entries it picked."""
         counts = [wk.end // m for wk in works]
         kc = max(counts)
-        n, t = rows.pos.shape
+        n = rows.pos.shape[0]
         keys = h.new_zeros(n, kc, self.cfg.head_dim)
         for i, wk in enumerate(works):
             keys[i, : counts[i]] = self.blocks.gather(wk.table, layer, counts[i])
         visible = torch.arange(kc).view(1, 1, kc) < ((rows.pos + 1) // m).unsqueeze(2)
         visible &= rows.valid.unsqueeze(2)
         if self.cfg.layers[layer] != "csa":
-            return keys, visible
+            return keys, visible, None
         ikeys = h.new_zeros(n, kc, self.cfg.index_dim)
         for i, wk in enumerate(works):
             ikeys[i, : counts[i]] = self.blocks.gather(wk.table, layer, counts[i], keys=True)
         iq, iw = ops.index_query(self.w, layer, h, self.cfg)
         chosen = select_topk(indexer_scores(iq, iw, ikeys), visible, self.cfg.csa_topk)
         idx, ok = selected_indices(chosen, self.cfg.csa_topk)                 # [N, T, k]
-        picked = torch.gather(keys.unsqueeze(1).expand(n, t, kc, keys.shape[-1]), 2,
-                              idx.unsqueeze(-1).expand(*idx.shape, keys.shape[-1]))
-        return picked, ok
+        return keys, ok, idx

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.generation import DEFAULT_MAX_TOKENS
 
 # Engines are reachable by every peer, not only through the gateway (whose own limits,
 # `--max-stop` and `--max-stop-bytes`, default to 16 and 256), so they bound stop work too.
@@ -26,7 +27,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False

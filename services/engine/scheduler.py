@@ -1,17 +1,20 @@
 """Scheduler: continuous batching with chunked prefill and preemption.
 
-Owns the waiting queue and the running list (and nothing else). Each step:
+Owns the waiting queue, the running list and each sequence's scheduling fields
+(status, finish, preemptions, admitted_at). Each step:
 
     1. every running sequence that is decoding gets one token (one batched forward);
     2. running sequences still in prefill get chunks, oldest first, within the
        token budget `max_batched_tokens`;
     3. waiting sequences are admitted while a slot, blocks for their first chunk,
-       and budget remain.
+       and budget remain: the cache manager plans the prefix hit (match_prefix) and
+       fills the slot from it (admit); the plan goes back to the engine in the StepPlan.
 
 When a sequence needs a block and none is free, the most recently admitted
 running sequence is preempted: its slot and blocks go back, it returns to the
-front of the queue and is recomputed from scratch (prompt + what it generated)
-when readmitted.
+front of the queue and is recomputed (prompt + what it generated; with truncation on,
+from its prefix hits) when readmitted. Its slot's replica is stored first, so a
+readmission can resume from it (see the replica rule in prefix.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.engine.cache.manager import CacheManager
+from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.engine_config import EngineConfig
 from services.engine.sequence import Finish, Sequence, Status
 
@@ -29,6 +32,7 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)   # (seq, start, end)
     out_of_memory: list[Sequence] = field(default_factory=list)              # finished: cache full
+    admitted: list[tuple[Sequence, MatchResult]] = field(default_factory=list)  # and their hits
 
     @property
     def empty(self) -> bool:
@@ -36,24 +40,24 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, cache: CacheManager, on_admit=None):
+    def __init__(self, ecfg: EngineConfig, cache: CacheManager):
         self.ecfg = ecfg
         self.cache = cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = 0
-        # hook that fills a freshly admitted sequence's cache from prefix hits (engine-provided)
-        self.on_admit = on_admit or (lambda seq: None)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, reason: Finish) -> None:
+        """The request is over (stop, length, aborted): leave the queues, give back its cache."""
         if seq in self.running:
             self.running.remove(seq)
             self.cache.release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        seq.status, seq.finish = Status.FINISHED, reason
 
     @property
     def has_work(self) -> bool:
@@ -78,13 +82,16 @@ class Scheduler:
             if not self.cache.can_admit(seq, min(len(seq.tokens), budget)):
                 break
             self.waiting.popleft()
-            self.cache.admit(seq)
-            self.on_admit(seq)
+            match = self.cache.match_prefix(seq)
+            self.cache.admit(seq, match)
+            plan.admitted.append((seq, match))
             seq.status = Status.RUNNING
             self._admissions += 1
             seq.admitted_at = self._admissions
             self.running.append(seq)
             budget -= self._plan_chunk(seq, budget, plan)
+            if seq.status is Status.WAITING:
+                break       # it had to give its blocks back at once: readmitting it now would loop
         return plan
 
     def _plan_chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
@@ -121,3 +128,4 @@ class Scheduler:
         if seq in plan.decode:
             plan.decode.remove(seq)
         plan.prefill = [p for p in plan.prefill if p[0] is not seq]
+        plan.admitted = [a for a in plan.admitted if a[0] is not seq]

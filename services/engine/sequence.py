@@ -1,19 +1,40 @@
 """Sequence: one request's tokens and cache bookkeeping as the engine sees it.
 
-Owned by the engine core: only `EngineCore` and its `Scheduler` change these
-fields, from the engine thread. The cache fields say what the two ledgers hold
-for this sequence:
+Every field has one writer, all on the engine thread:
+
+    request      request_id, params, seed, salt, traffic_class
+                 set when EngineCore creates the Sequence; never changed
+    tokens       prompt, output
+                 set when EngineCore creates the Sequence (a resumed generation starts
+                 with output); then CacheManager: `append_token` after a sample, `rollback`
+                 takes tokens back
+                 together with their cache rows (the two must never disagree)
+    cache        slot, table, hashes, block_hashes, num_computed, prefill_len, enc_lo,
+                 dec_lo, cmp_from, cached_tokens, replayed_tokens, recomputed_tokens, prefetched
+                 CacheManager (match, admit, grow, commit, release, rollback); EngineCore
+                 seeds `prefetched` and `block_hashes` (the prefetch's hashes) at creation
+    scheduling   status, finish, preemptions, admitted_at
+                 Scheduler (admission, preemption, finish)
+
+What the cache fields say about the two ledgers:
 
     slot          its state slot (SWA rings, compression tails), None while waiting
     table         block ids; entry rows for tokens [0, num_computed)
     hashes        chained hashes of the blocks registered for sharing (complete blocks)
+    block_hashes  the chain of `tokens`' complete blocks as far as it was needed: each
+                  block is hashed once per request (admission, commit, re-admission
+                  after preemption read it); cut back only by a rollback
     num_computed  tokens whose KV is in the cache; the next forward starts here
+    enc_lo        encoder SWA keys start here (bounded replay start; 0 = full window)
+    dec_lo        decoder SWA keys start here (YOCO truncation: L - KEEP)
+    cmp_from      compressed entries before this position are cached: never rewritten
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.engine.sampling import SamplingParams
 
@@ -45,18 +66,21 @@ class Sequence:
     slot: int | None = None
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     num_computed: int = 0
     prefill_len: int = 0        # tokens to compute before the next sample (set at admission)
     enc_lo: int = 0
     dec_lo: int = 0
     cmp_from: int = 0
-    # accounting
-    cached_tokens: int = 0
-    replayed_tokens: int = 0
+    # cache contents fetched from other tiers for this request (prefix.Prefetched); used by
+    # the first admission only, then dropped
+    prefetched: Any = None
+    # accounting (of the latest admission)
+    cached_tokens: int = 0      # tokens whose blocks came from cache (L1)
+    replayed_tokens: int = 0    # approximate: encoder bounded replay of [L1 - W, L1)
+    recomputed_tokens: int = 0  # exact: [S, L1) recomputed over a snapshot at S < L1
     preemptions: int = 0
     admitted_at: int = 0
-    # stop-string handling: text emitted so far and text held back (could start a stop string)
-    text: str = ""
 
     @property
     def tokens(self) -> list[int]:

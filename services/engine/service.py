@@ -6,22 +6,14 @@ import math
 from collections.abc import AsyncIterator
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.generation import DEFAULT_MAX_TOKENS, finish_to_proto, traffic_class_name
 from kvmesh.metrics import RequestMetrics
-from kvmesh.proto import engine_pb2, engine_pb2_grpc
+from kvmesh.proto import common_pb2, engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
 from services.engine.async_engine import AsyncEngine
-from services.engine.cache.snapshot_keys import layout_fingerprint
 from services.engine.peers import check_key, snapshot_messages
 from services.engine.sampling import SamplingParams
-from services.engine.sequence import Finish
 from services.engine.session import SessionHub
-
-DEFAULT_MAX_TOKENS = 64
-FINISH = {
-    Finish.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
-    Finish.STOP: engine_pb2.FINISH_REASON_STOP,
-    Finish.ABORTED: engine_pb2.FINISH_REASON_ABORTED,
-}
 
 
 def params_from_proto(req) -> SamplingParams:
@@ -42,8 +34,8 @@ def params_from_proto(req) -> SamplingParams:
     )
 
 
-def usage_proto(seq) -> engine_pb2.Usage:
-    return engine_pb2.Usage(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
+def usage_proto(seq) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
                             replayed_tokens=seq.replayed_tokens, generated_tokens=len(seq.output))
 
 
@@ -82,15 +74,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if self.remote is not None and ids:
             prefetched = await self.remote.prefetch(ids, request.cache_salt)
         generated, usage = 0, None
+        traffic_class = traffic_class_name(request.traffic_class)   # checked by the core
         try:
             async for ev in self.engine.generate(ids, params, request.request_id,
-                                                 request.cache_salt, request.traffic_class,
+                                                 request.cache_salt, traffic_class,
                                                  prefetched, request.resume_generated):
                 msg = engine_pb2.GenerateResponse(request_id=ev.request_id,
                                                   token_ids=ev.token_ids, text=ev.text)
                 generated += len(ev.token_ids)
                 if ev.finish is not None:
-                    msg.finish_reason = FINISH[ev.finish]
+                    msg.finish_reason = finish_to_proto(ev.finish.value)
                     usage = usage_proto(ev.seq)
                     msg.usage.CopyFrom(usage)
                 yield msg
@@ -107,7 +100,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.GetModelInfoResponse(
             preset=core.cfg.name, model_config_json=core.cfg.to_json(),
             model_fingerprint=core.cfg.fingerprint(),
-            layout_fingerprint=layout_fingerprint(core.cache.states.block),
+            layout_fingerprint=core.prefix.layout_fp,
             block_size=core.cfg.block_size, tokenizer=getattr(core.tokenizer, "path", "byte"),
             max_seq_len=core.cfg.max_seq_len)
 

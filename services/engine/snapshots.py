@@ -1,13 +1,17 @@
 """SnapshotStore: SWA snapshots in the engine's host memory.
 
-Owns every stored snapshot; nothing else keeps references to their bytes.
+Owns every stored snapshot; the store itself is owned by PrefixReuse (which
+alone puts into it and sweeps it) and used on the engine thread only. Snapshots are frozen,
+so one handed to a peer (FetchSwaSnapshot) cannot change under it.
 A snapshot is the stored region of a slot (`state_size_to_disk` bytes: the
 encoder SWA rings in the inference layout) at a block boundary S, keyed by
 `snapshot_key(block_hash(S), layout_fingerprint)`. Bounded in bytes (LRU) and
 by age (TTL in minutes); `clock` is injectable for tests.
 
 A snapshot records the layout and model it came from; `get` refuses one that
-does not match this engine (it is dropped, never restored).
+does not match this engine (it is dropped, never restored). `on_put` and
+`on_evict` tell the owner's observer (EngineCore: counters, directory) what
+was stored and what went; they must not call back into the store.
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ class Snapshot:
 
 class SnapshotStore:
     def __init__(self, capacity_bytes: int, ttl_min: float, layout_fp: str, model_fp: str,
-                 clock: Callable[[], float] = time.monotonic, on_evict=None):
+                 clock: Callable[[], float] = time.monotonic, on_evict=None, on_put=None):
         self.capacity = capacity_bytes
         self.ttl_s = ttl_min * 60.0
         self.layout_fp, self.model_fp = layout_fp, model_fp
         self.clock = clock
         self.on_evict = on_evict or (lambda key: None)   # e.g. withdraw from the directory
+        self.on_put = on_put or (lambda snap: None)      # e.g. publish to the directory
         self._items: OrderedDict[str, Snapshot] = OrderedDict()
         self.bytes = 0
         self.refused = 0
@@ -55,6 +60,7 @@ class SnapshotStore:
         self.bytes += len(snap.data)
         while self.bytes > self.capacity:
             self._remove(next(iter(self._items)))
+        self.on_put(snap)
         return True
 
     def get(self, key: str) -> Snapshot | None:

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from kvmesh.generation import set_sampling, traffic_class_to_proto
 from kvmesh.proto import gateway_pb2 as pb
 from kvmesh.proto import gateway_pb2_grpc as pb_grpc
 from kvmesh.rpc import RpcClient
-from services.engine.client import set_sampling
-
-TRAFFIC = {"": pb.TRAFFIC_CLASS_UNSPECIFIED, "agent": pb.TRAFFIC_CLASS_AGENT,
-           "chatbot": pb.TRAFFIC_CLASS_CHATBOT}
 
 
 def gateway_request(prompt: str | list[int], max_tokens: int | None = None,
@@ -29,7 +26,7 @@ def gateway_request(prompt: str | list[int], max_tokens: int | None = None,
                     traffic_class: str = "", cache_salt: str = "", request_id: str = "",
                     ignore_eos: bool = False) -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt,
-                             traffic_class=TRAFFIC[traffic_class], ignore_eos=ignore_eos,
+                             traffic_class=traffic_class_to_proto(traffic_class), ignore_eos=ignore_eos,
                              stop=stop or [], stop_token_ids=stop_token_ids or [])
     if isinstance(prompt, str):
         req.prompt = prompt

@@ -7,6 +7,7 @@
 | KVMESH_GATEWAY_ENGINES               | engines               | "" (host:port,...) |
 | KVMESH_GATEWAY_DIRECTORY             | directory             | "" (host:port)     |
 | KVMESH_GATEWAY_METRICS_PORT          | metrics_port          | 0 = off            |
+| KVMESH_GATEWAY_HTTP_PORT             | http_port             | 0 = off            |
 | KVMESH_GATEWAY_TOKENIZER             | tokenizer             | "" = byte-level    |
 | KVMESH_GATEWAY_MAX_REQUEST_BYTES     | max_request_bytes     | 4 MiB              |
 | KVMESH_GATEWAY_MAX_PROMPT_BYTES      | max_prompt_bytes      | 1 MiB              |
@@ -68,6 +69,7 @@ class GatewayConfig:
     engines: str = ""                   # static engines, comma-separated host:port
     directory: str = ""                 # directory host:port; "" = static engines only
     metrics_port: int = 0               # Prometheus /metrics; 0 = off
+    http_port: int = 0                  # OpenAI-compatible HTTP API; 0 = off
     tokenizer: str = ""                 # tokenizer.json for routing keys; "" = byte-level
     # Limits. Oversize input is RESOURCE_EXHAUSTED, out-of-range fields INVALID_ARGUMENT.
     max_request_bytes: int = 4 << 20
@@ -91,8 +93,9 @@ class GatewayConfig:
         split_addresses(self.engines)
         if self.directory:
             split_addresses(self.directory)
-        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
-            raise ValueError("port and metrics_port must be in [0, 65535]")
+        for name in ("port", "metrics_port", "http_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         for name in ("max_request_bytes", "max_prompt_bytes", "max_prompt_tokens",
                      "max_tokens_limit", "max_stop", "max_stop_bytes", "max_attempts",
                      "affinity_entries", "max_imbalance"):

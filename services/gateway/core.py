@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -25,12 +26,10 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from kvmesh import cachekeys
 from kvmesh.errors import KvmeshError, Unavailable
 from kvmesh.metrics import RequestMetrics
-from services.engine.cache import hashing
-from services.engine.cache.snapshot_keys import snapshot_key
-from services.engine.config import ModelConfig
-from services.engine.tokenizer import load_tokenizer
+from kvmesh.tokenizer import load_tokenizer
 from services.gateway import validate
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EnginePool, engine_request, resume_request
@@ -50,24 +49,29 @@ MAX_LOOKUP_KEYS = 1024
 
 
 class ModelInfo:
-    """What routing needs from an engine's GetModelInfo (all engines serve one model)."""
+    """What routing needs from an engine's GetModelInfo (all engines serve one model).
+
+    The model config arrives as JSON and is read as plain fields: the gateway names cache
+    contents with kvmesh.cachekeys and never imports the engine's ModelConfig."""
 
     def __init__(self, msg):
-        self.cfg = ModelConfig.from_json(msg.model_config_json)
-        self.layout_fp = msg.layout_fingerprint
-        self.vocab_size = self.cfg.vocab_size
-        self.block_size = self.cfg.block_size
-        self.window = self.cfg.window
+        cfg = json.loads(msg.model_config_json)
+        self.layout_fp: str = msg.layout_fingerprint
+        self.vocab_size: int = cfg["vocab_size"]
+        self.block_size: int = cfg["block_size"]
+        self.window: int = cfg["window"]
+        self.name: str = cfg["name"]                    # the served model id (HTTP API)
+        self.max_seq_len: int = cfg["max_seq_len"]
         # Part of every block hash; computing it costs more than hashing a short prompt.
-        self.model_fp = self.cfg.fingerprint()
+        self.model_fp = cachekeys.model_fingerprint(cfg)
 
     def snapshot_keys(self, ids, salt: str) -> list[str]:
         """Snapshot keys of every block boundary, shortest prefix first (as
         `prefix_snapshot_keys`, with the model fingerprint computed once)."""
         if len(ids) < self.block_size:  # no complete block: nothing to hash
             return []
-        return [snapshot_key(h, self.layout_fp)
-                for h in hashing.chain(ids, self.block_size, self.model_fp, salt)]
+        return [cachekeys.snapshot_key(h, self.layout_fp)
+                for h in cachekeys.chain(ids, self.block_size, self.model_fp, salt)]
 
     def lookup_count(self, n_tokens: int) -> int:
         """How many leading keys can name a usable snapshot. An engine restores one only at
@@ -222,10 +226,16 @@ class GatewayRequest:
             # A stream continued on another engine draws its next tokens from the same
             # (seed, position) stream only if the seed is known here.
             msg.sampling.seed = random.getrandbits(62)
-        tried: list[str] = []
+        failed_at: dict[str, float] = {}   # engine address -> when it failed this request
         last: Exception | None = None
         while self.attempts < core.cfg.max_attempts + self.migrations:
-            choice = core.router.pick(core.clock(), keys, holders, exclude=tried)
+            # An engine that failed this request is avoided while it is marked down, not for
+            # the request's whole life: a long request (queued, then migrated) may need an
+            # engine that failed a minute ago and has restarted since. `max_attempts` and
+            # `migration_limit` bound the loop.
+            now = core.clock()
+            avoid = [a for a, t in failed_at.items() if now - t < core.cfg.down_s]
+            choice = core.router.pick(now, keys, holders, exclude=avoid)
             if choice is None:
                 break
             st = choice.engine
@@ -256,10 +266,11 @@ class GatewayRequest:
                     core.metrics.migrations.inc()
                     log.warning("request %s: engine %s failed after %d tokens (%s); continuing "
                                 "on another engine", req.request_id, st.engine_id, self.tokens, exc)
-                tried.append(st.address)
+                else:
+                    log.warning("request %s: engine %s failed before the first token (%s); "
+                                "retrying", req.request_id, st.engine_id, exc)
+                failed_at[st.address] = core.clock()
                 last = exc
-                log.warning("request %s: engine %s failed before the first token (%s); retrying",
-                            req.request_id, st.engine_id, exc)
                 continue
             finally:
                 st.in_flight -= 1

@@ -25,16 +25,17 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvmesh.generation import set_sampling, traffic_class_to_proto
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import channel
-from services.engine.client import set_sampling
 from services.gateway.model import Chunk, EngineFailure, GenRequest
 from services.gateway.session import EngineSession, error_for, to_chunk
 
 
 def engine_request(req: GenRequest) -> engine_pb2.GenerateRequest:
     msg = engine_pb2.GenerateRequest(
-        request_id=req.request_id, cache_salt=req.cache_salt, traffic_class=req.traffic_class,
+        request_id=req.request_id, cache_salt=req.cache_salt,
+        traffic_class=traffic_class_to_proto(req.traffic_class),
         ignore_eos=req.ignore_eos, stop=req.stop, stop_token_ids=req.stop_token_ids)
     if req.prompt_token_ids is not None:
         msg.prompt_token_ids.extend(req.prompt_token_ids)

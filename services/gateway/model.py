@@ -18,8 +18,6 @@ from kvmesh.errors import (
     Unavailable,
 )
 
-TRAFFIC_CLASSES = ("", "agent", "chatbot")
-
 
 @dataclass(frozen=True)
 class GenRequest:
@@ -33,7 +31,7 @@ class GenRequest:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    traffic_class: str = ""             # "", "agent", "chatbot"; anything else is invalid
+    traffic_class: str = ""             # kvmesh.generation.TRAFFIC_CLASSES or "" (none)
     cache_salt: str = ""
     ignore_eos: bool = False
 

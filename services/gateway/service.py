@@ -15,8 +15,10 @@ from collections.abc import Coroutine
 
 import grpc
 
-from kvmesh.errors import KvmeshError, ResourceExhausted
+from kvmesh.errors import KvmeshError, TooLarge
+from kvmesh.generation import finish_to_proto, traffic_class_name
 from kvmesh.metrics import serve_metrics
+from kvmesh.proto import common_pb2
 from kvmesh.proto import gateway_pb2 as pb
 from kvmesh.proto import gateway_pb2_grpc as pb_grpc
 from kvmesh.rpc import Server, shutdown_signal
@@ -26,16 +28,12 @@ from services.gateway.model import GenRequest, status_name
 
 log = logging.getLogger("kvmesh.gateway")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GatewayService"].full_name
-TRAFFIC = {pb.TRAFFIC_CLASS_UNSPECIFIED: "", pb.TRAFFIC_CLASS_AGENT: "agent",
-           pb.TRAFFIC_CLASS_CHATBOT: "chatbot"}
-FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "length": pb.FINISH_REASON_LENGTH,
-          "stop": pb.FINISH_REASON_STOP, "aborted": pb.FINISH_REASON_ABORTED}
 
 
 def request_from_proto(msg: pb.GenerateRequest, max_bytes: int) -> GenRequest:
     size = msg.ByteSize()
     if size > max_bytes:
-        raise ResourceExhausted(f"request is {size} bytes; the limit is {max_bytes}")
+        raise TooLarge(f"request is {size} bytes; the limit is {max_bytes}")
     s = msg.sampling
     which = msg.WhichOneof("prompt_input")
     return GenRequest(
@@ -49,7 +47,7 @@ def request_from_proto(msg: pb.GenerateRequest, max_bytes: int) -> GenRequest:
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         # An unknown enum number maps to a name validation rejects with the number in it.
-        traffic_class=TRAFFIC.get(msg.traffic_class, f"TrafficClass({msg.traffic_class})"),
+        traffic_class=traffic_class_name(msg.traffic_class),
         cache_salt=msg.cache_salt, ignore_eos=msg.ignore_eos,
     )
 
@@ -77,8 +75,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 msg = pb.GenerateStreamResponse(request_id=gr.req.request_id,
                                                 token_ids=c.token_ids, text=c.text)
                 if c.finish is not None:
-                    msg.finish_reason = FINISH[c.finish]
-                    msg.usage.CopyFrom(pb.Usage(**c.usage._asdict()))
+                    msg.finish_reason = finish_to_proto(c.finish)
+                    msg.usage.CopyFrom(common_pb2.Usage(**c.usage._asdict()))
                     msg.engine_id = gr.engine_id
                     msg.migrations = gr.migrations
                 yield msg
@@ -95,8 +93,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
                 out.token_ids.extend(c.token_ids)
                 out.text += c.text
                 if c.finish is not None:
-                    out.finish_reason = FINISH[c.finish]
-                    out.usage.CopyFrom(pb.Usage(**c.usage._asdict()))
+                    out.finish_reason = finish_to_proto(c.finish)
+                    out.usage.CopyFrom(common_pb2.Usage(**c.usage._asdict()))
             out.request_id, out.engine_id, out.attempts = gr.req.request_id, gr.engine_id, gr.attempts
             out.migrations = gr.migrations
             return out
@@ -144,11 +142,25 @@ async def serve(cfg: GatewayConfig) -> None:
     if cfg.metrics_port:
         serve_metrics(cfg.metrics_port, cfg.host)
     server, core = await start_gateway(cfg, directory)
-    log.info("gateway listening on %s:%d (engines %s, directory %s, metrics %s, loop %s)",
-             cfg.host, server.port, cfg.engines or "-", cfg.directory or "-",
-             cfg.metrics_port or "off", type(asyncio.get_running_loop()).__module__)
+    http = None
+    if cfg.http_port:
+        from services.gateway.openai_api.server import HttpServer
+
+        http = HttpServer(core, cfg.host, cfg.http_port)
+        try:
+            await http.start()
+        except OSError:  # port taken: stop what started; the CLI prints why and exits 2
+            await server.stop(grace=0)
+            await core.close()
+            raise
+    log.info("gateway listening on %s:%d (engines %s, directory %s, metrics %s, HTTP API %s, "
+             "loop %s)", cfg.host, server.port, cfg.engines or "-", cfg.directory or "-",
+             cfg.metrics_port or "off", http.port if http else "off",
+             type(asyncio.get_running_loop()).__module__)
     stop = shutdown_signal()
     await stop.wait()
     log.info("gateway shutting down")
+    if http is not None:
+        await http.stop()
     await server.stop(grace=5.0)
     await core.close()

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.generation import finish_name
 from kvmesh.proto import engine_pb2
 from services.gateway.model import (
     Chunk,
@@ -33,8 +34,6 @@ from services.gateway.model import (
     Usage,
 )
 
-FINISH = {engine_pb2.FINISH_REASON_LENGTH: "length", engine_pb2.FINISH_REASON_STOP: "stop",
-          engine_pb2.FINISH_REASON_ABORTED: "aborted"}
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -53,7 +52,7 @@ def to_chunk(m: engine_pb2.GenerateResponse) -> Chunk:
     if not m.finish_reason:
         return Chunk(list(m.token_ids), m.text)
     u = m.usage
-    return Chunk(list(m.token_ids), m.text, FINISH.get(m.finish_reason, "aborted"),
+    return Chunk(list(m.token_ids), m.text, finish_name(m.finish_reason) or "aborted",
                  Usage(u.prompt_tokens, u.cached_tokens, u.replayed_tokens, u.generated_tokens))
 
 

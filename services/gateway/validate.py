@@ -1,4 +1,4 @@
-"""Request checks: bad fields -> InvalidArgument, oversize -> ResourceExhausted.
+"""Request checks: bad fields -> InvalidArgument, oversize -> TooLarge (RESOURCE_EXHAUSTED).
 
 Every message names the field and says why, so a caller can fix the request
 without reading the code. The engine checks again (it is the authority on its
@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import re
 
-from kvmesh.errors import InvalidArgument, ResourceExhausted
+from kvmesh.errors import InvalidArgument, TooLarge
+from kvmesh.generation import check_traffic_class
 from services.gateway.config import GatewayConfig
-from services.gateway.model import TRAFFIC_CLASSES, GenRequest
+from services.gateway.model import GenRequest
 
 # Salts and request ids end up in logs and cache keys: keep them printable and short.
 SALT_RE = re.compile(r"[A-Za-z0-9._:-]{0,128}")
@@ -58,8 +59,7 @@ def check_request(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None = 
     """Everything that does not need the tokenizer. `vocab_size` None = not known yet."""
     if req.request_id and not REQUEST_ID_RE.fullmatch(req.request_id):
         raise InvalidArgument("request_id must be 1-128 characters of [A-Za-z0-9._:-]")
-    if req.traffic_class not in TRAFFIC_CLASSES:
-        raise InvalidArgument(f"traffic_class must be agent or chatbot, not {req.traffic_class!r}")
+    check_traffic_class(req.traffic_class)
     if not SALT_RE.fullmatch(req.cache_salt):
         raise InvalidArgument("cache_salt must be at most 128 characters of [A-Za-z0-9._:-]")
     if req.prompt is not None:
@@ -67,7 +67,7 @@ def check_request(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None = 
             raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
         size = len(req.prompt.encode("utf-8", "surrogatepass"))
         if size > cfg.max_prompt_bytes:
-            raise ResourceExhausted(f"prompt is {size} bytes; the limit is {cfg.max_prompt_bytes}")
+            raise TooLarge(f"prompt is {size} bytes; the limit is {cfg.max_prompt_bytes}")
     else:
         ids = req.prompt_token_ids or ()
         if not ids:
@@ -84,4 +84,4 @@ def check_request(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None = 
 
 def check_prompt_tokens(n: int, cfg: GatewayConfig) -> None:
     if n > cfg.max_prompt_tokens:
-        raise ResourceExhausted(f"prompt is {n} tokens; the limit is {cfg.max_prompt_tokens}")
+        raise TooLarge(f"prompt is {n} tokens; the limit is {cfg.max_prompt_tokens}")

@@ -16,6 +16,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvmesh.clihelp import env_default
+from kvmesh.generation import traffic_class_name
+from kvmesh.running import RUNNING_MESH_FILE
 from services.kvstore.client import KvstoreClient
 from services.kvstore.config import KvstoreConfig
 
@@ -27,25 +30,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     kv = sub.add_parser("kvstore", help="the erasure-coded block store")
     kv_sub = kv.add_subparsers(dest="kvstore_command", required=True)
     serve = kv_sub.add_parser("serve", help="run the kvstore gRPC service")
-    serve.add_argument("--host", default=None)
-    serve.add_argument("--port", type=int, default=None)
+    d = lambda name: env_default(KvstoreConfig, "KVMESH_KVSTORE_", name)  # noqa: E731
+    serve.add_argument("--host", default=None, help=f"address to listen on ({d('host')})")
+    serve.add_argument("--port", type=int, default=None, help=f"gRPC port ({d('port')})")
     serve.add_argument("--locations", default=None,
-                       help="12 comma-separated http://host:port/bucket shard locations")
-    serve.add_argument("--data-dir", default=None)
-    serve.add_argument("--mem-bytes", type=int, default=None)
-    serve.add_argument("--disk-bytes", type=int, default=None)
-    serve.add_argument("--capacity-bytes", type=int, default=None)
-    serve.add_argument("--gc-interval-s", type=float, default=None)
+                       help="12 comma-separated http://host:port/bucket shard locations "
+                       "(default $KVMESH_KVSTORE_LOCATIONS)")
+    serve.add_argument("--data-dir", default=None,
+                       help=f"local disk tier and the object index ({d('data_dir')})")
+    serve.add_argument("--mem-bytes", type=int, default=None,
+                       help=f"memory LRU tier, bytes ({d('mem_bytes')})")
+    serve.add_argument("--disk-bytes", type=int, default=None,
+                       help=f"local-disk LRU tier, bytes ({d('disk_bytes')})")
+    serve.add_argument("--capacity-bytes", type=int, default=None,
+                       help=f"durable bytes GC keeps under ({d('capacity_bytes')})")
+    serve.add_argument("--gc-interval-s", type=float, default=None,
+                       help=f"seconds between GC runs ({d('gc_interval_s')})")
     serve.add_argument("--metrics-port", type=int, default=None,
-                       help="serve Prometheus /metrics on this port (bytes per tier, GC activity)")
+                       help="serve Prometheus /metrics on this port (bytes per tier, GC "
+                       "activity; default: off)")
     serve.add_argument("--create-buckets", action="store_true",
                        help="create missing shard buckets at start (fresh S3 servers, compose)")
     serve.set_defaults(func=_serve)
 
     admin = sub.add_parser("admin", help="kvstore administration over gRPC")
-    admin.add_argument("--kvstore", default=os.environ.get("KVMESH_KVSTORE_ADDR", DEFAULT_ADDR),
-                       help="kvstore address (default $KVMESH_KVSTORE_ADDR or %(default)s)")
-    admin.add_argument("--timeout", type=float, default=600.0)
+    admin.add_argument("--kvstore", default=None,
+                       help="kvstore address (default $KVMESH_KVSTORE_ADDR, else the kvstore of "
+                       f"the `kvmesh up` running from this directory ({RUNNING_MESH_FILE}), "
+                       f"else {DEFAULT_ADDR})")
+    admin.add_argument("--timeout", type=float, default=600.0, help="seconds per admin call")
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
     gc = admin_sub.add_parser("gc", help="garbage collection")
     gc_sub = gc.add_subparsers(dest="gc_command", required=True)
@@ -117,11 +130,12 @@ def _export_metrics(server, port: int) -> None:
 
     core = server.core
 
-    from services.kvstore.core import GC_COUNTERS
+    from services.kvstore.core import GC_COUNTERS, READ_COUNTERS
 
     def read() -> dict[str, float]:
         return {"durable_bytes": core.meta.complete_bytes, "mem_bytes": core.mem.used,
-                "disk_bytes": core.disk.used, **dict.fromkeys(GC_COUNTERS, 0),
+                "disk_bytes": core.disk.used, **dict.fromkeys(GC_COUNTERS + READ_COUNTERS, 0),
+                "locations_down": len(core.cfg.locations) - core.shards.up_count(),
                 **dict(core.counters)}
 
     StatsExporter("kvstore", read)
@@ -129,9 +143,22 @@ def _export_metrics(server, port: int) -> None:
 
 
 # -- admin -------------------------------------------------------------------------
+def admin_address(flag: str | None, env=None) -> str:
+    """--kvstore, else $KVMESH_KVSTORE_ADDR, else the running `kvmesh up`'s kvstore (the
+    file it writes while it runs), else 127.0.0.1:7100."""
+    env = os.environ if env is None else env
+    if flag:
+        return flag
+    if env.get("KVMESH_KVSTORE_ADDR"):
+        return env["KVMESH_KVSTORE_ADDR"]
+    from kvmesh.running import running_endpoints
+
+    return running_endpoints().get("kvstore") or DEFAULT_ADDR
+
+
 def _run(args, fn) -> int:
     async def go():
-        async with KvstoreClient(args.kvstore, timeout=args.timeout) as client:
+        async with KvstoreClient(admin_address(args.kvstore), timeout=args.timeout) as client:
             return await fn(client)
 
     import grpc
@@ -201,7 +228,7 @@ def _stats(args) -> int:
         table.add_row("durable (S3, EC 10+2)", str(s.objects), f"{s.bytes:,}",
                       f"{s.capacity_bytes:,} (GC {s.high_watermark:.0%} -> {s.low_watermark:.0%})")
         for c in s.classes:
-            table.add_row(f"  class {c.traffic_class}", str(c.objects), f"{c.bytes:,}", "")
+            table.add_row(f"  class {traffic_class_name(c.traffic_class)}", str(c.objects), f"{c.bytes:,}", "")
         table.add_row("memory tier", str(s.mem_objects), f"{s.mem_bytes:,}", f"{s.mem_capacity:,}")
         table.add_row("disk tier", str(s.disk_objects), f"{s.disk_bytes:,}", f"{s.disk_capacity:,}")
         table.add_row("uploads in flight", str(s.pending), "", "")
@@ -231,7 +258,7 @@ def _ls(args) -> int:
                 continue
             shown += 1
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(obj.last_access_unix))
-            table.add_row(obj.key, f"{obj.size:,}", obj.traffic_class, when,
+            table.add_row(obj.key, f"{obj.size:,}", traffic_class_name(obj.traffic_class), when,
                           "ok" if obj.complete else "uploading")
         console.print(table)
         console.print(f"{shown} of {total} objects shown")

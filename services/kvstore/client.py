@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from kvmesh.generation import traffic_class_to_proto
 from kvmesh.proto import kvstore_pb2 as pb
 from kvmesh.proto import kvstore_pb2_grpc as pb_grpc
 from kvmesh.rpc import RpcClient
@@ -29,8 +30,13 @@ class KvstoreClient(RpcClient):
     def _t(self, timeout: float | None) -> float | None:
         return timeout if timeout is not None else self.timeout
 
-    async def put(self, items: list[tuple[str, bytes]], traffic_class: str = "chatbot",
+    async def put(self, items: list[tuple[str, bytes]], traffic_class: str | int = "chatbot",
                   timeout: float | None = None) -> int:
+        """`traffic_class`: a name ("agent", "chatbot") or a common.v1 TrafficClass number
+        as is (the server rejects numbers outside the enum)."""
+        if isinstance(traffic_class, str):
+            traffic_class = traffic_class_to_proto(traffic_class)
+
         async def stream():
             for key, data in items:
                 yield pb.PutRequest(header=pb.ObjectHeader(

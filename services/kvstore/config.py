@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from services.kvstore.ec import Layout
+from services.kvstore.health import HealthPolicy
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -59,7 +60,17 @@ class KvstoreConfig:
     access_flush_s: float = 1.0  # access times reach sqlite at most this late
     s3_connect_timeout_s: float = 1.0
     s3_read_timeout_s: float = 5.0
-    location_retry_s: float = 2.0  # a failed location is skipped this long on the data path
+    location_retry_s: float = 2.0  # a down location gets one trial read this often
+    # Hedged shard reads (health.py): a shard read is late after hedge_factor x the
+    # location's recent p90 latency (at least hedge_floor_s); a late data shard is
+    # replaced by a parity read. A location is down when, within health_window_s, it
+    # had >= health_min_errors errors (timeouts, late reads, 5xx) and an error share
+    # >= health_error_rate.
+    hedge_factor: float = 2.0
+    hedge_floor_s: float = 0.1
+    health_window_s: float = 10.0
+    health_min_errors: int = 3
+    health_error_rate: float = 0.6
     threads_per_location: int = 4
     layout: Layout = field(default_factory=Layout)
 
@@ -80,11 +91,14 @@ class KvstoreConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("ttl_agent_s", "ttl_chatbot_s", "gc_interval_s", "access_flush_s",
-                     "s3_connect_timeout_s", "s3_read_timeout_s"):
+                     "s3_connect_timeout_s", "s3_read_timeout_s", "hedge_factor",
+                     "hedge_floor_s", "health_window_s", "health_min_errors"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.orphan_grace_s < 0 or self.location_retry_s < 0:
             raise ValueError("orphan_grace_s and location_retry_s must be >= 0")
+        if not (0 < self.health_error_rate <= 1.0):
+            raise ValueError(f"health_error_rate {self.health_error_rate} outside (0, 1]")
         if not (0 <= self.port < 65536):
             raise ValueError(f"port {self.port} out of range")
 
@@ -93,6 +107,7 @@ class KvstoreConfig:
         return f"{self.host}:{self.port}"
 
     def ttl_s(self, traffic_class: str) -> float:
+        """TTL of a class name (kvmesh.generation.TRAFFIC_CLASSES); anything else: chatbot's."""
         return self.ttl_agent_s if traffic_class == "agent" else self.ttl_chatbot_s
 
     @classmethod
@@ -122,12 +137,19 @@ class KvstoreConfig:
             values["data_dir"] = Path(values["data_dir"])
         return cls(**values)
 
+    def health_policy(self) -> HealthPolicy:
+        return HealthPolicy(
+            window_s=self.health_window_s, min_errors=self.health_min_errors,
+            error_rate=self.health_error_rate, retry_s=self.location_retry_s,
+            factor=self.hedge_factor, floor_s=self.hedge_floor_s,
+            ceiling_s=self.s3_read_timeout_s)
+
     def with_(self, **changes) -> KvstoreConfig:
         return replace(self, **changes)
 
 
 _INTS = {"port", "mem_bytes", "disk_bytes", "capacity_bytes", "max_object_bytes",
-         "write_quorum", "threads_per_location"}
+         "write_quorum", "threads_per_location", "health_min_errors"}
 _STRS = {"host"}
 
 

@@ -29,9 +29,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvmesh.errors import InvalidArgument, Unavailable
-from services.kvstore import gc, keys
+from services.kvstore import ec, gc, keys
 from services.kvstore.config import KvstoreConfig
-from services.kvstore.durable import DurableStore
+from services.kvstore.durable import DurableStore, ReadResult
 from services.kvstore.meta import MetaStore, Record
 from services.kvstore.reports import GcReport, ListEntry, ScrubReport, Stats
 from services.kvstore.shards import LocationDown, ShardStore
@@ -40,6 +40,9 @@ from services.kvstore.tiers import DiskTier, MemoryTier
 # What each GC pass adds to `counters` (run_gc); /metrics shows them from the start, at 0.
 GC_COUNTERS = ("gc_runs", "gc_deleted", "gc_expired", "gc_evicted", "gc_orphans_removed",
                "gc_bytes_freed")
+# What durable-tier reads add (`_count`): repairs, hedging, integrity; also shown from 0.
+READ_COUNTERS = ("shards_repaired", "shard_reads_hedged", "shard_reads_timed_out",
+                 "digest_mismatches_recovered", "shards_forged", "digest_mismatches_unrecovered")
 
 log = logging.getLogger("kvmesh.kvstore")
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
@@ -126,9 +129,11 @@ class KvStore:
 
     async def _put_one(self, key: str, data: bytes, traffic_class: str) -> None:
         gen = secrets.randbits(63)
+        # blake3 releases the GIL: a 64 MiB object's digest must not stall the loop.
+        digest = ec.digest(data) if len(data) < 1 << 20 else await asyncio.to_thread(ec.digest, data)
         self.mem.drop(key)
         self.disk.drop(key)
-        self.meta.begin_put(key, gen, len(data), traffic_class, self.clock())
+        self.meta.begin_put(key, gen, len(data), traffic_class, self.clock(), digest)
         try:
             await self.durable.put(key, gen, data)
         except BaseException:
@@ -160,9 +165,10 @@ class KvStore:
                     self.mem.put(key, gen, data)
             if data is None:
                 tier = "s3"
-                res = await self.durable.get(key, gen, still_current=lambda: self._is_current(key, gen))
+                res = await self.durable.get(key, gen, still_current=lambda: self._is_current(key, gen),
+                                             expect=rec.digest)
                 data = res.data
-                self.counters["shards_repaired"] += len(res.repaired)
+                self._count(res)
                 if data is not None and self._is_current(key, gen):
                     self.mem.put(key, gen, data)
                     await self.disk.put(key, gen, data)
@@ -172,6 +178,17 @@ class KvStore:
         self.counters[f"hits_{tier}"] += 1
         self.meta.touch(key, self.clock())
         return data
+
+    def _count(self, res: ReadResult) -> None:
+        """Integrity and hedging counters (Stats.counters, `kvmesh admin gc stats`)."""
+        self.counters["shards_repaired"] += len(res.repaired)
+        self.counters["shard_reads_hedged"] += res.hedged
+        self.counters["shard_reads_timed_out"] += len(res.timed_out)
+        if res.forged:
+            self.counters["digest_mismatches_recovered"] += 1
+            self.counters["shards_forged"] += len(res.forged)
+        if res.digest_miss:
+            self.counters["digest_mismatches_unrecovered"] += 1
 
     def _is_current(self, key: str, gen: int) -> bool:
         rec = self.meta.current(key)
@@ -301,22 +318,22 @@ class KvStore:
         """Read every committed object's shards; with `repair`, rewrite bad ones."""
         await self.require_durable()
         report = ScrubReport(repair=repair)
-        todo = sorted((k, r.generation) for k, r in self.meta.items() if r.complete)
+        todo = sorted((k, r.generation, r.digest) for k, r in self.meta.items() if r.complete)
         sem = asyncio.Semaphore(concurrency)
         done = 0
 
-        async def one(key: str, gen: int) -> None:
+        async def one(key: str, gen: int, expect: bytes | None) -> None:
             nonlocal done
             async with sem:
                 with self._lease(key):
                     res = await self.durable.get(
                         key, gen, repair=repair, full=True,
-                        still_current=lambda: self._is_current(key, gen),
+                        still_current=lambda: self._is_current(key, gen), expect=expect,
                     )
             report.add(key, res)
+            self._count(res)
             done += 1
             progress("scrub", done, len(todo))
 
-        await asyncio.gather(*(one(k, g) for k, g in todo))
-        self.counters["shards_repaired"] += report.shards_repaired
+        await asyncio.gather(*(one(k, g, d) for k, g, d in todo))
         return report

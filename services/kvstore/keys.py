@@ -7,12 +7,12 @@ gRPC layer turns into INVALID_ARGUMENT.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
+from kvmesh import generation
 from kvmesh.errors import InvalidArgument
 
 _KEY = re.compile(r"[0-9a-f]{32,128}")
-TRAFFIC_CLASSES = ("agent", "chatbot")
-DEFAULT_CLASS = "chatbot"
 
 
 def check_key(key: str) -> str:
@@ -24,18 +24,13 @@ def check_key(key: str) -> str:
     return key
 
 
-def check_keys(keys) -> list[str]:
+def check_keys(keys: Iterable[str]) -> list[str]:
     return [check_key(k) for k in keys]
 
 
 def check_traffic_class(name: str) -> str:
-    if name == "":
-        return DEFAULT_CLASS
-    if name not in TRAFFIC_CLASSES:
-        raise InvalidArgument(
-            f"unknown traffic class {name!r}: expected one of {', '.join(TRAFFIC_CLASSES)}"
-        )
-    return name
+    """A known class name, with "" (none given) filed as chatbot."""
+    return generation.check_traffic_class(name) or generation.DEFAULT_TRAFFIC_CLASS
 
 
 def check_size(key: str, size: int, limit: int) -> int:

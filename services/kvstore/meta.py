@@ -11,6 +11,10 @@ lost, shards written before the new database existed are never swept as
 orphans (see `gc.find_orphans`), so data is not destroyed by mistake.
 
 `MetaStore` is the only owner of the records and of the sqlite connection.
+Each record carries the object's blake3 digest, taken at put time: the
+durable tier checks reassembled bytes against it before answering (records
+written before digests existed have none and are served unchecked).
+
 Access times change in memory on every hit and reach sqlite in one batched
 transaction per `flush()` (the service calls it every `access_flush_s`).
 """
@@ -29,7 +33,8 @@ CREATE TABLE IF NOT EXISTS objects (
   traffic_class TEXT NOT NULL,
   created REAL NOT NULL,
   last_access REAL NOT NULL,
-  complete INTEGER NOT NULL
+  complete INTEGER NOT NULL,
+  digest BLOB
 );
 CREATE TABLE IF NOT EXISTS info (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
@@ -43,6 +48,7 @@ class Record:
     created: float
     last_access: float
     complete: bool
+    digest: bytes | None = None  # blake3 of the object (32 bytes); None: written before digests
 
 
 class MetaStore:
@@ -53,6 +59,9 @@ class MetaStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(objects)")}
+        if "digest" not in columns:  # a database from before digests: keep its records
+            self._db.execute("ALTER TABLE objects ADD COLUMN digest BLOB")
         self._db.execute("INSERT OR IGNORE INTO info VALUES ('created', ?)", (repr(now),))
         self.created = float(
             self._db.execute("SELECT value FROM info WHERE name='created'").fetchone()[0]
@@ -60,10 +69,12 @@ class MetaStore:
         self._records: dict[str, Record] = {}
         self._dirty: set[str] = set()
         self.complete_bytes = 0
-        for key, gen, size, tc, created, last, complete in self._db.execute(
-            "SELECT * FROM objects"
+        for key, gen, size, tc, created, last, complete, digest in self._db.execute(
+            "SELECT key, generation, size, traffic_class, created, last_access, complete, digest"
+            " FROM objects"
         ):
-            self._records[key] = Record(gen, size, tc, created, last, bool(complete))
+            self._records[key] = Record(gen, size, tc, created, last, bool(complete),
+                                        None if digest is None else bytes(digest))
             if complete:
                 self.complete_bytes += size
 
@@ -86,14 +97,15 @@ class MetaStore:
         return list(self._records.items())
 
     def begin_put(self, key: str, generation: int, size: int, traffic_class: str,
-                  now: float) -> None:
+                  now: float, digest: bytes | None = None) -> None:
         """Record an upload before its shards are written (complete=0): a crash
         mid-put leaves a record GC can find and clean up."""
         self._forget(key)
-        self._records[key] = Record(generation, size, traffic_class, now, now, False)
+        self._records[key] = Record(generation, size, traffic_class, now, now, False, digest)
         self._db.execute(
-            "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?, 0)",
-            (key, generation, size, traffic_class, now, now),
+            "INSERT OR REPLACE INTO objects (key, generation, size, traffic_class, created,"
+            " last_access, complete, digest) VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
+            (key, generation, size, traffic_class, now, now, digest),
         )
 
     def commit_put(self, key: str, generation: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.generation import traffic_class_name, traffic_class_to_proto
 from kvmesh.proto import kvstore_pb2 as pb
 from kvmesh.proto import kvstore_pb2_grpc as pb_grpc
 from kvmesh.rpc import map_errors
@@ -38,7 +39,8 @@ class KvstoreServicer(pb_grpc.KvstoreServiceServicer):
             part = req.WhichOneof("part")
             if part == "header":
                 h = req.header
-                tc = self.core.check_put(h.key, h.size, h.traffic_class)
+                # a number outside the enum becomes a name check_put rejects, naming it
+                tc = self.core.check_put(h.key, h.size, traffic_class_name(h.traffic_class))
                 items.append((h.key, bytearray(), tc, h.size))
             elif part == "chunk":
                 if not items:
@@ -79,7 +81,8 @@ class KvstoreServicer(pb_grpc.KvstoreServiceServicer):
     async def List(self, request, context):
         entries, nxt = await self.core.list(request.page_token, request.page_size or 1000)
         return pb.ListResponse(next_page_token=nxt, objects=[
-            pb.ObjectInfo(key=e.key, size=e.size, traffic_class=e.traffic_class,
+            pb.ObjectInfo(key=e.key, size=e.size,
+                          traffic_class=traffic_class_to_proto(e.traffic_class),
                           created_unix=e.created, last_access_unix=e.last_access,
                           complete=e.complete) for e in entries])
 
@@ -125,7 +128,7 @@ async def _with_progress(start):
 def stats_pb(s: Stats) -> pb.StatsResponse:
     return pb.StatsResponse(
         objects=s.objects, bytes=s.bytes, pending=s.pending,
-        classes=[pb.ClassUsage(traffic_class=c, objects=n, bytes=s.bytes_by_class.get(c, 0))
+        classes=[pb.ClassUsage(traffic_class=traffic_class_to_proto(c), objects=n, bytes=s.bytes_by_class.get(c, 0))
                  for c, n in sorted(s.objects_by_class.items())],
         mem_objects=s.mem_objects, mem_bytes=s.mem_bytes, mem_capacity=s.mem_capacity,
         disk_objects=s.disk_objects, disk_bytes=s.disk_bytes, disk_capacity=s.disk_capacity,

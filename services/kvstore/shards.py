@@ -1,13 +1,15 @@
 """S3 I/O for shard locations: one boto3 client and one thread pool per location.
 
-`ShardStore` owns the per-location health marks (`_down_until`); nothing else
-changes them. boto3 blocks, so each call runs in its location's executor: a
+`ShardStore` owns the per-location health (`_health`, one `LocationHealth`
+each: error rate over a sliding window, latency budget); nothing else records
+outcomes in it. boto3 blocks, so each call runs in its location's executor: a
 slow or dead location only ties up its own threads. Shard GETs, the hot read
 path, skip botocore's per-request Python (~1 ms of GIL each): the location's
 boto3 client presigns the URL (cached), and an aiohttp session per location
-fetches it on the event loop. Data-path calls on a location that failed
-recently return a miss at once instead of waiting for a connect timeout again
-(`location_retry_s`); admin probes always really try.
+fetches it on the event loop. Data-path calls on a location that is down
+(a high recent error rate) return a miss at once instead of waiting for a
+timeout again, apart from one trial read per `location_retry_s`; admin probes
+and scrub always really try.
 
 Object name of a shard in its bucket: `blk/<key>`.
 """
@@ -17,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import email.utils
+import functools
 import logging
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -25,16 +29,18 @@ from dataclasses import dataclass
 
 import aiohttp
 import yarl
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
 
 from kvmesh.backing.seaweed import s3_client
 from services.kvstore.config import KvstoreConfig, ShardLocation
+from services.kvstore.health import HealthPolicy, LocationHealth
 
 log = logging.getLogger("kvmesh.kvstore.shards")
 PREFIX = "blk/"
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 URL_TTL_S = 3600  # presigned GET URLs are valid this long; reused for half of it
 URL_CACHE = 8192  # presigned URLs kept per store (LRU)
+_SESSION_LOCK = threading.Lock()
 
 
 def _fast_timestamp(value):
@@ -60,18 +66,25 @@ def shard_client(endpoint: str, connect_timeout: float, read_timeout: float, poo
     timeouts, path addressing) plus: no response checksum validation unless the
     operation requires it (every shard carries its own crc32 over all its bytes,
     checked in `ec.parse`; botocore's would hash each body a second time) and a
-    dateutil-free timestamp parser. Own botocore session so the parser setting
-    stays private to the kvstore.
+    dateutil-free timestamp parser. Own botocore session (shared by the kvstore's
+    clients) so the parser setting stays private to the kvstore.
     """
+    with _SESSION_LOCK:  # creating clients from one boto3 session is not thread-safe
+        return s3_client(endpoint, connect_timeout, read_timeout, pool,
+                         session=_shard_session(), response_checksum_validation="when_required")
+
+
+@functools.cache
+def _shard_session():
+    """One boto3 session for every shard client of the process: the S3 service model
+    is loaded once (~0.15-0.5 s per client on the CI box otherwise, 12 per kvstore)."""
     import boto3
     import botocore.session
 
     core = botocore.session.Session()
     core.get_component("response_parser_factory").set_parser_defaults(
         timestamp_parser=_fast_timestamp)
-    return s3_client(endpoint, connect_timeout, read_timeout, pool,
-                     session=boto3.Session(botocore_session=core),
-                     response_checksum_validation="when_required")
+    return boto3.Session(botocore_session=core)
 
 
 class LocationDown(Exception):
@@ -87,14 +100,15 @@ class ListedShard:
 
 class ShardStore:
     def __init__(self, locations, connect_timeout: float = 1.0, read_timeout: float = 5.0,
-                 retry_s: float = 2.0, threads: int = 4):
+                 retry_s: float = 2.0, threads: int = 4, policy: HealthPolicy | None = None):
         self.locations: tuple[ShardLocation, ...] = tuple(locations)
-        self.retry_s = retry_s
+        self.policy = policy or HealthPolicy(retry_s=retry_s, ceiling_s=read_timeout)
         self._clients = [shard_client(loc.endpoint, connect_timeout, read_timeout, max(threads, 4))
                          for loc in self.locations]
         self._pools = [ThreadPoolExecutor(threads, thread_name_prefix=f"s3-{i}")
                        for i in range(len(self.locations))]
-        self._down_until = [0.0] * len(self.locations)
+        self._health = [LocationHealth(self.policy) for _ in self.locations]
+        self._inflight: list[dict[object, float]] = [{} for _ in self.locations]  # start times
         self._conn_limit = max(threads, 4)
         self._http_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
                                                    sock_read=read_timeout)
@@ -106,7 +120,7 @@ class ShardStore:
     @classmethod
     def from_config(cls, cfg: KvstoreConfig) -> ShardStore:
         return cls(cfg.locations, cfg.s3_connect_timeout_s, cfg.s3_read_timeout_s,
-                   cfg.location_retry_s, cfg.threads_per_location)
+                   cfg.location_retry_s, cfg.threads_per_location, cfg.health_policy())
 
     async def close(self) -> None:
         for pool in self._pools:
@@ -119,17 +133,44 @@ class ShardStore:
 
     # -- health -----------------------------------------------------------------
     def is_up(self, i: int) -> bool:
-        return time.monotonic() >= self._down_until[i]
+        return not self._health[i].down(time.monotonic())
 
     def up_count(self) -> int:
         return sum(self.is_up(i) for i in range(len(self.locations)))
 
-    def _mark(self, i: int, ok: bool) -> None:
-        if ok:
-            self._down_until[i] = 0.0
-        elif self.is_up(i):
-            log.warning("shard location %d (%s) is down", i, self.locations[i])
-            self._down_until[i] = time.monotonic() + self.retry_s
+    def readable(self, i: int) -> bool:
+        """May the data path read location i now? Up, or down with a trial due."""
+        now = time.monotonic()
+        health = self._health[i]
+        return not health.down(now) or health.claim_trial(now)
+
+    def budget(self, i: int) -> float:
+        """Seconds after which a shard read from location i is late (hedge then)."""
+        return self._health[i].budget()
+
+    def slow(self, i: int) -> bool:
+        """Is a read from location i in flight for longer than its budget right now?
+        Readers then prefer other shards to it (it may be hung)."""
+        now = time.monotonic()
+        budget = self.budget(i)
+        return any(now - t0 > budget for t0 in self._inflight[i].values())
+
+    def error_rate(self, i: int) -> tuple[int, float]:
+        return self._health[i].error_rate(time.monotonic())
+
+    def _mark(self, i: int, ok: bool, latency: float | None = None,
+              refused: bool = False) -> None:
+        now = time.monotonic()
+        health = self._health[i]
+        was_down = health.down(now)
+        health.record(now, ok, latency, refused)
+        if health.down(now) != was_down:
+            errors, rate = health.error_rate(now)
+            if was_down:
+                log.warning("shard location %d (%s) is up again", i, self.locations[i])
+            else:
+                log.warning("shard location %d (%s) is down: %d errors, %.0f%% of recent "
+                            "requests", i, self.locations[i], errors, 100 * rate)
 
     async def _call(self, i: int, fn, *args, force: bool = False, **kw):
         """Run a boto3 call for location i; LocationDown if it did not answer."""
@@ -149,7 +190,7 @@ class ShardStore:
                 raise LocationDown(f"{self.locations[i]}: {code}") from exc
             raise
         except (BotoCoreError, OSError) as exc:
-            self._mark(i, False)
+            self._mark(i, False, refused=isinstance(exc, EndpointConnectionError))
             raise LocationDown(f"{self.locations[i]}: {exc}") from exc
         self._mark(i, True)
         return result
@@ -167,10 +208,12 @@ class ShardStore:
         return list(await asyncio.gather(*(one(i) for i in range(len(self.locations)))))
 
     # -- objects ----------------------------------------------------------------
-    async def put(self, i: int, key: str, blob: bytes) -> bool:
+    async def put(self, i: int, key: str, blob: bytes, force: bool = False) -> bool:
+        """Store one shard; False when it did not land. `force`: try a down location too."""
         try:
             await self._call(i, self._clients[i].put_object,
-                             Bucket=self.locations[i].bucket, Key=PREFIX + key, Body=blob)
+                             Bucket=self.locations[i].bucket, Key=PREFIX + key, Body=blob,
+                             force=force)
             return True
         except (LocationDown, KeyError, ClientError) as exc:
             log.debug("put shard %d of %s failed: %s", i, key, exc)
@@ -202,14 +245,23 @@ class ShardStore:
             self._urls.popitem(last=False)
         return url
 
-    async def get(self, i: int, key: str) -> bytes | None:
+    async def get(self, i: int, key: str, force: bool = False) -> bytes | None:
         """The shard's bytes, or None when absent or the location is down.
 
-        Same outcomes and health marks as a boto3 get_object through `_call`:
-        404 -> None (location up), 5xx / no answer -> None (location down),
-        other errors -> None (marks unchanged)."""
-        if not self.is_up(i):
+        Same outcomes and health records as a boto3 get_object through `_call`:
+        404 -> None (a success), 5xx / no answer -> None (an error), other
+        errors -> None (not recorded). `force`: read even if the location is down."""
+        if not force and not self.is_up(i):
             return None
+        t0 = time.monotonic()
+        token = object()
+        self._inflight[i][token] = t0
+        try:
+            return await self._get(i, key, t0)
+        finally:
+            del self._inflight[i][token]
+
+    async def _get(self, i: int, key: str, t0: float) -> bytes | None:
         try:
             url = self._get_url(i, key)
         except BotoCoreError as exc:  # local signing failed; says nothing about the location
@@ -220,11 +272,11 @@ class ShardStore:
                 status = resp.status
                 body = await resp.read() if status == 200 else b""
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            self._mark(i, False)
+            self._mark(i, False, refused=isinstance(exc, aiohttp.ClientConnectorError))
             log.debug("get shard %d of %s: location down: %s", i, key, exc)
             return None
         if status == 200:
-            self._mark(i, True)
+            self._mark(i, True, time.monotonic() - t0)
             return body
         if status == 404:
             self._mark(i, True)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from services.engine.cache import hashing
+from kvmesh import cachekeys as hashing
 from services.engine.cache.block_pool import BlockPool, NoFreeBlocks
 
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from kernels import mxfp8
-from services.engine.cache import hashing
+from kvmesh import cachekeys as hashing
 from services.engine.config import small_test_config
 from services.engine.model import ops, reference
 from services.engine.sampling import SamplingParams

@@ -147,7 +147,7 @@ def test_extra_state_ring_reassembles_the_same_snapshot(length, chunk):
 def test_prefetched_blocks_install_and_a_bad_payload_is_a_miss():
     """Blocks fetched from the kvstore before admission fill an empty ledger; a payload of
     the wrong size stops the run there (a miss), never an error."""
-    from services.engine.cache import hashing
+    from kvmesh import cachekeys as hashing
     from services.engine.prefix import Prefetched
 
     base = random_prompt(200, 21)

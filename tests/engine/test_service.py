@@ -93,7 +93,7 @@ BAD = [
     (dict(prompt="x", top_p=1.5), "top_p"),
     (dict(prompt="x", top_p=math.nan), "top_p"),
     (dict(prompt=[1, 99999]), "outside"),
-    (dict(prompt="x", traffic_class="batch"), "traffic_class"),
+    (dict(prompt="x", traffic_class=7), "traffic_class"),   # a number outside the enum
     (dict(prompt="x", stop=[""]), "stop strings"),
 ]
 

@@ -6,12 +6,12 @@ import sys
 import pytest
 import torch
 
+from kvmesh.tokenizer import ByteTokenizer, HFTokenizer
 from services.engine.config import TINY, V41_FLASH, preset, small_test_config
 from services.engine.model import weights as weights_mod
 from services.engine.output import OutputState
 from services.engine.sampling import SamplingParams, sample
 from services.engine.sequence import Finish
-from services.engine.tokenizer import ByteTokenizer, HFTokenizer
 
 
 def test_seeded_init_is_deterministic():

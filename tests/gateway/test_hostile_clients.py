@@ -168,7 +168,8 @@ def _address(mesh, svc) -> str:
 def test_every_service_has_string_cases():
     covered = {svc.full_name for svc, _, _ in CASES}
     assert covered == {svc.full_name for svc in _services()}, covered
-    assert len(CASES) >= 30
+    # 29: the engine and kvstore traffic_class fields are common.v1 enums, no longer strings
+    assert len(CASES) >= 29
 
 
 @pytest.fixture(scope="module")

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 from kvmesh.backing.proc import port_open
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
-UP = [sys.executable, "-m", "kvmesh.cli", "up", "--gateway-port", "0", "--num-slots", "4",
-      "--num-blocks", "64"]
+UP = [sys.executable, "-m", "kvmesh.cli", "up", "--gateway-port", "0", "--http-port", "0",
+      "--num-slots", "4", "--num-blocks", "64"]
 
 
 def ports_in(text: str) -> set[int]:
@@ -38,6 +40,18 @@ def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
     assert not [p for p in ports if port_open("127.0.0.1", p)], "a service outlived kvmesh up"
 
 
+def check_printed_addresses(text: str) -> None:
+    """The HTTP API and kvstore admin addresses `kvmesh up` prints are the live ones."""
+    url = re.search(r"OpenAI-compatible HTTP API: (http://127\.0\.0\.1:\d+)/v1", text).group(1)
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
+        assert json.load(resp)["data"][0]["id"] == "tiny"
+    kv = re.search(r"kvstore admin: (127\.0\.0\.1:\d+) +kvmesh admin --kvstore \1 gc stats",
+                   text).group(1)
+    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "admin", "--kvstore", kv, "gc",
+                          "stats"], env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_up_stops_everything_on_sigterm(tmp_path):
     log = tmp_path / "up.log"
     with open(log, "w") as f:
@@ -50,10 +64,14 @@ def test_up_stops_everything_on_sigterm(tmp_path):
             time.sleep(0.2)
         ports = ports_in(log.read_text())
         assert all(port_open("127.0.0.1", p) for p in ports)
+        check_printed_addresses(log.read_text())
+        running = json.loads((tmp_path / "running.json").read_text())  # beside --log-dir
+        assert running["pid"] == proc.pid and running["endpoints"]["kvstore"] in log.read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
     assert "kvmesh stopped" in log.read_text()
+    assert not (tmp_path / "running.json").exists()
     assert not [p for p in ports if port_open("127.0.0.1", p)], "a service outlived kvmesh up"

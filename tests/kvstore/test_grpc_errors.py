@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from kvmesh.backing.proc import free_port
+from kvmesh.errors import InvalidArgument
 from kvmesh.proto import kvstore_pb2 as pb
 from services.kvstore.config import KvstoreConfig, ShardLocation
 from tests.kvstore.conftest import call, hexkey
@@ -31,8 +32,12 @@ def test_malformed_key_is_invalid_argument_naming_it(kv, key):
 
 
 def test_unknown_traffic_class_is_invalid_argument(kv):
-    code, details = code_of(kv.address, lambda c: c.put([(hexkey(1), b"x")], traffic_class="batch"))
-    assert code == INVALID and "'batch'" in details
+    # traffic_class is a common.v1 TrafficClass: a number outside the enum still reaches
+    # the server (proto3 enums are open) and is named; an unknown name never leaves the client.
+    code, details = code_of(kv.address, lambda c: c.put([(hexkey(1), b"x")], traffic_class=7))
+    assert code == INVALID and "TrafficClass(7)" in details
+    with pytest.raises(InvalidArgument, match="'batch'"):
+        call(kv.address, lambda c: c.put([(hexkey(1), b"x")], traffic_class="batch"))
     assert call(kv.address, lambda c: c.get([hexkey(1)])) == [None]
 
 

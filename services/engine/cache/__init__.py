@@ -5,7 +5,10 @@
     state_pool.py    StatePool: fixed slots (SWA rings, compression tails), one per running sequence
     block_pool.py    BlockPool: paged 128-token blocks of compressed entries, refcounts, hashes, LRU
     block_store.py   BlockStore: the tensors behind block ids (entries + indexer keys per layer)
-    hashing.py       chained block hashes
+    snapshot_keys.py the engine's layout fingerprint; block hashes and snapshot keys
+                     themselves are kvmesh/cachekeys.py (the gateway names them too)
+    manager.py       CacheManager: the only caller of the pools; prefix matching (MatchResult),
+                     admission, growth, commit, release, rollback
 
 Layers do not import upwards: nothing here imports the scheduler or the service.
 """

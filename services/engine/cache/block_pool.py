@@ -16,6 +16,7 @@ evicted least-recently-freed first (LRU).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -69,7 +70,7 @@ class BlockPool:
             del self.free_queue[block]
         self.ref_cnt[block] += 1
 
-    def release(self, blocks) -> None:
+    def release(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block; pass a table tail-first so its last blocks
         are evicted first."""
         for block in blocks:

@@ -9,14 +9,38 @@ span's compressed entries, and for CSA layers also the indexer keys:
 Entry j of a sequence lives in block table[j*m // block_size] at row
 (j*m % block_size) // m. BlockPool decides which ids are valid; this class
 only reads and writes rows, and (de)serializes whole blocks for the kvstore.
-Serialized block = concatenation, in layer order, of entries then index keys.
+
+Serialized block (what the kvstore stores under the block's hash):
+
+    offset  size  field
+         0     4  magic b"KVBK"
+         4     1  format version (1)
+         5     3  zero
+         8     4  layout fingerprint: crc32 of every tensor's shape and dtype, in order
+        12     4  payload size P (u32, little-endian)
+        16     P  payload: in layer order, the block's entries then index keys (raw)
+      16+P    32  blake3 of bytes [0, 16+P)
+
+`deserialize` checks all of it (size, magic, layout, digest) before writing a
+single row: a block that was damaged or rewritten anywhere between the engine
+that made it and this one is refused (a miss), never installed.
 """
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import torch
+from blake3 import blake3
 
 from services.engine.config import ModelConfig
+
+BLOCK_MAGIC = b"KVBK"
+BLOCK_VERSION = 1
+_HEAD = struct.Struct("<4sB3xII")
+DIGEST_SIZE = 32
+OVERHEAD = _HEAD.size + DIGEST_SIZE  # 48 bytes on top of the raw rows
 
 
 class BlockStore:
@@ -30,9 +54,25 @@ class BlockStore:
             if cfg.layers[layer] == "csa":
                 self.index_keys[layer] = torch.zeros(num_blocks, per, cfg.index_dim, dtype=dtype)
 
+    def _tensors(self) -> list[torch.Tensor]:
+        out = []
+        for layer in self.cfg.compressed_layers:
+            out.append(self.entries[layer])
+            if layer in self.index_keys:
+                out.append(self.index_keys[layer])
+        return out
+
+    def payload_bytes(self) -> int:
+        """Raw rows of one block (the serialized block adds `OVERHEAD`)."""
+        return sum(t[0].numel() * t.element_size() for t in self._tensors())
+
     def bytes_per_block(self) -> int:
-        return sum(t[0].numel() * t.element_size()
-                   for t in [*self.entries.values(), *self.index_keys.values()])
+        """Size of one serialized block: header + rows + digest."""
+        return self.payload_bytes() + OVERHEAD
+
+    def layout_fp(self) -> int:
+        desc = ";".join(f"{tuple(t.shape[1:])}:{t.dtype}" for t in self._tensors())
+        return zlib.crc32(f"block/{BLOCK_VERSION}/{desc}".encode())
 
     def gather(self, table: list[int], layer: int, n_entries: int, keys: bool = False):
         """The first n_entries rows of a sequence for one layer: [n_entries, D or Di]."""
@@ -59,20 +99,34 @@ class BlockStore:
 
     def serialize(self, block: int) -> bytes:
         assert isinstance(block, int), f"block id must be an int, got {block!r}"
-        parts = []
-        for layer in self.cfg.compressed_layers:
-            parts.append(self.entries[layer][block].contiguous().view(torch.uint8).flatten())
-            if layer in self.index_keys:
-                parts.append(self.index_keys[layer][block].contiguous().view(torch.uint8).flatten())
-        return torch.cat(parts).numpy().tobytes()
+        parts = [t[block].contiguous().view(torch.uint8).flatten() for t in self._tensors()]
+        payload = torch.cat(parts).numpy().tobytes()
+        head = _HEAD.pack(BLOCK_MAGIC, BLOCK_VERSION, self.layout_fp(), len(payload))
+        return b"".join((head, payload, blake3(head + payload).digest()))
 
-    def deserialize(self, block: int, payload: bytes) -> None:
-        if len(payload) != self.bytes_per_block():
-            raise ValueError(f"block payload is {len(payload)} B, layout needs {self.bytes_per_block()}")
-        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    def check(self, blob: bytes) -> memoryview:
+        """The rows of a serialized block after checking size, header, layout and digest;
+        ValueError naming the first problem."""
+        want = self.bytes_per_block()
+        if len(blob) != want:
+            raise ValueError(f"block is {len(blob)} B, this layout's blocks are {want} B")
+        magic, version, fp, size = _HEAD.unpack_from(blob)
+        if magic != BLOCK_MAGIC or version != BLOCK_VERSION:
+            raise ValueError(f"not a kvmesh block (magic {magic!r}, version {version})")
+        if fp != self.layout_fp() or size != self.payload_bytes():
+            raise ValueError(f"block layout {fp:#x}/{size} B, this engine's is "
+                             f"{self.layout_fp():#x}/{self.payload_bytes()} B")
+        view = memoryview(blob)
+        end = _HEAD.size + size
+        if blake3(view[:end]).digest() != bytes(view[end:]):
+            raise ValueError("block digest mismatch: damaged or rewritten")
+        return view[_HEAD.size:end]
+
+    def deserialize(self, block: int, blob: bytes) -> None:
+        """Install a serialized block; ValueError (nothing written) if it fails `check`."""
+        raw = torch.frombuffer(bytearray(self.check(blob)), dtype=torch.uint8)
         off = 0
-        for layer in self.cfg.compressed_layers:
-            for t in ([self.entries[layer]] + ([self.index_keys[layer]] if layer in self.index_keys else [])):
-                n = t[block].numel() * t.element_size()
-                t[block] = raw[off : off + n].view(t.dtype).view(t[block].shape)
-                off += n
+        for t in self._tensors():
+            n = t[block].numel() * t.element_size()
+            t[block] = raw[off : off + n].view(t.dtype).view(t[block].shape)
+            off += n

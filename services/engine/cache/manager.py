@@ -1,8 +1,17 @@
-"""CacheManager: what each sequence holds in the two ledgers.
+"""CacheManager: what each sequence holds in the two ledgers, and the prefix hits.
 
-The only code that hands slots and blocks to sequences and takes them back.
-BlockPool owns refcounts and hashes, StatePool owns slots; the manager keeps a
-sequence's `slot`, `table`, `hashes` and `num_computed` consistent with them.
+The only code that calls the pools: it hands slots and blocks to sequences,
+takes them back, installs prefetched blocks and restores snapshots (through
+the PrefixReuse it owns). BlockPool owns refcounts and hashes, StatePool owns
+slots, PrefixReuse owns the snapshot store and the replica area; the manager
+owns a sequence's token list and cache fields (see sequence.py) and keeps them
+consistent with the pools.
+
+Admission is two calls from the scheduler, no callback:
+
+    match = cache.match_prefix(seq)   read only: the block run, L1, the deepest usable
+                                      snapshot in [L1 - W, L1], where computing resumes
+    cache.admit(seq, match)           slot, blocks, snapshot restore, bounds
 
 Block table growth: a sequence about to compute tokens [.., end) needs
 ceil(end / block_size) blocks. Complete blocks are registered under their
@@ -11,37 +20,163 @@ chained hash as soon as they are computed, so later prompts can share them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from services.engine.cache import hashing
+from kvmesh.cachekeys import extend_chain
 from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.state_pool import StatePool
+from services.engine.prefix import Prefetched, PrefixReuse
 from services.engine.sequence import Sequence
+from services.engine.snapshots import Snapshot
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """A prefix hit, planned before anything is taken from the pools.
+
+    hashes    chained hashes of the matched block run (L1 = len(hashes) * block size)
+    blocks    per matched block: a local block id to share, or None = install the
+              prefetched payload of that hash
+    snapshot  the deepest usable snapshot in [L1 - W, L1], or None (bounded replay)
+    start     where computing resumes: the snapshot's position, L1 - W, or 0 (cold)
+    """
+    hashes: tuple[bytes, ...] = ()
+    blocks: tuple[int | None, ...] = ()
+    l1: int = 0
+    snapshot: Snapshot | None = None
+    start: int = 0
+    refused_blocks: int = 0       # prefetched payloads failing BlockStore.check (a miss from there)
+    refused_snapshots: int = 0    # snapshots found but not restorable (layout, size, position)
+
+    @property
+    def source(self) -> str:
+        return "remote" if None in self.blocks else "local"
+
+    @property
+    def recomputed(self) -> int:
+        """Tokens recomputed exactly over the snapshot: [S, L1)."""
+        return self.l1 - self.start if self.snapshot is not None else 0
+
+    @property
+    def replayed(self) -> int:
+        """Tokens of the approximate bounded replay: [L1 - W, L1)."""
+        return self.l1 - self.start if self.l1 and self.snapshot is None else 0
+
+
+@dataclass
+class LocalView:
+    """What this engine holds for a prompt, for prefetching from the other tiers."""
+    hashes: list[bytes] = field(default_factory=list)
+    n_local: int = 0                   # leading blocks found in the local pool
+    snapshot_keys: set[str] = field(default_factory=set)   # keys of those hashes held here
 
 
 class CacheManager:
     def __init__(self, layout: RuntimeLayout):
         self.layout = layout                 # the engine's one layout: pool sizes come from here
         self.cfg = cfg = layout.model
+        self.ecfg = layout.engine            # truncation, KEEP, snapshot policy
         self.states = StatePool(layout)
         self.pool = BlockPool(layout.num_blocks)
         self.store = BlockStore(cfg, layout.num_blocks)
+        self.snapshots = PrefixReuse(self.states, self.ecfg)
         self.fingerprint = cfg.fingerprint()
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.cfg.block_size)
 
+    # --- prefix matching -----------------------------------------------------------
+    def _prompt_hashes(self, tokens: list[int], salt: str, chain: list[bytes] | None = None
+                       ) -> list[bytes]:
+        """Hashes of the complete blocks within the cap L - KEEP (none with truncation off).
+        `chain` is a sequence's own `block_hashes`: grown in place, so no block is hashed twice."""
+        if not self.snapshots.enabled:
+            return []
+        bs, cap = self.cfg.block_size, len(tokens) - self.ecfg.keep_tokens
+        return extend_chain([] if chain is None else chain, tokens, max(0, cap) // bs, bs,
+                            self.fingerprint, salt)
+
+    def match_prefix(self, seq: Sequence) -> MatchResult:
+        """The longest usable block run (local, then prefetched payloads) and how to resume."""
+        hashes = self._prompt_hashes(seq.tokens, seq.salt, seq.block_hashes)
+        prefetched = seq.prefetched
+        blocks: list[int | None] = []
+        free, refused = self.pool.num_free, 0
+        for h in hashes:
+            b = self.pool.lookup(h)
+            if b is not None:
+                free -= self.pool.ref_cnt[b] == 0      # reviving a cached block takes a free one
+                blocks.append(b)
+            elif prefetched is not None and h in prefetched.blocks and free > 0:
+                try:                                   # size, header, layout, digest
+                    self.store.check(prefetched.blocks[h])
+                except ValueError:                     # damaged or foreign: a miss from here
+                    refused = 1
+                    break
+                free -= 1
+                blocks.append(None)
+            else:
+                break
+        n = len(blocks)
+        if n == 0:
+            return MatchResult(refused_blocks=refused)
+        l1 = n * self.cfg.block_size
+        snap, bad = self.snapshots.find(hashes[:n], l1, prefetched)
+        start = snap.position if snap is not None else l1 - self.cfg.window
+        return MatchResult(tuple(hashes[:n]), tuple(blocks), l1, snap, start, refused, bad)
+
+    def local_view(self, tokens: list[int], salt: str) -> LocalView:
+        hashes = self._prompt_hashes(tokens, salt)
+        n = 0
+        while n < len(hashes) and self.pool.lookup(hashes[n]) is not None:
+            n += 1
+        keys = {self.snapshots.key_at(hashes, (i + 1) * self.cfg.block_size) for i in range(len(hashes))}
+        return LocalView(hashes, n, {k for k in keys if self.snapshots.holds(k)})
+
     # --- admission / release --------------------------------------------------
     def can_admit(self, seq: Sequence, first_chunk_end: int) -> bool:
         return self.states.num_free > 0 and self.blocks_for(first_chunk_end) <= self.pool.num_free
 
-    def admit(self, seq: Sequence) -> None:
+    def admit(self, seq: Sequence, match: MatchResult | None = None) -> None:
+        """Give seq a slot and fill it from the planned hit (match_prefix, same step)."""
         assert seq.slot is None and not seq.table, seq.request_id
         seq.slot = self.states.allocate()
-        seq.num_computed = 0
+        self.snapshots.admitted(seq.slot)
+        seq.num_computed = seq.enc_lo = seq.cmp_from = 0
+        seq.cached_tokens = seq.replayed_tokens = seq.recomputed_tokens = 0
         seq.prefill_len = len(seq.tokens)
+        seq.dec_lo = 0 if self.ecfg.truncation == "off" else max(0, seq.prefill_len - self.ecfg.keep_tokens)
+        prefetched, seq.prefetched = seq.prefetched, None
+        if match is None or not match.l1:
+            return
+        seq.table, seq.hashes = self._take_blocks(match, prefetched), list(match.hashes)
+        if match.snapshot is not None:
+            self.snapshots.restore(seq.slot, match.snapshot)
+        else:
+            seq.enc_lo = match.start
+        seq.num_computed, seq.cmp_from = match.start, match.l1
+        seq.cached_tokens = match.l1
+        seq.replayed_tokens, seq.recomputed_tokens = match.replayed, match.recomputed
+
+    def _take_blocks(self, match: MatchResult, prefetched: Prefetched | None) -> list[int]:
+        # Shared blocks first: they leave the free queue, so installing the prefetched
+        # ones (which allocate from its head) cannot evict a block the plan relies on.
+        for b in match.blocks:
+            if b is not None:
+                self.pool.acquire(b)
+        table = []
+        for h, b in zip(match.hashes, match.blocks, strict=True):
+            if b is None:           # match_prefix plans these only from a prefetch
+                assert prefetched is not None
+                (b,) = self.pool.allocate(1)
+                self.store.deserialize(b, prefetched.blocks[h])
+                self.pool.register(b, h)
+            table.append(b)
+        return table
 
     def grow(self, seq: Sequence, end: int) -> bool:
         """Make the table cover `end` tokens; False (nothing changed) if blocks run out."""
@@ -54,13 +189,18 @@ class CacheManager:
         return True
 
     def release(self, seq: Sequence) -> None:
-        """Give back the slot and every block (table tail first: its blocks are evicted first)."""
+        """Give back the slot (its replica stored by the replica rule, prefix.py) and every
+        block (table tail first: its blocks are evicted first)."""
         if seq.slot is not None:
+            self.snapshots.on_release(seq)
             self.states.free(seq.slot)
         self.pool.release(reversed(seq.table))
         seq.slot, seq.table, seq.hashes, seq.num_computed = None, [], [], 0
 
-    # --- after a forward --------------------------------------------------------
+    # --- tokens and forwards --------------------------------------------------------
+    def append_token(self, seq: Sequence, token: int) -> None:
+        seq.output.append(token)
+
     def commit(self, seq: Sequence, new_computed: int) -> list[tuple[bytes, int]]:
         """Record computed tokens; register blocks that became complete.
         Returns (hash, block) of the blocks newly registered under their hash."""
@@ -69,8 +209,7 @@ class CacheManager:
         fresh = []
         while len(seq.hashes) < new_computed // bs:
             k = len(seq.hashes)
-            parent = seq.hashes[-1] if seq.hashes else hashing.ROOT
-            h = hashing.block_hash(parent, tokens[k * bs : (k + 1) * bs], self.fingerprint, seq.salt)
+            h = extend_chain(seq.block_hashes, tokens, k + 1, bs, self.fingerprint, seq.salt)[k]
             if self.pool.hash_of[seq.table[k]] is None and self.pool.register(seq.table[k], h):
                 fresh.append((h, seq.table[k]))
             seq.hashes.append(h)
@@ -94,10 +233,12 @@ class CacheManager:
                 self.pool.release([block])
                 seq.table[k] = copy
         del seq.hashes[full:]
+        del seq.block_hashes[full:]
         keep = self.blocks_for(new)
         self.pool.release(reversed(seq.table[keep:]))
         del seq.table[keep:]
         seq.num_computed = new
+        self.snapshots.rolled_back(seq)
         # the sequence ends at the rollback point (a sampled, not yet computed token goes too)
         drop = len(seq.tokens) - new
         from_output = min(drop, len(seq.output))

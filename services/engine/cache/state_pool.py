@@ -1,8 +1,11 @@
 """StatePool: the state ledger. Fixed slots, one per running sequence.
 
-Owns the slot bytes and the free-slot list; only `allocate`/`free` change slot
-ownership. A slot is handed out whole at admission and taken back whole when
-the sequence ends or is preempted: no block table, no refcount, no eviction.
+Owns the slot tensor and the free-slot list; only `allocate`/`free` change slot
+ownership, and only CacheManager calls them. A slot is handed out whole at
+admission and taken back whole when the sequence ends or is preempted: no block
+table, no refcount, no eviction. The bytes of a slot belong to the sequence
+holding it: ModelRunner writes them during that sequence's forwards, and
+PrefixReuse.restore writes a snapshot into them while CacheManager admits it.
 
 All slots live in one uint8 tensor `[num_slots, slot_bytes]`; every ring is a
 typed view into it, laid out by `StateBlock` (see state_layout.py), so a

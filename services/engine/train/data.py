@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.tokenizer import ByteTokenizer
+from kvmesh.tokenizer import ByteTokenizer
 
 HELD_OUT_PERCENT = 3
 MIN_HELD_OUT_FRACTION = 0.02

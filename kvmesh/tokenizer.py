@@ -8,6 +8,7 @@ tokens is emitted once it is complete, never as a replacement character.
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
@@ -20,10 +21,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode_bytes(self, ids) -> bytes:
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
         return bytes(i for i in ids if i < 256)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     @property
@@ -50,7 +51,7 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids))
 
     @property
@@ -64,14 +65,14 @@ class HFTokenizer:
 class TextStream:
     """Turns a growing list of token ids into text deltas."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
         self.ids: list[int] = []
         self.text = ""
         if isinstance(tokenizer, ByteTokenizer):
             self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def push(self, ids) -> str:
+    def push(self, ids: Sequence[int]) -> str:
         self.ids.extend(ids)
         if isinstance(self.tok, ByteTokenizer):
             delta = self._dec.decode(self.tok.decode_bytes(ids))
@@ -84,5 +85,8 @@ class TextStream:
         return delta
 
 
-def load_tokenizer(path: str | None):
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
     return ByteTokenizer() if not path else HFTokenizer(path)

@@ -1,0 +1,241 @@
+"""Added latency of the gateway's OpenAI-compatible HTTP API over its gRPC Generate.
+
+Same mesh (one engine), same gateway process, same run; 1-token greedy requests, sent
+sequentially with the paths interleaved in a shuffled (seeded) order each round, so
+machine drift and whatever one request leaves behind fall on every path alike:
+
+    grpc         GatewayService.Generate (grpc.aio client): the reference
+    http         POST /v1/completions, non-streaming (aiohttp client, keep-alive)
+    http-stream  POST /v1/completions, stream: true, read to `data: [DONE]` (aiohttp)
+    openai       POST /v1/completions through the official AsyncOpenAI client (its own
+                 request building and response parsing included; --no-openai to skip)
+
+A second phase sends requests the core refuses (bad cache_salt: INVALID_ARGUMENT / 400)
+on grpc, http and http-stream: the same front ends and core validation with no engine
+behind them, so the 20-100 ms of engine time (and its noise on a busy machine) is not in
+the numbers. Prints p50 / p95 per path, the added p50 (p50(path) - p50(grpc)), the paired median
+(median of per-round differences to the grpc request of the same round) and the gateway
+process's CPU time per request on each path (a block per path after the rounds); writes
+bench/out/http_overhead.{png,json}.   Target: <= +1.5 ms at p50 for http and http-stream.
+
+    .venv/bin/python bench/http_overhead.py [--n 200] [--cpu-n 100] [--no-openai]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import OUT, cpu_s, table  # noqa: E402
+from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
+from services.gateway.client import GatewayClient  # noqa: E402
+
+PROMPT = "Hi there"
+TARGET_MS = 1.5
+BAD_SALT = "not a salt"  # spaces: refused by the core's validation on both front ends
+BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+        "ignore_eos": True}
+
+
+class Paths:
+    """One client per path, all kept open for the run (connections warm)."""
+
+    def __init__(self, mesh: Mesh, use_openai: bool):
+        import aiohttp
+
+        self.grpc = GatewayClient(mesh.gateway)
+        self.url = mesh.endpoints["gateway-http"] + "/v1/completions"
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        self.body = json.dumps(BODY).encode()
+        self.stream_body = json.dumps({**BODY, "stream": True}).encode()
+        self.bad_body = json.dumps({**BODY, "cache_salt": BAD_SALT}).encode()
+        self.bad_stream_body = json.dumps({**BODY, "cache_salt": BAD_SALT, "stream": True}
+                                          ).encode()
+        self.openai = None
+        if use_openai:
+            import openai
+
+            self.openai = openai.AsyncOpenAI(base_url=mesh.endpoints["gateway-http"] + "/v1",
+                                             api_key="unused", max_retries=0)
+        self.names = ["grpc", "http", "http-stream"] + (["openai"] if use_openai else [])
+
+    async def one(self, path: str) -> float:
+        t0 = time.perf_counter()
+        if path == "grpc":
+            r = await self.grpc.generate(PROMPT, max_tokens=1, temperature=0.0, ignore_eos=True)
+            assert r.usage.generated_tokens == 1
+        elif path == "http":
+            async with self.http.post(self.url, data=self.body, headers=JSON) as resp:
+                out = await resp.read()
+            assert resp.status == 200, out
+        elif path == "http-stream":
+            async with self.http.post(self.url, data=self.stream_body, headers=JSON) as resp:
+                assert resp.status == 200
+                async for line in resp.content:
+                    if line.startswith(b"data: [DONE]"):
+                        break
+        else:
+            r = await self.openai.completions.create(**BODY_OPENAI)
+            assert r.usage.completion_tokens == 1
+        return time.perf_counter() - t0
+
+    async def refused(self, path: str) -> float:
+        """A request the core refuses (bad cache_salt) before any engine is involved: the
+        round trip of each front end alone, without the engine's noisy 20-100 ms."""
+        import grpc
+
+        t0 = time.perf_counter()
+        if path == "grpc":
+            try:
+                await self.grpc.generate(PROMPT, max_tokens=1, cache_salt=BAD_SALT)
+                raise AssertionError("bad cache_salt accepted")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+        else:
+            body = self.bad_stream_body if path == "http-stream" else self.bad_body
+            async with self.http.post(self.url, data=body, headers=JSON) as resp:
+                await resp.read()
+            assert resp.status == 400
+        return time.perf_counter() - t0
+
+    async def close(self) -> None:
+        await self.grpc.close()
+        await self.http.close()
+        if self.openai is not None:
+            await self.openai.close()
+
+
+JSON = {"content-type": "application/json"}
+BODY_OPENAI = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}
+
+
+async def measure(mesh: Mesh, n: int, use_openai: bool, cpu_n: int
+                  ) -> tuple[dict[str, list[float]], dict[str, float], dict[str, list[float]]]:
+    """Interleaved latency rounds, then the gateway's CPU per request for each path: a
+    block of `cpu_n` requests per path, the gateway process's CPU time from /proc (does not
+    depend on how busy the machine is, nor on the client's own cost)."""
+    paths = Paths(mesh, use_openai)
+    pid = mesh.pid("gateway")
+    try:
+        for p in paths.names:  # warm-up: connections open, code paths hot
+            for _ in range(10):
+                await paths.one(p)
+        out = {p: [] for p in paths.names}
+        rng, order = random.Random(0), list(paths.names)
+        for i in range(n):
+            rng.shuffle(order)
+            for p in order:
+                out[p].append(await paths.one(p))
+            if (i + 1) % 100 == 0:
+                print(f"{i + 1}/{n} rounds", file=sys.stderr, flush=True)
+        cpu = {}
+        for p in paths.names:
+            c0 = cpu_s(pid)
+            for _ in range(cpu_n):
+                await paths.one(p)
+            cpu[p] = 1e3 * (cpu_s(pid) - c0) / cpu_n
+        front = {p: [] for p in ("grpc", "http", "http-stream")}
+        order = list(front)
+        for _ in range(3 * n):
+            rng.shuffle(order)
+            for p in order:
+                front[p].append(await paths.refused(p))
+        return out, cpu, front
+    finally:
+        await paths.close()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summarize(lat: dict[str, list[float]], cpu: dict[str, float]) -> dict:
+    ref = lat["grpc"]
+    res = {}
+    for p, xs in lat.items():
+        res[p] = dict(p50_ms=1e3 * pct(xs, 0.5), p95_ms=1e3 * pct(xs, 0.95),
+                      added_p50_ms=1e3 * (pct(xs, 0.5) - pct(ref, 0.5)),
+                      paired_ms=1e3 * statistics.median(x - g for x, g in zip(xs, ref,
+                                                                             strict=True)),
+                      gateway_cpu_ms=cpu[p])
+    return res
+
+
+def plot(lat: dict[str, list[float]], res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    hi = max(pct(xs, 0.98) for xs in lat.values()) * 1e3
+    for p, xs in lat.items():
+        a.hist([1e3 * x for x in xs if 1e3 * x <= hi], bins=60, alpha=0.5,
+               label=f"{p} p50 {res[p]['p50_ms']:.2f} ms")
+    a.set(xlabel="latency (ms), 1-token /v1/completions vs gRPC Generate", ylabel="requests",
+          title="sequential requests, paths interleaved")
+    a.legend()
+    names = [p for p in lat if p != "grpc"]
+    x = range(len(names))
+    b.bar([i - 0.2 for i in x], [res[p]["added_p50_ms"] for p in names], 0.4, label="p50 diff")
+    b.bar([i + 0.2 for i in x], [res[p]["paired_ms"] for p in names], 0.4, label="paired median")
+    b.axhline(TARGET_MS, color="red", linestyle="--", label=f"target +{TARGET_MS} ms")
+    b.set_xticks(list(x), names)
+    b.set(ylabel="ms added over gRPC Generate", title="added latency")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=200, help="rounds (one request per path each)")
+    ap.add_argument("--cpu-n", type=int, default=100,
+                    help="requests per path in the gateway-CPU phase")
+    ap.add_argument("--no-openai", dest="openai", action="store_false",
+                    help="skip the row through the official openai client")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    cfg = MeshConfig(engines=1, num_slots=8, num_blocks=128,
+                     log_dir=Path(tempfile.mkdtemp(prefix="kvmesh-bench-")),
+                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    with Mesh(cfg) as mesh:
+        lat, cpu, front = asyncio.run(measure(mesh, args.n, args.openai, args.cpu_n))
+    res = summarize(lat, cpu)
+    fres = summarize(front, {p: float("nan") for p in front})
+    rows = [[p, r["p50_ms"], r["p95_ms"], f"{r['added_p50_ms']:+.2f}", f"{r['paired_ms']:+.2f}",
+             r["gateway_cpu_ms"]] for p, r in res.items()]
+    print(table(["path", "p50 ms", "p95 ms", "added p50 ms", "paired ms",
+                 "gateway cpu ms/req"], rows))
+    for p in ("http", "http-stream"):
+        ok = res[p]["added_p50_ms"] <= TARGET_MS
+        print(f"{p}: {res[p]['added_p50_ms']:+.2f} ms at p50 over gRPC Generate (paired "
+              f"{res[p]['paired_ms']:+.2f} ms); target <= +{TARGET_MS} ms: "
+              f"{'met' if ok else 'NOT met'}")
+    print(f"\nrefused requests (INVALID_ARGUMENT / 400 from the core's validation, no engine): "
+          f"{3 * args.n} rounds")
+    print(table(["path", "p50 ms", "p95 ms", "added p50 ms", "paired ms"],
+                [[p, r["p50_ms"], r["p95_ms"], f"{r['added_p50_ms']:+.2f}",
+                  f"{r['paired_ms']:+.2f}"] for p, r in fres.items()]))
+    (OUT / "http_overhead.json").write_text(json.dumps(dict(results=res, refused=fres, n=args.n),
+                                                       indent=2))
+    plot(lat, res, OUT / "http_overhead.png")
+    print(f"wrote {OUT / 'http_overhead.png'} and http_overhead.json ({args.n} rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Which implementation of a hot operation runs: the plain-torch reference or Triton.
+
+    default              Triton for CUDA tensors, torch for everything else
+    KVMESH_KERNELS=torch   always the torch reference
+    KVMESH_KERNELS=triton  always Triton; on CPU only under TRITON_INTERPRET=1 (Triton's
+                           interpreter, which must be set before triton is first imported)
+
+The Triton kernels compute in fp32; float64 tensors (the exactness tests of the engine)
+always take the torch path, forced or not.
+
+The choice is read on every call (it is one environment lookup), so a test can flip it
+with monkeypatch. The Triton modules are imported only when first chosen: importing
+kernels/ never imports triton, and a process that never asks for Triton never pays for it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CHOICES = ("torch", "triton")
+
+
+def forced() -> str | None:
+    value = os.environ.get("KVMESH_KERNELS", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in CHOICES:
+        raise ValueError(f"KVMESH_KERNELS must be torch, triton or unset, not {value!r}")
+    return value
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the operation on tensor `t` should run its Triton kernel."""
+    choice = forced()
+    if choice == "torch" or t.dtype == torch.float64:
+        return False
+    if choice == "triton":
+        if t.device.type != "cuda" and not interpreting():
+            raise RuntimeError(
+                "KVMESH_KERNELS=triton on a CPU tensor needs Triton's interpreter: set "
+                "TRITON_INTERPRET=1 in the environment before starting the process "
+                "(or unset KVMESH_KERNELS to use the torch kernels on CPU)")
+        return True
+    return t.device.type == "cuda"

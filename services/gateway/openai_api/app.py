@@ -1,0 +1,252 @@
+"""Starlette app: the OpenAI-compatible routes over a running `GatewayCore`.
+
+    POST /v1/completions        text or token-id prompt -> text_completion (or SSE chunks)
+    POST /v1/chat/completions   messages -> chat template -> chat.completion (or SSE chunks)
+    GET  /v1/models[/{id}]      the one model the engines serve (id = the preset's name)
+    GET  /health                200 while an engine is routable, else 503
+    GET  /metrics               Prometheus text: the same registry as the gateway's --metrics-port
+
+Every generation goes through `core.open` (validation, routing, retries, migration,
+metrics, the request log line), as a gRPC call does. A request refused before it
+reaches the core (body too large, not JSON, bad field, unknown model) is counted in
+`kvmesh_requests_total` and logged here, the same way.
+
+Client disconnects: each generation response watches the ASGI `receive` channel;
+`http.disconnect` before the response is complete cancels the handler's task, and the
+CancelledError unwinds through `GatewayRequest` into the engine session, which cancels
+the engine's tag (slot and blocks freed), as a cancelled gRPC call does.
+
+All state is the core's; the app holds only the chat template and owns nothing mutable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvmesh.errors import KvmeshError, NotFound, TooLarge, Unavailable
+from services.gateway.core import GatewayCore
+from services.gateway.model import status_name
+from services.gateway.openai_api import fields
+from services.gateway.openai_api.chat import load_template
+from services.gateway.openai_api.render import DONE, Renderer, error_body, http_error, sse
+
+log = logging.getLogger("kvmesh.gateway.http")
+JSON_HEADERS = [(b"content-type", b"application/json")]
+# A body over the limit is read to its end (and dropped) up to this multiple of the limit.
+DRAIN_FACTOR = 16
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body = http_error(exc)
+    return JSONResponse(body, status_code=status)
+
+
+class Generation:
+    """ASGI response for one generation: runs it in the handler's task and cancels that
+    task if the client disconnects first (so the engine frees the request's slot)."""
+
+    def __init__(self, app: OpenAIApp, gr, renderer: Renderer, stream: bool):
+        self.app, self.gr, self.r, self.stream = app, gr, renderer, stream
+        self.complete = False
+        self.gone = False
+
+    async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not self.complete:
+                self.gone = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await (self._stream(send) if self.stream else self._unary(send))
+        except asyncio.CancelledError:
+            if not self.gone:
+                raise
+            log.info("request id=%s: client disconnected; generation cancelled",
+                     self.gr.req.request_id)
+        finally:
+            watcher.cancel()
+
+    async def _start(self, send, status: int, headers) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*headers, (b"x-request-id", self.gr.req.request_id.encode())]})
+
+    async def _body(self, send, body: bytes, more: bool = False) -> None:
+        if not more:
+            self.complete = True
+        await send({"type": "http.response.body", "body": body, "more_body": more})
+
+    async def _error(self, send, exc: Exception) -> None:
+        """The whole response is this error (nothing was sent yet)."""
+        if not isinstance(exc, KvmeshError):
+            log.exception("internal error in HTTP handler (request %s)", self.gr.req.request_id)
+        status, body = http_error(exc)
+        await self._start(send, status, JSON_HEADERS)
+        await self._body(send, json.dumps(body).encode())
+
+    async def _unary(self, send) -> None:
+        parts, finish = [], None
+        try:
+            async for c in self.gr:
+                parts.append(c.text)
+                finish = c.finish or finish
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, 500 if unknown
+            await self._error(send, exc)
+            return
+        out = self.r.full("".join(parts), finish, self.gr.usage)
+        await self._start(send, 200, JSON_HEADERS)
+        await self._body(send, json.dumps(out, separators=(",", ":")).encode())
+
+    async def _stream(self, send) -> None:
+        # aclosing: whatever ends this handler early, the generation is closed here (and
+        # its engine tag cancelled), not whenever the garbage collector gets to it.
+        async with contextlib.aclosing(aiter(self.gr)) as it:
+            try:
+                # The status goes out with the first event: errors found before it
+                # (validation, no engine) are plain HTTP errors, not a 200 that fails.
+                first = await anext(it)
+            except Exception as exc:  # noqa: BLE001 - mapped to a status, 500 if unknown
+                await self._error(send, exc)
+                return
+            await self._start(send, 200, SSE_HEADERS)
+            await self._body(send, self.r.chunk(first.text, first.finish, first=True), more=True)
+            try:
+                async for c in it:
+                    if c.text or c.finish is not None:
+                        await self._body(send, self.r.chunk(c.text, c.finish), more=True)
+            except Exception as exc:  # noqa: BLE001 - after the 200: an error event, as OpenAI
+                if not isinstance(exc, KvmeshError):
+                    log.exception("internal error mid-stream (request %s)",
+                                  self.gr.req.request_id)
+                await self._body(send, sse(http_error(exc)[1]), more=True)
+            else:
+                if self.r.include_usage:
+                    await self._body(send, self.r.usage_chunk(self.gr.usage), more=True)
+        await self._body(send, DONE)
+
+
+class OpenAIApp:
+    """Routes bound to one core. `app` is the ASGI application to serve."""
+
+    def __init__(self, core: GatewayCore):
+        self.core = core
+        self.template = load_template(core.cfg.tokenizer)
+        self.max_body = core.cfg.max_request_bytes
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ], exception_handlers={HTTPException: self._http_exception})
+
+    # --- generation -----------------------------------------------------------------------
+    async def completions(self, request: Request):
+        return await self._generate(request, "http_completions", chat=False)
+
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, "http_chat_completions", chat=True)
+
+    async def _generate(self, request: Request, method: str, chat: bool):
+        t0 = time.monotonic()
+        try:
+            body = await self._json_body(request)
+            req, opts = (fields.chat_request(body, self.template) if chat
+                         else fields.completion_request(body))
+            await self._model_id(opts.model)
+        except KvmeshError as exc:
+            return self._refused(method, exc, t0)
+        except ClientDisconnect:  # gone while sending the body: nobody to answer
+            return Response(status_code=499)
+        gr = self.core.open(req, None, method)
+        r = Renderer(chat, gr.req.request_id, opts.model, opts.include_usage)
+        return Generation(self, gr, r, opts.stream)
+
+    async def _json_body(self, request: Request):
+        chunks, n = [], 0
+        body = request.stream()
+        async for chunk in body:
+            n += len(chunk)
+            if n > self.max_body:
+                # Read (and drop) the rest before answering, up to DRAIN_FACTOR x the limit:
+                # a client still sending when the server closes gets a reset, not the 413.
+                async for more in body:
+                    n += len(more)
+                    if n > DRAIN_FACTOR * self.max_body:
+                        break
+                raise TooLarge(f"request body is over {self.max_body} bytes (the limit)")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise fields.FieldError("", f"the request body is not valid JSON: {exc}") from None
+
+    def _refused(self, method: str, exc: KvmeshError, t0: float) -> JSONResponse:
+        """Count and log a request the core never saw, like the core does its own."""
+        resp = error_response(exc)
+        status = status_name(exc)
+        self.core.metrics.observe(method, status, time.monotonic() - t0)
+        log.info("request id=- status=%s http=%d method=%s: %s", status, resp.status_code,
+                 method, exc)
+        return resp
+
+    # --- models and health ----------------------------------------------------------------
+    async def _model_id(self, wanted: str | None = None) -> str:
+        info = await self.core.model_info()
+        if info is None:
+            raise Unavailable("no engine available: the model is not known yet")
+        name = info.name
+        if wanted is not None and wanted != name:
+            err = NotFound(f"the model {wanted!r} does not exist; this gateway serves {name!r}")
+            err.param = "model"
+            raise err
+        return name
+
+    def _model_obj(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh",
+                "max_model_len": self.core.info.max_seq_len}
+
+    async def models(self, request: Request):
+        try:
+            name = await self._model_id()
+        except KvmeshError as exc:
+            return error_response(exc)
+        return JSONResponse({"object": "list", "data": [self._model_obj(name)]})
+
+    async def model(self, request: Request):
+        try:
+            name = await self._model_id(request.path_params["model_id"])
+        except KvmeshError as exc:
+            return error_response(exc)
+        return JSONResponse(self._model_obj(name))
+
+    async def health(self, request: Request):
+        n = len(self.core.router.candidates(self.core.clock()))
+        return JSONResponse({"status": "ok" if n else "no engine", "engines": n},
+                            status_code=200 if n else 503)
+
+    async def metrics(self, request: Request):
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    async def _http_exception(self, request: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(exc.status_code, msg, code), status_code=exc.status_code)
+

@@ -1,0 +1,241 @@
+"""OpenAI request bodies -> `GenRequest` plus how to answer (`Options`).
+
+kvmesh follows the OpenAI field names and types, and refuses what it cannot honour
+with a 400 naming the field (`n` > 1, `logprobs`, `tools`, penalties, ...) instead of
+answering something else. The ranges the gateway core checks again (max_tokens limit,
+prompt size, stop counts) are left to it, so there is one rule for gRPC and HTTP.
+
+Extension fields (not in OpenAI's API): `cache_salt` (prefix-cache namespace),
+`top_k`, `ignore_eos`, `traffic_class` (agent | chatbot). `user` is accepted and
+ignored: it is not a cache salt (a salt must be chosen on purpose; see README).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvmesh.errors import InvalidArgument
+from services.gateway.model import GenRequest
+
+
+class FieldError(InvalidArgument):
+    """A bad request field: HTTP 400 with `param` set to the field's name."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param or None  # "" = the body as a whole: JSON null
+
+
+@dataclass(frozen=True)
+class Options:
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+
+
+# Accepted and without effect here (clients send them by habit).
+IGNORED = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
+COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
+                    "stream_options", "presence_penalty", "frequency_penalty", "logit_bias",
+                    "logprobs", "cache_salt", "top_k", "ignore_eos", "traffic_class"}) | IGNORED
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                        "tool_choice", "response_format"}
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def _type_name(v) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _opt_int(body: dict, name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise FieldError(name, f"{name} must be an integer, got {_type_name(v)}")
+    return v
+
+
+def _opt_number(body: dict, name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
+        raise FieldError(name, f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _opt_bool(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise FieldError(name, f"{name} must be a boolean, got {_type_name(v)}")
+    return v
+
+
+def _opt_str(body: dict, name: str) -> str | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, str):
+        raise FieldError(name, f"{name} must be a string, got {_type_name(v)}")
+    return v
+
+
+def _check_fields(body, allowed: frozenset) -> None:
+    if not isinstance(body, dict):
+        raise FieldError("", f"the request body must be a JSON object, got {_type_name(body)}")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise FieldError(unknown[0], f"unrecognized request argument supplied: {unknown[0]}")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Fields kvmesh does not implement: refused unless they ask for the default."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _opt_number(body, name) not in (None, 0.0):
+            raise FieldError(name, f"{name} is not supported (only 0)")
+    if body.get("logit_bias"):
+        raise FieldError("logit_bias", "logit_bias is not supported")
+    if body.get("logprobs") not in (None, False, 0):
+        raise FieldError("logprobs", "logprobs are not supported")
+    if body.get("top_logprobs") is not None:
+        raise FieldError("top_logprobs", "top_logprobs is not supported")
+    if body.get("echo"):
+        raise FieldError("echo", "echo is not supported")
+    if body.get("best_of") not in (None, 1):
+        raise FieldError("best_of", "best_of must be 1 (one choice per request)")
+    if body.get("suffix") is not None:
+        raise FieldError("suffix", "suffix is not supported")
+    if body.get("tools"):
+        raise FieldError("tools", "tools are not supported")
+    if body.get("tool_choice") not in (None, "none"):
+        raise FieldError("tool_choice", "tool_choice is not supported (only \"none\")")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise FieldError("response_format", "response_format must be {\"type\": \"text\"}")
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,)
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return tuple(v)
+    raise FieldError("stop", "stop must be a string or a list of strings")
+
+
+def _options(body: dict) -> Options:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise FieldError("model", "model is required: a model id from GET /v1/models")
+    n = _opt_int(body, "n")
+    if n not in (None, 1):
+        raise FieldError("n", f"n must be 1 (one choice per request), got {n}")
+    stream = bool(_opt_bool(body, "stream"))
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not stream:
+            raise FieldError("stream_options", "stream_options is only allowed with stream: true")
+        if not isinstance(so, dict) or set(so) - {"include_usage"}:
+            raise FieldError("stream_options", "stream_options must be {\"include_usage\": bool}")
+        include_usage = bool(_opt_bool(so, "include_usage"))
+    return Options(model=model, stream=stream, include_usage=include_usage)
+
+
+def _sampling(body: dict, max_tokens: int | None) -> dict:
+    if max_tokens is not None and max_tokens <= 0:
+        raise FieldError("max_tokens", f"max_tokens must be > 0, got {max_tokens}")
+    temperature = _opt_number(body, "temperature")
+    if temperature is not None and temperature < 0:
+        raise FieldError("temperature", f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    top_p = _opt_number(body, "top_p")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise FieldError("top_p", f"top_p must be in (0, 1], got {top_p}")
+    top_k = _opt_int(body, "top_k")
+    if top_k is not None and top_k < 0:
+        raise FieldError("top_k", f"top_k must be >= 0 (0 = off), got {top_k}")
+    seed = _opt_int(body, "seed")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise FieldError("seed", f"seed must be in [0, 2**63), got {seed}")
+    _opt_str(body, "user")
+    return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                seed=seed, stop=_stop(body), cache_salt=_opt_str(body, "cache_salt") or "",
+                traffic_class=_opt_str(body, "traffic_class") or "",
+                ignore_eos=bool(_opt_bool(body, "ignore_eos")))
+
+
+def completion_request(body) -> tuple[GenRequest, Options]:
+    """POST /v1/completions: `prompt` is a string or token ids (a list of one of either
+    is accepted too; more than one prompt per request is refused)."""
+    _check_fields(body, COMPLETION_FIELDS)
+    _refuse_unsupported(body)
+    opts = _options(body)
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+        p = p[0]
+    text, ids = None, None
+    if isinstance(p, str):
+        text = p
+    elif isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
+        ids = tuple(p)
+    elif isinstance(p, list) and len(p) > 1 and all(isinstance(x, str | list) for x in p):
+        raise FieldError("prompt", f"prompt holds {len(p)} prompts; send one per request")
+    else:
+        raise FieldError("prompt", "prompt must be a string or a non-empty list of token ids >= 0")
+    kw = _sampling(body, _opt_int(body, "max_tokens"))
+    return GenRequest(request_id="", prompt=text, prompt_token_ids=ids, **kw), opts
+
+
+def chat_messages(body) -> list[dict]:
+    """The `messages` list, checked: [{role, content: str}] with text parts joined."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise FieldError("messages", "messages must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise FieldError(f"messages[{i}]", f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise FieldError(f"messages[{i}].role",
+                             f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        if m.get("tool_calls"):
+            raise FieldError(f"messages[{i}].tool_calls", "tool calls are not supported")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
+                    raise FieldError(f"messages[{i}].content[{j}]",
+                                     f"messages[{i}].content[{j}] must be a text part "
+                                     "{type: text, text}; other parts are not supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None and role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise FieldError(f"messages[{i}].content",
+                             f"messages[{i}].content must be a string or a list of text parts")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def chat_request(body, render) -> tuple[GenRequest, Options]:
+    """POST /v1/chat/completions; `render(messages) -> prompt text` applies the template."""
+    _check_fields(body, CHAT_FIELDS)
+    _refuse_unsupported(body)
+    opts = _options(body)
+    messages = chat_messages(body)
+    mt, mct = _opt_int(body, "max_tokens"), _opt_int(body, "max_completion_tokens")
+    if mct is not None and mct <= 0:
+        raise FieldError("max_completion_tokens", f"max_completion_tokens must be > 0, got {mct}")
+    kw = _sampling(body, mct if mct is not None else mt)
+    return GenRequest(request_id="", prompt=render(messages), prompt_token_ids=None, **kw), opts

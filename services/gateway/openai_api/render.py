@@ -1,0 +1,102 @@
+"""Gateway results -> OpenAI JSON: completion and chat objects, stream chunks (server-sent
+events), usage, and errors in OpenAI's shape with an HTTP status.
+
+Usage: `prompt_tokens`, `completion_tokens`, `total_tokens`, and
+`prompt_tokens_details.cached_tokens` (prompt tokens taken from the prefix cache);
+`prompt_tokens_details.replayed_tokens` is a kvmesh extension (tokens recomputed by
+bounded replay to rebuild the sliding window, docs/design.md §6).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from kvmesh.errors import TooLarge
+from services.gateway.model import Usage, status_name
+
+# gRPC status name -> HTTP status. A size limit on the request (TooLarge) is 413; other
+# RESOURCE_EXHAUSTED (capacity) 429.
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403,
+               "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
+               "DEADLINE_EXCEEDED": 504, "CANCELLED": 499, "INTERNAL": 500}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+              404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+              499: "cancelled", 503: "service_unavailable", 504: "timeout", 500: "internal_error"}
+# OpenAI has no "aborted"; vLLM's name for it.
+FINISH = {"length": "length", "stop": "stop", "aborted": "abort"}
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPE.get(status, "error"),
+                      "param": param, "code": code}}
+
+
+def http_error(exc: BaseException) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error body) for a domain error; the gRPC status name is the code."""
+    name = status_name(exc)
+    status = 413 if isinstance(exc, TooLarge) else HTTP_STATUS.get(name, 500)
+    message = str(exc) if name != "INTERNAL" else f"internal error: {type(exc).__name__}: {exc}"
+    return status, error_body(status, message, name.lower(), getattr(exc, "param", None))
+
+
+def usage_json(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.generated_tokens,
+            "total_tokens": u.prompt_tokens + u.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens,
+                                      "replayed_tokens": u.replayed_tokens}}
+
+
+class Renderer:
+    """Shapes of one response: `chat` picks chat.completion(.chunk) over text_completion."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool = False):
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish: str | None, usage: Usage) -> dict:
+        """The whole (non-streaming) response."""
+        out = self._head("chat.completion" if self.chat else "text_completion")
+        choice = {"index": 0, "finish_reason": FINISH.get(finish, finish)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        out["choices"] = [choice]
+        out["usage"] = usage_json(usage)
+        return out
+
+    def chunk(self, text: str, finish: str | None = None, first: bool = False) -> bytes:
+        """One stream event with `text` (chat: the first delta also carries the role)."""
+        out = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        choice = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        choice["finish_reason"] = FINISH.get(finish, finish)
+        out["choices"] = [choice]
+        if self.include_usage:
+            out["usage"] = None  # OpenAI: null on every chunk but the last, usage-only one
+        return sse(out)
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        out = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        out["choices"] = []
+        out["usage"] = usage_json(usage)
+        return sse(out)
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"

