@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import OUT, cpu_s  # noqa: E402
 from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
-from services.engine.client import EngineClient  # noqa: E402
+from services.engine.rpc.client import EngineClient  # noqa: E402
 from services.gateway.client import GatewayClient  # noqa: E402
 from services.gateway.config import EVENT_LOOPS, GatewayConfig  # noqa: E402
 from services.gateway.service import loop_name  # noqa: E402
@@ -132,7 +132,7 @@ class ProxyClient:
     def __init__(self, address: str):
         from kvmesh.proto import engine_pb2
         from kvmesh.rpc import channel
-        from services.engine.client import generate_request
+        from services.engine.rpc.client import generate_request
 
         self.channel = channel(address)
         self._request = generate_request

@@ -26,10 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import OUT, plot, table  # noqa: E402
 from services.engine.build import default_weights  # noqa: E402
-from services.engine.config import TINY  # noqa: E402
-from services.engine.engine import EngineCore  # noqa: E402
-from services.engine.engine_config import EngineConfig  # noqa: E402
-from services.engine.sampling import SamplingParams  # noqa: E402
+from services.engine.config import (
+    TINY,  # noqa: E402
+    EngineConfig,  # noqa: E402
+)
+from services.engine.core.engine import EngineCore  # noqa: E402
+from services.engine.core.sampling import SamplingParams  # noqa: E402
 
 ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 

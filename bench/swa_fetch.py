@@ -25,15 +25,17 @@ from bench._common import OUT, plot, table  # noqa: E402
 from bench.replay_ttft import engine, ttft  # noqa: E402
 from kvmesh.proto import engine_pb2_grpc  # noqa: E402
 from kvmesh.rpc import Server  # noqa: E402
-from services.engine.async_engine import AsyncEngine  # noqa: E402
 from services.engine.cache.layout import RuntimeLayout  # noqa: E402
-from services.engine.config import V41_FLASH  # noqa: E402
-from services.engine.engine_config import EngineConfig  # noqa: E402
-from services.engine.fetch_policy import FetchPolicy  # noqa: E402
-from services.engine.peers import fetch_snapshot  # noqa: E402
-from services.engine.server import SERVICE_NAME  # noqa: E402
-from services.engine.service import EngineServicer  # noqa: E402
-from services.engine.snapshots import Snapshot  # noqa: E402
+from services.engine.cache.snapshots import Snapshot  # noqa: E402
+from services.engine.config import (
+    V41_FLASH,  # noqa: E402
+    EngineConfig,  # noqa: E402
+)
+from services.engine.core.async_engine import AsyncEngine  # noqa: E402
+from services.engine.rpc.fetch_policy import FetchPolicy  # noqa: E402
+from services.engine.rpc.peers import fetch_snapshot  # noqa: E402
+from services.engine.rpc.server import SERVICE_NAME  # noqa: E402
+from services.engine.rpc.service import EngineServicer  # noqa: E402
 
 SIZE = RuntimeLayout.build(V41_FLASH, EngineConfig()).block.state_size_to_disk
 KEY = "ab" * 32

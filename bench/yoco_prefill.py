@@ -19,10 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import OUT, plot, table  # noqa: E402
 from services.engine.build import default_weights  # noqa: E402
-from services.engine.config import TINY  # noqa: E402
-from services.engine.engine import EngineCore  # noqa: E402
-from services.engine.engine_config import EngineConfig  # noqa: E402
-from services.engine.sampling import SamplingParams  # noqa: E402
+from services.engine.config import (
+    TINY,  # noqa: E402
+    EngineConfig,  # noqa: E402
+)
+from services.engine.core.engine import EngineCore  # noqa: E402
+from services.engine.core.sampling import SamplingParams  # noqa: E402
 
 
 def prefill_time(mode: str, prompt: list[int]) -> float:

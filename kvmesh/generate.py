@@ -40,7 +40,7 @@ async def _stream(address: str, engine: str | None, args) -> int:
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.gen_seed, stop=args.stop)
     if engine:  # straight to one engine (debugging), same output format
-        from services.engine.client import EngineClient
+        from services.engine.rpc.client import EngineClient
 
         client, served_by = EngineClient(engine), engine
         stream = client.generate(args.prompt, **kw)

@@ -38,8 +38,8 @@ def test_set_sampling_sets_only_given_fields_on_both_requests(request_type):
 
 
 def test_default_max_tokens_is_the_engines_default():
-    from services.engine.sampling import SamplingParams
-    from services.engine.service import params_from_proto
+    from services.engine.core.sampling import SamplingParams
+    from services.engine.rpc.service import params_from_proto
 
     assert SamplingParams().max_tokens == g.DEFAULT_MAX_TOKENS == 64
     assert params_from_proto(engine_pb2.GenerateRequest()).max_tokens == 64

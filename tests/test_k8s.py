@@ -245,7 +245,7 @@ def test_external_credentials_reach_the_s3_client(monkeypatch):
 
 # -- lifecycle -------------------------------------------------------------------------
 # Where each service's SIGTERM path sets its grace for in-flight calls.
-DRAIN_CODE = {"gateway": "services/gateway/service.py", "engine": "services/engine/server.py",
+DRAIN_CODE = {"gateway": "services/gateway/service.py", "engine": "services/engine/rpc/server.py",
               "kvstore": "services/kvstore/server.py", "directory": "services/directory/service.py"}
 
 

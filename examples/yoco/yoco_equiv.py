@@ -24,12 +24,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.engine.config import preset  # noqa: E402
-from services.engine.engine import EngineCore  # noqa: E402
-from services.engine.engine_config import EngineConfig  # noqa: E402
+from services.engine.config import (
+    EngineConfig,  # noqa: E402
+    preset,  # noqa: E402
+)
+from services.engine.core.engine import EngineCore  # noqa: E402
+from services.engine.core.sampling import SamplingParams  # noqa: E402
 from services.engine.model import reference  # noqa: E402
 from services.engine.model.weights import init_weights  # noqa: E402
-from services.engine.sampling import SamplingParams  # noqa: E402
 
 
 def l2_rows(a, b):

@@ -10,8 +10,7 @@ import argparse
 from pathlib import Path
 
 from services.engine.cache.layout import RuntimeLayout
-from services.engine.config import PRESETS, ModelConfig, preset
-from services.engine.engine_config import TRUNCATION_MODES, EngineConfig
+from services.engine.config import PRESETS, TRUNCATION_MODES, EngineConfig, ModelConfig, preset
 
 # The trained checkpoint shipped in the repository (models/v4-mini-tiny/MODEL_CARD.md): the
 # default weights of the `tiny` preset. Seeded random weights only with --random-weights.
@@ -88,7 +87,7 @@ def build_core(args):
     """-> EngineCore. torch is imported here, not at module import: `kvmesh --help` and the
     remote `kvmesh generate` stay fast."""
     from kvmesh.tokenizer import load_tokenizer
-    from services.engine.engine import EngineCore
+    from services.engine.core.engine import EngineCore
     from services.engine.model import weights as weights_mod
 
     cfg, ecfg, layout = runtime_layout(args)

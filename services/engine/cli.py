@@ -79,7 +79,7 @@ def register(sub) -> None:
 
 
 def _serve(args) -> int:
-    from services.engine.server import serve
+    from services.engine.rpc.server import serve
 
     try:
         core = build_core(args)
@@ -173,7 +173,7 @@ def _generate(args) -> int:
 
 
 def _generate_local(args) -> int:
-    from services.engine.sampling import SamplingParams
+    from services.engine.core.sampling import SamplingParams
 
     try:
         core = build_core(args)

@@ -1,5 +1,5 @@
 """EngineSession: the gateway's one Session stream to one engine (see
-services/engine/session.py for the engine side and why it exists).
+services/engine/rpc/session.py for the engine side and why it exists).
 
 Every request the gateway sends to that engine is a tagged generation on the
 stream. The session owns the call, the outgoing queue and the tag -> inbox map;

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.engine import EngineCore
-from services.engine.engine_config import EngineConfig
+from services.engine.config import EngineConfig
+from services.engine.core.engine import EngineCore
 from services.engine.model import weights as weights_mod
 
 

@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from services.engine.async_engine import AsyncEngine
 from services.engine.config import small_test_config
-from services.engine.sampling import SamplingParams
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.sampling import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt
 
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -14,8 +14,8 @@ import torch
 from kernels import mxfp8
 from kvmesh import cachekeys as hashing
 from services.engine.config import small_test_config
+from services.engine.core.sampling import SamplingParams
 from services.engine.model import ops, reference
-from services.engine.sampling import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 
 CFG = small_test_config()

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from services.engine.config import TINY, small_test_config
+from services.engine.core.sampling import SamplingParams
 from services.engine.model import reference
 from services.engine.model import weights as weights_mod
-from services.engine.sampling import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 
 EXACT = 1e-9      # float64: observed ~1e-14

@@ -9,9 +9,9 @@ import pytest
 
 from kvmesh import cachekeys
 from services.engine import config as config_mod
+from services.engine.cache.prefix import Prefetched
 from services.engine.config import small_test_config
-from services.engine.prefix import Prefetched
-from services.engine.sampling import SamplingParams
+from services.engine.core.sampling import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 
 CFG = small_test_config()          # block 16, W 16; KEEP 22

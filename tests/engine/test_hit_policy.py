@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from services.engine.config import TINY, small_test_config
+from services.engine.core.sampling import SamplingParams
 from services.engine.model import reference
-from services.engine.sampling import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 
 CFG = small_test_config()
@@ -108,8 +108,8 @@ def test_the_deepest_snapshot_wins():
 def test_a_foreign_snapshot_is_skipped_for_the_next_one():
     """A peer's snapshot at L1 with a wrong size is refused; the local one at L1 - 16 is used."""
     from kvmesh import cachekeys as hashing
-    from services.engine.prefix import Prefetched
-    from services.engine.snapshots import Snapshot
+    from services.engine.cache.prefix import Prefetched
+    from services.engine.cache.snapshots import Snapshot
 
     base = random_prompt(200, 31)
     second = base[:80] + random_prompt(40, 32)

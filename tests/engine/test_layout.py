@@ -6,8 +6,7 @@ from kvmesh import envs
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.state_layout import LayoutBuilder, is_dropped_swa_layer
 from services.engine.cache.state_pool import StatePool
-from services.engine.config import TINY, V41_FLASH, small_test_config
-from services.engine.engine_config import EngineConfig
+from services.engine.config import TINY, V41_FLASH, EngineConfig, small_test_config
 
 
 @pytest.fixture

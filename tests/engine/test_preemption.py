@@ -1,7 +1,7 @@
 """A pool too small for the load forces preemption; results must not change."""
 
 from services.engine.config import small_test_config
-from services.engine.sampling import SamplingParams
+from services.engine.core.sampling import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from services.engine.config import TINY, small_test_config
-from services.engine.sampling import SamplingParams
+from services.engine.core.sampling import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 
 CFG = small_test_config()          # W 16, block 16, B 6 -> KEEP >= 22
@@ -148,7 +148,7 @@ def test_prefetched_blocks_install_and_a_bad_payload_is_a_miss():
     """Blocks fetched from the kvstore before admission fill an empty ledger; a payload of
     the wrong size stops the run there (a miss), never an error."""
     from kvmesh import cachekeys as hashing
-    from services.engine.prefix import Prefetched
+    from services.engine.cache.prefix import Prefetched
 
     base = random_prompt(200, 21)
     donor = make_engine(CFG, truncation="compact", keep_tokens=22)

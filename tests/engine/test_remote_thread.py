@@ -10,12 +10,11 @@ import threading
 from collections import Counter
 
 from kvmesh.backing.proc import free_port
-from services.engine.async_engine import AsyncEngine
-from services.engine.config import small_test_config
-from services.engine.engine import EngineCore
-from services.engine.engine_config import EngineConfig
-from services.engine.remote import RemoteTiers
-from services.engine.sampling import SamplingParams
+from services.engine.config import EngineConfig, small_test_config
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.engine import EngineCore
+from services.engine.core.sampling import SamplingParams
+from services.engine.rpc.remote import RemoteTiers
 from services.kvstore.client import KvstoreClient
 from tests.engine.helpers import random_prompt
 

@@ -12,8 +12,8 @@ import pytest
 
 from kvmesh.errors import InvalidArgument
 from services.engine.config import small_test_config
-from services.engine.output import OutputState
-from services.engine.sampling import SamplingParams
+from services.engine.core.output import OutputState
+from services.engine.core.sampling import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt
 
 CFG = small_test_config()

@@ -5,13 +5,12 @@ import torch
 
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager
-from services.engine.config import small_test_config
-from services.engine.engine_config import EngineConfig
+from services.engine.config import EngineConfig, small_test_config
+from services.engine.core.sampling import SamplingParams
+from services.engine.core.sequence import Sequence
 from services.engine.model import reference
 from services.engine.model import weights as weights_mod
-from services.engine.runner import ModelRunner, Work
-from services.engine.sampling import SamplingParams
-from services.engine.sequence import Sequence
+from services.engine.model.runner import ModelRunner, Work
 from tests.engine.helpers import random_prompt
 
 CFG = small_test_config()       # W 16, CSA m 4, HCA m 16, block 16

@@ -14,8 +14,7 @@ from kvmesh.cli import build_parser
 from services.engine.build import build_core, runtime_layout
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.state_pool import StatePool
-from services.engine.config import V41_FLASH
-from services.engine.engine_config import EngineConfig
+from services.engine.config import V41_FLASH, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

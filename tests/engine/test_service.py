@@ -12,11 +12,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvmesh.proto import engine_pb2_grpc
 from kvmesh.rpc import Server
-from services.engine.async_engine import AsyncEngine
-from services.engine.client import EngineClient, generate_request
 from services.engine.config import small_test_config
-from services.engine.server import SERVICE_NAME
-from services.engine.service import EngineServicer
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.rpc.client import EngineClient, generate_request
+from services.engine.rpc.server import SERVICE_NAME
+from services.engine.rpc.service import EngineServicer
 from tests.engine.helpers import make_engine
 from tests.loop import LoopThread
 

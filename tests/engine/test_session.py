@@ -11,9 +11,9 @@ import pytest
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import Server
-from services.engine.client import generate_request
-from services.engine.server import SERVICE_NAME
-from services.engine.service import EngineServicer
+from services.engine.rpc.client import generate_request
+from services.engine.rpc.server import SERVICE_NAME
+from services.engine.rpc.service import EngineServicer
 from tests.engine.test_service import EngineHarness, wait_idle
 
 

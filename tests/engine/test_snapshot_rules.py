@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from kvmesh import cachekeys as hashing
-from services.engine.config import small_test_config
-from services.engine.engine import EngineCore
-from services.engine.engine_config import EngineConfig
-from services.engine.runner import Work
-from services.engine.sampling import SamplingParams
+from services.engine.config import EngineConfig, small_test_config
+from services.engine.core.engine import EngineCore
+from services.engine.core.sampling import SamplingParams
+from services.engine.model.runner import Work
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 
 CFG = small_test_config()          # block = W = 16, B 6: inference ring 22

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from services.engine.config import small_test_config
+from services.engine.core.sampling import SamplingParams
 from services.engine.model import reference
 from services.engine.model import weights as weights_mod
-from services.engine.sampling import SamplingParams
 from services.engine.train import data
 from services.engine.train.loop import TrainArgs, batch_loss, make_optimizer, save_checkpoint
 from services.engine.train.model import forward

@@ -8,10 +8,10 @@ import torch
 
 from kvmesh.tokenizer import ByteTokenizer, HFTokenizer
 from services.engine.config import TINY, V41_FLASH, preset, small_test_config
+from services.engine.core.output import OutputState
+from services.engine.core.sampling import SamplingParams, sample
+from services.engine.core.sequence import Finish
 from services.engine.model import weights as weights_mod
-from services.engine.output import OutputState
-from services.engine.sampling import SamplingParams, sample
-from services.engine.sequence import Finish
 
 
 def test_seeded_init_is_deterministic():

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 
 from kvmesh.errors import InvalidArgument
-from services.engine.client import generate_request
+from services.engine.rpc.client import generate_request
 from services.gateway.engines import EnginePool
 from services.gateway.model import DeadlineExceeded, EngineFailure
 from tests.engine.test_service import wait_idle

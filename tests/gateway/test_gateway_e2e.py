@@ -188,7 +188,7 @@ def test_shared_prefix_on_two_engines_reuses_blocks_and_snapshot(gw, mesh):
     publishes to the directory). X is then made busy with direct requests, so the gateway
     routes request 2, which shares the 256-token prefix, to the other engine Y by load. Y
     takes the blocks from the kvstore and X's window through the directory."""
-    from services.engine.client import generate_request
+    from services.engine.rpc.client import generate_request
 
     base = ("shared prefix on two engines. " * 12)[:300]
     first = gw.generate(base, max_tokens=1, temperature=0.0, cache_salt="two-engines")

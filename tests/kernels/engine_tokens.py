@@ -17,7 +17,7 @@ import sys
 import torch
 
 from services.engine.config import small_test_config
-from services.engine.sampling import SamplingParams
+from services.engine.core.sampling import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 
 

@@ -16,7 +16,7 @@ from kvmesh.backing.seaweed import start_seaweed_cluster
 from kvmesh.backing.valkey import ValkeyProcess
 from kvmesh.healthcheck import wait_healthy
 from services.directory.client import DirectoryClient
-from services.engine.client import EngineClient
+from services.engine.rpc.client import EngineClient
 from services.kvstore.client import KvstoreClient
 from tests.loop import LoopThread
 

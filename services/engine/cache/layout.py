@@ -28,8 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.engine.cache.state_layout import FP32, StateBlock
-from services.engine.config import ModelConfig
-from services.engine.engine_config import EngineConfig
+from services.engine.config import EngineConfig, ModelConfig
 
 
 @dataclass(frozen=True)

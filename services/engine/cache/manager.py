@@ -28,10 +28,10 @@ from kvmesh.cachekeys import extend_chain
 from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.layout import RuntimeLayout
+from services.engine.cache.prefix import Prefetched, PrefixReuse
+from services.engine.cache.snapshots import Snapshot
 from services.engine.cache.state_pool import StatePool
-from services.engine.prefix import Prefetched, PrefixReuse
-from services.engine.sequence import Sequence
-from services.engine.snapshots import Snapshot
+from services.engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

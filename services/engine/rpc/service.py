@@ -10,10 +10,10 @@ from kvmesh.generation import DEFAULT_MAX_TOKENS, finish_to_proto, traffic_class
 from kvmesh.metrics import RequestMetrics
 from kvmesh.proto import common_pb2, engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
-from services.engine.async_engine import AsyncEngine
-from services.engine.peers import check_key, snapshot_messages
-from services.engine.sampling import SamplingParams
-from services.engine.session import SessionHub
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.sampling import SamplingParams
+from services.engine.rpc.peers import check_key, snapshot_messages
+from services.engine.rpc.session import SessionHub
 
 
 def params_from_proto(req) -> SamplingParams:

@@ -7,9 +7,9 @@ import logging
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import Server, shutdown_signal
-from services.engine.async_engine import AsyncEngine
-from services.engine.engine import EngineCore
-from services.engine.service import EngineServicer
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.engine import EngineCore
+from services.engine.rpc.service import EngineServicer
 
 log = logging.getLogger("kvmesh.engine")
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
@@ -62,8 +62,8 @@ async def _export_stats(engine: AsyncEngine, port: int, every_s: float = 1.0) ->
 async def _remote(engine, port, engine_id, advertise, directory, kvstore, fetch_mode, deadline):
     if not directory and not kvstore:
         return None
-    from services.engine.fetch_policy import FetchPolicy
-    from services.engine.remote import RemoteTiers
+    from services.engine.rpc.fetch_policy import FetchPolicy
+    from services.engine.rpc.remote import RemoteTiers
 
     host = advertise.rsplit(":", 1)[0]
     address = f"{host}:{port}" if advertise.endswith(":0") else advertise

@@ -26,7 +26,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from services.engine.engine import EngineCore, Event
+from services.engine.core.engine import EngineCore, Event
 
 log = logging.getLogger("kvmesh.engine")
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.tokenizer import TextStream
-from services.engine.sampling import SamplingParams
-from services.engine.sequence import Finish
-from services.engine.stops import StopMatcher
+from services.engine.core.sampling import SamplingParams
+from services.engine.core.sequence import Finish
+from services.engine.core.stops import StopMatcher
 
 
 @dataclass

@@ -36,7 +36,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.sampling import SamplingParams
+from services.engine.core.sampling import SamplingParams
 
 
 class Status(enum.Enum):

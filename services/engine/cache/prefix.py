@@ -55,13 +55,13 @@ import torch
 
 from kvmesh.cachekeys import snapshot_key
 from services.engine.cache.snapshot_keys import layout_fingerprint
+from services.engine.cache.snapshots import Snapshot, SnapshotStore
 from services.engine.cache.state_pool import StatePool
-from services.engine.engine_config import EngineConfig
-from services.engine.sequence import Sequence
-from services.engine.snapshots import Snapshot, SnapshotStore
+from services.engine.config import EngineConfig
+from services.engine.core.sequence import Sequence
 
 if TYPE_CHECKING:
-    from services.engine.runner import ForwardResult, Work
+    from services.engine.model.runner import ForwardResult, Work
 
 
 @dataclass

@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.cache.manager import CacheManager, MatchResult
-from services.engine.engine_config import EngineConfig
-from services.engine.sequence import Finish, Sequence, Status
+from services.engine.config import EngineConfig
+from services.engine.core.sequence import Finish, Sequence, Status
 
 
 @dataclass

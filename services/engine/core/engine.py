@@ -28,15 +28,14 @@ from kvmesh.generation import check_traffic_class
 from kvmesh.tokenizer import ByteTokenizer
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager, MatchResult
-from services.engine.config import ModelConfig
-from services.engine.engine_config import EngineConfig
+from services.engine.cache.prefix import Prefetched, PrefixReuse
+from services.engine.config import EngineConfig, ModelConfig
+from services.engine.core.output import OutputState
+from services.engine.core.sampling import SamplingParams, sample
+from services.engine.core.scheduler import Scheduler
+from services.engine.core.sequence import Finish, Sequence
+from services.engine.model.runner import ModelRunner, Work
 from services.engine.model.weights import Weights, init_weights
-from services.engine.output import OutputState
-from services.engine.prefix import Prefetched, PrefixReuse
-from services.engine.runner import ModelRunner, Work
-from services.engine.sampling import SamplingParams, sample
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import Finish, Sequence
 
 # Counters EngineCore always reports, 0 until their event first happens, so GetStats and
 # /metrics (kvmesh_engine_<name>) show every one from the start. Only the engine thread
