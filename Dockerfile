@@ -14,6 +14,8 @@ COPY kvmesh kvmesh
 COPY services services
 COPY kernels kernels
 RUN pip install .
+# The shipped trained checkpoint (the compose file's engines load it by path).
+COPY models models
 
 # Run as an unprivileged user. Only the kvstore writes (its hot disk tier and metadata in
 # /data, a named volume in docker-compose.yml that starts with this ownership).

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import OUT, plot, table  # noqa: E402
+from services.engine.build import default_weights  # noqa: E402
 from services.engine.config import (
     TINY,  # noqa: E402
     EngineConfig,  # noqa: E402
@@ -38,7 +39,7 @@ ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 def engine(length: int, policy: str) -> EngineCore:
     ecfg = EngineConfig(num_slots=2, num_blocks=length // 128 + 16, max_batched_tokens=512,
                         truncation="compact", keep_tokens=134, swa_policy=policy)
-    return EngineCore(TINY, ecfg)
+    return EngineCore(TINY, ecfg, weights=WEIGHTS)
 
 
 def ttft(core: EngineCore, prompt: list[int]) -> tuple[float, object]:
@@ -67,11 +68,18 @@ def measure(length: int, repeats: int) -> dict[str, float]:
     return out
 
 
+# The shipped checkpoint unless --random-weights (set by main; timing does not depend on it).
+WEIGHTS = None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="1024,4096,16384,65536")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--random-weights", action="store_true", help="seeded random weights")
     args = ap.parse_args(argv)
+    global WEIGHTS
+    WEIGHTS = default_weights("tiny", args.random_weights)
     torch.set_num_threads(2)
     lengths = [int(x) for x in args.lengths.split(",")]
     results = {}

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import OUT, plot, table  # noqa: E402
+from services.engine.build import default_weights  # noqa: E402
 from services.engine.config import (
     TINY,  # noqa: E402
     EngineConfig,  # noqa: E402
@@ -29,7 +30,7 @@ from services.engine.core.sampling import SamplingParams  # noqa: E402
 def prefill_time(mode: str, prompt: list[int]) -> float:
     ecfg = EngineConfig(num_slots=1, num_blocks=len(prompt) // 128 + 8, max_batched_tokens=512,
                         truncation=mode, keep_tokens=134 if mode != "off" else 0, swa_policy="zero")
-    core = EngineCore(TINY, ecfg)
+    core = EngineCore(TINY, ecfg, weights=WEIGHTS)
     core.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     t0 = time.perf_counter()
     while core.has_work:
@@ -37,11 +38,18 @@ def prefill_time(mode: str, prompt: list[int]) -> float:
     return time.perf_counter() - t0
 
 
+# The shipped checkpoint unless --random-weights (set by main; timing does not depend on it).
+WEIGHTS = None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--random-weights", action="store_true", help="seeded random weights")
     args = ap.parse_args(argv)
+    global WEIGHTS
+    WEIGHTS = default_weights("tiny", args.random_weights)
     torch.set_num_threads(2)
     prefill_time("off", list(range(256)))          # warm-up
     lengths = [int(x) for x in args.lengths.split(",")]

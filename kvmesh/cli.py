@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "services.kvstore.cli",      # kvmesh kvstore serve, kvmesh admin ...
     "services.directory.cli",    # kvmesh directory serve
     "kvmesh.mesh",               # kvmesh up
+    "services.engine.train.cli", # kvmesh train, kvmesh train-eval
 ]
 
 

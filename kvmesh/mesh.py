@@ -20,13 +20,35 @@ from rich.table import Table
 from kvmesh.mesh_runner import Mesh, MeshConfig
 from kvmesh.running import RUNNING_MESH_FILE, remove_running, write_running
 
-DEMO_PROMPT = ("kvmesh keeps compressed attention entries in a shared, erasure-coded store and "
-               "sliding-window state in the engine that produced it; the gateway routes this "
-               "prompt to the engine holding the deepest snapshot of its prefix. When the "
-               "snapshot is missing, the engine replays 128 tokens instead of the whole prefix.")
-# Sent second: shares the first prompt's prefix, so its first 256 tokens come from cache.
-DEMO_FOLLOW_UP = (" Question: what does this second request take from the cache, and what does "
-                  "the engine compute again?")
+# A Python snippet the shipped model (models/v4-mini-tiny, trained on the standard library)
+# continues. 309 bytes: two full 128-token blocks plus a partial one.
+DEMO_PROMPT = '''import sys
+
+
+def read_config(path):
+    config = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            config[key.strip()] = value.strip()
+    return config
+'''
+# Sent second: extends the first prompt (410 bytes in all), so its first 256 tokens come
+# from cache.
+DEMO_FOLLOW_UP = '''
+
+def main(argv):
+    if len(argv) != 2:
+        sys.exit("usage: prog FILE")
+    return read_config('''
+
+# Seeded sampling, not greedy: the small shipped model's greedy continuation of code is a run
+# of spaces (the most likely byte); sampled, it writes Python-shaped text. Same seed, same text.
+DEMO_TEMPERATURE = 0.8
+DEMO_SEED = 1
 
 
 def register(sub) -> None:
@@ -136,11 +158,20 @@ async def _demo(gateway: str, prompt: str, console: Console) -> int:
     async with GatewayClient(gateway) as gw:
         for i, text in enumerate((prompt, prompt + DEMO_FOLLOW_UP)):
             console.print(f"[bold]demo {i + 1}/2[/bold]: GenerateStream via {gateway} "
-                          f"(greedy, 32 tokens, {len(text.encode())}-byte prompt)")
+                          f"(temperature {DEMO_TEMPERATURE}, seed {DEMO_SEED}, 32 tokens, "
+                          f"{len(text.encode())}-byte prompt)")
+            # The prompt dimmed, then the model's continuation as it streams in.
+            console.print(text, style="dim", end="", markup=False, highlight=False,
+                          soft_wrap=True)
             last = None
-            async for msg in gw.stream(text, max_tokens=32, temperature=0.0, timeout=60):
-                # Seeded random weights produce arbitrary bytes: show them escaped.
-                sys.stdout.write(msg.text.encode("unicode_escape").decode("ascii"))
+            # ignore_eos: the demo always shows 32 tokens (the usage line is checked by tests).
+            async for msg in gw.stream(text, max_tokens=32, temperature=DEMO_TEMPERATURE,
+                                       seed=DEMO_SEED, timeout=60, ignore_eos=True):
+                # The trained model writes Python; --random-weights engines write arbitrary
+                # bytes, so control characters other than newline and tab are shown escaped.
+                sys.stdout.write("".join(c if c.isprintable() or c in "\n\t" else
+                                         c.encode("unicode_escape").decode("ascii")
+                                         for c in msg.text))
                 sys.stdout.flush()
                 last = msg
             u = last.usage

@@ -7,18 +7,26 @@ tell "not given" (fall back to the KVMESH_* variable) from "given".
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.config import PRESETS, TRUNCATION_MODES, EngineConfig, ModelConfig, preset
+
+# The trained checkpoint shipped in the repository (models/v4-mini-tiny/MODEL_CARD.md): the
+# default weights of the `tiny` preset. Seeded random weights only with --random-weights.
+DEFAULT_CHECKPOINTS = {"tiny": Path(__file__).resolve().parents[2] / "models" / "v4-mini-tiny" / "model.safetensors"}
 
 
 def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     """Adds the group of model and cache flags; returns it."""
     g = p.add_argument_group(title)
     g.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
-    g.add_argument("--checkpoint", help="safetensors file (default: seeded random weights)")
+    g.add_argument("--checkpoint", help="safetensors file (default for tiny: the shipped "
+                                        "models/v4-mini-tiny checkpoint)")
+    g.add_argument("--random-weights", action="store_true",
+                   help="seeded random weights (--seed) instead of a checkpoint: tests, benchmarks")
     g.add_argument("--tokenizer", help="HuggingFace tokenizer.json (default: byte-level)")
-    g.add_argument("--seed", type=int, default=0, help="weight init seed without a checkpoint")
+    g.add_argument("--seed", type=int, default=0, help="weight init seed with --random-weights")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                    help="weights and activations (float64: the exactness tests)")
     g.add_argument("--num-slots", type=int, default=16,
@@ -87,5 +95,34 @@ def build_core(args):
     from services.engine.model import weights as weights_mod
 
     cfg, ecfg, layout = runtime_layout(args)
-    w = weights_mod.load(args.checkpoint, cfg) if args.checkpoint else None
+    path = checkpoint_path(args)
+    w = weights_mod.load(path, cfg) if path else None
     return EngineCore(cfg, ecfg, weights=w, tokenizer=load_tokenizer(args.tokenizer), layout=layout)
+
+
+def checkpoint_path(args) -> Path | None:
+    """The checkpoint to load, or None for seeded random weights (only when asked for)."""
+    if args.random_weights:
+        if args.checkpoint:
+            raise ValueError("--checkpoint and --random-weights exclude each other")
+        return None
+    if args.checkpoint:
+        return Path(args.checkpoint)
+    default = DEFAULT_CHECKPOINTS.get(args.preset)
+    if default is None:
+        raise ValueError(f"preset {args.preset!r} has no shipped checkpoint: pass --checkpoint "
+                         "or --random-weights")
+    if not default.exists():
+        raise ValueError(f"shipped checkpoint {default} is missing: pass --checkpoint or "
+                         "--random-weights")
+    return default
+
+
+def default_weights(preset_name: str = "tiny", random_weights: bool = False):
+    """Weights for scripts (benchmarks): the shipped checkpoint, or None (the engine then
+    draws seeded random weights) when `random_weights`."""
+    from services.engine.model import weights as weights_mod
+
+    args = argparse.Namespace(preset=preset_name, checkpoint=None, random_weights=random_weights)
+    path = checkpoint_path(args)
+    return weights_mod.load(path, preset(preset_name)) if path else None

@@ -66,7 +66,7 @@ def test_flags_size_the_engine_rings(no_env, truncation, extra):
     assert core.runner.inference_ring == 134
     # what the engine allocated is what the layout says (real tensors, not the formulas)
     assert core.cache.states.data.shape == (2, lay.block.slot_bytes)
-    assert core.cache.store.bytes_per_block() == lay.block_bytes
+    assert core.cache.store.payload_bytes() == lay.block_bytes   # (serialized: + 48 framing)
 
 
 @pytest.mark.parametrize("extra", [False, True])

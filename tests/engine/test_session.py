@@ -206,7 +206,7 @@ def test_draining_engine_refuses_new_generations_and_ends_the_stream(h):
 
 
 def test_tags_beyond_the_limit_are_refused(h, monkeypatch):
-    from services.engine import session as session_mod
+    from services.engine.rpc import session as session_mod
 
     monkeypatch.setattr(session_mod, "MAX_TAGS", 2)
 

@@ -18,8 +18,9 @@ from services.gateway.client import gateway_request
 
 # Small engines: 2 cores run two engines, a directory, valkey and the gateway.
 # A generous peer-fetch deadline: a loaded 2-core box must not turn a fetch into a replay.
+# Seeded random weights, asked for explicitly: the tests' expectations were written for them.
 TEST_MESH = dict(engines=2, num_slots=4, num_blocks=64,
-                 engine_extra=("--fetch-deadline-ms", "5000"))
+                 engine_extra=("--fetch-deadline-ms", "5000", "--random-weights"))
 
 
 def start_mesh(tmp_path_factory, name: str, **overrides) -> Mesh:

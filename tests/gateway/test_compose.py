@@ -67,7 +67,8 @@ def test_gateway_config_resolves_to_published_ports():
     cfg = GatewayConfig.from_env({k: str(v) for k, v in svc["environment"].items()},
                                  **{k: getattr(cfg, k) for k in ("host", "port", "engines",
                                                                  "directory")})
-    assert {cfg.port, cfg.metrics_port} == container_ports(svc)
+    assert {cfg.port, cfg.metrics_port, cfg.http_port} == container_ports(svc)
+    assert cfg.http_port
     for addr in cfg.engine_list + (cfg.directory,):
         host, _, port = addr.rpartition(":")
         assert int(port) in container_ports(SERVICES[host]), addr

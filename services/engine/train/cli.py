@@ -1,0 +1,62 @@
+"""`kvmesh train` (train V4-mini on the stdlib) and `kvmesh train-eval` (measure a checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import fields
+
+
+def register(sub) -> None:
+    from services.engine.train.loop import TrainArgs
+
+    p = sub.add_parser("train", help="train the tiny preset on the Python standard library (CPU)")
+    for f in fields(TrainArgs):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action="store_true", default=f.default) if not f.default else \
+                p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false")
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            p.add_argument(flag, type=kind, default=f.default)
+    p.set_defaults(func=_train)
+
+    e = sub.add_parser("train-eval", help="held-out bits/byte, unigram baseline, context beyond the window")
+    e.add_argument("checkpoint", help="model.safetensors")
+    e.add_argument("--preset", default="tiny")
+    e.add_argument("--windows", type=int, default=32, help="held-out windows of --seq-len tokens")
+    e.add_argument("--seq-len", type=int, default=1024)
+    e.add_argument("--cut-stride", type=int, default=32, help="every Nth position >= 512 for the cut test")
+    e.add_argument("--threads", type=int, default=1)
+    e.add_argument("--out", default=None, help="write the metrics JSON here")
+    e.set_defaults(func=_eval)
+
+
+def _train(args) -> int:
+    from services.engine.train.loop import TrainArgs, train
+
+    a = TrainArgs(**{f.name: getattr(args, f.name) for f in fields(TrainArgs)})
+    try:
+        result = train(a)
+    except ValueError as exc:
+        print(f"kvmesh train: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+def _eval(args) -> int:
+    from services.engine.train.evaluate import evaluate
+
+    try:
+        metrics = evaluate(args.checkpoint, args.preset, args.windows, args.seq_len, args.cut_stride,
+                           args.threads)
+    except ValueError as exc:
+        print(f"kvmesh train-eval: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(metrics, indent=2, sort_keys=True)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
