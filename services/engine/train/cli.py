@@ -6,6 +6,30 @@ import json
 import sys
 from dataclasses import fields
 
+HELP = {
+    "out": "run directory: checkpoints, model.safetensors, train.log",
+    "preset": "model preset to train",
+    "steps": "optimizer steps",
+    "batch": "sequences per step",
+    "seq_len": "tokens (bytes) per training sequence",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr_frac": "cosine decay ends at this fraction of --lr",
+    "warmup": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "clip": "gradient norm clip",
+    "kl_weight": "weight of the lightning indexer's KL loss",
+    "seed": "seed for weights, data order and sampling",
+    "chunk": "query rows per attention chunk (memory bound of the training forward)",
+    "bf16": "bf16 autocast on CPU",
+    "threads": "torch threads",
+    "log_every": "steps between progress lines",
+    "eval_every": "steps between held-out evaluations",
+    "eval_windows": "held-out windows per evaluation",
+    "ckpt_minutes": "minutes between resumable checkpoints",
+    "time_budget_min": "stop and save after this many minutes; 0 = no limit",
+    "resume": "continue from the run directory's checkpoint",
+}
+
 
 def register(sub) -> None:
     from services.engine.train.loop import TrainArgs
@@ -13,22 +37,30 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train the tiny preset on the Python standard library (CPU)")
     for f in fields(TrainArgs):
         flag = "--" + f.name.replace("_", "-")
+        text = HELP[f.name] + " (default: %(default)s)"
         if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true", default=f.default) if not f.default else \
-                p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false")
+            if f.default:
+                p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,
+                               action="store_false", help=f"turn off: {text}")
+            else:
+                p.add_argument(flag, action="store_true", default=f.default, help=text)
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            p.add_argument(flag, type=kind, default=f.default)
+            p.add_argument(flag, type=kind, default=f.default, help=text)
     p.set_defaults(func=_train)
 
     e = sub.add_parser("train-eval", help="held-out bits/byte, unigram baseline, context beyond the window")
     e.add_argument("checkpoint", help="model.safetensors")
-    e.add_argument("--preset", default="tiny")
-    e.add_argument("--windows", type=int, default=32, help="held-out windows of --seq-len tokens")
-    e.add_argument("--seq-len", type=int, default=1024)
-    e.add_argument("--cut-stride", type=int, default=32, help="every Nth position >= 512 for the cut test")
-    e.add_argument("--threads", type=int, default=1)
-    e.add_argument("--out", default=None, help="write the metrics JSON here")
+    e.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
+    e.add_argument("--windows", type=int, default=32,
+                   help="held-out windows of --seq-len tokens (default: %(default)s)")
+    e.add_argument("--seq-len", type=int, default=1024,
+                   help="tokens per window (default: %(default)s)")
+    e.add_argument("--cut-stride", type=int, default=32,
+                   help="every Nth position >= 512 for the cut test (default: %(default)s)")
+    e.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    e.add_argument("--out", default=None,
+                   help="write the metrics JSON here (default: print only)")
     e.set_defaults(func=_eval)
 
 
