@@ -23,35 +23,15 @@ from __future__ import annotations
 
 import torch
 
-
-def _scores(q, keys):
-    if keys.dim() == 2:
-        return torch.einsum("thd,ld->thl", q, keys)
-    return torch.einsum("thd,tkd->thk", q, keys)
-
-
-def _mix(p, keys):
-    if keys.dim() == 2:
-        return torch.einsum("thl,ld->thd", p, keys)
-    return torch.einsum("thk,tkd->thd", p, keys)
+from kernels.attention import union_attention
 
 
 def ragged_union_attention(q, groups, sink, scale: float):
-    t, h, _ = q.shape
-    parts = []
-    for keys, ok in groups:
-        s = _scores(q, keys) * scale                               # [T, H, K]
-        parts.append(s.masked_fill(~ok.unsqueeze(1), float("-inf")))
-    parts.append(sink.view(1, h, 1).expand(t, h, 1).to(q.dtype))
-    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-    out = torch.zeros_like(q)
-    start = 0
-    for keys, _ in groups:
-        k = keys.shape[-2]
-        if k:
-            out = out + _mix(probs[..., start : start + k], keys)
-        start += k
-    return out
+    """`attention.union_attention` for one flattened batch: q [T, H, D]; each group is
+    (keys [L, D] shared by every row, or [T, K, D] per row; ok [T, L or K]). The same
+    math as the batched version with a batch of one, so it is that call."""
+    batched = [(keys.unsqueeze(0), ok.unsqueeze(0)) for keys, ok in groups]
+    return union_attention(q.unsqueeze(0), batched, sink, scale)[0]
 
 
 def ragged_indexer_scores(q, w, keys):
