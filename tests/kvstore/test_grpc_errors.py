@@ -25,10 +25,11 @@ def code_of(address, fn) -> tuple[grpc.StatusCode, str]:
     "", "abc", "A" * 64, "g" * 64, "a" * 31, "a" * 129, "ab" * 31 + "z!", "../" + "a" * 64,
 ])
 def test_malformed_key_is_invalid_argument_naming_it(kv, key):
-    for fn in (lambda c: c.get([hexkey(1), key]), lambda c: c.put([(key, b"x")]),
-               lambda c: c.lookup([key]), lambda c: c.delete([key])):
+    calls = {"get": lambda c: c.get([hexkey(1), key]), "put": lambda c: c.put([(key, b"x")]),
+             "lookup": lambda c: c.lookup([key]), "delete": lambda c: c.delete([key])}
+    for name, fn in calls.items():
         code, details = code_of(kv.address, fn)
-        assert code == INVALID and repr(key)[1:-1][:40] in details
+        assert code == INVALID and repr(key)[1:-1][:40] in details, (name, code, details)
 
 
 def test_unknown_traffic_class_is_invalid_argument(kv):
