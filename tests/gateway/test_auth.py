@@ -239,3 +239,18 @@ def test_rogue_heartbeat_is_refused_and_gets_no_traffic(mesh, gw):
     assert {e.engine_id for e in listed.engines} == set(mesh.engine_names)
     served = {_gen(gw, "bob", f"who serves request {i}?").engine_id for i in range(8)}
     assert served <= set(mesh.engine_names), served
+
+
+# --- kvmesh up's token file ---------------------------------------------------------------
+def test_up_token_file_is_private_and_found_by_address(tmp_path):
+    from kvmesh.running import tokens_for, write_tokens
+
+    env = {"KVMESH_HOME": str(tmp_path)}
+    tokens = {"KVMESH_SERVICE_TOKEN": "s" * 20, "KVMESH_ADMIN_TOKEN": "a" * 20}
+    path = write_tokens({"kvstore": "127.0.0.1:7100", "gateway": "127.0.0.1:7000"}, tokens, env)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert tokens_for("127.0.0.1:7100", env) == tokens
+    assert tokens_for("127.0.0.1:7101", env) == {}
+    path.unlink()
+    assert tokens_for("127.0.0.1:7100", env) == {}
