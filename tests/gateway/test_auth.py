@@ -254,3 +254,37 @@ def test_up_token_file_is_private_and_found_by_address(tmp_path):
     assert tokens_for("127.0.0.1:7101", env) == {}
     path.unlink()
     assert tokens_for("127.0.0.1:7100", env) == {}
+
+
+# --- the keys file ------------------------------------------------------------------------
+@pytest.mark.parametrize("text,why", [
+    ("", "no keys"),
+    ("key-0123456789abcdef alice\n", "expected 'key tenant role'"),
+    ("short alice user\n", "at least 16"),
+    ("key-0123456789abcdef al/ice user\n", "tenant must be"),
+    ("key-0123456789abcdef alice root\n", "role must be"),
+    ("key-0123456789abcdef a user\nkey-0123456789abcdef b user\n", "duplicate"),
+])
+def test_bad_keys_file_is_refused_with_the_reason(tmp_path, text, why):
+    from kvmesh.auth import ApiKeys
+    from kvmesh.errors import InvalidArgument
+
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(InvalidArgument, match=why):
+        ApiKeys.load(path)
+
+
+def test_keys_map_to_tenant_and_role(tmp_path):
+    from kvmesh.auth import ApiKeys, Principal, Unauthenticated
+
+    path = tmp_path / "keys"
+    path.write_text("# comment\nkey-0123456789abcdef alice admin  # trailing\n"
+                    "key-fedcba9876543210 bob user\n")
+    keys = ApiKeys.load(path)
+    assert keys.authenticate("Bearer key-0123456789abcdef") == Principal("alice", "admin")
+    assert keys.authenticate("bearer  key-fedcba9876543210 ") == Principal("bob", "user")
+    for bad in (None, "", "Bearer", "Basic key-0123456789abcdef", "key-0123456789abcdef",
+                "Bearer key-0123456789abcdeF"):
+        with pytest.raises(Unauthenticated):
+            keys.authenticate(bad)
