@@ -7,7 +7,7 @@ sha256 digests of keys are held in memory and every comparison is constant-time
 
 Internal RPCs (engine, kvstore, directory) are guarded by a shared service token,
 `KVMESH_SERVICE_TOKEN`, and the kvstore's admin RPCs by `KVMESH_ADMIN_TOKEN`
-(`TokenGuard` in kvmesh/rpc.py checks them; `token_interceptors` there sends them).
+(`TokenGuard` in kvmesh/rpc_auth.py checks them; `token_interceptors` there sends them).
 A missing credential is UNAUTHENTICATED, a wrong one PERMISSION_DENIED.
 
 Nothing here is mutable after construction: an `ApiKeys` is built once at start-up.

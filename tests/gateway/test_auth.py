@@ -16,7 +16,7 @@ import pytest
 
 import kvmesh.proto
 from kvmesh.proto import directory_pb2, directory_pb2_grpc, engine_pb2, engine_pb2_grpc
-from kvmesh.rpc import ADMIN_METHODS
+from kvmesh.rpc_auth import ADMIN_METHODS
 from services.gateway.client import gateway_request
 from tests.gateway.conftest import Gw, start_mesh, wait_for
 
