@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import signal
 import sys
 import threading
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmesh.mesh_runner import Mesh, MeshConfig
-from kvmesh.running import RUNNING_MESH_FILE, remove_running, write_running
+from kvmesh.running import RUNNING_MESH_FILE, remove_running, write_running, write_tokens
 
 # A Python snippet the shipped model (models/v4-mini-tiny, trained on the standard library)
 # continues. 309 bytes: two full 128-token blocks plus a partial one.
@@ -69,6 +70,9 @@ def register(sub) -> None:
                     "the first, so its usage shows cached tokens), then stop and exit")
     up.add_argument("--prompt", default=DEMO_PROMPT,
                     help="first prompt for --demo (default: a 309-byte text about kvmesh)")
+    up.add_argument("--api-keys", default="",
+                    help="gateway API keys file ('key tenant role' lines); default none: "
+                    "gateway auth off, which kvmesh up allows because it binds 127.0.0.1 only")
     up.set_defaults(func=run_up)
 
 
@@ -112,6 +116,11 @@ def address_lines(mesh: Mesh) -> list[str]:
     lines.append(f"kvstore admin: {kv}    kvmesh admin --kvstore {kv} gc stats   " + (
         "(run from this directory, `kvmesh admin gc stats` finds it)" if found
         else f"(or export KVMESH_KVSTORE_ADDR={kv})"))
+    lines.append("auth: gateway API keys " + (
+        f"required ({mesh.cfg.api_keys})" if mesh.cfg.api_keys else
+        "OFF (every service listens on 127.0.0.1 only; --api-keys FILE turns them on)") +
+        "; internal RPCs need this run's random service token, which `kvmesh admin` "
+        "finds by itself (kvmesh/running.py)")
     return lines
 
 
@@ -120,17 +129,23 @@ def run_up(args: argparse.Namespace) -> int:
     console = Console(stderr=True, width=max(Console(stderr=True).width, 100))
     cfg = MeshConfig(engines=args.engines, gateway_port=args.gateway_port,
                      http_port=args.http_port, metrics_port=args.metrics_port, log_dir=Path(args.log_dir),
-                     num_slots=args.num_slots, num_blocks=args.num_blocks)
+                     num_slots=args.num_slots, num_blocks=args.num_blocks,
+                     # Fresh random tokens per run: internal RPCs refuse anyone without them.
+                     service_token=secrets.token_urlsafe(32),
+                     admin_token=secrets.token_urlsafe(32),
+                     api_keys=getattr(args, "api_keys", ""))
     signal.signal(signal.SIGTERM, _on_sigterm)
     status = console.status("starting kvmesh ...")
     mesh = Mesh(cfg, on_progress=lambda name, state: status.update(f"{name}: {state} ..."))
-    running = None
+    running = tokens = None
     try:
         with status:
             mesh.start()
         # Beside the logs: with the default --log-dir, .kvmesh/running.json, where
         # `kvmesh admin` looks for the kvstore (kvmesh/running.py).
         running = write_running(mesh.endpoints, Path(args.log_dir).parent / "running.json")
+        tokens = write_tokens(mesh.endpoints, {"KVMESH_SERVICE_TOKEN": cfg.service_token,
+                                               "KVMESH_ADMIN_TOKEN": cfg.admin_token})
         console.print(endpoint_table(mesh))
         for line in address_lines(mesh):
             console.print(line, highlight=False, soft_wrap=True)
@@ -146,6 +161,8 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         if running is not None:
             remove_running(running)
+        if tokens is not None:
+            tokens.unlink(missing_ok=True)
         mesh.stop()
         console.print("kvmesh stopped")
     return 0

@@ -47,6 +47,11 @@ class MeshConfig:
     env: dict = field(default_factory=lambda: {
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     start_timeout_s: float = 90.0
+    # Auth (kvmesh/auth.py). "" = off, the default for tests; `kvmesh up` passes random
+    # tokens. Every process gets them through its environment, never on a command line.
+    service_token: str = ""          # KVMESH_SERVICE_TOKEN: internal RPCs
+    admin_token: str = ""            # KVMESH_ADMIN_TOKEN: kvstore Delete/RunGC/Scrub
+    api_keys: str = ""               # gateway keys file (--api-keys); "" = gateway auth off
 
     def __post_init__(self):
         if not 1 <= self.engines <= 26:
@@ -79,6 +84,12 @@ class Mesh:
         self.endpoints: dict[str, str] = {}        # name -> host:port (or URL)
         self.valkey: ValkeyProcess | None = None
         self.seaweed = None
+        env = dict(self.cfg.env)
+        if self.cfg.service_token:
+            env["KVMESH_SERVICE_TOKEN"] = self.cfg.service_token
+        if self.cfg.admin_token:
+            env["KVMESH_ADMIN_TOKEN"] = self.cfg.admin_token
+        self.env = env  # what every child process gets on top of os.environ
 
     @property
     def engine_names(self) -> list[str]:
@@ -126,7 +137,9 @@ class Mesh:
                                 "--engines", ",".join(self.endpoints[n] for n in self.engine_names),
                                 "--directory", self.endpoints["directory"],
                                 "--metrics-port", str(metrics_port),
-                                "--http-port", str(http_port), *cfg.gateway_extra],
+                                "--http-port", str(http_port),
+                                *(("--api-keys", cfg.api_keys) if cfg.api_keys else ()),
+                                *cfg.gateway_extra],
                     gw_port)
         self._wait_healthy(["gateway"])
         self.endpoints["gateway-metrics"] = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -153,7 +166,7 @@ class Mesh:
     def _spawn(self, name: str, argv: list[str], port: int) -> None:
         self.on_progress(name, "starting")
         log.debug("starting %s: %s", name, " ".join(argv))
-        proc = ManagedProcess(name, argv, Path(self.cfg.log_dir), env=self.cfg.env)
+        proc = ManagedProcess(name, argv, Path(self.cfg.log_dir), env=self.env)
         # Start each run with a fresh log: the tail shown on failure is this run's.
         proc.log_path.unlink(missing_ok=True)
         self.procs[name] = proc.start()
@@ -202,7 +215,7 @@ class Mesh:
         old = self.procs[name]
         old.stop()
         self.procs[name] = ManagedProcess(name, old.argv, Path(self.cfg.log_dir),
-                                          env=self.cfg.env).start()
+                                          env=self.env).start()
         self._wait_healthy([name])
 
     def pids(self) -> list[int]:

@@ -6,7 +6,9 @@ per-service status) and reflection, so `grpcurl` works against any service.
 `map_errors` turns domain errors into status codes; anything else is logged and
 reported as INTERNAL (a bug, never the caller's fault). `DecodeGuard` answers a
 request that cannot be parsed (bad UTF-8 in a string field, a truncated message)
-with INVALID_ARGUMENT on every server, instead of gRPC's bare UNKNOWN.
+with INVALID_ARGUMENT on every server, instead of gRPC's bare UNKNOWN. `TokenGuard`
+requires the service token (admin RPCs: the admin token) on every internal server when
+one is configured; `channel()` sends it (kvmesh/auth.py says which token is which).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh import errors
+from kvmesh import auth, errors
+from kvmesh.rpc_auth import TokenGuard, token_interceptors
 
 log = logging.getLogger("kvmesh.rpc")
 
@@ -59,7 +62,10 @@ _STATUS = [
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (auth.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (auth.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
 ]
+
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -206,12 +212,21 @@ class Server:
     """A grpc.aio server with health and reflection; `start()` then `stop()`."""
 
     def __init__(self, address: str, service_names: Iterable[str], metrics_service: str = "",
-                 options: list | None = None, metrics_skip: tuple[str, ...] = ()):
+                 options: list | None = None, metrics_skip: tuple[str, ...] = (),
+                 service_token: str | None = None, admin_token: str | None = None):
+        """`service_token`/`admin_token`: None = $KVMESH_SERVICE_TOKEN/$KVMESH_ADMIN_TOKEN;
+        '' = no check (the public gateway passes '': its callers hold API keys)."""
+        if service_token is None:
+            service_token = auth.read_token(auth.SERVICE_TOKEN_ENV)
+        if admin_token is None:
+            admin_token = auth.read_token(auth.ADMIN_TOKEN_ENV)
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if metrics_service:  # per-RPC status, latency and TTFT on the shared /metrics families
             from kvmesh.metrics import RpcMetrics
 
             interceptors.append(RpcMetrics(metrics_service, metrics_skip))
+        if service_token:  # inside metrics: refused calls are counted
+            interceptors.append(TokenGuard(service_token, admin_token))
         interceptors.append(DecodeGuard())  # inside metrics: refused requests are counted
         self.server = grpc.aio.server(options=options or CHANNEL_OPTIONS,
                                       interceptors=interceptors)
@@ -261,7 +276,11 @@ def shutdown_signal() -> asyncio.Event:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """An internal channel; it sends $KVMESH_SERVICE_TOKEN ($KVMESH_ADMIN_TOKEN on admin
+    RPCs) when set. Without either it is a plain channel (no interceptor on the hot path)."""
+    service, admin = auth.read_token(auth.SERVICE_TOKEN_ENV), auth.read_token(auth.ADMIN_TOKEN_ENV)
+    interceptors = token_interceptors(service, admin) if service or admin else None
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
 class RpcClient:

@@ -36,3 +36,39 @@ def running_endpoints(path: str | Path = RUNNING_MESH_FILE) -> dict[str, str]:
         return dict(data["endpoints"])
     except (OSError, ValueError, KeyError, TypeError):
         return {}
+
+
+# -- tokens ------------------------------------------------------------------------------
+# The random service/admin tokens of a running `kvmesh up`, so `kvmesh admin` beside it
+# works without copying secrets: one file per launcher, readable only by its user
+# (directory 0700, file 0600), removed when the mesh stops; found by any endpoint address.
+def tokens_dir(env=None) -> Path:
+    env = os.environ if env is None else env
+    return Path(env.get("KVMESH_HOME") or "~/.kvmesh").expanduser() / "tokens"
+
+
+def write_tokens(endpoints: dict[str, str], tokens: dict[str, str], env=None) -> Path:
+    d = tokens_dir(env)
+    d.mkdir(parents=True, exist_ok=True)
+    d.chmod(0o700)
+    p = d / f"{os.getpid()}.json"
+    fd = os.open(p.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"pid": os.getpid(), "addresses": sorted(endpoints.values()),
+                   "tokens": tokens}, f)
+    p.with_suffix(".tmp").replace(p)
+    return p
+
+
+def tokens_for(address: str, env=None) -> dict[str, str]:
+    """{env var: token} of the live `kvmesh up` serving `address`; {} if none."""
+    d = tokens_dir(env)
+    for p in sorted(d.glob("*.json")) if d.is_dir() else ():
+        try:
+            data = json.loads(p.read_text())
+            os.kill(int(data["pid"]), 0)
+            if address in data["addresses"]:
+                return dict(data["tokens"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return {}

@@ -41,6 +41,9 @@ def register(sub) -> None:
     serve.add_argument("--engine-calls", dest="engine_sessions", action="store_const",
                        const=False, help="one Generate call per request instead of a Session "
                        "stream per engine ($KVMESH_GATEWAY_ENGINE_SESSIONS=false)")
+    serve.add_argument("--api-keys", help="file of 'key tenant role' lines; callers must send "
+                       "'authorization: Bearer <key>' (default $KVMESH_GATEWAY_API_KEYS or "
+                       "none = auth off)")
     serve.set_defaults(func=_serve)
 
 
@@ -51,7 +54,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                                   tokenizer=args.tokenizer, max_attempts=args.max_attempts,
                                   migration_limit=getattr(args, "migration_limit", None),
                                   event_loop=getattr(args, "event_loop", None),
-                                  engine_sessions=getattr(args, "engine_sessions", None))
+                                  engine_sessions=getattr(args, "engine_sessions", None),
+                                  api_keys=getattr(args, "api_keys", None))
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -22,6 +22,11 @@
 | KVMESH_GATEWAY_DOWN_S                | down_s                | 2.0                |
 | KVMESH_GATEWAY_EVENT_LOOP            | event_loop            | uvloop             |
 | KVMESH_GATEWAY_ENGINE_SESSIONS       | engine_sessions       | true               |
+| KVMESH_GATEWAY_API_KEYS              | api_keys              | "" = auth off      |
+
+`api_keys`: a file of `key tenant role` lines (role `user` or `admin`); when set, every
+Generate call and HTTP API request must carry `authorization: Bearer <key>` (see
+kvmesh/auth.py and README.md, "Authentication and tenants").
 
 `event_loop`: `uvloop` (default; a declared dependency), `asyncio`, or `auto` (uvloop when
 importable). grpc.aio runs on uvloop unchanged; on the 2-core box it takes ~0.15 ms of
@@ -88,6 +93,7 @@ class GatewayConfig:
     down_s: float = 2.0                 # an engine that failed is avoided this long
     event_loop: str = "uvloop"          # uvloop | asyncio | auto (see the module docstring)
     engine_sessions: bool = True        # one Session stream per engine, else a call per request
+    api_keys: str = ""                  # keys file (`key tenant role` lines); "" = auth off
 
     def __post_init__(self):
         split_addresses(self.engines)

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from kvmesh import cachekeys
+from kvmesh.auth import ApiKeys, Principal, tenant_request_id, tenant_salt
 from kvmesh.errors import KvmeshError, Unavailable
 from kvmesh.metrics import RequestMetrics
 from kvmesh.tokenizer import load_tokenizer
@@ -90,6 +91,8 @@ class GatewayCore:
         self.router = Router(cfg.engine_list, cfg.affinity_entries, cfg.max_imbalance)
         self.tokenizer = load_tokenizer(cfg.tokenizer or None)
         self.metrics = RequestMetrics("gateway")
+        # None = auth off (no keys file): every caller is anonymous, as before keys existed.
+        self.keys = ApiKeys.load(cfg.api_keys) if cfg.api_keys else None
         self.info: ModelInfo | None = None
         self._info_retry_at = 0.0
         self._dir_down_until = 0.0
@@ -162,9 +165,16 @@ class GatewayCore:
             return {}
 
     # --- requests -----------------------------------------------------------------------
-    def open(self, req: GenRequest, timeout: float | None = None, method: str = "stream"
-             ) -> GatewayRequest:
-        return GatewayRequest(self, req, timeout, method)
+    def authenticate(self, authorization: str | None) -> Principal | None:
+        """The caller's principal from its `authorization` value; None when auth is off.
+        Raises Unauthenticated for a missing or unknown key (gRPC and HTTP share this)."""
+        if self.keys is None:
+            return None
+        return self.keys.authenticate(authorization)
+
+    def open(self, req: GenRequest, timeout: float | None = None, method: str = "stream",
+             principal: Principal | None = None) -> GatewayRequest:
+        return GatewayRequest(self, req, timeout, method, principal)
 
 
 class GatewayRequest:
@@ -174,9 +184,13 @@ class GatewayRequest:
     through `Router` methods (in-flight counts, marks, affinity).
     """
 
-    def __init__(self, core: GatewayCore, req: GenRequest, timeout: float | None, method: str):
+    def __init__(self, core: GatewayCore, req: GenRequest, timeout: float | None, method: str,
+                 principal: Principal | None = None):
         self.core = core
+        # `req` keeps the client's own id (what the client sees back); the engine gets the
+        # tenant-scoped id and salt (`scoped`), so tenants share neither ids nor cache.
         self.req = req if req.request_id else replace(req, request_id=uuid.uuid4().hex)
+        self.tenant = principal.tenant if principal is not None else None
         self.deadline = None if timeout is None else core.clock() + timeout
         self.method = method
         self.engine_id = ""
@@ -213,6 +227,7 @@ class GatewayRequest:
         core, req = self.core, self.req
         info = await core.model_info()
         validate.check_request(req, core.cfg, info.vocab_size if info else None)
+        req = self.scoped()
         ids = core.prompt_ids(req)
         keys: list[str] = []
         holders: dict = {}
@@ -281,6 +296,13 @@ class GatewayRequest:
             raise Unavailable("no engine available: none configured or none alive")
         raise Unavailable(f"no engine could serve the request after {self.attempts} attempts; "
                           f"last error from {self.engine_id}: {last}")
+
+    def scoped(self) -> GenRequest:
+        """The request as engines see it: id and cache salt inside the caller's tenant."""
+        if self.tenant is None:
+            return self.req
+        return replace(self.req, request_id=tenant_request_id(self.tenant, self.req.request_id),
+                       cache_salt=tenant_salt(self.tenant, self.req.cache_salt))
 
     def _remaining(self) -> float | None:
         if self.deadline is None:

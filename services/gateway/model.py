@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvmesh.auth import PermissionDenied, Unauthenticated
 from kvmesh.errors import (
     InvalidArgument,
     KvmeshError,
@@ -83,6 +84,8 @@ _STATUS = (
     (Unavailable, "UNAVAILABLE"),
     (DeadlineExceeded, "DEADLINE_EXCEEDED"),
     (EngineInternal, "INTERNAL"),
+    (Unauthenticated, "UNAUTHENTICATED"),
+    (PermissionDenied, "PERMISSION_DENIED"),
 )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Coroutine
 
 import grpc
 
+from kvmesh.auth import metadata_value
 from kvmesh.errors import KvmeshError, TooLarge
 from kvmesh.generation import finish_to_proto, traffic_class_name
 from kvmesh.metrics import serve_metrics
@@ -65,8 +66,12 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.core = core
 
     def _open(self, request, context, method: str):
+        principal = None
+        if self.core.keys is not None:  # auth off: no metadata scan on the hot path
+            principal = self.core.authenticate(
+                metadata_value(context.invocation_metadata(), "authorization"))
         req = request_from_proto(request, self.core.cfg.max_request_bytes)
-        return self.core.open(req, context.time_remaining(), method)
+        return self.core.open(req, context.time_remaining(), method, principal)
 
     async def GenerateStream(self, request, context):
         try:
@@ -106,7 +111,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
 
 async def start_gateway(cfg: GatewayConfig, directory=None) -> tuple[Server, GatewayCore]:
     core = GatewayCore(cfg, directory=directory)
-    server = Server(cfg.address, [SERVICE_NAME])
+    server = Server(cfg.address, [SERVICE_NAME], service_token="", admin_token="")
     pb_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), server.server)
     await core.start()
     await server.start()

@@ -156,9 +156,23 @@ def admin_address(flag: str | None, env=None) -> str:
     return running_endpoints().get("kvstore") or DEFAULT_ADDR
 
 
+def _use_mesh_tokens(address: str) -> None:
+    """Without $KVMESH_SERVICE_TOKEN / $KVMESH_ADMIN_TOKEN, take those of the running
+    `kvmesh up` that serves `address` (kvmesh/running.py); the channel sends them."""
+    from kvmesh.running import tokens_for
+
+    if "KVMESH_SERVICE_TOKEN" in os.environ or "KVMESH_ADMIN_TOKEN" in os.environ:
+        return
+    for name, token in tokens_for(address).items():
+        os.environ[name] = token
+
+
 def _run(args, fn) -> int:
+    address = admin_address(args.kvstore)
+    _use_mesh_tokens(address)
+
     async def go():
-        async with KvstoreClient(admin_address(args.kvstore), timeout=args.timeout) as client:
+        async with KvstoreClient(address, timeout=args.timeout) as client:
             return await fn(client)
 
     import grpc

@@ -6,6 +6,10 @@
     GET  /health                200 while an engine is routable, else 503
     GET  /metrics               Prometheus text: the same registry as the gateway's --metrics-port
 
+With an API keys file, generation and model routes need `Authorization: Bearer <key>`
+(401 in OpenAI's error shape otherwise; `core.authenticate` is the check gRPC uses too);
+/health and /metrics stay open for probes and scrapers.
+
 Every generation goes through `core.open` (validation, routing, retries, migration,
 metrics, the request log line), as a gRPC call does. A request refused before it
 reaches the core (body too large, not JSON, bad field, unknown model) is counted in
@@ -167,6 +171,8 @@ class OpenAIApp:
     async def _generate(self, request: Request, method: str, chat: bool):
         t0 = time.monotonic()
         try:
+            # Before the body is read: an unauthenticated caller costs no parsing.
+            principal = self.core.authenticate(request.headers.get("authorization"))
             body = await self._json_body(request)
             req, opts = (fields.chat_request(body, self.template) if chat
                          else fields.completion_request(body))
@@ -175,7 +181,7 @@ class OpenAIApp:
             return self._refused(method, exc, t0)
         except ClientDisconnect:  # gone while sending the body: nobody to answer
             return Response(status_code=499)
-        gr = self.core.open(req, None, method)
+        gr = self.core.open(req, None, method, principal)
         r = Renderer(chat, gr.req.request_id, opts.model, opts.include_usage)
         return Generation(self, gr, r, opts.stream)
 
@@ -225,6 +231,7 @@ class OpenAIApp:
 
     async def models(self, request: Request):
         try:
+            self.core.authenticate(request.headers.get("authorization"))
             name = await self._model_id()
         except KvmeshError as exc:
             return error_response(exc)
@@ -232,6 +239,7 @@ class OpenAIApp:
 
     async def model(self, request: Request):
         try:
+            self.core.authenticate(request.headers.get("authorization"))
             name = await self._model_id(request.path_params["model_id"])
         except KvmeshError as exc:
             return error_response(exc)
