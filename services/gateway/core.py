@@ -198,10 +198,14 @@ class GatewayRequest:
         self.migrations = 0
         self.generated: list[int] = []   # every token sent so far: a migration resumes from them
         self.route = ""
-        self.tokens = 0
         self.usage = Usage()
         self.t0 = core.clock()
         self.ttft: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens sent to the client so far."""
+        return len(self.generated)
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self._run()
@@ -265,7 +269,6 @@ class GatewayRequest:
                     async for chunk in chunks:
                         if self.ttft is None and chunk.token_ids:
                             self.ttft = core.clock() - self.t0
-                        self.tokens += len(chunk.token_ids)
                         self.generated.extend(chunk.token_ids)
                         if chunk.usage is not None:
                             self.usage = chunk.usage

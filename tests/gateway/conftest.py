@@ -78,3 +78,12 @@ def wait_for(pred, timeout: float = 15.0, interval: float = 0.1):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def channels():
+    """Sync channels by address, for raw calls (tests/gateway/rpc_table.py)."""
+    opened: dict[str, grpc.Channel] = {}
+    yield opened
+    for ch in opened.values():
+        ch.close()

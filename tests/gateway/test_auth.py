@@ -5,19 +5,17 @@ internal RPC (table-driven from the proto descriptors), and a rogue engine's hea
 
 from __future__ import annotations
 
-import importlib
 import json
-import pkgutil
 import urllib.error
 import urllib.request
 
 import grpc
 import pytest
 
-import kvmesh.proto
 from kvmesh.proto import directory_pb2, directory_pb2_grpc, engine_pb2, engine_pb2_grpc
 from kvmesh.rpc_auth import ADMIN_METHODS
 from services.gateway.client import gateway_request
+from tests.gateway import rpc_table
 from tests.gateway.conftest import Gw, start_mesh, wait_for
 
 SERVICE_TOKEN = "svc-token-for-tests-0123456789"
@@ -147,14 +145,10 @@ def gw_stats(mesh, name):
 
 # --- service and admin tokens on every internal RPC ---------------------------------------
 def _internal_methods():
-    for info in pkgutil.iter_modules(kvmesh.proto.__path__):
-        if info.name.endswith("_pb2"):
-            mod = importlib.import_module(f"kvmesh.proto.{info.name}")
-            for svc in mod.DESCRIPTOR.services_by_name.values():
-                if svc.full_name.startswith("kvmesh.gateway."):
-                    continue  # public: API keys, tested above
-                for method in svc.methods:
-                    yield svc, method
+    for svc in rpc_table.services():
+        if not svc.full_name.startswith("kvmesh.gateway."):  # public: API keys, tested above
+            for method in svc.methods:
+                yield svc, method
 
 
 METHODS = list(_internal_methods())
@@ -166,31 +160,8 @@ def test_the_table_covers_engine_kvstore_and_directory():
     assert len(METHODS) >= 18
 
 
-def _address(mesh, svc):
-    return {"kvmesh.engine.v1": mesh.endpoints[mesh.engine_names[0]],
-            "kvmesh.directory.v1": mesh.endpoints["directory"],
-            "kvmesh.kvstore.v1": mesh.endpoints["kvstore"]}[svc.full_name.rsplit(".", 1)[0]]
-
-
-@pytest.fixture(scope="module")
-def channels():
-    out: dict[str, grpc.Channel] = {}
-    yield out
-    for ch in out.values():
-        ch.close()
-
-
 def _call(mesh, channels, svc, method, metadata):
-    address = _address(mesh, svc)
-    ch = channels.setdefault(address, grpc.insecure_channel(address))
-    name = f"/{svc.full_name}/{method.name}"
-    kinds = {(False, False): ch.unary_unary, (False, True): ch.unary_stream,
-             (True, False): ch.stream_unary, (True, True): ch.stream_stream}
-    call = kinds[(method.client_streaming, method.server_streaming)](name)
-    arg = iter([b""]) if method.client_streaming else b""  # an empty message
-    out = call(arg, timeout=20, metadata=metadata)
-    if method.server_streaming:
-        list(out)
+    rpc_table.raw_call(channels, mesh, svc, method, b"", metadata)  # an empty message
 
 
 @pytest.mark.parametrize("svc,method", METHODS, ids=[f"{s.name}.{m.name}" for s, m in METHODS])

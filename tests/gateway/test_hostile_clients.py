@@ -13,17 +13,15 @@ to 0 slots and 0 blocks in use, and no service may log a traceback.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import pkgutil
 import random
 
 import grpc
 import pytest
 from google.protobuf import descriptor, message_factory
 
-import kvmesh.proto
 from kvmesh.proto import gateway_pb2_grpc
 from services.gateway.client import gateway_request
+from tests.gateway import rpc_table
 from tests.gateway.conftest import wait_for
 
 CANCELLED, BYSTANDERS = 200, 12
@@ -113,13 +111,6 @@ MARK = "\x01utf8-probe\x01"            # serialized once, then overwritten on th
 FD = descriptor.FieldDescriptor
 
 
-def _services():
-    for info in pkgutil.iter_modules(kvmesh.proto.__path__):
-        if info.name.endswith("_pb2"):
-            mod = importlib.import_module(f"kvmesh.proto.{info.name}")
-            yield from mod.DESCRIPTOR.services_by_name.values()
-
-
 def _string_paths(msg: descriptor.Descriptor, prefix=(), depth=0):
     for f in msg.fields:
         if f.type == FD.TYPE_STRING:
@@ -153,31 +144,15 @@ def _bad_bytes(msg_desc, path) -> bytes:
     return raw.replace(mark, b"\xff" * len(mark))
 
 
-CASES = [(svc, m, path) for svc in _services() for m in svc.methods
+CASES = [(svc, m, path) for svc in rpc_table.services() for m in svc.methods
          for path in _string_paths(m.input_type)]
-
-
-def _address(mesh, svc) -> str:
-    package = svc.full_name.rsplit(".", 1)[0]
-    return {"kvmesh.gateway.v1": mesh.gateway,
-            "kvmesh.engine.v1": mesh.endpoints[mesh.engine_names[0]],
-            "kvmesh.directory.v1": mesh.endpoints["directory"],
-            "kvmesh.kvstore.v1": mesh.endpoints["kvstore"]}[package]
 
 
 def test_every_service_has_string_cases():
     covered = {svc.full_name for svc, _, _ in CASES}
-    assert covered == {svc.full_name for svc in _services()}, covered
+    assert covered == {svc.full_name for svc in rpc_table.services()}, covered
     # 29: the engine and kvstore traffic_class fields are common.v1 enums, no longer strings
     assert len(CASES) >= 29
-
-
-@pytest.fixture(scope="module")
-def channels():
-    opened: dict[str, grpc.Channel] = {}
-    yield opened
-    for ch in opened.values():
-        ch.close()
 
 
 @pytest.mark.parametrize("svc,method,path", CASES,
@@ -185,17 +160,8 @@ def channels():
                               for s, m, p in CASES])
 def test_invalid_utf8_is_invalid_argument(mesh, channels, svc, method, path):
     raw = _bad_bytes(method.input_type, path)
-    name = f"/{svc.full_name}/{method.name}"
-    address = _address(mesh, svc)
-    ch = channels.setdefault(address, grpc.insecure_channel(address))
-    kinds = {(False, False): ch.unary_unary, (False, True): ch.unary_stream,
-             (True, False): ch.stream_unary, (True, True): ch.stream_stream}
-    call = kinds[(method.client_streaming, method.server_streaming)](name)
-    arg = iter([raw]) if method.client_streaming else raw
     with pytest.raises(grpc.RpcError) as info:
-        out = call(arg, timeout=20)
-        if method.server_streaming:
-            list(out)
+        rpc_table.raw_call(channels, mesh, svc, method, raw)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert "UTF-8" in info.value.details() and method.name in info.value.details()
 

@@ -126,9 +126,8 @@ class EngineCore:
         if request_id in self.requests:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        cut = len(prompt_ids) - resume
-        seq = Sequence(request_id, list(prompt_ids[:cut]), params, seed, salt, traffic_class,
-                       output=list(prompt_ids[cut:]), prefetched=prefetched,
+        seq = Sequence(request_id, list(prompt_ids[:n_prompt]), params, seed, salt, traffic_class,
+                       output=list(prompt_ids[n_prompt:]), prefetched=prefetched,
                        # hashed for the prefetch from these very ids and salt: the chain's start
                        block_hashes=list(prefetched.hashes) if prefetched else [])
         out = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())

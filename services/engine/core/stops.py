@@ -37,6 +37,8 @@ class StopMatcher:
     def feed(self, text: str) -> tuple[int, int] | None:
         """Feed new characters. On the first completed stop string return (index in `text`
         just past its end, its length); None when no stop string ends in `text`."""
+        if not self.stops:              # the common case: nothing to scan, every token
+            return None
         for i, ch in enumerate(text):
             best = None
             for j, s in enumerate(self.stops):
