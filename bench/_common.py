@@ -14,6 +14,14 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) of xs, nearest rank; nan for no samples."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
 def table(headers: list[str], rows: list[list]) -> str:
     cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c)
                                             for c in r] for r in rows]

@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import OUT, cpu_s  # noqa: E402
+from bench._common import OUT, cpu_s, pct  # noqa: E402
 from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
 from services.engine.rpc.client import EngineClient  # noqa: E402
 from services.gateway.client import GatewayClient  # noqa: E402
@@ -146,11 +146,6 @@ class ProxyClient:
 
     async def close(self) -> None:
         await self.channel.close()
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def one(path, client, max_tokens: int) -> float:

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import OUT, cpu_s, table  # noqa: E402
+from bench._common import OUT, cpu_s, pct, table  # noqa: E402
 from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
 from services.gateway.client import GatewayClient  # noqa: E402
 
@@ -155,11 +155,6 @@ async def measure(mesh: Mesh, n: int, use_openai: bool, cpu_n: int
         return out, cpu, front
     finally:
         await paths.close()
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def summarize(lat: dict[str, list[float]], cpu: dict[str, float]) -> dict:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from bench._common import OUT, table
+from bench._common import OUT, pct, table
 from kvmesh.mesh_runner import Mesh, MeshConfig
 from kvmesh.proto import engine_pb2, engine_pb2_grpc, gateway_pb2_grpc
 from services.gateway.client import gateway_request
@@ -183,13 +183,6 @@ async def idle_engines(mesh: Mesh, timeout: float = 60) -> list[dict]:
                 or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.5)
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def rss_growth(samples: list[dict], warmup_frac: float) -> dict[str, tuple[float, float, float]]:
