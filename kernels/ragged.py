@@ -11,6 +11,8 @@ here is their reference.
                                   compressed entries, CSA's top-k picks), or
                keys [L, D]        one pool shared by the rows (a long chunk's window),
                ok   [T, K] / [T, L]  bool: query t may see key k
+             or a RingKeys: every row reads its own slot's ring rows in place,
+               values [S, R, D] per-slot rings (dequantized), rows.slots [T], ok [T, R]
     sink     [H]
     returns  [T, H, D]
 
@@ -21,17 +23,124 @@ last R rows of each sequence), so the write order cannot matter.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.attention import union_attention
 
 
+@dataclass(frozen=True)
+class SlotRows:
+    """Where each query row's slot sits, for reading per-slot rings in place (rows of one
+    sequence share its slot). Built once per step from host ints, shared by every layer.
+
+    The torch path multiplies the queries of a slot with that slot's whole ring in one
+    batched matmul over a slot range: a view of `values` when the rows' slots are dense
+    in [base, base + count) (no copy at all), else an index_select of the distinct slots."""
+
+    slots: torch.Tensor            # [T] slot of each row
+    base: int                      # first slot of the range (view), or -1 (pick)
+    pick: torch.Tensor | None      # [U] distinct slots to gather when not a view
+    count: int                     # U: slots in the range / picked
+    rel: torch.Tensor              # [T] index of each row's slot among the U
+    j: torch.Tensor                # [T] rank of the row among its slot's rows
+    width: int                     # most rows of one slot
+    direct: bool                   # rows are exactly the U slots in order, one each
+
+    @staticmethod
+    def build(row_slots: list[int], device=None) -> SlotRows:
+        distinct = sorted(set(row_slots))
+        lo, hi = distinct[0], distinct[-1]
+        dense = hi - lo + 1 <= 2 * len(distinct)           # at most half the range unused
+        where = {s: (s - lo if dense else i) for i, s in enumerate(distinct)}
+        rel, j, seen = [], [], {}
+        for s in row_slots:
+            rel.append(where[s])
+            j.append(seen.get(s, 0))
+            seen[s] = j[-1] + 1
+        count = hi - lo + 1 if dense else len(distinct)
+        direct = max(seen.values()) == 1 and rel == list(range(count))
+        as_t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        return SlotRows(as_t(row_slots), lo if dense else -1,
+                        None if dense else as_t(distinct), count, as_t(rel), as_t(j),
+                        max(seen.values()), direct)
+
+    def take(self, values):
+        """values [S, ...] -> [U, ...] (a view when dense)."""
+        if self.pick is None:
+            return values[self.base : self.base + self.count]
+        return values.index_select(0, self.pick)
+
+    def spread(self, x):
+        """x [T, ...] -> [U, width, ...], zero where a slot has fewer rows."""
+        if self.direct:
+            return x.unsqueeze(1)
+        out = x.new_zeros(self.count, self.width, *x.shape[1:])
+        out[self.rel, self.j] = x
+        return out
+
+    def gather(self, y):
+        """y [U, width, ...] -> [T, ...] (spread's inverse)."""
+        return y[:, 0] if self.direct else y[self.rel, self.j]
+
+
+@dataclass(frozen=True)
+class RingKeys:
+    """A key group read in place: row t sees values[rows.slots[t], r] for ring rows r
+    where ok[t, r] (the caller masks positions outside the row's window)."""
+
+    values: torch.Tensor           # [S, R, D]
+    rows: SlotRows
+    ok: torch.Tensor               # [T, R] bool
+
+
+def _ring_scores(q, g: RingKeys):
+    t, h, d = q.shape
+    keys = g.rows.take(g.values)                                       # [U, R, D]
+    qs = g.rows.spread(q).reshape(g.rows.count, -1, d)                 # [U, width * H, D]
+    s = torch.bmm(qs, keys.transpose(1, 2))                            # [U, width * H, R]
+    return g.rows.gather(s.view(g.rows.count, g.rows.width, h, -1))    # [T, H, R]
+
+
+def _ring_mix(p, g: RingKeys):
+    t, h, r = p.shape
+    keys = g.rows.take(g.values)
+    ps = g.rows.spread(p).reshape(g.rows.count, -1, r)                 # [U, width * H, R]
+    o = torch.bmm(ps, keys)                                            # [U, width * H, D]
+    return g.rows.gather(o.view(g.rows.count, g.rows.width, h, -1))    # [T, H, D]
+
+
 def ragged_union_attention(q, groups, sink, scale: float):
     """`attention.union_attention` for one flattened batch: q [T, H, D]; each group is
-    (keys [L, D] shared by every row, or [T, K, D] per row; ok [T, L or K]). The same
-    math as the batched version with a batch of one, so it is that call."""
-    batched = [(keys.unsqueeze(0), ok.unsqueeze(0)) for keys, ok in groups]
-    return union_attention(q.unsqueeze(0), batched, sink, scale)[0]
+    (keys [L, D] shared by every row, or [T, K, D] per row; ok [T, L or K]) or a RingKeys.
+    Without ring groups it is the batched version's math with a batch of one."""
+    if not any(isinstance(g, RingKeys) for g in groups):
+        batched = [(keys.unsqueeze(0), ok.unsqueeze(0)) for keys, ok in groups]
+        return union_attention(q.unsqueeze(0), batched, sink, scale)[0]
+    t, h, _ = q.shape
+    parts = []
+    for g in groups:
+        if isinstance(g, RingKeys):
+            s, ok = _ring_scores(q, g), g.ok
+        else:
+            keys, ok = g
+            s = torch.einsum("thd,kd->thk" if keys.dim() == 2 else "thd,tkd->thk", q, keys)
+        parts.append((s * scale).masked_fill(~ok.unsqueeze(1), float("-inf")))
+    parts.append(sink.view(1, h, 1).expand(t, h, 1).to(q.dtype))
+    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+    out, start = None, 0
+    for g in groups:
+        k = g.ok.shape[-1] if isinstance(g, RingKeys) else g[0].shape[-2]
+        if k:
+            p = probs[..., start : start + k]
+            if isinstance(g, RingKeys):
+                o = _ring_mix(p, g)
+            else:
+                o = torch.einsum("thk,kd->thd" if g[0].dim() == 2 else "thk,tkd->thd", p, g[0])
+            out = o if out is None else out + o
+        start += k
+    return out if out is not None else torch.zeros_like(q)
 
 
 def ragged_indexer_scores(q, w, keys):

@@ -5,12 +5,17 @@ cu_seqlens-style: work i owns rows cu[i]:cu[i+1] at positions first[i] ..
 first[i] + n[i] - 1. No row is padding, so a decode next to a long prefill chunk
 adds exactly one row.
 
-Owned by the forward that built it (read-only once built).
+Owned by the forward that built it (read-only once built, apart from `memo`: index tensors
+that every layer of the same kind shares — rope angles, window masks, entry indices,
+compressor stream layout — are derived once, on the first layer that asks, and reused by the
+rest of the step).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,6 +28,7 @@ class Segments:
     wid: torch.Tensor          # [T] work of each row
     pos: torch.Tensor          # [T] position of each row
     lo: torch.Tensor           # [N] window lower bound (keys at positions < lo are masked)
+    counts: tuple[int, ...] = ()   # n as host ints (decisions without a device sync)
 
     @staticmethod
     def build(firsts: list[int], ends: list[int], los: list[int]) -> Segments:
@@ -32,7 +38,8 @@ class Segments:
         cu[1:] = torch.cumsum(n, 0)
         wid = torch.repeat_interleave(torch.arange(len(firsts)), n)
         pos = first[wid] + torch.arange(int(cu[-1])) - cu[wid]
-        return Segments(first, n, cu, wid, pos, torch.tensor(los, dtype=torch.long))
+        counts = tuple(max(0, e - f) for f, e in zip(firsts, ends, strict=True))
+        return Segments(first, n, cu, wid, pos, torch.tensor(los, dtype=torch.long), counts)
 
     @property
     def rows(self) -> int:
@@ -59,6 +66,14 @@ class StepBatch:
     enc: Segments
     dec: Segments
     dec_rows: torch.Tensor | None   # [Td] rows of enc that the decoder runs (None: all of them)
+    slot_ids: tuple[int, ...] = ()  # slots as host ints
+    memo: dict = field(default_factory=dict)
+
+    def once(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """make() the first time `key` is asked for in this step, the same object after."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
     @staticmethod
     def build(works, compact: bool) -> StepBatch:
@@ -76,12 +91,13 @@ class StepBatch:
             if len(dec_rows) == enc.rows:
                 dec_rows = None
         else:
-            dec = Segments(enc.first, enc.n, enc.cu, enc.wid, enc.pos, torch.tensor(dec_lo))
+            dec = Segments(enc.first, enc.n, enc.cu, enc.wid, enc.pos, torch.tensor(dec_lo),
+                           enc.counts)
             dec_rows = None
         return StepBatch(torch.tensor([w.slot for w in works], dtype=torch.long), tables,
                          torch.tensor(ends, dtype=torch.long),
                          torch.tensor([w.cmp_from for w in works], dtype=torch.long),
-                         enc, dec, dec_rows)
+                         enc, dec, dec_rows, tuple(w.slot for w in works))
 
     def entry_index(self, per_block: int, count: int) -> torch.Tensor:
         """[N, count] flat row (block * per_block + row) of entries 0..count-1 of each work;

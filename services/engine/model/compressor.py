@@ -9,10 +9,13 @@ All works' completed groups are laid out as one stream: for work i, positions
 g0_i .. gend_i - 1 with g0_i = floor(s0_i / m) * m (s0_i: first fed position) and
 gend_i = floor(end_i / m) * m. A stream row comes from the ring (the stored tail,
 positions < s0_i) or from this chunk's new rows; every m consecutive rows are one
-group, so pooling is a single call. The ring is read before it is written.
+group, so pooling is a single call. The ring is read before it is written. The index
+side of all this is the same for every layer with the same m (FeedPlan, once per step).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,13 +28,56 @@ from services.engine.model.batch import Segments, StepBatch
 from services.engine.model.weights import Weights
 
 
+@dataclass(frozen=True)
+class FeedPlan:
+    """The layer-independent part of feeding (same for every layer with this m and tail ring
+    length): which rows are fed, the completed-group stream and where its entries go."""
+
+    rows: torch.Tensor | None      # fed rows of the segment (None: all)
+    put: torch.Tensor | None       # fed rows kept in the tail ring (the last R; None: all fed)
+    put_slots: torch.Tensor
+    put_pos: torch.Tensor
+    groups: int                    # completed groups (0: nothing to pool)
+    stream_slots: torch.Tensor     # [G * m] slot and position of each stream row
+    stream_pos: torch.Tensor
+    from_ring: torch.Tensor        # [G * m, 1, 1] row comes from the stored tail
+    new_idx: torch.Tensor          # [G * m] index into the fed rows otherwise
+    gwid: torch.Tensor             # [G] work and group index of each completed group
+    gid: torch.Tensor
+
+
 def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, layer: int,
          step: StepBatch, seg: Segments, u: torch.Tensor) -> None:
     """u: [seg.rows, hidden] compressor input of the rows `seg` describes."""
     m = cfg.compress_ratio(layer)
+    r = states.cmp[layer].shape[1]
+    plan = step.once(("feed", m, r), lambda: _plan(step, seg, m, r))
+    if plan is None:
+        return
+    uk = u if plan.rows is None else u[plan.rows]
+    streams = [(states.cmp[layer], *ops.compressor_inputs(w, layer, uk), False)]
+    if cfg.layers[layer] == "csa":
+        streams.append((states.idx[layer], *ops.indexer_inputs(w, layer, uk), True))
+    dtype = streams[0][1].dtype
+    for ring, v, z, is_index in streams:
+        vz = torch.stack([v, z], dim=1)                                 # [rows, 2, dim]
+        if plan.groups:
+            tail = ring_rows(ring, plan.stream_slots, plan.stream_pos).to(vz.dtype)
+            vals = torch.where(plan.from_ring, tail, vz[plan.new_idx])
+            if is_index:
+                out = ops.pool_index_keys(w, layer, vals[:, 0], vals[:, 1], m)
+            else:
+                angles = step.once(("feed-rope", m, r), lambda: ops.rope_angles(plan.gid * m, cfg, dtype))
+                out = ops.pool_entries_at(w, layer, vals[:, 0], vals[:, 1], plan.gid, m, cfg, angles)
+            _scatter(blocks, step, plan.gwid, layer, plan.gid, out, is_index)
+        ring_put(ring, plan.put_slots, plan.put_pos, vz if plan.put is None else vz[plan.put])
+
+
+def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | None:
     keep = seg.pos >= step.cmp_from[seg.wid]          # rows whose entries must not be rewritten
     if not bool(keep.any()):
-        return
+        return None
+    every = bool(keep.all())
     rows = torch.nonzero(keep).squeeze(1)
     wid, pos = seg.wid[rows], seg.pos[rows]
     n_new = torch.bincount(wid, minlength=len(seg.n))
@@ -49,27 +95,14 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
     swid = torch.repeat_interleave(torch.arange(len(glen)), glen)
     spos = g0[swid] + torch.arange(int(g_cu[-1])) - g_cu[swid]
     from_ring = spos < s0[swid]
-    new_idx = torch.clamp(new_cu[swid] + spos - s0[swid], min=0)
+    new_idx = torch.clamp(new_cu[swid] + spos - s0[swid], min=0, max=max(len(rows) - 1, 0))
 
     # ring rows to write: the last R fed rows of each work (older ones would be overwritten)
-    uk = u[rows]
-    streams = [(states.cmp[layer], *ops.compressor_inputs(w, layer, uk), False)]
-    if cfg.layers[layer] == "csa":
-        streams.append((states.idx[layer], *ops.indexer_inputs(w, layer, uk), True))
-    for ring, v, z, is_index in streams:
-        vz = torch.stack([v, z], dim=1)                                 # [rows, 2, dim]
-        if len(spos):
-            tail = ring_rows(ring, step.slots[swid], spos).to(vz.dtype)
-            new_idx_c = torch.clamp(new_idx, max=max(len(vz) - 1, 0))
-            vals = torch.where(from_ring.view(-1, 1, 1), tail, vz[new_idx_c])
-            gwid, gid = swid[::m], torch.div(spos[::m], m, rounding_mode="floor")
-            if is_index:
-                out = ops.pool_index_keys(w, layer, vals[:, 0], vals[:, 1], m)
-            else:
-                out = ops.pool_entries_at(w, layer, vals[:, 0], vals[:, 1], gid, m, cfg)
-            _scatter(blocks, step, gwid, layer, gid, out, is_index)
-        last = pos >= end[wid] - ring.shape[1]
-        ring_put(ring, step.slots[wid[last]], pos[last], vz[last])
+    last = pos >= end[wid] - ring_len
+    put = None if bool(last.all()) else torch.nonzero(last).squeeze(1)
+    return FeedPlan(None if every else rows, put, step.slots[wid[last]], pos[last], len(spos) // m,
+                    step.slots[swid], spos, from_ring.view(-1, 1, 1), new_idx,
+                    swid[::m], torch.div(spos[::m], m, rounding_mode="floor"))
 
 
 def _scatter(blocks: BlockStore, step: StepBatch, wid, layer: int, entry, rows, keys: bool) -> None:

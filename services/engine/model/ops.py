@@ -18,28 +18,36 @@ def rms_norm(x, weight, eps: float):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def rope(x, pos, cfg: ModelConfig):
+def rope_angles(pos, cfg: ModelConfig, dtype):
+    """(cos, sin) [..., rope_dim / 2] of positions pos[...]: what rope() needs, computed once
+    and shared by every layer of a step (and by q and kv) instead of once per call."""
+    half = cfg.rope_dim // 2
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64, device=pos.device) / half))
+    ang = pos.to(torch.float64).unsqueeze(-1) * inv                # [..., half]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rope(x, pos, cfg: ModelConfig, angles=None):
     """Rotate the last `rope_dim` dims of x[..., D] by position pos[...] (x's leading dims
-    minus an optional head dim). Halves layout: pairs (i, i + rope_dim/2)."""
+    minus an optional head dim). Halves layout: pairs (i, i + rope_dim/2). `angles`:
+    rope_angles(pos, ...) when the caller has them already (same numbers)."""
     r = cfg.rope_dim
     half = r // 2
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
-    ang = pos.to(torch.float64).unsqueeze(-1) * inv                # [..., half]
+    cos, sin = angles if angles is not None else rope_angles(pos, cfg, x.dtype)
     if x.dim() == pos.dim() + 2:                                   # per-head x: [..., H, D]
-        ang = ang.unsqueeze(-2)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     keep, rot = x[..., :-r], x[..., -r:]
     a, b = rot[..., :half], rot[..., half:]
     return torch.cat([keep, a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
-def query_and_kv(w: Weights, layer: int, h, pos, cfg: ModelConfig):
+def query_and_kv(w: Weights, layer: int, h, pos, cfg: ModelConfig, angles=None):
     """h: [T, hidden] (already attn-normed), pos: [T] -> q [T, H, D], kv [T, D] (full precision)."""
     p = f"layers.{layer}."
     q = (h @ w[p + "wq"]).view(*h.shape[:-1], cfg.n_heads, cfg.head_dim)
-    q = rope(q, pos, cfg)
+    q = rope(q, pos, cfg, angles)
     kv = rms_norm(h @ w[p + "wkv"], w[p + "kv_norm"], cfg.norm_eps)
-    kv = rope(kv, pos, cfg)
+    kv = rope(kv, pos, cfg, angles)
     return q, kv
 
 
@@ -76,13 +84,13 @@ def pool_entries(w: Weights, layer: int, v, z, first_group: int, m: int, cfg: Mo
     return storage_round(rope(pooled, pos, cfg))
 
 
-def pool_entries_at(w: Weights, layer: int, v, z, groups, m: int, cfg: ModelConfig):
+def pool_entries_at(w: Weights, layer: int, v, z, groups, m: int, cfg: ModelConfig, angles=None):
     """Like pool_entries for groups that need not be consecutive: v, z [G*m, D], groups [G]
-    the group index of each (its entry is roped at position group * m)."""
+    the group index of each (its entry is roped at position group * m; `angles`: of those)."""
     g = v.shape[0] // m
     pooled = gated_pool(v.view(g, m, -1), z.view(g, m, -1), w[f"layers.{layer}.cmp_bias"])
     pooled = rms_norm(pooled, w[f"layers.{layer}.cmp_norm"], cfg.norm_eps)
-    return storage_round(rope(pooled, groups * m, cfg))
+    return storage_round(rope(pooled, groups * m, cfg, angles))
 
 
 def pool_index_keys(w: Weights, layer: int, v, z, m: int):

@@ -34,6 +34,7 @@ import torch
 
 from kernels.indexer import indexer_scores, select_topk, selected_indices
 from kernels.ragged import (
+    RingKeys,
     ragged_indexer_scores,
     ragged_union_attention,
     ring_put,
@@ -41,15 +42,10 @@ from kernels.ragged import (
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
-from services.engine.model import compressor, ops
+from services.engine.model import compressor, ops, windows
 from services.engine.model.batch import Segments, StepBatch
 from services.engine.model.weights import Weights
 from services.engine.model.window_mirror import WindowMirror
-
-# Works with at most this many rows gather each row's W window keys by index; longer
-# chunks share one key pool (their ring rows + chunk rows) with a mask, which is cheaper
-# than W keys per row once a chunk is longer than a few rows.
-GATHER_MAX_ROWS = 16
 
 
 @dataclass
@@ -91,16 +87,16 @@ class ModelRunner:
         if not works:
             return result
         step = StepBatch.build(works, compact=self.dec_mode == "compact")
-        self.mirror.begin(works)
+        stale = frozenset(self.mirror.begin(works))
         toks = [t for w in works for t in w.tokens[w.start : w.end]]
         x = self.w["embed"][torch.tensor(toks, dtype=torch.long)]
         for layer in range(cfg.n_encoder_layers):
-            x = self._layer(layer, x, step, step.enc, None, works, result)
+            x = self._layer(layer, x, step, "enc", None, works, result, stale)
         h_enc = ops.encoder_output(self.w, x, cfg)
         if step.dec_rows is not None:
             x = x[step.dec_rows]
         for layer in range(cfg.n_encoder_layers, cfg.n_layers):
-            x = self._layer(layer, x, step, step.dec, h_enc, works, result)
+            x = self._layer(layer, x, step, "dec", h_enc, works, result, stale)
         result.rows = {"encoder": step.enc.rows, "decoder": step.dec.rows}
 
         want = [i for i, w in enumerate(works) if w.want_logits]
@@ -113,8 +109,9 @@ class ModelRunner:
         return result
 
     # --- one layer ----------------------------------------------------------
-    def _layer(self, layer, x, step: StepBatch, seg: Segments, h_enc, works, result):
+    def _layer(self, layer, x, step: StepBatch, kind: str, h_enc, works, result, stale):
         cfg, w = self.cfg, self.w
+        seg = step.enc if kind == "enc" else step.dec
         p = f"layers.{layer}."
         m = cfg.compress_ratio(layer)
         if seg.rows == 0:          # compact decoder with every row before dec_lo: only compress
@@ -122,74 +119,51 @@ class ModelRunner:
                 compressor.feed(cfg, w, self.states, self.blocks, layer, step, step.enc, h_enc)
             return x
         h = ops.rms_norm(x, w[p + "attn_norm"], cfg.norm_eps)
-        q, kv = ops.query_and_kv(w, layer, h, seg.pos, cfg)
+        angles = step.once(("rope", kind), lambda: ops.rope_angles(seg.pos, cfg, h.dtype))
+        q, kv = ops.query_and_kv(w, layer, h, seg.pos, cfg, angles)
         kv_bytes, kv = ops.quantize_kv(kv)
-        short = (seg.n <= GATHER_MAX_ROWS)[seg.wid]
-        windows = self._windows(layer, seg, step, kv, short)
+        ring = self.states.swa[layer]
+        r = ring.shape[1]
+        in_place = kv.dtype == self.mirror.dtype and r >= cfg.window
+        plan = step.once(("window", kind, r), lambda: windows.plan(step, seg, r, cfg.window,
+                                                                    in_place, stale))
+        # read every older key this layer needs before it writes the ring
+        groups = []
+        for pool, per_row in ((plan.gather, True), (plan.pool, False)):
+            if pool is not None:
+                old = self.mirror.read(layer, pool.old_slots, pool.old_pos, kv.dtype)
+                keys = torch.cat([old, kv[pool.rows]])
+                groups.append((pool.rows, (keys if pool.idx is None else keys[pool.idx], pool.ok),
+                               per_row, "gather" if per_row else "pool"))
+        if plan.ring is not None and plan.ring.fill_slots is not None:
+            self.mirror.fill(layer, plan.ring.fill_slots, plan.ring.fill_pos)
         if cfg.is_encoder(layer):
             self._capture(layer, seg, step, kv_bytes, works, result)
-        ring = self.states.swa[layer]
-        last = seg.pos >= seg.end[seg.wid] - ring.shape[1]     # older rows would be overwritten
-        ring_put(ring, step.slots[seg.wid[last]], seg.pos[last], kv_bytes[last])
-        self.mirror.write(layer, step.slots[seg.wid[last]], seg.pos[last], kv[last])
+        put = slice(None) if plan.put_rows is None else plan.put_rows
+        ring_put(ring, plan.put_slots, plan.put_pos, kv_bytes[put])
+        self.mirror.write(layer, plan.put_slots, plan.put_pos, kv[put])
+        if plan.ring is not None:
+            rows = plan.ring.rows
+            groups.append((rows, RingKeys(self.mirror.values[layer], plan.ring.where, plan.ring.ok),
+                           True, "ring"))
 
         if m is not None:
             compressor.feed(cfg, w, self.states, self.blocks, layer, step, step.enc,
                             h if h_enc is None else h_enc)
 
         sink = w[p + "sink"]
-        o = torch.empty_like(q)
-        for rows, win in windows:
-            groups = [win]
+        o = torch.empty_like(q) if len(groups) > 1 or groups[0][0] is not None else None
+        for rows, win, per_row, path in groups:
+            parts = [win]
             if m is not None:
-                groups.append(self._compressed(layer, seg, step, h, m, rows, bool(short[rows[0]])))
-            o[rows] = ragged_union_attention(q[rows], groups, sink, self.scale)
+                parts.append(self._compressed(layer, seg, step, h, m, rows, per_row, (kind, path)))
+            out = ragged_union_attention(q if rows is None else q[rows], parts, sink, self.scale)
+            if o is None:
+                o = out
+            else:
+                o[slice(None) if rows is None else rows] = out
         x = x + ops.attn_output(w, layer, o)
         return x + ops.ffn(w, layer, x, cfg)
-
-    def _windows(self, layer, seg: Segments, step: StepBatch, kv, short):
-        """[(rows, (keys, ok))]: window keys of positions max(lo, p - W + 1) .. p per row.
-        Short works' rows gather their own W keys; long works' rows share one pool of their
-        W - 1 ring rows and chunk rows, masked per row. Keys older than the chunk come from
-        the ring (read before this chunk writes it), through the window mirror."""
-        out = []
-        big_w = self.cfg.window
-        for rows in (torch.nonzero(short).squeeze(1), torch.nonzero(~short).squeeze(1)):
-            if not len(rows):
-                continue
-            wid, pos = seg.wid[rows], seg.pos[rows]
-            lo = torch.clamp(seg.lo[wid], min=0)
-            kpos = pos.unsqueeze(1) - big_w + 1 + torch.arange(big_w)            # [t, W]
-            if bool((seg.n[wid] == 1).all()) and kv.dtype == self.mirror.dtype and \
-                    self.states.swa[layer].shape[1] >= big_w:
-                # decode rows: put the new row in the mirror first (the ring holds W + B
-                # rows, so it cannot displace one of this window), then one gather
-                self.mirror.write(layer, step.slots[wid], pos, kv[rows])
-                keys = self.mirror.read(layer, step.slots[wid].unsqueeze(1).expand_as(kpos), kpos, kv.dtype)
-                out.append((rows, (keys, kpos >= lo.unsqueeze(1))))
-                continue
-            # key pool: W - 1 ring rows before each work's first row, then the chunk rows
-            works, local = torch.unique(wid, return_inverse=True)
-            opos = seg.first[works].unsqueeze(1) - big_w + 1 + torch.arange(big_w - 1)
-            owid = works.unsqueeze(1).expand_as(opos)
-            old = self.mirror.read(layer, step.slots[owid.flatten()], opos.flatten(), kv.dtype)
-            keys = torch.cat([old, kv[rows]])
-            if bool(short[rows[0]]):
-                # each row gathers its own W keys from the pool (positions p - W + 1 .. p)
-                first = seg.first[wid].unsqueeze(1)
-                in_chunk = kpos >= first
-                ring_i = local.unsqueeze(1) * (big_w - 1) + kpos - first + big_w - 1
-                row_i = len(old) + torch.arange(len(rows)).unsqueeze(1) + kpos - pos.unsqueeze(1)
-                idx = torch.where(in_chunk, row_i, torch.clamp(ring_i, min=0))
-                out.append((rows, (keys[idx], kpos >= lo.unsqueeze(1))))
-                continue
-            kpos = torch.cat([opos.flatten(), pos])
-            kwid = torch.cat([owid.flatten(), wid])
-            qp = pos.unsqueeze(1)
-            ok = (kwid.unsqueeze(0) == wid.unsqueeze(1)) & (kpos <= qp) & \
-                (kpos >= torch.maximum(qp - big_w + 1, lo.unsqueeze(1)))
-            out.append((rows, (keys, ok)))
-        return out
 
     def _capture(self, layer, seg: Segments, step: StepBatch, kv_bytes, works, result):
         """Copy the window ending at `capture` into canonical inference-ring order
@@ -212,39 +186,44 @@ class ModelRunner:
             out[layer, positions.remainder(r_inf)] = src
 
     # --- compressed entries ------------------------------------------------------
-    def _compressed(self, layer, seg: Segments, step: StepBatch, h, m, rows, short: bool):
+    def _compressed(self, layer, seg: Segments, step: StepBatch, h, m, rows, per_row: bool, key):
         """(keys, ok) of the entries visible to `rows` (j < (p + 1) // m). HCA: all of them;
         CSA: the indexer's top-k, so attention never touches the rest. Entry rows come
-        straight from the block store through a per-step index. Short works' rows get their
+        straight from the block store through a per-step index. Per-row paths get their
         own candidates ([t, K]); long chunks' rows share one pool of their works' entries,
         masked per row (a chunk's rows see nearly the same entries)."""
         cfg = self.cfg
         entries = self.blocks.entries[layer]
-        per = entries.shape[1]
-        count = int((step.ends // m).max())
-        index = step.entry_index(per, count)                                 # [N, K]
-        wid, n_vis = seg.wid[rows], (seg.pos[rows] + 1) // m
-        if short:
-            flat = index[wid]                                                # [t, K]
-            visible = torch.arange(count).unsqueeze(0) < n_vis.unsqueeze(1)
-        else:
-            works = torch.unique(wid)
-            counts = step.ends[works] // m
-            pwid = torch.repeat_interleave(works, counts)
-            pj = torch.arange(len(pwid)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-            flat = index[pwid, pj]                                           # [L]
-            visible = (pwid.unsqueeze(0) == wid.unsqueeze(1)) & (pj.unsqueeze(0) < n_vis.unsqueeze(1))
+        flat, visible = step.once(("entries", key, m, entries.shape[1]),
+                                  lambda: _visible_entries(seg, step, m, entries.shape[1], rows, per_row))
         table = entries.view(-1, entries.shape[-1])
         if cfg.layers[layer] != "csa":
             return table[flat].to(h.dtype), visible
         ikeys = self.blocks.index_keys[layer]
         ikeys = ikeys.view(-1, ikeys.shape[-1])[flat].to(h.dtype)           # [t, K, Di] / [L, Di]
-        iq, iw = ops.index_query(self.w, layer, h[rows], cfg)
-        if short:
+        iq, iw = ops.index_query(self.w, layer, h if rows is None else h[rows], cfg)
+        if per_row:
             scores = ragged_indexer_scores(iq, iw, ikeys)
         else:
             scores = indexer_scores(iq[None], iw[None], ikeys[None])[0]
         chosen = select_topk(scores, visible, cfg.csa_topk)
         idx, ok = selected_indices(chosen, cfg.csa_topk)                     # [t, k]
-        picked = flat.gather(1, idx) if short else flat[idx]
+        picked = flat.gather(1, idx) if per_row else flat[idx]
         return table[picked].to(h.dtype), ok
+
+
+def _visible_entries(seg: Segments, step: StepBatch, m: int, per: int, rows, per_row: bool):
+    """(flat block-store rows of the candidate entries, visible mask): [t, K] each per row,
+    or one pool [L] of the rows' works' entries with a [t, L] mask."""
+    count = int((step.ends // m).max())
+    index = step.entry_index(per, count)                                 # [N, K]
+    wid = seg.wid if rows is None else seg.wid[rows]
+    n_vis = ((seg.pos if rows is None else seg.pos[rows]) + 1) // m
+    if per_row:
+        return index[wid], torch.arange(count).unsqueeze(0) < n_vis.unsqueeze(1)
+    works = torch.unique(wid)
+    counts = step.ends[works] // m
+    pwid = torch.repeat_interleave(works, counts)
+    pj = torch.arange(len(pwid)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    visible = (pwid.unsqueeze(0) == wid.unsqueeze(1)) & (pj.unsqueeze(0) < n_vis.unsqueeze(1))
+    return index[pwid, pj], visible

@@ -13,6 +13,11 @@ life. The ring bytes stay the source of truth; the mirror is a cache of
     dropped. Works without an owner never use it.
 
 A missed row is dequantized from the ring bytes (the same numbers, bit for bit) and kept.
+
+Ring-path rows (windows.py) attend to a slot's mirror rows in place, without asking
+for each row: that is sound because a slot that continues holds every row its next chunk
+needs (each forward reads or writes all of them), and a slot whose mirror was just dropped
+gets its W - 1 older rows `fill`ed before the first such read.
 """
 
 from __future__ import annotations
@@ -33,13 +38,15 @@ class WindowMirror:
         self.dtype = dtype
         self._owner: dict[int, tuple[object, int]] = {}     # slot -> (owner, next position)
 
-    def begin(self, works) -> None:
-        """Before a forward: drop the mirror of every slot whose owner or continuity changed."""
-        stale = []
-        for w in works:
+    def begin(self, works) -> list[int]:
+        """Before a forward: drop the mirror of every slot whose owner or continuity changed.
+        Returns the indices (into works) of the dropped ones."""
+        stale, dropped = [], []
+        for i, w in enumerate(works):
             owner = getattr(w, "owner", None)
             if owner is None or self._owner.get(w.slot) != (owner, w.start):
                 stale.append(w.slot)
+                dropped.append(i)
             if owner is None:
                 self._owner.pop(w.slot, None)
             else:
@@ -48,6 +55,14 @@ class WindowMirror:
             idx = torch.tensor(stale, dtype=torch.long)
             for p in self.pos.values():
                 p[idx] = NOWHERE
+        return dropped
+
+    def fill(self, layer: int, slots, pos) -> None:
+        """Dequantize ring rows at (slots, pos) into the mirror unconditionally (a dropped
+        slot's older window rows, before ring-path rows read them in place)."""
+        ri = pos.remainder(self.swa[layer].shape[1])
+        self.values[layer][slots, ri] = dequantize_rows(self.swa[layer][slots, ri], self.dtype)
+        self.pos[layer][slots, ri] = pos
 
     def read(self, layer: int, slots, pos, dtype) -> torch.Tensor:
         """Dequantized ring rows at (slots, pos) (same-shape long tensors) -> [*shape, D]."""

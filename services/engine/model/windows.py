@@ -1,0 +1,139 @@
+"""Window keys of one layer's query rows: which path each work's rows take, and the index
+tensors behind it. A plan depends on the step and the ring length only, so it is built once
+per step (StepBatch.once) and shared by every layer of that kind.
+
+A query at position p sees window keys at positions max(lo, p - W + 1) .. p. Three paths,
+by the rows n a work has in this step (R: ring rows = W + B, B >= 0):
+
+    ring    n <= R - W + 1 (decodes, short verification chunks). The chunk's rows are put
+            in the window mirror first (they cannot displace a key any row of the chunk
+            still needs: a ring of R rows holds the W - 1 older keys plus R - W + 1 new
+            ones), then every row attends to its slot's whole mirror ring in place
+            (kernels/ragged.RingKeys), masked by the position each ring row holds:
+
+                ring row r of a work ending at e holds  x(r) = e - 1 - ((e - 1 - r) mod R)
+                row p sees it when  max(lo, p - W + 1) <= x(r) <= p
+
+            No key is copied: the torch kernel multiplies a slot's queries with its ring.
+    gather  n <= GATHER_MAX_ROWS: each row gathers its own W keys from a pool of the
+            work's W - 1 older ring rows and its chunk rows.
+    pool    longer chunks: the rows share one pool of their works' older ring rows and
+            chunk rows, masked per row (cheaper than W keys per row).
+
+Older keys of gather/pool works are read through the mirror before this layer writes the
+ring; a ring-path work whose mirror was dropped (new owner, restore, rollback) has its
+W - 1 older rows dequantized into the mirror first (`fill`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.ragged import SlotRows
+from services.engine.model.batch import Segments, StepBatch
+
+# Works with at most this many rows gather each row's W window keys by index; longer
+# chunks share one key pool (their ring rows + chunk rows) with a mask, which is cheaper
+# than W keys per row once a chunk is longer than a few rows.
+GATHER_MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    rows: torch.Tensor | None      # [t] rows of the segment on this path (None: all of them)
+    where: SlotRows                # each row's slot
+    ok: torch.Tensor               # [t, R] row may see ring row r
+    fill_slots: torch.Tensor | None  # [k * (W - 1)] older rows of dropped mirrors to restore
+    fill_pos: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    rows: torch.Tensor             # [t] rows of the segment on this path
+    old_slots: torch.Tensor        # [u * (W - 1)] the works' older ring rows ...
+    old_pos: torch.Tensor          # ... and their positions (negative ones are masked)
+    idx: torch.Tensor | None       # gather: [t, W] index into cat(older rows, chunk rows)
+    ok: torch.Tensor               # [t, W] (gather) or [t, u * (W - 1) + t] (pool)
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    ring: RingPlan | None
+    gather: PoolPlan | None
+    pool: PoolPlan | None
+    put_rows: torch.Tensor | None  # rows written to the ring (the last R of each work; None: all)
+    put_slots: torch.Tensor
+    put_pos: torch.Tensor
+
+
+def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: bool,
+         stale: frozenset[int]) -> WindowPlan:
+    """`in_place`: the mirror can serve ring-path rows (same dtype, R >= W); `stale`: works
+    whose mirror was dropped at the start of this forward."""
+    counts = seg.counts
+    cu = [0]
+    for n in counts:
+        cu.append(cu[-1] + n)
+    short = ring_rows - window + 1 if in_place else 0
+    kind = ["ring" if 0 < n <= short else "gather" if n <= GATHER_MAX_ROWS else "pool"
+            for n in counts]
+    by = {k: [i for i, c in enumerate(kind) if c == k and counts[i]] for k in ("ring", "gather", "pool")}
+
+    def rows_of(ws: list[int]) -> torch.Tensor | None:
+        if sum(counts[i] for i in ws) == cu[-1]:
+            return None
+        return torch.cat([torch.arange(cu[i], cu[i + 1]) for i in ws])
+
+    last = seg.pos >= seg.end[seg.wid] - ring_rows      # older rows would be overwritten
+    put_rows = None if all(n <= ring_rows for n in counts) else torch.nonzero(last).squeeze(1)
+    put_wid = seg.wid if put_rows is None else seg.wid[put_rows]
+    put_pos = seg.pos if put_rows is None else seg.pos[put_rows]
+    return WindowPlan(
+        _ring(step, seg, by["ring"], rows_of(by["ring"]), ring_rows, window, stale) if by["ring"] else None,
+        _pool(step, seg, rows_of(by["gather"]), window, gather=True) if by["gather"] else None,
+        _pool(step, seg, rows_of(by["pool"]), window, gather=False) if by["pool"] else None,
+        put_rows, step.slots[put_wid], put_pos)
+
+
+def _ring(step, seg, works, rows, ring_rows, window, stale) -> RingPlan:
+    wid = seg.wid if rows is None else seg.wid[rows]
+    pos = seg.pos if rows is None else seg.pos[rows]
+    last = (seg.end[wid] - 1).unsqueeze(1)
+    held = last - torch.remainder(last - torch.arange(ring_rows), ring_rows)      # [t, R]
+    low = torch.maximum(torch.clamp(seg.lo[wid], min=0), pos - window + 1).unsqueeze(1)
+    ok = (held >= low) & (held <= pos.unsqueeze(1))
+    where = SlotRows.build([step.slot_ids[i] for i in works for _ in range(seg.counts[i])])
+    dropped = [i for i in works if i in stale]
+    fill_slots = fill_pos = None
+    if dropped:
+        d = torch.tensor(dropped, dtype=torch.long)
+        fill_pos = (seg.first[d].unsqueeze(1) - window + 1 + torch.arange(window - 1)).flatten()
+        fill_slots = step.slots[d].repeat_interleave(window - 1)
+    return RingPlan(rows, where, ok, fill_slots, fill_pos)
+
+
+def _pool(step, seg, rows, window, gather: bool) -> PoolPlan:
+    if rows is None:
+        rows = torch.arange(seg.rows)
+    wid, pos = seg.wid[rows], seg.pos[rows]
+    lo = torch.clamp(seg.lo[wid], min=0)
+    works, local = torch.unique(wid, return_inverse=True)
+    opos = seg.first[works].unsqueeze(1) - window + 1 + torch.arange(window - 1)     # [u, W - 1]
+    owid = works.unsqueeze(1).expand_as(opos)
+    old_slots, old_pos = step.slots[owid.flatten()], opos.flatten()
+    if gather:
+        # each row gathers its own W keys from the pool (positions p - W + 1 .. p)
+        kpos = pos.unsqueeze(1) - window + 1 + torch.arange(window)                   # [t, W]
+        first = seg.first[wid].unsqueeze(1)
+        ring_i = local.unsqueeze(1) * (window - 1) + kpos - first + window - 1
+        row_i = len(old_pos) + torch.arange(len(rows)).unsqueeze(1) + kpos - pos.unsqueeze(1)
+        idx = torch.where(kpos >= first, row_i, torch.clamp(ring_i, min=0))
+        return PoolPlan(rows, old_slots, old_pos, idx, kpos >= lo.unsqueeze(1))
+    kpos = torch.cat([old_pos, pos])
+    kwid = torch.cat([owid.flatten(), wid])
+    qp = pos.unsqueeze(1)
+    ok = (kwid.unsqueeze(0) == wid.unsqueeze(1)) & (kpos <= qp) & \
+        (kpos >= torch.maximum(qp - window + 1, lo.unsqueeze(1)))
+    return PoolPlan(rows, old_slots, old_pos, None, ok)
