@@ -7,9 +7,16 @@
        is prefilled beside them.
 
 Targets (issue 11): step(32) <= 2 x step(1); decode-only tokens/s at N = 32 >= 12 x N = 1.
-Only public EngineCore calls are used, so the same script measures an older checkout:
-    PYTHONPATH=/old/checkout python bench/engine_throughput.py --label before
-    python bench/engine_throughput.py --label after --compare bench/out/engine_throughput_before.json
+Only public EngineCore calls are used, so the same script measures an older checkout, and
+`--before DIR` does both in one run (DIR first, in a subprocess, then this checkout):
+    python bench/engine_throughput.py --before /old/checkout
+(or by hand: PYTHONPATH=/old/checkout python bench/engine_throughput.py --label before, then
+ python bench/engine_throughput.py --compare bench/out/engine_throughput_before.json).
+
+The floor: `attention floor` is what the window attention alone costs at each batch on this
+machine (per layer, one fp32 matmul of every row's query with its slot's W + B ring rows and
+one back, the ring path's only per-row work that grows with W), with no other model math and
+no per-step overhead. It bounds from below what step(b) - step(1) can reach on a CPU.
 Sequential throughput is measured on `--sequential` requests run one after another (a
 request alone costs the same whatever N is) and reported for every N.
 """
@@ -20,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -153,19 +161,46 @@ def itl(prompt_len: int, long_len: int, steps: int) -> dict:
     return out
 
 
+def attention_floor(steps: int) -> dict[int, float]:
+    """Seconds per step of the window attention's matmuls alone (see the module docstring):
+    every layer's [b, H, D] x [b, D, R] and back over distinct rings (no cache reuse)."""
+    cfg, ring = TINY, TINY.window + 6
+    rings = [torch.randn(max(BATCHES), ring, cfg.head_dim) for _ in range(cfg.n_layers)]
+    out = {}
+    for b in BATCHES:
+        q = torch.randn(b, cfg.n_heads, cfg.head_dim)
+        p = torch.randn(b, cfg.n_heads, ring)
+        times = []
+        for _ in range(steps):
+            t0 = clock()
+            for keys in rings:
+                torch.bmm(q, keys[:b].transpose(1, 2))
+                torch.bmm(p, keys[:b])
+            times.append(clock() - t0)
+        out[b] = statistics.median(times)
+    print("  attention floor " + "  ".join(f"b{b} {v * 1e3:.1f} ms" for b, v in out.items()), flush=True)
+    return out
+
+
 def report(res: dict, before: dict | None) -> None:
     print(f"\nclock: {res['args']['clock']} seconds (1 torch thread)")
     cols = [("before", before), ("after", res)] if before else [(res["label"], res)]
     st = lambda r, b: r["step_s"][str(b)] if str(b) in r["step_s"] else r["step_s"][b]  # noqa: E731
     tp = lambda r, b: r["tput"][str(b)] if str(b) in r["tput"] else r["tput"][b]  # noqa: E731
     rows = []
+    fl = res.get("floor_s", {})
     for b in BATCHES:
         row = [b]
         for _, r in cols:
             row += [st(r, b) * 1e3, st(r, b) / st(r, 1)]
+        f = fl.get(str(b), fl.get(b))
+        row += [f * 1e3 if f is not None else float("nan"),
+                (st(res, 1) + f) / st(res, 1) if f is not None else float("nan")]
         rows.append(row)
-    print("\ndecode step time (ms)")
-    print(table(["batch"] + [f"{n} {h}" for n, _ in cols for h in ("ms", "x batch1")], rows))
+    print("\ndecode step time (ms); floor = window attention matmuls alone; "
+          "floor x = (step(1) + floor(b)) / step(1), the best ratio this CPU allows")
+    print(table(["batch"] + [f"{n} {h}" for n, _ in cols for h in ("ms", "x batch1")]
+                + ["floor ms", "floor x"], rows))
     rows = []
     for n in BATCHES:
         row = [n]
@@ -198,6 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sequential", type=int, default=2)
     ap.add_argument("--long", type=int, default=4096)
     ap.add_argument("--compare", help="JSON of an earlier run to print side by side")
+    ap.add_argument("--before", help="an older checkout: measure it first (same arguments, "
+                                     "subprocess with PYTHONPATH=DIR) and print it side by side")
     ap.add_argument("--long-prefill-chunk", type=int, default=0,
                     help="cap prefill chunks (engines with issue 11's scheduler); 0: budget only")
     ap.add_argument("--itl-only", action="store_true", help="only the inter-token latency part")
@@ -209,6 +246,16 @@ def main(argv=None) -> int:
     if args.long_prefill_chunk:
         CHUNK["long_prefill_chunk"] = args.long_prefill_chunk
     print(f"load average {os.getloadavg()}", flush=True)
+    if args.before:
+        rest = [a for a in (argv if argv is not None else sys.argv[1:])]
+        i = rest.index("--before")
+        rest = rest[:i] + rest[i + 2:]
+        print(f"== before: {args.before}", flush=True)
+        subprocess.run([sys.executable, __file__, "--label", "before", *rest], check=True,
+                       env={**os.environ, "PYTHONPATH": args.before}, cwd=args.before)
+        # the old checkout's bench/_common.py put it under its own bench/out
+        args.compare = str(Path(args.before) / "bench" / "out" / "engine_throughput_before.json")
+        print("== after: this checkout", flush=True)
     if args.itl_only:
         itl(args.prompt, args.long, 20)
         return 0
@@ -217,6 +264,7 @@ def main(argv=None) -> int:
     res["step_s"] = step_times(args.prompt, args.steps)
     res["tput"] = throughput(args.prompt, args.gen, args.sequential)
     res["itl"] = itl(args.prompt, args.long, 20)
+    res["floor_s"] = attention_floor(args.steps)
     res["wall_s"] = time.perf_counter() - t0
     res["load_end"] = os.getloadavg()
     OUT.mkdir(parents=True, exist_ok=True)
