@@ -22,6 +22,7 @@ ENGINE_VARS = {
     "extra_state": "KVMESH_PREFILL_STORE_EXTRA_STATE",       # 1/0: prefill-engine long ring
     "extra_state_size": "KVMESH_PREFILL_STORE_EXTRA_SIZE",   # PREFILL_STORE_EXTRA (128)
     "max_backtrack": "KVMESH_MAX_BACKTRACKING_TOKENS",       # B (6)
+    "device": "KVMESH_ENGINE_DEVICE",                        # auto | cpu | cuda | cuda:N
 }
 
 

@@ -29,6 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     g.add_argument("--seed", type=int, default=0, help="weight init seed with --random-weights")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                    help="weights and activations (float64: the exactness tests)")
+    g.add_argument("--device", default=None,
+                   help="auto | cpu | cuda | cuda:N: where weights, state pool, block store and "
+                        "the forward live (env KVMESH_ENGINE_DEVICE, default auto: CUDA when "
+                        "available)")
     g.add_argument("--num-slots", type=int, default=16,
                    help="state slots: requests that can run at once")
     g.add_argument("--num-blocks", type=int, default=1024,
@@ -76,7 +80,7 @@ def engine_config(args, env=None) -> EngineConfig:
         extra_state_size=args.extra_state_size, max_backtrack=args.max_backtrack,
         deterministic=args.deterministic, swa_policy=args.swa_policy,
         snapshot_bytes=args.snapshot_mb << 20, snapshot_ttl_min=args.snapshot_ttl_min,
-        dtype=args.dtype, seed=args.seed,
+        dtype=args.dtype, seed=args.seed, device=args.device,
     )
 
 

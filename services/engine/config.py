@@ -198,6 +198,7 @@ class EngineConfig:
     snapshot_ttl_min: float = 60.0
     dtype: str = "float32"
     seed: int = 0                       # weight init seed when no checkpoint is given
+    device: str = "auto"                # auto (CUDA when available) | cpu | cuda | cuda:N
 
     def __post_init__(self):
         if self.truncation not in TRUNCATION_MODES:
@@ -213,6 +214,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError("dtype must be float32 or float64")
+        dev = self.device
+        if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {dev!r}")
         policy = self.swa_policy
         if not (policy in ("full", "zero") or (policy.startswith("periodic:")
                                                and policy[9:].isdigit() and int(policy[9:]) > 0)):

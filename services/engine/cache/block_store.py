@@ -34,6 +34,7 @@ import zlib
 import torch
 from blake3 import blake3
 
+from services.engine import device as device_mod
 from services.engine.config import ModelConfig
 
 BLOCK_MAGIC = b"KVBK"
@@ -44,15 +45,16 @@ OVERHEAD = _HEAD.size + DIGEST_SIZE  # 48 bytes on top of the raw rows
 
 
 class BlockStore:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, dtype=torch.float32, device="cpu"):
         self.cfg = cfg
         self.entries: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
         for layer in cfg.compressed_layers:
             per = cfg.block_size // cfg.compress_ratio(layer)
-            self.entries[layer] = torch.zeros(num_blocks, per, cfg.head_dim, dtype=dtype)
+            self.entries[layer] = torch.zeros(num_blocks, per, cfg.head_dim, dtype=dtype, device=device)
             if cfg.layers[layer] == "csa":
-                self.index_keys[layer] = torch.zeros(num_blocks, per, cfg.index_dim, dtype=dtype)
+                self.index_keys[layer] = torch.zeros(num_blocks, per, cfg.index_dim, dtype=dtype,
+                                                     device=device)
 
     def _tensors(self) -> list[torch.Tensor]:
         out = []
@@ -81,7 +83,7 @@ class BlockStore:
             return src.new_zeros(0, src.shape[-1])
         per = src.shape[1]
         nb = -(-n_entries // per)
-        return src[torch.tensor(table[:nb])].reshape(-1, src.shape[-1])[:n_entries]
+        return src[torch.tensor(table[:nb], device=src.device)].reshape(-1, src.shape[-1])[:n_entries]
 
     def scatter(self, table: list[int], layer: int, first: int, rows, keys: bool = False):
         """Write rows for entries first .. first + len(rows) - 1."""
@@ -89,8 +91,8 @@ class BlockStore:
             return
         dst = (self.index_keys if keys else self.entries)[layer]
         per = dst.shape[1]
-        j = torch.arange(first, first + len(rows))
-        blocks = torch.tensor(table)[j // per]
+        j = torch.arange(first, first + len(rows), device=dst.device)
+        blocks = torch.tensor(table, device=dst.device)[j // per]
         dst[blocks, j % per] = rows.to(dst.dtype)
 
     def copy_block(self, src: int, dst: int) -> None:
@@ -100,7 +102,7 @@ class BlockStore:
     def serialize(self, block: int) -> bytes:
         assert isinstance(block, int), f"block id must be an int, got {block!r}"
         parts = [t[block].contiguous().view(torch.uint8).flatten() for t in self._tensors()]
-        payload = torch.cat(parts).numpy().tobytes()
+        payload = torch.cat(parts).cpu().numpy().tobytes()
         head = _HEAD.pack(BLOCK_MAGIC, BLOCK_VERSION, self.layout_fp(), len(payload))
         return b"".join((head, payload, blake3(head + payload).digest()))
 
@@ -125,6 +127,7 @@ class BlockStore:
     def deserialize(self, block: int, blob: bytes) -> None:
         """Install a serialized block; ValueError (nothing written) if it fails `check`."""
         raw = torch.frombuffer(bytearray(self.check(blob)), dtype=torch.uint8)
+        raw = device_mod.upload(raw, next(iter(self._tensors())).device) if self._tensors() else raw
         off = 0
         for t in self._tensors():
             n = t[block].numel() * t.element_size()

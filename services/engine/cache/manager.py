@@ -76,13 +76,13 @@ class LocalView:
 
 
 class CacheManager:
-    def __init__(self, layout: RuntimeLayout):
+    def __init__(self, layout: RuntimeLayout, device="cpu"):
         self.layout = layout                 # the engine's one layout: pool sizes come from here
         self.cfg = cfg = layout.model
         self.ecfg = layout.engine            # truncation, KEEP, snapshot policy
-        self.states = StatePool(layout)
+        self.states = StatePool(layout, device)
         self.pool = BlockPool(layout.num_blocks)
-        self.store = BlockStore(cfg, layout.num_blocks)
+        self.store = BlockStore(cfg, layout.num_blocks, device=device)
         self.snapshots = PrefixReuse(self.states, self.ecfg)
         self.fingerprint = cfg.fingerprint()
 

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvmesh.cachekeys import snapshot_key
+from services.engine import device as device_mod
 from services.engine.cache.snapshot_keys import layout_fingerprint
 from services.engine.cache.snapshots import Snapshot, SnapshotStore
 from services.engine.cache.state_pool import StatePool
@@ -86,7 +87,8 @@ class PrefixReuse:
                                    self.model_fp, clock=clock)
         e = self.cfg.n_encoder_layers
         self.replica = torch.zeros(states.num_slots, e, self.r_inf,
-                                   self.cfg.swa_bytes_per_token, dtype=torch.uint8)
+                                   self.cfg.swa_bytes_per_token, dtype=torch.uint8,
+                                   device=states.data.device)
         self.replica_pos = [0] * states.num_slots     # 0 = empty
         self.enabled = ecfg.truncation != "off"
 
@@ -119,7 +121,9 @@ class PrefixReuse:
     def restore(self, slot: int, snap: Snapshot) -> None:
         """Write a snapshot's window into a freshly allocated slot's encoder SWA rings."""
         canon = torch.frombuffer(bytearray(snap.data), dtype=torch.uint8).view(self.replica[0].shape)
-        positions = torch.arange(max(0, snap.position - self.r_inf), snap.position)
+        canon = device_mod.upload(canon, self.replica.device)
+        positions = torch.arange(max(0, snap.position - self.r_inf), snap.position,
+                                 device=self.replica.device)
         for layer in range(self.cfg.n_encoder_layers):
             ring = self.states.swa[layer]
             ring[slot, positions.remainder(ring.shape[1])] = canon[layer, positions.remainder(self.r_inf)]
@@ -194,7 +198,7 @@ class PrefixReuse:
             self.replica_pos[seq.slot] = 0
 
     def _copy_from_ring(self, seq: Sequence, b: int) -> None:
-        positions = torch.arange(max(0, b - self.r_inf), b)
+        positions = torch.arange(max(0, b - self.r_inf), b, device=self.replica.device)
         for layer in range(self.cfg.n_encoder_layers):
             ring = self.states.swa[layer]
             self.replica[seq.slot, layer, positions.remainder(self.r_inf)] = \
@@ -206,4 +210,4 @@ class PrefixReuse:
             return
         key = self.key_at(seq.hashes, position)
         self.store.put(Snapshot(key, position, self.layout_fp, self.model_fp,
-                                self.replica[seq.slot].numpy().tobytes(), self.store.clock()))
+                                self.replica[seq.slot].cpu().numpy().tobytes(), self.store.clock()))

@@ -25,12 +25,12 @@ class NoFreeSlot(RuntimeError):
 
 
 class StatePool:
-    def __init__(self, layout: RuntimeLayout):
+    def __init__(self, layout: RuntimeLayout, device="cpu"):
         self.layout = layout
         self.cfg = layout.model
         self.block = layout.block
         self.num_slots = num_slots = layout.num_slots
-        self.data = torch.zeros(num_slots, self.block.slot_bytes, dtype=torch.uint8)
+        self.data = torch.zeros(num_slots, self.block.slot_bytes, dtype=torch.uint8, device=device)
         self.swa: dict[int, torch.Tensor] = {}   # layer -> [S, R, 528] uint8
         self.cmp: dict[int, torch.Tensor] = {}   # layer -> [S, m+B, 2, D] fp32
         self.idx: dict[int, torch.Tensor] = {}   # csa layer -> [S, m+B, 2, Di] fp32

@@ -26,6 +26,7 @@ import torch
 from kvmesh.errors import InvalidArgument
 from kvmesh.generation import check_traffic_class
 from kvmesh.tokenizer import ByteTokenizer
+from services.engine import device as device_mod
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.cache.prefix import Prefetched, PrefixReuse
@@ -78,11 +79,13 @@ class EngineCore:
             raise ValueError("layout was built from other configs than this engine's")
         self.cfg, self.ecfg = cfg, ecfg
         dtype = getattr(torch, ecfg.dtype)
-        self.weights = weights if weights is not None else init_weights(cfg, ecfg.seed, dtype)
+        self.device = device_mod.resolve(ecfg.device)     # ValueError naming --device
+        weights = weights if weights is not None else init_weights(cfg, ecfg.seed, dtype)
+        self.weights = {k: v.to(self.device) for k, v in weights.items()}
         self.tokenizer = tokenizer or ByteTokenizer()
         if self.tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids, model only {cfg.vocab_size}")
-        self.cache = CacheManager(self.layout)
+        self.cache = CacheManager(self.layout, self.device)
         dec_mode = "mask" if ecfg.truncation == "mask" else "compact"
         self.runner = ModelRunner(cfg, self.weights, self.cache.states, self.cache.store, dec_mode)
         self.scheduler = Scheduler(ecfg, self.cache)

@@ -79,5 +79,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int, request_seed
         probs = torch.where(mask, probs, torch.zeros_like(probs))
         probs = probs / probs.sum()
     seed = params.seed if params.seed is not None else request_seed
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
+    # on the logits' device (no host copy of the distribution); a CUDA generator draws other
+    # numbers than the CPU one for the same seed, so sampled tokens are per-device reproducible
+    gen = torch.Generator(device=probs.device).manual_seed((seed * 1_000_003 + step) % (2**63))
     return int(torch.multinomial(probs, 1, generator=gen))

@@ -31,15 +31,17 @@ class Segments:
     counts: tuple[int, ...] = ()   # n as host ints (decisions without a device sync)
 
     @staticmethod
-    def build(firsts: list[int], ends: list[int], los: list[int]) -> Segments:
-        first = torch.tensor(firsts, dtype=torch.long)
-        n = torch.clamp(torch.tensor(ends, dtype=torch.long) - first, min=0)
-        cu = torch.zeros(len(firsts) + 1, dtype=torch.long)
-        cu[1:] = torch.cumsum(n, 0)
-        wid = torch.repeat_interleave(torch.arange(len(firsts)), n)
-        pos = first[wid] + torch.arange(int(cu[-1])) - cu[wid]
+    def build(firsts: list[int], ends: list[int], los: list[int], device=None) -> Segments:
         counts = tuple(max(0, e - f) for f, e in zip(firsts, ends, strict=True))
-        return Segments(first, n, cu, wid, pos, torch.tensor(los, dtype=torch.long), counts)
+        first = torch.tensor(firsts, dtype=torch.long, device=device)
+        n = torch.tensor(counts, dtype=torch.long, device=device)
+        cu = torch.zeros(len(firsts) + 1, dtype=torch.long, device=device)
+        cu[1:] = torch.cumsum(n, 0)
+        wid = torch.repeat_interleave(torch.arange(len(firsts), device=device), n,
+                                      output_size=sum(counts))
+        pos = first[wid] + torch.arange(sum(counts), device=device) - cu[wid]
+        return Segments(first, n, cu, wid, pos, torch.tensor(los, dtype=torch.long, device=device),
+                        counts)
 
     @property
     def rows(self) -> int:
@@ -76,32 +78,34 @@ class StepBatch:
         return self.memo[key]
 
     @staticmethod
-    def build(works, compact: bool) -> StepBatch:
+    def build(works, compact: bool, device=None) -> StepBatch:
+        """`device`: where the index tensors live (the runner's: that of its weights)."""
         starts = [w.start for w in works]
         ends = [w.end for w in works]
         width = max(1, max(len(w.table) for w in works))
-        tables = torch.zeros(len(works), width, dtype=torch.long)
-        for i, w in enumerate(works):
-            tables[i, : len(w.table)] = torch.tensor(w.table, dtype=torch.long)
-        enc = Segments.build(starts, ends, [w.enc_lo for w in works])
+        tables = torch.tensor([w.table + [0] * (width - len(w.table)) for w in works],
+                              dtype=torch.long, device=device)
+        enc = Segments.build(starts, ends, [w.enc_lo for w in works], device)
         dec_lo = [w.dec_lo for w in works]
         if compact:
-            dec = Segments.build([max(s, lo) for s, lo in zip(starts, dec_lo, strict=True)], ends, dec_lo)
+            dec = Segments.build([max(s, lo) for s, lo in zip(starts, dec_lo, strict=True)], ends,
+                                 dec_lo, device)
             dec_rows = enc.rows_at(dec.wid, dec.pos)
             if len(dec_rows) == enc.rows:
                 dec_rows = None
         else:
-            dec = Segments(enc.first, enc.n, enc.cu, enc.wid, enc.pos, torch.tensor(dec_lo),
+            dec = Segments(enc.first, enc.n, enc.cu, enc.wid, enc.pos,
+                           torch.tensor(dec_lo, dtype=torch.long, device=device),
                            enc.counts)
             dec_rows = None
-        return StepBatch(torch.tensor([w.slot for w in works], dtype=torch.long), tables,
-                         torch.tensor(ends, dtype=torch.long),
-                         torch.tensor([w.cmp_from for w in works], dtype=torch.long),
+        as_t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        return StepBatch(as_t([w.slot for w in works]), tables, as_t(ends),
+                         as_t([w.cmp_from for w in works]),
                          enc, dec, dec_rows, tuple(w.slot for w in works))
 
     def entry_index(self, per_block: int, count: int) -> torch.Tensor:
         """[N, count] flat row (block * per_block + row) of entries 0..count-1 of each work;
         entries past a work's table point at block 0 and must be masked by the caller."""
-        j = torch.arange(count)
+        j = torch.arange(count, device=self.tables.device)
         col = torch.clamp(j // per_block, max=self.tables.shape[1] - 1)
         return self.tables[:, col] * per_block + (j % per_block)

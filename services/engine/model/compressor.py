@@ -83,17 +83,19 @@ def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | N
     n_new = torch.bincount(wid, minlength=len(seg.n))
     s0 = torch.maximum(seg.first, step.cmp_from)      # first fed position per work
     end = seg.end
-    new_cu = torch.zeros(len(n_new) + 1, dtype=torch.long)
+    dev = seg.pos.device
+    new_cu = torch.zeros(len(n_new) + 1, dtype=torch.long, device=dev)
     new_cu[1:] = torch.cumsum(n_new, 0)
 
     # stream of completed groups, per work [g0, gend)
     g0 = torch.div(s0, m, rounding_mode="floor") * m
     gend = torch.div(end, m, rounding_mode="floor") * m
     glen = torch.where(n_new > 0, torch.clamp(gend - g0, min=0), torch.zeros_like(g0))
-    g_cu = torch.zeros(len(glen) + 1, dtype=torch.long)
+    g_cu = torch.zeros(len(glen) + 1, dtype=torch.long, device=dev)
     g_cu[1:] = torch.cumsum(glen, 0)
-    swid = torch.repeat_interleave(torch.arange(len(glen)), glen)
-    spos = g0[swid] + torch.arange(int(g_cu[-1])) - g_cu[swid]
+    total = int(g_cu[-1])
+    swid = torch.repeat_interleave(torch.arange(len(glen), device=dev), glen, output_size=total)
+    spos = g0[swid] + torch.arange(total, device=dev) - g_cu[swid]
     from_ring = spos < s0[swid]
     new_idx = torch.clamp(new_cu[swid] + spos - s0[swid], min=0, max=max(len(rows) - 1, 0))
 

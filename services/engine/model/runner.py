@@ -79,6 +79,7 @@ class ModelRunner:
         self.dec_mode = dec_mode
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.inference_ring = states.block.inference_ring
+        self.device = weights["embed"].device      # where the pools live too (EngineCore)
         self.mirror = WindowMirror(states.swa, cfg.head_dim, weights["embed"].dtype)
 
     @torch.no_grad()
@@ -86,10 +87,10 @@ class ModelRunner:
         cfg, result = self.cfg, ForwardResult()
         if not works:
             return result
-        step = StepBatch.build(works, compact=self.dec_mode == "compact")
+        step = StepBatch.build(works, compact=self.dec_mode == "compact", device=self.device)
         stale = frozenset(self.mirror.begin(works))
         toks = [t for w in works for t in w.tokens[w.start : w.end]]
-        x = self.w["embed"][torch.tensor(toks, dtype=torch.long)]
+        x = self.w["embed"][torch.tensor(toks, dtype=torch.long, device=self.device)]
         for layer in range(cfg.n_encoder_layers):
             x = self._layer(layer, x, step, "enc", None, works, result, stale)
         h_enc = ops.encoder_output(self.w, x, cfg)
@@ -101,7 +102,7 @@ class ModelRunner:
 
         want = [i for i, w in enumerate(works) if w.want_logits]
         if want:
-            wi = torch.tensor(want, dtype=torch.long)
+            wi = torch.tensor(want, dtype=torch.long, device=self.device)
             last = step.dec.rows_at(wi, step.ends[wi] - 1)
             logits = ops.logits(self.w, x[last], cfg)
             for k, i in enumerate(want):
@@ -175,12 +176,12 @@ class ModelRunner:
             if wk.capture is None:
                 continue
             out = result.captures.setdefault(
-                i, torch.zeros(e, r_inf, ring.shape[2], dtype=torch.uint8))
+                i, torch.zeros(e, r_inf, ring.shape[2], dtype=torch.uint8, device=self.device))
             first = int(seg.first[i])
-            positions = torch.arange(wk.capture - r_inf, wk.capture)
+            positions = torch.arange(wk.capture - r_inf, wk.capture, device=self.device)
             positions = positions[positions >= 0]
             new = positions >= first
-            src = torch.empty(len(positions), ring.shape[2], dtype=torch.uint8)
+            src = torch.empty(len(positions), ring.shape[2], dtype=torch.uint8, device=self.device)
             src[new] = kv_bytes[int(seg.cu[i]) + positions[new] - first]
             src[~new] = ring[wk.slot, positions[~new].remainder(ring.shape[1])]
             out[layer, positions.remainder(r_inf)] = src
@@ -220,10 +221,11 @@ def _visible_entries(seg: Segments, step: StepBatch, m: int, per: int, rows, per
     wid = seg.wid if rows is None else seg.wid[rows]
     n_vis = ((seg.pos if rows is None else seg.pos[rows]) + 1) // m
     if per_row:
-        return index[wid], torch.arange(count).unsqueeze(0) < n_vis.unsqueeze(1)
+        return index[wid], torch.arange(count, device=wid.device).unsqueeze(0) < n_vis.unsqueeze(1)
     works = torch.unique(wid)
     counts = step.ends[works] // m
     pwid = torch.repeat_interleave(works, counts)
-    pj = torch.arange(len(pwid)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    pj = torch.arange(len(pwid), device=wid.device) - \
+        torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     visible = (pwid.unsqueeze(0) == wid.unsqueeze(1)) & (pj.unsqueeze(0) < n_vis.unsqueeze(1))
     return index[pwid, pj], visible

@@ -33,8 +33,11 @@ class WindowMirror:
     def __init__(self, swa: dict[int, torch.Tensor], head_dim: int, dtype: torch.dtype):
         self.swa = swa
         slots, ring = next(iter(swa.values())).shape[:2]
-        self.values = {layer: torch.zeros(slots, ring, head_dim, dtype=dtype) for layer in swa}
-        self.pos = {layer: torch.full((slots, ring), NOWHERE, dtype=torch.long) for layer in swa}
+        dev = next(iter(swa.values())).device
+        self.values = {layer: torch.zeros(slots, ring, head_dim, dtype=dtype, device=dev)
+                       for layer in swa}
+        self.pos = {layer: torch.full((slots, ring), NOWHERE, dtype=torch.long, device=dev)
+                    for layer in swa}
         self.dtype = dtype
         self._owner: dict[int, tuple[object, int]] = {}     # slot -> (owner, next position)
 
@@ -52,7 +55,7 @@ class WindowMirror:
             else:
                 self._owner[w.slot] = (owner, w.end)
         if stale:
-            idx = torch.tensor(stale, dtype=torch.long)
+            idx = torch.tensor(stale, dtype=torch.long, device=next(iter(self.pos.values())).device)
             for p in self.pos.values():
                 p[idx] = NOWHERE
         return dropped

@@ -84,7 +84,8 @@ def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: 
     def rows_of(ws: list[int]) -> torch.Tensor | None:
         if sum(counts[i] for i in ws) == cu[-1]:
             return None
-        return torch.cat([torch.arange(cu[i], cu[i + 1]) for i in ws])
+        return torch.tensor([r for i in ws for r in range(cu[i], cu[i + 1])], dtype=torch.long,
+                            device=seg.pos.device)
 
     last = seg.pos >= seg.end[seg.wid] - ring_rows      # older rows would be overwritten
     put_rows = None if all(n <= ring_rows for n in counts) else torch.nonzero(last).squeeze(1)
@@ -101,34 +102,37 @@ def _ring(step, seg, works, rows, ring_rows, window, stale) -> RingPlan:
     wid = seg.wid if rows is None else seg.wid[rows]
     pos = seg.pos if rows is None else seg.pos[rows]
     last = (seg.end[wid] - 1).unsqueeze(1)
-    held = last - torch.remainder(last - torch.arange(ring_rows), ring_rows)      # [t, R]
+    dev = pos.device
+    held = last - torch.remainder(last - torch.arange(ring_rows, device=dev), ring_rows)  # [t, R]
     low = torch.maximum(torch.clamp(seg.lo[wid], min=0), pos - window + 1).unsqueeze(1)
     ok = (held >= low) & (held <= pos.unsqueeze(1))
-    where = SlotRows.build([step.slot_ids[i] for i in works for _ in range(seg.counts[i])])
+    where = SlotRows.build([step.slot_ids[i] for i in works for _ in range(seg.counts[i])], dev)
     dropped = [i for i in works if i in stale]
     fill_slots = fill_pos = None
     if dropped:
-        d = torch.tensor(dropped, dtype=torch.long)
-        fill_pos = (seg.first[d].unsqueeze(1) - window + 1 + torch.arange(window - 1)).flatten()
+        d = torch.tensor(dropped, dtype=torch.long, device=dev)
+        fill_pos = (seg.first[d].unsqueeze(1) - window + 1
+                    + torch.arange(window - 1, device=dev)).flatten()
         fill_slots = step.slots[d].repeat_interleave(window - 1)
     return RingPlan(rows, where, ok, fill_slots, fill_pos)
 
 
 def _pool(step, seg, rows, window, gather: bool) -> PoolPlan:
+    dev = seg.pos.device
     if rows is None:
-        rows = torch.arange(seg.rows)
+        rows = torch.arange(seg.rows, device=dev)
     wid, pos = seg.wid[rows], seg.pos[rows]
     lo = torch.clamp(seg.lo[wid], min=0)
     works, local = torch.unique(wid, return_inverse=True)
-    opos = seg.first[works].unsqueeze(1) - window + 1 + torch.arange(window - 1)     # [u, W - 1]
+    opos = seg.first[works].unsqueeze(1) - window + 1 + torch.arange(window - 1, device=dev)  # [u, W-1]
     owid = works.unsqueeze(1).expand_as(opos)
     old_slots, old_pos = step.slots[owid.flatten()], opos.flatten()
     if gather:
         # each row gathers its own W keys from the pool (positions p - W + 1 .. p)
-        kpos = pos.unsqueeze(1) - window + 1 + torch.arange(window)                   # [t, W]
+        kpos = pos.unsqueeze(1) - window + 1 + torch.arange(window, device=dev)      # [t, W]
         first = seg.first[wid].unsqueeze(1)
         ring_i = local.unsqueeze(1) * (window - 1) + kpos - first + window - 1
-        row_i = len(old_pos) + torch.arange(len(rows)).unsqueeze(1) + kpos - pos.unsqueeze(1)
+        row_i = len(old_pos) + torch.arange(len(rows), device=dev).unsqueeze(1) + kpos - pos.unsqueeze(1)
         idx = torch.where(kpos >= first, row_i, torch.clamp(ring_i, min=0))
         return PoolPlan(rows, old_slots, old_pos, idx, kpos >= lo.unsqueeze(1))
     kpos = torch.cat([old_pos, pos])

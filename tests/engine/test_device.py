@@ -1,0 +1,80 @@
+"""Device placement (`--device`): every engine tensor on the configured device, a clear
+start-up error when CUDA is asked for and missing, and (gpu-marked) the engine on CUDA
+against the same engine on the CPU."""
+
+import pytest
+import torch
+
+from services.engine.config import EngineConfig, small_test_config
+from services.engine.core.engine import EngineCore
+from services.engine.core.sampling import SamplingParams
+from services.engine.model import weights as weights_mod
+from tests.engine.helpers import make_engine, random_prompt, run_to_completion
+
+CFG = small_test_config()
+
+
+def engine_tensors(engine: EngineCore):
+    """(name, tensor) of every tensor the engine keeps across steps: weights, state pool
+    (the slab and each ring view), block store, replica area, the runner's window mirror."""
+    yield from (("weights." + k, v) for k, v in engine.weights.items())
+    states = engine.cache.states
+    yield "states.data", states.data
+    for kind in ("swa", "cmp", "idx"):
+        yield from ((f"states.{kind}.{k}", v) for k, v in getattr(states, kind).items())
+    store = engine.cache.store
+    yield from ((f"store.entries.{k}", v) for k, v in store.entries.items())
+    yield from ((f"store.index_keys.{k}", v) for k, v in store.index_keys.items())
+    yield "prefix.replica", engine.prefix.replica
+    mirror = engine.runner.mirror
+    yield from ((f"mirror.values.{k}", v) for k, v in mirror.values.items())
+    yield from ((f"mirror.pos.{k}", v) for k, v in mirror.pos.items())
+
+
+def test_every_engine_tensor_lives_on_the_configured_device():
+    engine = make_engine(CFG, num_slots=2, num_blocks=64, device="cpu", truncation="compact",
+                         keep_tokens=30)
+    seq = engine.add_request(random_prompt(70, 1), SamplingParams(temperature=0.7, max_tokens=5))
+    run_to_completion(engine)
+    assert len(seq.output) == 5
+    names = [name for name, t in engine_tensors(engine)]
+    assert len(names) > 40 and "prefix.replica" in names
+    wrong = [(name, t.device) for name, t in engine_tensors(engine) if t.device != engine.device]
+    assert engine.device == torch.device("cpu") and not wrong, wrong
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_a_start_up_error_naming_the_flag():
+    with pytest.raises(ValueError, match=r"--device cuda: no CUDA device"):
+        EngineCore(CFG, EngineConfig(num_slots=1, num_blocks=16, device="cuda"))
+
+
+def test_bad_device_value_is_refused():
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+        EngineConfig(device="tpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_on_cuda_matches_the_cpu_engine():
+    """Same weights, same requests (a long prompt, then one sharing its blocks: a cache hit),
+    greedy: the same tokens, logits within 1e-9 in float64 (float64 always takes the torch
+    kernels, so this checks the placement, not Triton) and every engine tensor on the GPU."""
+    dtype = "float64"
+    w = weights_mod.init_weights(CFG, 0, torch.float64)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        engine = make_engine(CFG, dtype=dtype, weights=w, device=device, num_slots=2, num_blocks=64)
+        outs = []
+        for prompt in (random_prompt(300, 5), random_prompt(300, 5)[:260] + random_prompt(20, 6)):
+            seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8))
+            run_to_completion(engine)
+            outs.append((seq.output, torch.stack(engine.logits[seq.request_id]).cpu()))
+        assert engine.counters["cache_hit_tokens"] > 0
+        if device == "cuda":
+            wrong = [name for name, t in engine_tensors(engine) if t.device.type != "cuda"]
+            assert not wrong, wrong
+        runs[device] = outs
+    for (tok_c, log_c), (tok_g, log_g) in zip(runs["cpu"], runs["cuda"], strict=True):
+        assert tok_c == tok_g
+        assert float((log_c - log_g).abs().max()) <= 1e-9
