@@ -18,8 +18,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvmesh.auth import check_public_bind
+from kvmesh.errors import InvalidArgument
 from kvmesh.mesh_runner import Mesh, MeshConfig
 from kvmesh.running import RUNNING_MESH_FILE, remove_running, write_running, write_tokens
+from kvmesh.tls import add_flags as add_tls_flags
 
 # A Python snippet the shipped model (models/v4-mini-tiny, trained on the standard library)
 # continues. 309 bytes: two full 128-token blocks plus a partial one.
@@ -72,7 +75,14 @@ def register(sub) -> None:
                     help="first prompt for --demo (default: a 309-byte text about kvmesh)")
     up.add_argument("--api-keys", default="",
                     help="gateway API keys file ('key tenant role' lines); default none: "
-                    "gateway auth off, which kvmesh up allows because it binds 127.0.0.1 only")
+                    "gateway auth off, which kvmesh up allows on loopback only")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="address of the gateway's gRPC, HTTP and metrics ports (every other "
+                    "service and backing server always listens on 127.0.0.1); beyond loopback "
+                    "it needs --api-keys or --allow-unauthenticated")
+    up.add_argument("--allow-unauthenticated", action="store_true",
+                    help="let --host be a non-loopback address without --api-keys")
+    add_tls_flags(up)
     up.set_defaults(func=run_up)
 
 
@@ -118,7 +128,9 @@ def address_lines(mesh: Mesh) -> list[str]:
         else f"(or export KVMESH_KVSTORE_ADDR={kv})"))
     lines.append("auth: gateway API keys " + (
         f"required ({mesh.cfg.api_keys})" if mesh.cfg.api_keys else
-        "OFF (every service listens on 127.0.0.1 only; --api-keys FILE turns them on)") +
+        "OFF (every service listens on 127.0.0.1 only; --api-keys FILE turns them on)"
+        if mesh.cfg.public_host == "127.0.0.1" else "OFF on a public address "
+        "(--allow-unauthenticated)") +
         "; internal RPCs need this run's random service token, which `kvmesh admin` "
         "finds by itself (kvmesh/running.py)")
     return lines
@@ -127,13 +139,21 @@ def address_lines(mesh: Mesh) -> list[str]:
 def run_up(args: argparse.Namespace) -> int:
     # Endpoints must not wrap mid-address: never narrower than the table needs.
     console = Console(stderr=True, width=max(Console(stderr=True).width, 100))
+    try:  # before anything starts: a refused bind should not cost a minute of start-up
+        check_public_bind(args.host, bool(args.api_keys), args.allow_unauthenticated)
+    except InvalidArgument as exc:
+        console.print(f"[red]kvmesh up:[/red] {exc}", highlight=False)
+        return 2
     cfg = MeshConfig(engines=args.engines, gateway_port=args.gateway_port,
                      http_port=args.http_port, metrics_port=args.metrics_port, log_dir=Path(args.log_dir),
                      num_slots=args.num_slots, num_blocks=args.num_blocks,
                      # Fresh random tokens per run: internal RPCs refuse anyone without them.
                      service_token=secrets.token_urlsafe(32),
                      admin_token=secrets.token_urlsafe(32),
-                     api_keys=getattr(args, "api_keys", ""))
+                     api_keys=args.api_keys, public_host=args.host,
+                     allow_unauthenticated=args.allow_unauthenticated,
+                     # Valkey and S3 with random credentials only the mesh's processes get.
+                     lock_backing=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
     status = console.status("starting kvmesh ...")
     mesh = Mesh(cfg, on_progress=lambda name, state: status.update(f"{name}: {state} ..."))

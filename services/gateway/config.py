@@ -23,10 +23,13 @@
 | KVMESH_GATEWAY_EVENT_LOOP            | event_loop            | uvloop             |
 | KVMESH_GATEWAY_ENGINE_SESSIONS       | engine_sessions       | true               |
 | KVMESH_GATEWAY_API_KEYS              | api_keys              | "" = auth off      |
+| KVMESH_GATEWAY_ALLOW_UNAUTHENTICATED | allow_unauthenticated | false              |
 
 `api_keys`: a file of `key tenant role` lines (role `user` or `admin`); when set, every
 Generate call and HTTP API request must carry `authorization: Bearer <key>` (see
-kvmesh/auth.py and README.md, "Authentication and tenants").
+kvmesh/auth.py and README.md, "Authentication and tenants"). Without keys the gateway
+refuses to listen beyond loopback unless `allow_unauthenticated` is set
+(`kvmesh.auth.check_public_bind`, checked when serving starts).
 
 `event_loop`: `uvloop` (default; a declared dependency), `asyncio`, or `auto` (uvloop when
 importable). grpc.aio runs on uvloop unchanged; on the 2-core box it takes ~0.15 ms of
@@ -94,6 +97,7 @@ class GatewayConfig:
     event_loop: str = "uvloop"          # uvloop | asyncio | auto (see the module docstring)
     engine_sessions: bool = True        # one Session stream per engine, else a call per request
     api_keys: str = ""                  # keys file (`key tenant role` lines); "" = auth off
+    allow_unauthenticated: bool = False  # serve beyond loopback without api_keys
 
     def __post_init__(self):
         split_addresses(self.engines)

@@ -23,6 +23,7 @@ from kvmesh.proto import common_pb2
 from kvmesh.proto import gateway_pb2 as pb
 from kvmesh.proto import gateway_pb2_grpc as pb_grpc
 from kvmesh.rpc import Server, shutdown_signal
+from kvmesh.tls import TlsFiles
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
 from services.gateway.model import GenRequest, status_name
@@ -151,7 +152,7 @@ async def serve(cfg: GatewayConfig) -> None:
     if cfg.http_port:
         from services.gateway.openai_api.server import HttpServer
 
-        http = HttpServer(core, cfg.host, cfg.http_port)
+        http = HttpServer(core, cfg.host, cfg.http_port, tls=TlsFiles.from_env())
         try:
             await http.start()
         except OSError:  # port taken: stop what started; the CLI prints why and exits 2
