@@ -161,27 +161,33 @@ class Mesh:
                                "--metrics-port", str(metrics)], port)
             self.endpoints[f"{name}-metrics"] = f"http://127.0.0.1:{metrics}/metrics"
         self._wait_healthy(self.engine_names)
-        gw_port = cfg.gateway_port or free_port()
-        metrics_port = cfg.metrics_port or free_port()
-        http_port = 0 if cfg.http_port < 0 else cfg.http_port or free_port()
-        self._spawn("gateway", [*KVMESH, "gateway", "serve", "--host", cfg.public_host,
-                                "--port", str(gw_port),
-                                "--engines", ",".join(self.endpoints[n] for n in self.engine_names),
-                                "--directory", self.endpoints["directory"],
-                                "--metrics-port", str(metrics_port),
-                                "--http-port", str(http_port),
-                                *(("--api-keys", cfg.api_keys) if cfg.api_keys else ()),
-                                *(("--allow-unauthenticated",) if cfg.allow_unauthenticated
-                                  else ()),
-                                *cfg.gateway_extra],
-                    gw_port, host=self.gateway_host)
-        self._wait_healthy(["gateway"])
-        gw_host = self.gateway_host
-        self.endpoints["gateway-metrics"] = f"http://{gw_host}:{metrics_port}/metrics"
+        self.add_gateway("gateway", cfg.api_keys, cfg.gateway_port, cfg.metrics_port,
+                         cfg.http_port)
+
+    def add_gateway(self, name: str, api_keys: str = "", port: int = 0, metrics_port: int = 0,
+                    http_port: int = 0) -> None:
+        """Start a gateway over this mesh's engines and directory, wait until it serves;
+        endpoints `name`, `name-metrics`, `name-http`. `start()` starts "gateway"; a
+        benchmark may add a second one (auth on beside auth off, same engines)."""
+        cfg = self.cfg
+        port, metrics_port = port or free_port(), metrics_port or free_port()
+        http_port = 0 if http_port < 0 else http_port or free_port()
+        self._spawn(name, [*KVMESH, "gateway", "serve", "--host", cfg.public_host,
+                           "--port", str(port),
+                           "--engines", ",".join(self.endpoints[n] for n in self.engine_names),
+                           "--directory", self.endpoints["directory"],
+                           "--metrics-port", str(metrics_port), "--http-port", str(http_port),
+                           *(("--api-keys", api_keys) if api_keys else ()),
+                           *(("--allow-unauthenticated",) if cfg.allow_unauthenticated else ()),
+                           *cfg.gateway_extra],
+                    port, host=self.gateway_host)
+        self._wait_healthy([name])
+        host = self.gateway_host
+        self.endpoints[f"{name}-metrics"] = f"http://{host}:{metrics_port}/metrics"
         if http_port:
-            self._wait_port("gateway", gw_host, http_port)
+            self._wait_port(name, host, http_port)
             scheme = "https" if self.tls.server_enabled else "http"
-            self.endpoints["gateway-http"] = f"{scheme}://{gw_host}:{http_port}"
+            self.endpoints[f"{name}-http"] = f"{scheme}://{host}:{http_port}"
 
     def _start_kvstore(self, log_dir: Path) -> str:
         """One SeaweedFS server with 12 buckets (the 12 shard locations), then the kvstore."""

