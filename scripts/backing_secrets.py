@@ -27,5 +27,6 @@ if __name__ == "__main__":
     names = (("KVMESH_DIRECTORY_REDIS_PASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
              if ap.parse_args().k8s else
              ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY", "KVMESH_SERVICE_TOKEN"))
-    for name, value in zip(names, (c["redis"], c["s3_key"], c["s3_secret"], c["service"])):
+    for name, value in zip(names, (c["redis"], c["s3_key"], c["s3_secret"], c["service"]),
+                           strict=False):  # --k8s: no service token row
         print(f"{name}={value}")
