@@ -53,6 +53,7 @@ def main(argv):
 # of spaces (the most likely byte); sampled, it writes Python-shaped text. Same seed, same text.
 DEMO_TEMPERATURE = 0.8
 DEMO_SEED = 1
+DEMO_TOKENS = 32
 
 
 def register(sub) -> None:
@@ -69,10 +70,13 @@ def register(sub) -> None:
     up.add_argument("--num-slots", type=int, default=8, help="state slots per engine")
     up.add_argument("--num-blocks", type=int, default=512, help="cache blocks per engine")
     up.add_argument("--demo", action="store_true",
-                    help="stream two greedy requests through the gateway (the second extends "
-                    "the first, so its usage shows cached tokens), then stop and exit")
+                    help=f"stream two requests through the gateway ({DEMO_TOKENS} tokens each, "
+                    f"sampled at temperature {DEMO_TEMPERATURE} with seed {DEMO_SEED}, so the "
+                    "text is the same every run; the second prompt extends the first, so its "
+                    "usage line shows cached tokens), then stop the mesh and exit 0")
     up.add_argument("--prompt", default=DEMO_PROMPT,
-                    help="first prompt for --demo (default: a 309-byte text about kvmesh)")
+                    help=f"first prompt for --demo (default: a {len(DEMO_PROMPT.encode())}-byte "
+                    "Python snippet the shipped model continues)")
     up.add_argument("--api-keys", default="",
                     help="gateway API keys file ('key tenant role' lines); default none: "
                     "gateway auth off, which kvmesh up allows on loopback only")
@@ -195,14 +199,14 @@ async def _demo(gateway: str, prompt: str, console: Console) -> int:
     async with GatewayClient(gateway) as gw:
         for i, text in enumerate((prompt, prompt + DEMO_FOLLOW_UP)):
             console.print(f"[bold]demo {i + 1}/2[/bold]: GenerateStream via {gateway} "
-                          f"(temperature {DEMO_TEMPERATURE}, seed {DEMO_SEED}, 32 tokens, "
+                          f"(temperature {DEMO_TEMPERATURE}, seed {DEMO_SEED}, {DEMO_TOKENS} tokens, "
                           f"{len(text.encode())}-byte prompt)")
             # The prompt dimmed, then the model's continuation as it streams in.
             console.print(text, style="dim", end="", markup=False, highlight=False,
                           soft_wrap=True)
             last = None
             # ignore_eos: the demo always shows 32 tokens (the usage line is checked by tests).
-            async for msg in gw.stream(text, max_tokens=32, temperature=DEMO_TEMPERATURE,
+            async for msg in gw.stream(text, max_tokens=DEMO_TOKENS, temperature=DEMO_TEMPERATURE,
                                        seed=DEMO_SEED, timeout=60, ignore_eos=True):
                 # The trained model writes Python; --random-weights engines write arbitrary
                 # bytes, so control characters other than newline and tab are shown escaped.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import time
 from collections.abc import Coroutine
 
 import grpc
@@ -67,11 +68,16 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.core = core
 
     def _open(self, request, context, method: str):
-        principal = None
-        if self.core.keys is not None:  # auth off: no metadata scan on the hot path
-            principal = self.core.authenticate(
-                metadata_value(context.invocation_metadata(), "authorization"))
-        req = request_from_proto(request, self.core.cfg.max_request_bytes)
+        t0 = time.monotonic()
+        try:
+            principal = None
+            if self.core.keys is not None:  # auth off: no metadata scan on the hot path
+                principal = self.core.authenticate(
+                    metadata_value(context.invocation_metadata(), "authorization"))
+            req = request_from_proto(request, self.core.cfg.max_request_bytes)
+        except KvmeshError as exc:  # refused before the core saw it: counted and logged
+            self.core.refused(method, exc, time.monotonic() - t0)
+            raise
         return self.core.open(req, context.time_remaining(), method, principal)
 
     async def GenerateStream(self, request, context):
