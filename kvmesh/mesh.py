@@ -137,6 +137,13 @@ def address_lines(mesh: Mesh) -> list[str]:
         "(--allow-unauthenticated)") +
         "; internal RPCs need this run's random service token, which `kvmesh admin` "
         "finds by itself (kvmesh/running.py)")
+    if mesh.s3_keys is not None:
+        lines.append("backing servers: Valkey (ACL user kvmesh) and S3 need this run's random "
+                     "credentials, given only to the directory and the kvstore")
+    if mesh.tls.server_enabled:
+        lines.append(("TLS: mutual TLS on every gRPC port (clients need a certificate of the "
+                      "CA)" if mesh.tls.mutual else "TLS on every gRPC port")
+                     + "; HTTPS on the HTTP API")
     return lines
 
 
