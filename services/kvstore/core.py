@@ -20,6 +20,7 @@ or finds no record (a clean miss); shards are deleted only afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -29,12 +30,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvmesh.errors import InvalidArgument, Unavailable
-from services.kvstore import ec, gc, keys
+from services.kvstore import ec, gc, keys, runs
 from services.kvstore.config import KvstoreConfig
 from services.kvstore.durable import DurableStore, ReadResult
-from services.kvstore.meta import MetaStore, Record
+from services.kvstore.meta import MetaStore, Record, RunRecord
 from services.kvstore.reports import GcReport, ListEntry, ScrubReport, Stats
-from services.kvstore.shards import LocationDown, ShardStore
+from services.kvstore.runstore import RunReader
+from services.kvstore.shards import PREFIX, RUN_PREFIX, LocationDown, ShardStore
 from services.kvstore.tiers import DiskTier, MemoryTier
 
 # What each GC pass adds to `counters` (run_gc); /metrics shows them from the start, at 0.
@@ -62,7 +64,9 @@ class KvStore:
         self.disk = DiskTier(data / "blocks", cfg.disk_bytes)
         self.shards = ShardStore.from_config(cfg)
         self.durable = DurableStore(cfg.layout, self.shards, cfg.write_quorum)
+        self.runs = RunReader(cfg.layout, self.shards, self.durable)
         self._readers: Counter[str] = Counter()
+        self._run_readers: Counter[str] = Counter()  # a run being read is never reclaimed
         self.counters: Counter[str] = Counter()
         self._tasks: list[asyncio.Task] = []
         self._gc_lock = asyncio.Lock()
@@ -99,14 +103,20 @@ class KvStore:
         await self.shards.close()
 
     @contextmanager
-    def _lease(self, key: str):
+    def _lease(self, key: str, run: str = ""):
         self._readers[key] += 1
+        if run:
+            self._run_readers[run] += 1
         try:
             yield
         finally:
             self._readers[key] -= 1
             if self._readers[key] <= 0:
                 del self._readers[key]
+            if run:
+                self._run_readers[run] -= 1
+                if self._run_readers[run] <= 0:
+                    del self._run_readers[run]
 
     def busy(self) -> set[str]:
         return set(self._readers)
@@ -122,20 +132,38 @@ class KvStore:
         return await self.put_objects([(k, d, traffic_class) for k, d in items])
 
     async def put_objects(self, items: list[tuple[str, bytes, str]]) -> int:
-        """Like `put`, with a traffic class per object."""
+        """Like `put`, with a traffic class per object. Two or more objects are stored
+        as runs (runs.py) of up to `run_blocks`; a later duplicate key wins."""
         checked = [(k, bytes(d), self.check_put(k, len(d), tc)) for k, d, tc in items]
-        await asyncio.gather(*(self._put_one(k, d, tc) for k, d, tc in checked))
+        unique = list({k: (k, d, tc) for k, d, tc in checked}.values())
+        # An empty block would touch no shard in a run, so its reads could not tell a
+        # lost run from a healthy one: it stays an object of its own.
+        packed = [i for i, (_, d, _) in enumerate(unique) if d]
+        groups = [[packed[j] for j in g] for g in runs.split_batches(
+            [len(unique[i][1]) for i in packed], self.cfg.run_blocks, self.cfg.run_max_bytes)]
+        groups += [[i] for i, (_, d, _) in enumerate(unique) if not d]
+        await asyncio.gather(*(
+            self._put_run([unique[i] for i in g]) if len(g) > 1 else self._put_one(*unique[g[0]])
+            for g in groups))
+        await self._reclaim_runs()  # runs whose last block these puts overwrote
         return len(checked)
+
+    @staticmethod
+    async def _digest(data: bytes) -> bytes:
+        # blake3 releases the GIL: a 64 MiB object's digest must not stall the loop.
+        return ec.digest(data) if len(data) < 1 << 20 else await asyncio.to_thread(ec.digest, data)
 
     async def _put_one(self, key: str, data: bytes, traffic_class: str) -> None:
         gen = secrets.randbits(63)
-        # blake3 releases the GIL: a 64 MiB object's digest must not stall the loop.
-        digest = ec.digest(data) if len(data) < 1 << 20 else await asyncio.to_thread(ec.digest, data)
+        digest = await self._digest(data)
+        now = self.clock()
+        manifest = runs.Manifest((runs.BlockEntry(key, 0, len(data), gen, traffic_class, now,
+                                                  digest),), digest)
         self.mem.drop(key)
         self.disk.drop(key)
-        self.meta.begin_put(key, gen, len(data), traffic_class, self.clock(), digest)
+        self.meta.begin_put(key, gen, len(data), traffic_class, now, digest)
         try:
-            await self.durable.put(key, gen, data)
+            await self.durable.put(key, gen, data, manifest.pack())
         except BaseException:
             if self.meta.remove(key, gen) is not None:
                 asyncio.ensure_future(self.durable.delete(key))
@@ -145,39 +173,116 @@ class KvStore:
             self.mem.put(key, gen, data)
             await self.disk.put(key, gen, data)
 
-    async def get(self, key_list: list[str]) -> list[bytes | None]:
-        keys.check_keys(key_list)
-        return list(await asyncio.gather(*(self._get_one(k) for k in key_list)))
+    async def _put_run(self, items: list[tuple[str, bytes, str]]) -> None:
+        """One run: index rows (complete=0) first, then 12 shard objects, then commit."""
+        run_id = secrets.token_hex(runs.RUN_ID_HEX // 2)
+        now = self.clock()
+        offsets = runs.layout_blocks([len(d) for _, d, _ in items])
+        payload = b"".join(d for _, d, _ in items)
+        digests = [await self._digest(d) for _, d, _ in items]
+        entries = tuple(runs.BlockEntry(k, off, len(d), secrets.randbits(63), tc, now, dg)
+                        for (k, d, tc), off, dg in zip(items, offsets, digests, strict=True))
+        manifest = runs.Manifest(entries, await self._digest(payload))
+        run_gen = secrets.randbits(63)
+        blobs = await self.durable.encode(run_id, run_gen, payload, manifest.pack())
+        frag_data, data_at = ec.fragment_data(self.cfg.layout, blobs[0])
+        info = RunRecord(run_gen, len(payload), frag_data, data_at, manifest.digest, now)
+        for e in entries:
+            self.mem.drop(e.key)
+            self.disk.drop(e.key)
+        self.meta.begin_run(run_id, info, [
+            (e.key, Record(e.generation, e.size, e.traffic_class, now, now, False, e.digest,
+                           run_id, e.offset)) for e in entries])
+        try:
+            await self.durable.write(run_id, blobs, prefix=RUN_PREFIX)
+        except BaseException:
+            for e in entries:
+                self.meta.remove(e.key, e.generation)
+            asyncio.ensure_future(self._reclaim_runs())
+            raise
+        done = set(self.meta.commit_run([(e.key, e.generation) for e in entries]))
+        self.counters["puts"] += len(done)
+        self.counters["runs_written"] += 1
+        for (key, data, _), e in zip(items, entries, strict=True):
+            if key in done:
+                self.mem.put(key, e.generation, data)
+                await self.disk.put(key, e.generation, data)
 
-    async def _get_one(self, key: str) -> bytes | None:
-        rec = self.meta.current(key)
-        if rec is None:
-            self.counters["misses"] += 1
-            return None
-        gen = rec.generation
-        with self._lease(key):
-            data = self.mem.get(key, gen)
-            tier = "mem"
+    async def _reclaim_runs(self) -> int:
+        """Delete the shards of runs whose last block is gone (not while one is read)."""
+        dead = [r for r in self.meta.dead_runs if r not in self._run_readers]
+        for run in dead:
+            self.meta.drop_run(run)
+        await asyncio.gather(*(self.durable.delete(r, prefix=RUN_PREFIX) for r in dead))
+        self.counters["runs_reclaimed"] += len(dead)
+        return len(dead)
+
+    async def get(self, key_list: list[str]) -> list[bytes | None]:
+        """Hot tiers first; the rest from S3, blocks of one run in one run read."""
+        keys.check_keys(key_list)
+        recs = {k: r for k in dict.fromkeys(key_list) if (r := self.meta.current(k)) is not None}
+        found: dict[str, bytes | None] = {}
+        with contextlib.ExitStack() as leases:
+            for k, r in recs.items():  # no await since meta.current: GC cannot have struck
+                leases.enter_context(self._lease(k, r.run))
+            cold: dict[str, list[tuple[str, Record]]] = {}
+            for k, r in recs.items():
+                found[k] = data = await self._hot(k, r.generation)
+                if data is None:
+                    cold.setdefault(r.run, []).append((k, r))
+            singles = [(k, r) for k, r in cold.pop("", [])]
+            await asyncio.gather(*(self._get_cold(k, r, found) for k, r in singles),
+                                 *(self._get_run(run, group, found) for run, group in cold.items()))
+        now = self.clock()
+        out = [found.get(k) for k in key_list]
+        for k, data in zip(key_list, out, strict=True):
             if data is None:
-                tier = "disk"
-                data = await self.disk.get(key, gen)
-                if data is not None:
-                    self.mem.put(key, gen, data)
-            if data is None:
-                tier = "s3"
-                res = await self.durable.get(key, gen, still_current=lambda: self._is_current(key, gen),
-                                             expect=rec.digest)
-                data = res.data
-                self._count(res)
-                if data is not None and self._is_current(key, gen):
-                    self.mem.put(key, gen, data)
-                    await self.disk.put(key, gen, data)
-        if data is None:
-            self.counters["misses"] += 1
-            return None
-        self.counters[f"hits_{tier}"] += 1
-        self.meta.touch(key, self.clock())
+                self.counters["misses"] += 1
+            else:
+                self.meta.touch(k, now)
+        return out
+
+    async def _hot(self, key: str, gen: int) -> bytes | None:
+        data = self.mem.get(key, gen)
+        if data is not None:
+            self.counters["hits_mem"] += 1
+            return data
+        data = await self.disk.get(key, gen)
+        if data is not None:
+            self.counters["hits_disk"] += 1
+            self.mem.put(key, gen, data)
         return data
+
+    async def _fill(self, key: str, gen: int, data: bytes) -> None:
+        self.counters["hits_s3"] += 1
+        if self._is_current(key, gen):
+            self.mem.put(key, gen, data)
+            await self.disk.put(key, gen, data)
+
+    async def _get_cold(self, key: str, rec: Record, found: dict[str, bytes | None]) -> None:
+        gen = rec.generation
+        res = await self.durable.get(key, gen, still_current=lambda: self._is_current(key, gen),
+                                     expect=rec.digest)
+        self._count(res)
+        found[key] = res.data
+        if res.data is not None:
+            await self._fill(key, gen, res.data)
+
+    async def _get_run(self, run: str, group: list[tuple[str, Record]],
+                       found: dict[str, bytes | None]) -> None:
+        info = self.meta.runs.get(run)
+        if info is None:  # cannot happen while its blocks are leased; a miss if it did
+            return
+        got = await self.runs.read(run, info, group, lambda: run in self.meta.runs)
+        self.counters["run_reads"] += 1
+        self.counters["run_blocks_ranged"] += len(group) - got.fast_failed
+        if got.slow is not None:
+            self._count(got.slow)
+            self.counters["run_reads_decoded"] += 1
+        for key, rec in group:
+            found[key] = data = got.blocks.get(key)
+            if data is not None:
+                await self._fill(key, rec.generation, data)
 
     def _count(self, res: ReadResult) -> None:
         """Integrity and hedging counters (Stats.counters, `kvmesh admin gc stats`)."""
@@ -213,8 +318,9 @@ class KvStore:
 
     async def delete(self, key_list: list[str]) -> int:
         keys.check_keys(key_list)
-        gone = [k for k in key_list if self._forget(k) is not None]
-        await asyncio.gather(*(self.durable.delete(k) for k in gone))
+        gone = [(k, rec) for k in key_list if (rec := self._forget(k)) is not None]
+        await asyncio.gather(*(self.durable.delete(k) for k, rec in gone if not rec.run))
+        await self._reclaim_runs()
         return len(gone)
 
     def _forget(self, key: str, generation: int | None = None) -> Record | None:
@@ -254,7 +360,8 @@ class KvStore:
             disk_capacity=self.disk.capacity, capacity_bytes=self.cfg.capacity_bytes,
             high_watermark=self.cfg.high_watermark, low_watermark=self.cfg.low_watermark,
             locations=[str(loc) for loc in self.cfg.locations], locations_up=up,
-            counters=dict(self.counters),
+            counters=dict(self.counters)
+            | {f"s3_requests_{kind}": n for kind, n in self.shards.requests.items()},
         )
 
     async def list(self, start_after: str = "", limit: int = 1000) -> tuple[list[ListEntry], str]:
@@ -285,13 +392,17 @@ class KvStore:
                 rec = None if key in self._readers else self._forget(key, gens[key])
                 if rec is None:
                     kept.add(key)
-                else:
+                elif not rec.run:  # a run's shards go when its last block has gone
                     await self.durable.delete(key)
                 progress("delete", done, total)
             report.drop_kept(kept, {k: r.size for k, r in self.meta.items() if k in kept})
-            for done, key in enumerate(orphans, len(victims) + 1):
-                if self.meta.get(key) is None:
-                    await self.durable.delete(key)
+            await self._reclaim_runs()
+            for done, name in enumerate(orphans, len(victims) + 1):
+                if name.startswith(RUN_PREFIX):
+                    if name[len(RUN_PREFIX):] not in self.meta.runs:
+                        await self.durable.delete(name[len(RUN_PREFIX):], prefix=RUN_PREFIX)
+                elif self.meta.get(name) is None:
+                    await self.durable.delete(name)
                 progress("orphans", done, total)
             self.counters["gc_runs"] += 1
             self.counters["gc_deleted"] += len(victims) - len(kept)
@@ -302,15 +413,18 @@ class KvStore:
             return report
 
     async def _orphans(self, now: float) -> list[str]:
+        """Single objects by key, runs as `run/<id>`: shards with no index entry."""
         newest: dict[str, float] = {}
         for i in range(self.cfg.layout.n):
-            try:
-                listed = await self.shards.list(i)
-            except LocationDown:
-                continue  # its orphans wait for the next run
-            for shard in listed:
-                newest[shard.key] = max(newest.get(shard.key, 0.0), shard.modified)
-        known = {k for k, _ in self.meta.items()}
+            for prefix, tag in ((PREFIX, ""), (RUN_PREFIX, RUN_PREFIX)):
+                try:
+                    listed = await self.shards.list(i, prefix)
+                except LocationDown:
+                    continue  # its orphans wait for the next run
+                for shard in listed:
+                    name = tag + shard.key
+                    newest[name] = max(newest.get(name, 0.0), shard.modified)
+        known = {k for k, _ in self.meta.items()} | {RUN_PREFIX + r for r in self.meta.runs}
         return gc.find_orphans(newest, known, now, self.cfg.orphan_grace_s, self.meta.created)
 
     async def scrub(self, repair: bool = False, progress: Progress = _no_progress,
@@ -318,19 +432,25 @@ class KvStore:
         """Read every committed object's shards; with `repair`, rewrite bad ones."""
         await self.require_durable()
         report = ScrubReport(repair=repair)
-        todo = sorted((k, r.generation, r.digest) for k, r in self.meta.items() if r.complete)
+        todo = sorted((k, r.generation, r.digest) for k, r in self.meta.items()
+                      if r.complete and not r.run)
+        todo += sorted((RUN_PREFIX + run, r.generation, r.digest) for run, r in self.meta.runs.items()
+                       if self.meta.live_blocks(run) > 0)
         sem = asyncio.Semaphore(concurrency)
         done = 0
 
-        async def one(key: str, gen: int, expect: bytes | None) -> None:
+        async def one(name: str, gen: int, expect: bytes | None) -> None:
             nonlocal done
+            is_run = name.startswith(RUN_PREFIX)
+            key, prefix = (name[len(RUN_PREFIX):], RUN_PREFIX) if is_run else (name, PREFIX)
+            current = ((lambda: key in self.meta.runs) if is_run
+                       else (lambda: self._is_current(key, gen)))
             async with sem:
-                with self._lease(key):
-                    res = await self.durable.get(
-                        key, gen, repair=repair, full=True,
-                        still_current=lambda: self._is_current(key, gen), expect=expect,
-                    )
-            report.add(key, res)
+                with self._lease(name, key if is_run else ""):
+                    res = await self.durable.get(key, gen, repair=repair, full=True,
+                                                 still_current=current, expect=expect,
+                                                 prefix=prefix)
+            report.add(name, res)
             self._count(res)
             done += 1
             progress("scrub", done, len(todo))

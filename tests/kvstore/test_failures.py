@@ -19,8 +19,9 @@ SIZES = [0, 1, 11, 100_003, 2 * 1024 * 1024 + 5]
 
 @pytest.fixture
 def stored(make_server):
-    """A kvstore without hot tiers, so every read goes to the shards."""
-    kv = make_server(mem_bytes=0, disk_bytes=0)
+    """A kvstore without hot tiers, so every read goes to the shards; one object per
+    block (run_blocks=1: test_runs.py covers the same faults for runs)."""
+    kv = make_server(mem_bytes=0, disk_bytes=0, run_blocks=1)
     items = [(hexkey(500 + i), os.urandom(n)) for i, n in enumerate(SIZES)]
     call(kv.address, lambda c: c.put(items))
     return kv, items
