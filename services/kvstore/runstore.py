@@ -49,17 +49,34 @@ class RunReader:
     async def read(self, run: str, info: RunRecord, wanted: list[tuple[str, Record]],
                    still_current: Callable[[], bool], repair: bool = True) -> RunRead:
         out = RunRead({})
-        todo = wanted
-        if self._fast_ok(info, wanted):
-            got = await self._ranged(run, info, wanted)
-            out.blocks.update({k: d for k, d in got.items() if d is not None})
-            todo = [(k, r) for k, r in wanted if got.get(k) is None]
-            out.fast_failed = len(todo)
+        spans = {k: runs.locate(r.offset, r.size, info.frag_data, self.layout.k)
+                 for k, r in wanted}
+        ranges = runs.merge_spans([s for ss in spans.values() for s in ss])
+        reads: dict[int, asyncio.Future] = {}
+        if self._fast_ok(ranges):
+            reads = self._ranged(run, info, ranges)
+            timeout = max(GIVE_UP_MIN_S / 4, FAST_FACTOR * max(
+                (self.shards.budget(i) for i in ranges), default=0.0))
+            if reads:
+                await asyncio.wait(list(reads.values()), timeout=timeout)
+        todo = self._assemble(run, wanted, spans, ranges, reads, out)
+        out.fast_failed = len(todo)
         if not todo:
             return out
-        res = await self.durable.get(run, info.generation, repair=repair,
-                                     still_current=still_current, expect=info.digest,
-                                     prefix=RUN_PREFIX)
+        # Hedge: decode the run from any 10 shards while late ranged reads go on; a
+        # ranged read that lands still serves its blocks if decoding fails (< k up).
+        slow = asyncio.ensure_future(self.durable.get(
+            run, info.generation, repair=repair, still_current=still_current,
+            expect=info.digest, prefix=RUN_PREFIX))
+        late = [t for t in reads.values() if not t.done()]
+        try:
+            res = await slow
+            if res.data is None and late:
+                await asyncio.wait(late, timeout=GIVE_UP_MIN_S)
+                todo = self._assemble(run, todo, spans, ranges, reads, out)
+        finally:
+            for t in late:
+                t.cancel()
         out.slow = res
         for key, rec in todo:
             data = None
@@ -69,42 +86,40 @@ class RunReader:
             out.blocks[key] = data
         return out
 
-    def _fast_ok(self, info: RunRecord, wanted: list[tuple[str, Record]]) -> bool:
-        touched = {s.shard for _, r in wanted
-                   for s in runs.locate(r.offset, r.size, info.frag_data, self.layout.k)}
-        return all(self.shards.is_up(i) and not self.shards.slow(i) for i in touched)
+    def _fast_ok(self, ranges: dict[int, tuple[int, int]]) -> bool:
+        return all(self.shards.is_up(i) and not self.shards.slow(i) for i in ranges)
 
-    async def _ranged(self, run: str, info: RunRecord,
-                      wanted: list[tuple[str, Record]]) -> dict[str, bytes | None]:
-        spans = {k: runs.locate(r.offset, r.size, info.frag_data, self.layout.k)
-                 for k, r in wanted}
-        ranges = runs.merge_spans([s for ss in spans.values() for s in ss])
-        order = sorted(ranges)
-        timeout = max(GIVE_UP_MIN_S / 4,
-                      FAST_FACTOR * max((self.shards.budget(i) for i in order), default=0.0))
-        tasks = [asyncio.ensure_future(self.shards.get(
-            i, run, prefix=RUN_PREFIX,
-            byte_range=(info.data_at + ranges[i][0], info.data_at + ranges[i][1])))
-            for i in order]
-        done, late = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
-        for t in late:
-            t.cancel()
-        bodies = {i: (t.result() if t in done else None) for i, t in zip(order, tasks, strict=True)}
-        out: dict[str, bytes | None] = {}
+    def _ranged(self, run: str, info: RunRecord,
+                ranges: dict[int, tuple[int, int]]) -> dict[int, asyncio.Future]:
+        """One ranged GET per data shard touched, started now."""
+        return {i: asyncio.ensure_future(self.shards.get(
+            i, run, prefix=RUN_PREFIX, byte_range=(info.data_at + lo, info.data_at + hi)))
+            for i, (lo, hi) in sorted(ranges.items())}
+
+    @staticmethod
+    def _assemble(run: str, wanted: list[tuple[str, Record]], spans: dict[str, list[runs.Span]],
+                  ranges: dict[int, tuple[int, int]], reads: dict[int, asyncio.Future],
+                  out: RunRead) -> list[tuple[str, Record]]:
+        """Cut the blocks whose ranged reads are in and check their digests into `out`;
+        returns the blocks still to read."""
+        todo = []
         for key, rec in wanted:
             pieces = []
             for s in spans[key]:
-                body = bodies[s.shard]
+                t = reads.get(s.shard)
+                ok = t is not None and t.done() and not t.cancelled() and t.exception() is None
+                body = t.result() if ok else None  # type: ignore[union-attr]
                 lo = ranges[s.shard][0]
                 pieces.append(None if body is None else body[s.start - lo:s.end - lo])
-            if any(p is None for p in pieces):
-                out[key] = None
-                continue
-            data = b"".join(pieces)  # type: ignore[arg-type]
-            out[key] = data if _matches(data, rec) else None
-            if out[key] is None:
+            data = None if any(p is None for p in pieces) else b"".join(pieces)  # type: ignore[arg-type]
+            if data is not None and not _matches(data, rec):
                 log.warning("run %s: block %s failed its digest on a ranged read", run, key)
-        return out
+                data = None
+            if data is None:
+                todo.append((key, rec))
+            else:
+                out.blocks[key] = data
+        return todo
 
 
 def _matches(data: bytes, rec: Record) -> bool:

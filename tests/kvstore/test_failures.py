@@ -27,21 +27,6 @@ def stored(make_server):
     return kv, items
 
 
-@pytest.fixture
-def killer(cluster):
-    """Kill weed servers for one test; restart them (same ports, same data) after."""
-    killed = []
-
-    def kill(server: int) -> list[int]:
-        cluster.servers[server].kill()
-        killed.append(server)
-        return cluster.locations_on(server)
-
-    yield kill
-    for server in killed:
-        cluster.restart(server)
-
-
 def test_two_locations_down_every_read_succeeds(stored, killer):
     kv, items = stored
     assert len(killer(TWO_LOCATION_SERVER)) == 2
