@@ -30,11 +30,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvmesh.errors import InvalidArgument, Unavailable
-from services.kvstore import ec, gc, keys, runs
+from services.kvstore import ec, gc, keys, reindex, runs
 from services.kvstore.config import KvstoreConfig
 from services.kvstore.durable import DurableStore, ReadResult
 from services.kvstore.meta import MetaStore, Record, RunRecord
-from services.kvstore.reports import GcReport, ListEntry, ScrubReport, Stats
+from services.kvstore.reports import GcReport, ListEntry, ReindexReport, ScrubReport, Stats
 from services.kvstore.runstore import RunReader
 from services.kvstore.shards import PREFIX, RUN_PREFIX, LocationDown, ShardStore
 from services.kvstore.tiers import DiskTier, MemoryTier
@@ -457,3 +457,26 @@ class KvStore:
 
         await asyncio.gather(*(one(k, g, d) for k, g, d in todo))
         return report
+
+    async def reindex(self, progress: Progress = _no_progress) -> ReindexReport:
+        """Add what the locations' manifests hold and the index lacks (reindex.py)."""
+        await self.require_durable()
+        found, bad = await reindex.scan(self.shards, self.cfg.layout, progress)
+        restored = reindex.plan(found)
+        for run, info in restored.runs.items():
+            if run not in self.meta.runs:
+                self.meta.add_run(run, info)
+        added = 0
+        for key, rec in restored.records.items():
+            cur = self.meta.get(key)
+            if (cur is not None and cur.created >= rec.created) or key in self._readers:
+                continue
+            self.mem.drop(key)
+            self.disk.drop(key)
+            self.meta.restore(key, rec)
+            added += 1
+        self.meta.find_dead_runs()
+        await self._reclaim_runs()  # runs all of whose blocks are held newer elsewhere
+        self.counters["reindex_restored"] += added
+        return ReindexReport(sum(not f.is_run for f in found), len(restored.runs),
+                             len(restored.records), added, bad)

@@ -191,30 +191,47 @@ def fragment_data(layout: Layout, blob: bytes) -> tuple[int, int]:
     return fsize, head.payload_offset + _FRAG_HEADER_SIZE
 
 
-def parse_head(layout: Layout, prefix: bytes) -> ShardHeader | int:
-    """Header and manifest of a v2 shard from its first bytes (a ranged GET, for
-    reindex), checked by the manifest crc. Returns the byte count needed when
-    `prefix` is too short; ShardError when unusable (v1 shards carry no manifest)."""
-    if len(prefix) < HEADER_SIZE + _MLEN.size:
-        return HEADER_SIZE + _MLEN.size + 256
+@dataclass(frozen=True)
+class Head:
+    """What the first bytes of a stored shard say (`parse_head`, for reindex)."""
+
+    header: ShardHeader
+    frag_data: int  # payload bytes per data shard (F), from the pyeclib fragment header
+    data_at: int  # where fragment data starts in the stored shard
+
+
+def parse_head(layout: Layout, prefix: bytes) -> Head | int:
+    """Header, manifest and fragment layout of a shard from its first bytes (a ranged
+    GET). v2: the manifest is checked by its own crc32; v1 (no manifest) header fields
+    are taken as they are (only the whole shard's crc covers them; decode checks again).
+    Returns how many bytes are needed when `prefix` is too short; ShardError if unusable."""
+    need = HEADER_SIZE + _MLEN.size + 512
+    if len(prefix) < HEADER_SIZE:
+        return need
     magic, ver, k, m, idx, fp, gen, size, frag, klen = _HEADER.unpack_from(prefix)
-    if magic != MAGIC or ver != FORMAT_VERSION:
-        raise ShardError("not a v2 kvstore shard (magic/version)")
+    if magic != MAGIC or ver not in (FORMAT_V1, FORMAT_VERSION):
+        raise ShardError("not a kvstore shard (magic/version)")
     if (k, m, fp) != (layout.k, layout.m, layout.fingerprint):
         raise ShardError(f"layout mismatch: shard k={k} m={m} fp={fp:#x}")
     at = HEADER_SIZE + klen
-    if len(prefix) < at + _MLEN.size:
-        return at + _MLEN.size + 256
-    (mlen,) = _MLEN.unpack_from(prefix, at)
-    end = at + _MLEN.size + mlen
-    if len(prefix) < end + _CRC.size:
-        return end + _CRC.size
-    (crc,) = _CRC.unpack_from(prefix, end)
-    if crc32(prefix[:end]) != crc:
-        raise ShardError("manifest checksum mismatch")
-    skey = prefix[HEADER_SIZE:at].decode("ascii", "replace")
-    return ShardHeader(idx, gen, size, frag, skey, fp, ver, bytes(prefix[at + _MLEN.size:end]),
-                       end + _CRC.size)
+    manifest, start = b"", at
+    if ver == FORMAT_VERSION:
+        if len(prefix) < at + _MLEN.size:
+            return need + klen
+        (mlen,) = _MLEN.unpack_from(prefix, at)
+        end = at + _MLEN.size + mlen
+        if len(prefix) < end + _CRC.size:
+            return end + _CRC.size + _FRAG_HEADER_SIZE
+        (crc,) = _CRC.unpack_from(prefix, end)
+        if crc32(prefix[:end]) != crc:
+            raise ShardError("manifest checksum mismatch")
+        manifest, start = bytes(prefix[at + _MLEN.size:end]), end + _CRC.size
+    if len(prefix) < start + _FRAG_HEADER_SIZE:
+        return start + _FRAG_HEADER_SIZE
+    _, fsize, _, _ = _FRAG_META.unpack_from(prefix, start)
+    skey = bytes(prefix[HEADER_SIZE:at]).decode("ascii", "replace")
+    head = ShardHeader(idx, gen, size, frag, skey, fp, ver, manifest, start)
+    return Head(head, fsize, start + _FRAG_HEADER_SIZE)
 
 
 def parse(layout: Layout, blob: bytes, key: str | None = None,

@@ -189,6 +189,12 @@ class MetaStore:
         self.dead_runs.discard(run)
         self._db.execute("DELETE FROM runs WHERE run=?", (run,))
 
+    def find_dead_runs(self) -> set[str]:
+        """Recount runs with no live block (after `restore`, which may add runs whose
+        every block is held newer elsewhere)."""
+        self.dead_runs = {r for r in self.runs if self._live.get(r, 0) == 0}
+        return self.dead_runs
+
     def live_blocks(self, run: str) -> int:
         return self._live.get(run, 0)
 
