@@ -1,4 +1,4 @@
-"""`kvmesh kvstore serve` and `kvmesh admin {gc run|gc stats|ls|scrub}`.
+"""`kvmesh kvstore serve` and `kvmesh admin {gc run|gc stats|ls|scrub|reindex}`.
 
 Admin commands talk gRPC to `--kvstore ADDR` (default $KVMESH_KVSTORE_ADDR or
 127.0.0.1:7100) and draw progress and tables with rich.
@@ -75,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     scrub = admin_sub.add_parser("scrub", help="check every object's shards")
     scrub.add_argument("--repair", action="store_true", help="rewrite missing/corrupt shards")
     scrub.set_defaults(func=_scrub)
+    reidx = admin_sub.add_parser("reindex", help="rebuild a lost index from the shard "
+                                 "locations' manifests (adds what the index lacks)")
+    reidx.set_defaults(func=_reindex)
 
 
 # -- serve -------------------------------------------------------------------------
@@ -297,5 +300,19 @@ def _scrub(args) -> int:
         for key in r.lost:
             console.print(f"  [red]lost[/red] {key}")
         return 1 if r.lost or (r.degraded and not args.repair) else 0
+
+    return _run(args, go)
+
+
+def _reindex(args) -> int:
+    console = _console()
+
+    async def go(client: KvstoreClient):
+        r = await _drain(client.reindex_stream(), console, "reindex")
+        console.print(f"found {r.objects} objects and {r.runs} runs holding {r.blocks_found} "
+                      f"blocks; {r.restored} index records restored")
+        for name in r.unreadable:
+            console.print(f"  [red]unreadable[/red] {name}")
+        return 1 if r.unreadable else 0
 
     return _run(args, go)
