@@ -10,7 +10,14 @@ import argparse
 from pathlib import Path
 
 from services.engine.cache.layout import RuntimeLayout
-from services.engine.config import PRESETS, TRUNCATION_MODES, EngineConfig, ModelConfig, preset
+from services.engine.config import (
+    PRESETS,
+    REPLAY_BLOCKS,
+    TRUNCATION_MODES,
+    EngineConfig,
+    ModelConfig,
+    preset,
+)
 
 # The trained checkpoint shipped in the repository (models/v4-mini-tiny/MODEL_CARD.md): the
 # default weights of the `tiny` preset. Seeded random weights only with --random-weights.
@@ -58,6 +65,10 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
                         "(truncation on)")
     g.add_argument("--swa-policy", default="full",
                    help="which 128-token boundaries keep an SWA snapshot: full | periodic:N | zero")
+    g.add_argument("--replay-blocks", choices=REPLAY_BLOCKS, default="share",
+                   help="blocks completed after a bounded replay: share them under the exact "
+                        "prefix hash, or isolate them under a lineage-salted hash that exact "
+                        "requests never match (README, 'Replay quality')")
     g.add_argument("--snapshot-mb", type=int, default=256,
                    help="host memory for SWA snapshots, MiB")
     g.add_argument("--snapshot-ttl-min", type=float, default=60.0,
@@ -75,6 +86,7 @@ def engine_config(args, env=None) -> EngineConfig:
         truncation=args.truncation, keep_tokens=args.keep_tokens, extra_state=args.extra_state,
         extra_state_size=args.extra_state_size, max_backtrack=args.max_backtrack,
         deterministic=args.deterministic, swa_policy=args.swa_policy,
+        replay_blocks=args.replay_blocks,
         snapshot_bytes=args.snapshot_mb << 20, snapshot_ttl_min=args.snapshot_ttl_min,
         dtype=args.dtype, seed=args.seed,
     )

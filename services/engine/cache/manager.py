@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.cachekeys import extend_chain
+from kvmesh.cachekeys import ROOT, block_hash, extend_chain
 from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.layout import RuntimeLayout
@@ -148,6 +148,7 @@ class CacheManager:
         self.snapshots.admitted(seq.slot)
         seq.num_computed = seq.enc_lo = seq.cmp_from = 0
         seq.cached_tokens = seq.replayed_tokens = seq.recomputed_tokens = 0
+        seq.lineage = ""
         seq.prefill_len = len(seq.tokens)
         seq.dec_lo = 0 if self.ecfg.truncation == "off" else max(0, seq.prefill_len - self.ecfg.keep_tokens)
         prefetched, seq.prefetched = seq.prefetched, None
@@ -158,6 +159,10 @@ class CacheManager:
             self.snapshots.restore(seq.slot, match.snapshot)
         else:
             seq.enc_lo = match.start
+            if self.ecfg.replay_blocks == "isolate":
+                # named by where the replay started (for reading logs and stores); matching
+                # follows the exact chain only, so no request is ever given these blocks
+                seq.lineage = "replay@" + match.hashes[-1].hex()[:32]
         seq.num_computed, seq.cmp_from = match.start, match.l1
         seq.cached_tokens = match.l1
         seq.replayed_tokens, seq.recomputed_tokens = match.replayed, match.recomputed
@@ -209,7 +214,14 @@ class CacheManager:
         fresh = []
         while len(seq.hashes) < new_computed // bs:
             k = len(seq.hashes)
-            h = extend_chain(seq.block_hashes, tokens, k + 1, bs, self.fingerprint, seq.salt)[k]
+            if seq.lineage and k * bs >= seq.cmp_from:
+                # computed after a bounded replay, isolated: chained off the hashes this
+                # sequence registered, under a salt no exact request uses
+                parent = seq.hashes[-1] if seq.hashes else ROOT
+                h = block_hash(parent, tokens[k * bs:(k + 1) * bs], self.fingerprint,
+                               seq.salt + "\x00" + seq.lineage)
+            else:
+                h = extend_chain(seq.block_hashes, tokens, k + 1, bs, self.fingerprint, seq.salt)[k]
             if self.pool.hash_of[seq.table[k]] is None and self.pool.register(seq.table[k], h):
                 fresh.append((h, seq.table[k]))
             seq.hashes.append(h)
