@@ -17,6 +17,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
+    FINISH_REASON_HANDOFF: _ClassVar[FinishReason]
 TRAFFIC_CLASS_UNSPECIFIED: TrafficClass
 TRAFFIC_CLASS_AGENT: TrafficClass
 TRAFFIC_CLASS_CHATBOT: TrafficClass
@@ -24,6 +25,7 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_ABORTED: FinishReason
+FINISH_REASON_HANDOFF: FinishReason
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
