@@ -26,6 +26,7 @@ import torch
 from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.generation import check_traffic_class
 from kvmesh.tokenizer import ByteTokenizer
+from services.engine.cache.handoff import handoff_block
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.cache.prefix import Prefetched, PrefixReuse
@@ -46,7 +47,7 @@ COUNTERS = ("requests", "prompt_tokens", "cache_hit_tokens", "replayed_tokens",
             "snapshot_refused", "block_hits_local", "block_hits_remote", "remote_blocks_refused",
             "generated_tokens", "computed_tokens", "finished", "aborted", "steps",
             "handoffs_out", "handoff_out_bytes", "handoffs_in", "handoff_in_bytes",
-            "handoff_blocks_local")
+            "handoff_blocks_local", "handoff_refused", "handoff_fetch_ms")
 
 
 class Hooks:
@@ -245,6 +246,16 @@ class EngineCore:
         self.counters["handoffs_out"] += 1
         self.counters["handoff_out_bytes"] += h.nbytes
         return self._finish(seq, [token], text, Finish.HANDOFF, h)
+
+    @property
+    def handoff_state_bytes(self) -> int:
+        """Size of the slot state a handoff to this (134-row) engine carries."""
+        return handoff_block(self.cache.states.block).slot_bytes
+
+    @property
+    def handoff_max_bytes(self) -> int:
+        """The most a handoff adopted here can weigh: the state and every block of the pool."""
+        return self.handoff_state_bytes + self.ecfg.num_blocks * self.cache.store.bytes_per_block()
 
     def adopt(self, h: Handoff) -> Sequence:
         """Continue a request another engine prefilled: decoding starts at the next step.
