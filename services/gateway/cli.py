@@ -44,6 +44,11 @@ def register(sub) -> None:
     serve.add_argument("--api-keys", help="file of 'key tenant role' lines; callers must send "
                        "'authorization: Bearer <key>' (default $KVMESH_GATEWAY_API_KEYS or "
                        "none = auth off)")
+    serve.add_argument("--prefill-engines", help="prefill/decode disaggregation: prefill "
+                       "engines host:port,... (with --decode-engines; default "
+                       "$KVMESH_GATEWAY_PREFILL_ENGINES or none = off)")
+    serve.add_argument("--decode-engines", help="decode engines host:port,... (default "
+                       "$KVMESH_GATEWAY_DECODE_ENGINES)")
     serve.set_defaults(func=_serve)
 
 
@@ -55,7 +60,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                                   migration_limit=getattr(args, "migration_limit", None),
                                   event_loop=getattr(args, "event_loop", None),
                                   engine_sessions=getattr(args, "engine_sessions", None),
-                                  api_keys=getattr(args, "api_keys", None))
+                                  api_keys=getattr(args, "api_keys", None),
+                                  prefill_engines=getattr(args, "prefill_engines", None),
+                                  decode_engines=getattr(args, "decode_engines", None))
 
 
 def _serve(args: argparse.Namespace) -> int:
