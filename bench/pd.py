@@ -90,7 +90,7 @@ def run_mix(mesh: Mesh, args, seed: int) -> list:
 def summarize(out: list) -> dict:
     short = [t for k, t, _ in out if k == "short"]
     long_ = [t for k, t, _ in out if k == "long"]
-    itl = [b - a for t in short for a, b in zip(t, t[1:])]
+    itl = [b - a for t in short for a, b in zip(t, t[1:], strict=False)]
     return {"ttft_long_p50": pct([t[0] for t in long_], 0.5),
             "ttft_long_p99": pct([t[0] for t in long_], 0.99),
             "ttft_short_p50": pct([t[0] for t in short], 0.5),
