@@ -11,6 +11,8 @@ class added to the proto without a name here fails at start-up, not on a request
     "chatbot"         TRAFFIC_CLASS_CHATBOT
     None              FINISH_REASON_UNSPECIFIED   (not finished)
     "length" | "stop" | "aborted"   FINISH_REASON_LENGTH | _STOP | _ABORTED
+    "handoff"         FINISH_REASON_HANDOFF  (a prefill engine's last message: a decode
+                      engine continues the generation, docs/design.md §9)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ DEFAULT_MAX_TOKENS = 64
 
 TRAFFIC_CLASSES = ("agent", "chatbot")     # "" (none given) is also accepted
 DEFAULT_TRAFFIC_CLASS = "chatbot"           # what the kvstore files "" under
-FINISH_REASONS = ("length", "stop", "aborted")
+FINISH_REASONS = ("length", "stop", "aborted", "handoff")
 
 _TRAFFIC_TO_PROTO = {"": common_pb2.TRAFFIC_CLASS_UNSPECIFIED} | {
     name: common_pb2.TrafficClass.Value("TRAFFIC_CLASS_" + name.upper()) for name in TRAFFIC_CLASSES}

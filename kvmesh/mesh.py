@@ -69,6 +69,10 @@ def register(sub) -> None:
                     help="service logs, SeaweedFS and kvstore data")
     up.add_argument("--num-slots", type=int, default=8, help="state slots per engine")
     up.add_argument("--num-blocks", type=int, default=512, help="cache blocks per engine")
+    up.add_argument("--pd", action="store_true",
+                    help="prefill/decode disaggregation: engine-a prefills (--role prefill), "
+                    "the other engines decode (--role decode); with the default --engines "
+                    "that is 1 prefill + 2 decode engines")
     up.add_argument("--demo", action="store_true",
                     help=f"stream two requests through the gateway ({DEMO_TOKENS} tokens each, "
                     f"sampled at temperature {DEMO_TEMPERATURE} with seed {DEMO_SEED}, so the "
@@ -155,7 +159,9 @@ def run_up(args: argparse.Namespace) -> int:
     except InvalidArgument as exc:
         console.print(f"[red]kvmesh up:[/red] {exc}", highlight=False)
         return 2
-    cfg = MeshConfig(engines=args.engines, gateway_port=args.gateway_port,
+    pd = getattr(args, "pd", False)
+    engines = 3 if pd and args.engines == 2 else args.engines   # --pd: 1 PE + 2 CEs by default
+    cfg = MeshConfig(engines=engines, pd=pd, gateway_port=args.gateway_port,
                      http_port=args.http_port, metrics_port=args.metrics_port, log_dir=Path(args.log_dir),
                      num_slots=args.num_slots, num_blocks=args.num_blocks,
                      # Fresh random tokens per run: internal RPCs refuse anyone without them.

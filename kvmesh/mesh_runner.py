@@ -65,20 +65,31 @@ class MeshConfig:
     # Certificates for every gRPC server and client, HTTPS on the HTTP API (kvmesh/tls.py);
     # None = whatever $KVMESH_TLS_* says in this process (children inherit it).
     tls: TlsFiles | None = None
+    # Prefill/decode disaggregation: engine-a is a prefill engine, the others decode
+    # engines (`kvmesh up --pd`: 1 + 2); the decode engines are also the gateway's fallback.
+    pd: bool = False
 
     def __post_init__(self):
         if not 1 <= self.engines <= 26:
             raise ValueError(f"engines must be in [1, 26], got {self.engines}")
+        if self.pd and self.engines < 2:
+            raise ValueError("pd needs at least 2 engines (1 prefill + decode engines)")
+
+    def role(self, index: int) -> str:
+        """The role of the index-th engine (engine-a = 0)."""
+        if not self.pd:
+            return "unified"
+        return "prefill" if index == 0 else "decode"
 
 
-def engine_argv(cfg: MeshConfig, engine_id: str, port: int, directory: str, kvstore: str
-                ) -> list[str]:
+def engine_argv(cfg: MeshConfig, engine_id: str, port: int, directory: str, kvstore: str,
+                role: str = "unified") -> list[str]:
     """The one place that decides how engines are launched."""
     return [*KVMESH, "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--engine-id", engine_id, "--directory", directory, "--kvstore", kvstore,
             "--preset", cfg.preset, "--num-slots", str(cfg.num_slots),
             "--num-blocks", str(cfg.num_blocks),
-            "--truncation", "compact", "--keep-tokens", "134", *cfg.engine_extra]
+            "--truncation", "compact", "--keep-tokens", "134", "--role", role, *cfg.engine_extra]
 
 
 def kvstore_argv(port: int, locations: list[str], data_dir: Path) -> list[str]:
@@ -155,9 +166,10 @@ class Mesh:
                     if self.redis_user else None)
         self.endpoints["directory-metrics"] = f"http://127.0.0.1:{dir_metrics}/metrics"
         self._wait_healthy(["directory"])
-        for name in self.engine_names:
+        for i, name in enumerate(self.engine_names):
             port, metrics = free_port(), free_port()
-            self._spawn(name, [*engine_argv(cfg, name, port, self.endpoints["directory"], kvstore),
+            self._spawn(name, [*engine_argv(cfg, name, port, self.endpoints["directory"], kvstore,
+                                            cfg.role(i)),
                                "--metrics-port", str(metrics)], port)
             self.endpoints[f"{name}-metrics"] = f"http://127.0.0.1:{metrics}/metrics"
         self._wait_healthy(self.engine_names)
@@ -179,7 +191,7 @@ class Mesh:
                            "--metrics-port", str(metrics_port), "--http-port", str(http_port),
                            *(("--api-keys", api_keys) if api_keys else ()),
                            *(("--allow-unauthenticated",) if cfg.allow_unauthenticated else ()),
-                           *cfg.gateway_extra],
+                           *self._pd_args(), *cfg.gateway_extra],
                     port, host=self.gateway_host)
         self._wait_healthy([name])
         host = self.gateway_host
@@ -188,6 +200,13 @@ class Mesh:
             self._wait_port(name, host, http_port)
             scheme = "https" if self.tls.server_enabled else "http"
             self.endpoints[f"{name}-http"] = f"{scheme}://{host}:{http_port}"
+
+    def _pd_args(self) -> list[str]:
+        if not self.cfg.pd:
+            return []
+        names = self.engine_names
+        return ["--prefill-engines", self.endpoints[names[0]],
+                "--decode-engines", ",".join(self.endpoints[n] for n in names[1:])]
 
     def _start_kvstore(self, log_dir: Path) -> str:
         """One SeaweedFS server with 12 buckets (the 12 shard locations), then the kvstore."""

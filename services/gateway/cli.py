@@ -50,6 +50,11 @@ def register(sub) -> None:
                        "is refused otherwise (default $KVMESH_GATEWAY_ALLOW_UNAUTHENTICATED "
                        "or false)")
     add_tls_flags(serve)
+    serve.add_argument("--prefill-engines", help="prefill/decode disaggregation: prefill "
+                       "engines host:port,... (with --decode-engines; default "
+                       "$KVMESH_GATEWAY_PREFILL_ENGINES or none = off)")
+    serve.add_argument("--decode-engines", help="decode engines host:port,... (default "
+                       "$KVMESH_GATEWAY_DECODE_ENGINES)")
     serve.set_defaults(func=_serve)
 
 
@@ -63,7 +68,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                                   engine_sessions=getattr(args, "engine_sessions", None),
                                   api_keys=getattr(args, "api_keys", None),
                                   allow_unauthenticated=getattr(args, "allow_unauthenticated",
-                                                                None))
+                                                                None),
+                                  prefill_engines=getattr(args, "prefill_engines", None),
+                                  decode_engines=getattr(args, "decode_engines", None))
 
 
 def _serve(args: argparse.Namespace) -> int:

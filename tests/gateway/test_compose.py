@@ -57,21 +57,39 @@ def test_published_ports_are_the_ports_the_command_uses(name):
     assert health[-1] == f"localhost:{args.port}", health
 
 
-def test_gateway_config_resolves_to_published_ports():
+@pytest.mark.parametrize("name", ["gateway", "gateway-pd"])
+def test_gateway_config_resolves_to_published_ports(name):
     from services.gateway.cli import config_from_args
-    from services.gateway.config import GatewayConfig
+    from services.gateway.config import GatewayConfig, split_addresses
 
-    svc = SERVICES["gateway"]
-    args = parse("gateway")
+    svc = SERVICES[name]
+    args = parse(name)
     cfg = config_from_args(args)  # flags only; env comes from the file below
     cfg = GatewayConfig.from_env({k: str(v) for k, v in svc["environment"].items()},
-                                 **{k: getattr(cfg, k) for k in ("host", "port", "engines",
-                                                                 "directory")})
+                                 **{k: getattr(cfg, k) for k in (
+                                     "host", "port", "engines", "directory", "prefill_engines",
+                                     "decode_engines")})
     assert {cfg.port, cfg.metrics_port, cfg.http_port} == container_ports(svc)
     assert cfg.http_port
-    for addr in cfg.engine_list + (cfg.directory,):
+    pd = split_addresses(cfg.prefill_engines) + split_addresses(cfg.decode_engines)
+    for addr in cfg.engine_list + pd + ((cfg.directory,) if cfg.directory else ()):
         host, _, port = addr.rpartition(":")
         assert int(port) in container_ports(SERVICES[host]), addr
+
+
+def test_pd_profile_runs_one_prefill_and_two_decode_engines():
+    from services.gateway.cli import config_from_args
+    from services.gateway.config import split_addresses
+
+    pd = {n for n, s in SERVICES.items() if "pd" in s.get("profiles", [])}
+    assert pd == {"pd-prefill", "pd-decode-a", "pd-decode-b", "gateway-pd"}
+    roles = {n: parse(n).role for n in pd - {"gateway-pd"}}
+    assert roles == {"pd-prefill": "prefill", "pd-decode-a": "decode", "pd-decode-b": "decode"}
+    cfg = config_from_args(parse("gateway-pd"))
+    assert split_addresses(cfg.prefill_engines) == ("pd-prefill:7211",)
+    assert split_addresses(cfg.decode_engines) == ("pd-decode-a:7212", "pd-decode-b:7213")
+    # the default profile is unchanged: no role flags there
+    assert all(parse(n).role == "unified" for n in ("engine-a", "engine-b"))
 
 
 @pytest.mark.parametrize("name", sorted(IMAGE_PORTS))

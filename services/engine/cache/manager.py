@@ -27,6 +27,7 @@ import torch
 from kvmesh.cachekeys import ROOT, block_hash, extend_chain
 from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
+from services.engine.cache.handoff import SlotHandoff, handoff_block, rearrange_slot
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.prefix import Prefetched, PrefixReuse
 from services.engine.cache.snapshots import Snapshot
@@ -201,6 +202,66 @@ class CacheManager:
             self.states.free(seq.slot)
         self.pool.release(reversed(seq.table))
         seq.slot, seq.table, seq.hashes, seq.num_computed = None, [], [], 0
+
+    # --- prefill/decode handoff (cache/handoff.py) --------------------------------------
+    def export_slot(self, seq: Sequence) -> SlotHandoff:
+        """seq's slot rearranged for a 134-row engine, its block hashes and blocks (read only:
+        the caller releases seq afterwards as usual)."""
+        n = seq.num_computed
+        state = rearrange_slot(self.states.block, self.states.data[seq.slot], n)
+        blocks = tuple(self.store.serialize(b) for b in seq.table[: self.blocks_for(n)])
+        return SlotHandoff(n, seq.enc_lo, seq.dec_lo, seq.cmp_from, tuple(seq.hashes), blocks,
+                           state.numpy().tobytes())
+
+    def handoff_problem(self, h: SlotHandoff) -> str | None:
+        """Why `h` can never be adopted here (ring, sizes, block coverage, damaged blocks)."""
+        want = handoff_block(self.states.block).slot_bytes
+        if self.states.ring != self.layout.inference_ring:
+            return f"this engine's ring is {self.states.ring} rows; a decode engine keeps {self.layout.inference_ring}"
+        if len(h.state) != want:
+            return f"handoff state is {len(h.state)} B, this engine's slot is {want} B"
+        bs = self.cfg.block_size
+        if len(h.blocks) != self.blocks_for(h.num_computed) or len(h.hashes) != h.num_computed // bs:
+            return f"{len(h.blocks)} blocks / {len(h.hashes)} hashes do not cover {h.num_computed} tokens"
+        for blob in h.blocks:
+            try:
+                self.store.check(blob)
+            except ValueError as exc:
+                return str(exc)
+        return None
+
+    def has_room(self, h: SlotHandoff) -> bool:
+        """A free slot and the blocks `adopt` would take (reviving a cached one takes one)."""
+        local = [self.pool.lookup(x) for x in h.hashes]
+        need = sum(b is None or self.pool.ref_cnt[b] == 0 for b in local) + len(h.blocks) - len(local)
+        return self.states.num_free > 0 and need <= self.pool.num_free
+
+    def adopt(self, seq: Sequence, h: SlotHandoff) -> int:
+        """Install a checked handoff (handoff_problem is None) as seq's slot and block table:
+        complete blocks this pool already holds are shared, the rest installed and registered.
+        Returns how many blocks were found here."""
+        assert seq.slot is None and not seq.table, seq.request_id
+        seq.slot = self.states.allocate()
+        self.snapshots.admitted(seq.slot)
+        self.states.data[seq.slot] = torch.frombuffer(bytearray(h.state), dtype=torch.uint8)
+        local = [self.pool.lookup(x) for x in h.hashes]
+        for b in local:                        # shared first: installing cannot evict them
+            if b is not None:
+                self.pool.acquire(b)
+        table = []
+        for i, blob in enumerate(h.blocks):
+            b = local[i] if i < len(local) else None
+            if b is None:
+                (b,) = self.pool.allocate(1)
+                self.store.deserialize(b, blob)
+                if i < len(h.hashes):
+                    self.pool.register(b, h.hashes[i])
+            table.append(b)
+        seq.table, seq.hashes, seq.block_hashes = table, list(h.hashes), list(h.hashes)
+        seq.num_computed = seq.prefill_len = h.num_computed
+        seq.enc_lo, seq.dec_lo, seq.cmp_from = h.enc_lo, h.dec_lo, h.cmp_from
+        seq.cached_tokens = seq.replayed_tokens = seq.recomputed_tokens = 0
+        return sum(b is not None for b in local)
 
     # --- tokens and forwards --------------------------------------------------------
     def append_token(self, seq: Sequence, token: int) -> None:

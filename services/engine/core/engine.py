@@ -23,13 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.generation import check_traffic_class
 from kvmesh.tokenizer import ByteTokenizer
+from services.engine.cache.handoff import handoff_block
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.cache.prefix import Prefetched, PrefixReuse
 from services.engine.config import EngineConfig, ModelConfig
+from services.engine.core.handoff import Handoff, HandoffStore, export_handoff, handoff_problem
 from services.engine.core.output import OutputState
 from services.engine.core.sampling import SamplingParams, sample
 from services.engine.core.scheduler import Scheduler
@@ -43,7 +45,9 @@ from services.engine.model.weights import Weights, init_weights
 COUNTERS = ("requests", "prompt_tokens", "cache_hit_tokens", "replayed_tokens",
             "recomputed_tokens", "snapshot_hits", "snapshot_misses", "snapshot_stores",
             "snapshot_refused", "block_hits_local", "block_hits_remote", "remote_blocks_refused",
-            "generated_tokens", "computed_tokens", "finished", "aborted", "steps")
+            "generated_tokens", "computed_tokens", "finished", "aborted", "steps",
+            "handoffs_out", "handoff_out_bytes", "handoffs_in", "handoff_in_bytes",
+            "handoff_blocks_local", "handoff_refused", "handoff_fetch_ms")
 
 
 class Hooks:
@@ -66,6 +70,7 @@ class Event:
     text: str
     finish: Finish | None
     seq: Sequence
+    handoff: Handoff | None = None      # finish HANDOFF: what a decode engine adopts
 
 
 class EngineCore:
@@ -95,16 +100,21 @@ class EngineCore:
         self.prefix.store.on_evict = lambda key: self.hooks.snapshot_evicted(key)
         self.prefill_token_s = 0.0       # EMA of prefill seconds per token (replay cost model)
         self.last_rows: dict[str, int] = {}     # query rows the last step's forward computed
+        # handoffs waiting for a decode engine to fetch them (prefill engines): as many bytes
+        # as the snapshot store may hold, for as long as a fetch may reasonably take
+        self.handoffs = HandoffStore(ecfg.snapshot_bytes, ttl_s=60.0)
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
                     salt: str = "", traffic_class: str = "",
-                    prefetched: Prefetched | None = None, resume: int = 0) -> Sequence:
+                    prefetched: Prefetched | None = None, resume: int = 0,
+                    handoff: bool = False) -> Sequence:
         """`resume` > 0 continues a generation that another engine started (the gateway's
         mid-stream migration): the last `resume` ids are that generation's output. They
         count toward max_tokens and usage, sampling continues at their position (same
         seed, same tokens as an uninterrupted run), and their text, already delivered,
-        only sets the stop-string state."""
+        only sets the stop-string state. `handoff`: stop after the first token and keep
+        the request for a decode engine (core/handoff.py)."""
         params.validate(self.cfg.vocab_size)
         if not prompt_ids:
             raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
@@ -127,7 +137,7 @@ class EngineCore:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id, list(prompt_ids[:n_prompt]), params, seed, salt, traffic_class,
-                       output=list(prompt_ids[n_prompt:]), prefetched=prefetched,
+                       handoff=handoff, output=list(prompt_ids[n_prompt:]), prefetched=prefetched,
                        # hashed for the prefetch from these very ids and salt: the chain's start
                        block_hashes=list(prefetched.hashes) if prefetched else [])
         out = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
@@ -223,15 +233,66 @@ class EngineCore:
         text, finish = self.outputs[seq.request_id].push(token, len(seq.output))
         if finish:
             return self._finish(seq, [token], text, finish)
+        if seq.handoff:
+            return self._hand_off(seq, token, text)
         return Event(seq.request_id, [token], text, None, seq)
 
-    def _finish(self, seq: Sequence, tokens, text, finish: Finish | None = None) -> Event:
+    # --- prefill/decode handoff (core/handoff.py) ------------------------------------
+    def _hand_off(self, seq: Sequence, token: int, text: str) -> Event:
+        """Prefill done and the first token sampled: keep the request for a decode engine."""
+        h = export_handoff(seq, self.cache.export_slot(seq), self.prefix.layout_fp,
+                           self.cfg.fingerprint())
+        self.handoffs.put(h)
+        self.counters["handoffs_out"] += 1
+        self.counters["handoff_out_bytes"] += h.nbytes
+        return self._finish(seq, [token], text, Finish.HANDOFF, h)
+
+    @property
+    def handoff_state_bytes(self) -> int:
+        """Size of the slot state a handoff to this (134-row) engine carries."""
+        return handoff_block(self.cache.states.block).slot_bytes
+
+    @property
+    def handoff_max_bytes(self) -> int:
+        """The most a handoff adopted here can weigh: the state and every block of the pool."""
+        return self.handoff_state_bytes + self.ecfg.num_blocks * self.cache.store.bytes_per_block()
+
+    def adopt(self, h: Handoff) -> Sequence:
+        """Continue a request another engine prefilled: decoding starts at the next step.
+        InvalidArgument for a malformed handoff, Unavailable when there is no room here."""
+        h.params.validate(self.cfg.vocab_size)
+        problem = handoff_problem(h, self.prefix.layout_fp, self.cfg.fingerprint(), self.cfg.vocab_size)
+        if problem is None:
+            problem = self.cache.handoff_problem(h.slot)
+        if problem is not None:
+            raise InvalidArgument(f"handoff refused: {problem}")
+        if not (self.scheduler.can_adopt and self.cache.has_room(h.slot)):
+            raise Unavailable("handoff refused: no free slot, blocks or running place here")
+        if h.request_id in self.requests:
+            raise InvalidArgument(f"request_id {h.request_id!r} is already running")
+        seq = Sequence(h.request_id, list(h.prompt), h.params, h.seed, h.salt, h.traffic_class,
+                       output=list(h.output))
+        out = OutputState(h.params, self.tokenizer.eos_id, self.tokenizer.stream())
+        out.resume(seq.output)                # the PE sent the first token's text already
+        local = self.cache.adopt(seq, h.slot)
+        self.scheduler.adopt(seq)
+        self.requests[seq.request_id] = seq
+        self.outputs[seq.request_id] = out
+        c = self.counters
+        c["requests"] += 1
+        c["handoffs_in"] += 1
+        c["handoff_in_bytes"] += h.nbytes
+        c["handoff_blocks_local"] += local
+        return seq
+
+    def _finish(self, seq: Sequence, tokens, text, finish: Finish | None = None,
+                handoff: Handoff | None = None) -> Event:
         finish = finish or seq.finish            # out of memory: the scheduler chose LENGTH
         self.scheduler.finish(seq, finish)
         self.requests.pop(seq.request_id, None)
         self.outputs.pop(seq.request_id, None)
         self.counters["finished"] += 1
-        return Event(seq.request_id, tokens, text, finish, seq)
+        return Event(seq.request_id, tokens, text, finish, seq, handoff)
 
     def rollback(self, request_id: str, r: int) -> None:
         """Take back the last r computed tokens of a running request (speculative decoding)."""

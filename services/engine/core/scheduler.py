@@ -52,6 +52,18 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def adopt(self, seq: Sequence) -> None:
+        """A handed-off sequence whose cache is already filled (CacheManager.adopt): it runs
+        from the next step on, decoding; the caller checked `can_adopt`."""
+        seq.status = Status.RUNNING
+        self._admissions += 1
+        seq.admitted_at = self._admissions
+        self.running.append(seq)
+
+    @property
+    def can_adopt(self) -> bool:
+        return len(self.running) < self.ecfg.max_running
+
     def finish(self, seq: Sequence, reason: Finish) -> None:
         """The request is over (stop, length, aborted): leave the queues, give back its cache."""
         if seq in self.running:
