@@ -192,6 +192,7 @@ class EngineConfig:
     extra_state: bool = False           # prefill-engine SWA ring of 396
     extra_state_size: int = 128         # PREFILL_STORE_EXTRA: rows the long ring adds
     max_backtrack: int = 6              # B: tokens a sequence may take back (speculative decoding)
+    speculative: str = "off"            # off | ngram:K | mtp:K, K <= B (core/speculative.py)
     deterministic: bool = False
     swa_policy: str = "full"            # full | periodic:N | zero
     snapshot_bytes: int = 256 << 20     # host-memory snapshot store budget

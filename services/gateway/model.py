@@ -35,6 +35,7 @@ class GenRequest:
     traffic_class: str = ""             # kvmesh.generation.TRAFFIC_CLASSES or "" (none)
     cache_salt: str = ""
     ignore_eos: bool = False
+    speculative: str | None = None      # None: the engine's setting (kvmesh.generation)
 
 
 class Usage(NamedTuple):
@@ -42,6 +43,8 @@ class Usage(NamedTuple):
     cached_tokens: int = 0
     replayed_tokens: int = 0
     generated_tokens: int = 0
+    drafted_tokens: int = 0             # speculative decoding: proposed
+    accepted_tokens: int = 0            # and accepted
 
 
 class Chunk(NamedTuple):

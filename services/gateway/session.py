@@ -53,7 +53,8 @@ def to_chunk(m: engine_pb2.GenerateResponse) -> Chunk:
         return Chunk(list(m.token_ids), m.text)
     u = m.usage
     return Chunk(list(m.token_ids), m.text, finish_name(m.finish_reason) or "aborted",
-                 Usage(u.prompt_tokens, u.cached_tokens, u.replayed_tokens, u.generated_tokens))
+                 Usage(u.prompt_tokens, u.cached_tokens, u.replayed_tokens, u.generated_tokens,
+                       u.drafted_tokens, u.accepted_tokens))
 
 
 class EngineSession:
