@@ -100,7 +100,7 @@ class EngineCore:
         self.last_rows: dict[str, int] = {}     # query rows the last step's forward computed
         # speculative decoding: K <= B, mtp only with MTP weights (InvalidArgument at start-up)
         self.spec = Speculator(engine_setting(ecfg.speculative, self.layout.backtrack,
-                                              has_mtp=False))
+                                              has_mtp=False), ecfg.ngram_min, ecfg.ngram_max)
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",

@@ -164,10 +164,10 @@ class Speculator:
     """Owned by EngineCore (engine thread only): the engine's setting, its drafter, each
     running request's own setting and draft counts, and the draft counters of GetStats."""
 
-    def __init__(self, setting: SpecSetting, drafter=None):
+    def __init__(self, setting: SpecSetting, ngram_min: int = 1, ngram_max: int = 4):
         self.setting = setting
-        self.drafter = drafter if drafter is not None else \
-            (NgramDrafter() if setting.method == "ngram" else None)
+        # tests may replace the drafter (any object with propose(tokens, k) -> drafts)
+        self.drafter = NgramDrafter(ngram_min, ngram_max) if setting.method == "ngram" else None
         self.requests: dict[str, SpecSetting] = {}
         self.usage: dict[str, list[int]] = {}          # request id -> [drafted, accepted]
         self.counters: dict[str, int] = {"spec_verify_steps": 0, "spec_drafted_tokens": 0,
