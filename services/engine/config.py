@@ -197,6 +197,9 @@ class EngineConfig:
     extra_state: bool = False           # prefill-engine SWA ring of 396
     extra_state_size: int = 128         # PREFILL_STORE_EXTRA: rows the long ring adds
     max_backtrack: int = 6              # B: tokens a sequence may take back (speculative decoding)
+    speculative: str = "off"            # off | ngram:K | mtp:K, K <= B (core/speculative.py)
+    ngram_min: int = 1                  # ngram drafter: suffix lengths it looks up
+    ngram_max: int = 4
     deterministic: bool = False
     swa_policy: str = "full"            # full | periodic:N | zero
     replay_blocks: str = "share"        # blocks completed after a bounded replay: share | isolate

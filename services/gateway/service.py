@@ -47,6 +47,7 @@ def request_from_proto(msg: pb.GenerateRequest, max_bytes: int) -> GenRequest:
         top_k=s.top_k if s.HasField("top_k") else None,
         top_p=s.top_p if s.HasField("top_p") else None,
         seed=s.seed if s.HasField("seed") else None,
+        speculative=s.speculative if s.HasField("speculative") else None,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         # An unknown enum number maps to a name validation rejects with the number in it.

@@ -295,6 +295,34 @@ class CacheManager:
         if not 0 <= r <= min(max_backtrack, seq.num_computed):
             raise ValueError(f"rollback of {r} tokens: must be in [0, min(B={max_backtrack}, computed)]")
         new = seq.num_computed - r
+        self._uncommit(seq, new)
+        self.snapshots.rolled_back(seq)
+        # the sequence ends at the rollback point (a sampled, not yet computed token goes too)
+        drop = len(seq.tokens) - new
+        from_output = min(drop, len(seq.output))
+        del seq.output[len(seq.output) - from_output :]
+        del seq.prompt[len(seq.prompt) - (drop - from_output) :]
+        seq.prefill_len = min(seq.prefill_len, new)
+
+    def reopen(self, seq: Sequence) -> None:
+        """The last computed token becomes pending again (a rollback took back the sampled
+        one, so there is nothing to compute): the next step recomputes its rows, the same
+        bytes, and samples from its logits. Safe for any rollback r <= B: that position's
+        window reaches back to num_computed - W, and the rows the rolled-back tokens
+        overwrote are older than num_computed - W (ring W + B, compression ring m + B).
+        The replica stays: it covers the same token, recomputed identically."""
+        assert seq.num_computed == len(seq.tokens) > 0, seq.request_id
+        self._uncommit(seq, seq.num_computed - 1)
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back blocks past what the next token needs (grown for drafts that were
+        rejected; unregistered, their rows are rewritten before they are ever read)."""
+        keep = self.blocks_for(seq.num_computed + 1)
+        self.pool.release(reversed(seq.table[keep:]))
+        del seq.table[keep:]
+
+    def _uncommit(self, seq: Sequence, new: int) -> None:
+        """Computed tokens end at `new`: blocks past it leave, an incomplete one its hash."""
         full = new // self.cfg.block_size
         for k in range(full, len(seq.hashes)):
             block = seq.table[k]
@@ -311,13 +339,6 @@ class CacheManager:
         self.pool.release(reversed(seq.table[keep:]))
         del seq.table[keep:]
         seq.num_computed = new
-        self.snapshots.rolled_back(seq)
-        # the sequence ends at the rollback point (a sampled, not yet computed token goes too)
-        drop = len(seq.tokens) - new
-        from_output = min(drop, len(seq.output))
-        del seq.output[len(seq.output) - from_output :]
-        del seq.prompt[len(seq.prompt) - (drop - from_output) :]
-        seq.prefill_len = min(seq.prefill_len, new)
 
     def check_integrity(self, running: list[Sequence]) -> None:
         """free + in use + cached == total, slots balance, and refcounts match the tables."""
