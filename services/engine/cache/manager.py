@@ -208,7 +208,8 @@ class CacheManager:
         """seq's slot rearranged for a 134-row engine, its block hashes and blocks (read only:
         the caller releases seq afterwards as usual)."""
         n = seq.num_computed
-        state = rearrange_slot(self.states.block, self.states.data[seq.slot], n)
+        # rearranged in host memory: the handoff leaves as bytes (a no-op copy on the CPU)
+        state = rearrange_slot(self.states.block, self.states.data[seq.slot].cpu(), n)
         blocks = tuple(self.store.serialize(b) for b in seq.table[: self.blocks_for(n)])
         return SlotHandoff(n, seq.enc_lo, seq.dec_lo, seq.cmp_from, tuple(seq.hashes), blocks,
                            state.numpy().tobytes())
