@@ -274,6 +274,7 @@ class KvStore(AdminOps):
         got = await self.runs.read(run, info, group, lambda: run in self.meta.runs)
         self.counters["run_reads"] += 1
         self.counters["run_blocks_ranged"] += len(group) - got.fast_failed
+        self.counters["run_ranged_late"] += got.late
         if got.slow is not None:
             self._count(got.slow)
             self.counters["run_reads_decoded"] += 1

@@ -38,6 +38,7 @@ class RunRead:
     blocks: dict[str, bytes | None]  # key -> bytes, or None (a clean miss)
     slow: ReadResult | None = None  # the full decode, when the fast path was not enough
     fast_failed: int = 0  # blocks the fast path could not serve
+    late: int = 0  # ranged GETs not in by the fast path's deadline (a loaded or hung location)
 
 
 class RunReader:
@@ -69,6 +70,7 @@ class RunReader:
             run, info.generation, repair=repair, still_current=still_current,
             expect=info.digest, prefix=RUN_PREFIX))
         late = [t for t in reads.values() if not t.done()]
+        out.late = len(late)
         try:
             res = await slow
             if res.data is None and late:
