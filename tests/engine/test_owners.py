@@ -13,7 +13,8 @@ ENGINE = Path(__file__).resolve().parents[2] / "services" / "engine"
 WRITERS = {
     "cache/manager.py": {"prompt", "output", "slot", "table", "hashes", "num_computed",
                          "prefill_len", "enc_lo", "dec_lo", "cmp_from", "cached_tokens",
-                         "replayed_tokens", "recomputed_tokens", "prefetched", "block_hashes"},
+                         "replayed_tokens", "recomputed_tokens", "prefetched", "block_hashes",
+                         "lineage"},
     "core/scheduler.py": {"status", "finish", "preemptions", "admitted_at"},
 }
 # same names on other objects: a GenerateRequest's `prompt` field
@@ -53,7 +54,7 @@ def writes(tree: ast.AST) -> set[str]:
 
 def test_every_sequence_field_is_written_only_by_its_owner():
     assert set().union(*WRITERS.values()) | {"request_id", "params", "seed", "salt",
-                                             "traffic_class"} == FIELDS
+                                             "traffic_class", "handoff"} == FIELDS
     found = {}
     for path in ENGINE.rglob("*.py"):
         rel = path.relative_to(ENGINE).as_posix()

@@ -12,6 +12,7 @@ from kvmesh.proto import common_pb2, engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
 from services.engine.core.async_engine import AsyncEngine
 from services.engine.core.sampling import SamplingParams
+from services.engine.rpc import handoff as handoff_rpc
 from services.engine.rpc.peers import check_key, snapshot_messages
 from services.engine.rpc.session import SessionHub
 
@@ -31,12 +32,19 @@ def params_from_proto(req) -> SamplingParams:
         stop_token_ids=tuple(req.stop_token_ids),
         stop=tuple(req.stop),
         ignore_eos=req.ignore_eos,
+        speculative=s.speculative if s.HasField("speculative") else "",
     )
 
 
-def usage_proto(seq) -> common_pb2.Usage:
+def usage_proto(ev) -> common_pb2.Usage:
+    """Usage of a finished generation from its last Event."""
+    seq = ev.seq
     return common_pb2.Usage(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
-                            replayed_tokens=seq.replayed_tokens, generated_tokens=len(seq.output))
+                            replayed_tokens=seq.replayed_tokens, generated_tokens=len(seq.output),
+                            drafted_tokens=ev.drafted, accepted_tokens=ev.accepted)
+
+
+HANDOFF_TIMEOUT_S = 30.0     # one fetch of a handoff (a few MB on tiny, ~20 MB on v41-flash)
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -68,24 +76,30 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         Counts kvmesh_tokens_total{service="engine"} as the gateway does: every token sent
         as generated (an aborted generation's too), prompt/cached/replayed from the usage
         of a generation that finished."""
-        params = params_from_proto(request)
-        ids = self.prompt_ids(request)
-        prefetched = None
-        if self.remote is not None and ids:
-            prefetched = await self.remote.prefetch(ids, request.cache_salt)
+        if request.HasField("handoff_from"):
+            stream = await self._adopted(request.handoff_from)
+        else:
+            params = params_from_proto(request)
+            ids = self.prompt_ids(request)
+            prefetched = None
+            if self.remote is not None and ids:
+                prefetched = await self.remote.prefetch(ids, request.cache_salt)
+            traffic_class = traffic_class_name(request.traffic_class)   # checked by the core
+            stream = self.engine.generate(ids, params, request.request_id, request.cache_salt,
+                                          traffic_class, prefetched, request.resume_generated,
+                                          request.handoff)
         generated, usage = 0, None
-        traffic_class = traffic_class_name(request.traffic_class)   # checked by the core
         try:
-            async for ev in self.engine.generate(ids, params, request.request_id,
-                                                 request.cache_salt, traffic_class,
-                                                 prefetched, request.resume_generated):
+            async for ev in stream:
                 msg = engine_pb2.GenerateResponse(request_id=ev.request_id,
                                                   token_ids=ev.token_ids, text=ev.text)
                 generated += len(ev.token_ids)
                 if ev.finish is not None:
                     msg.finish_reason = finish_to_proto(ev.finish.value)
-                    usage = usage_proto(ev.seq)
+                    usage = usage_proto(ev)
                     msg.usage.CopyFrom(usage)
+                if ev.handoff is not None:
+                    msg.handoff.CopyFrom(handoff_rpc.handoff_info(ev.handoff))
                 yield msg
         finally:
             counts = {"generated": generated}
@@ -93,6 +107,28 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 counts.update(prompt=usage.prompt_tokens, cached=usage.cached_tokens,
                               replayed=usage.replayed_tokens)
             self.metrics.count_tokens(counts)
+
+    async def _adopted(self, src):
+        """Fetch (checked) the handoff `src` names and continue it here; Unavailable when the
+        transfer fails or is refused, so the gateway tries another engine."""
+        handoff_rpc.check_source(src)
+        core = self.engine.core
+        try:
+            h, seconds = await handoff_rpc.fetch_handoff(
+                src, params_from_proto, HANDOFF_TIMEOUT_S, core.prefix.layout_fp,
+                core.cfg.fingerprint(), core.handoff_state_bytes, core.handoff_max_bytes)
+        except Exception:
+            self.engine.post(lambda c: c.counters.update(handoff_refused=1))
+            raise
+        self.engine.post(lambda c: c.counters.update(handoff_fetch_ms=int(seconds * 1000)))
+        return self.engine.adopt(h)
+
+    @map_errors
+    async def FetchHandoff(self, request, context):
+        rid = request.request_id
+        h = await self.engine.call(lambda core: core.handoffs.get(rid))
+        for msg in handoff_rpc.handoff_messages(h, rid):
+            yield msg
 
     @map_errors
     async def GetModelInfo(self, request, context):
