@@ -80,15 +80,32 @@ _Req = TypeVar("_Req", bound=_SamplingRequest)
 
 
 def set_sampling(req: _Req, max_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None
-                 ) -> _Req:
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 speculative: str | None = None) -> _Req:
     """Fill max_tokens and the common.v1 SamplingParams fields that were given, on a gateway
     or engine GenerateRequest (both carry `max_tokens` and `sampling`); unset ones keep
     the server-side defaults."""
     if max_tokens is not None:
         req.max_tokens = max_tokens
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                        ("seed", seed)):
+                        ("seed", seed), ("speculative", speculative)):
         if value is not None:
             setattr(req.sampling, name, value)
     return req
+
+
+SPECULATIVE_METHODS = ("ngram", "mtp")
+
+
+def parse_speculative(text: str, field: str = "sampling.speculative") -> tuple[str, int]:
+    """'off' (or empty) -> ("off", 0); 'ngram:K' / 'mtp:K' (K >= 1) -> (method, K). The
+    syntax only: each engine bounds it by its own setting (services/engine/core/speculative.py)."""
+    text = text.strip()
+    if text in ("", "off"):
+        return "off", 0
+    method, _, k = text.partition(":")
+    if method not in SPECULATIVE_METHODS:
+        raise InvalidArgument(f"{field}: unknown method {method!r}; use off, ngram:K or mtp:K")
+    if not k.isdigit() or int(k) < 1:
+        raise InvalidArgument(f"{field}: {text!r} needs a draft count K >= 1, as in {method}:4")
+    return method, int(k)

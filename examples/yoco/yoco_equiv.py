@@ -1,14 +1,15 @@
-"""YOCO prefill truncation: how far are `mask`, `compact` and `off` apart?
+"""YOCO prefill truncation: how far apart are the engine's `mask`, `compact` and `off`?
 
-Same weights, same prompt. For the positions [L - KEEP, L) that truncated
-prefill computes, it prints the per-position L2 distance of the final hidden
-states and of the logits between
+Same weights (the shipped checkpoint unless --random-weights), same prompt (a held-out
+stdlib file's text, never trained on), one engine per mode. Each engine decodes the
+prompt's true continuation teacher-forced, so all three see the same tokens, and the
+per-position L2 distance of the logits the engines produced is printed for
 
     mask    vs compact   (must agree to floating-point noise: same function)
     off     vs compact   (truncation is an approximation: a measured distance)
 
-and then greedy-decodes N tokens with the engine in each mode and reports how
-many tokens agree. Usage:
+over the last prompt position and the decode positions, then each engine greedy-decodes
+N tokens free-running and the agreement is counted. Usage:
 
     python examples/yoco/yoco_equiv.py --length 1000 --keep 134 --decode 32
 """
@@ -24,14 +25,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.engine.config import (
-    EngineConfig,  # noqa: E402
-    preset,  # noqa: E402
-)
-from services.engine.core.engine import EngineCore  # noqa: E402
+from bench._replay_engine import ForcingEngine  # noqa: E402
+from services.engine.build import default_weights  # noqa: E402
+from services.engine.config import EngineConfig, preset  # noqa: E402
 from services.engine.core.sampling import SamplingParams  # noqa: E402
-from services.engine.model import reference  # noqa: E402
 from services.engine.model.weights import init_weights  # noqa: E402
+from services.engine.train import data  # noqa: E402
+from services.engine.train.evaluate import held_out_stream  # noqa: E402
+
+MODES = ("off", "mask", "compact")
 
 
 def l2_rows(a, b):
@@ -43,19 +45,26 @@ def summarize(name, d):
             "first": float(d[0]), "last": float(d[-1])}
 
 
-def greedy(cfg, w, prompt, mode, keep, n):
+def run_mode(cfg, w, prompt, cont, mode, keep):
+    """-> (logits [len(cont), V] teacher-forced, greedy tokens) from one engine in `mode`."""
     ecfg = EngineConfig(truncation=mode, keep_tokens=keep if mode != "off" else 0,
-                        dtype=str(w["embed"].dtype).replace("torch.", ""), num_blocks=1024)
-    core = EngineCore(cfg, ecfg, weights=w)
-    seq = core.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                        dtype=str(w["embed"].dtype).replace("torch.", ""), num_blocks=256)
+    core = ForcingEngine(cfg, ecfg, weights=w)
+    params = SamplingParams(temperature=0, max_tokens=len(cont), ignore_eos=True)
+    core.forced["forced"] = cont
+    # different salts: neither request reuses the other's blocks or snapshots
+    core.add_request(prompt, params, request_id="forced", salt="forced")
+    greedy = core.add_request(prompt, params, request_id="greedy", salt="greedy")
     while core.has_work:
         core.step()
-    return seq.output
+    return torch.stack(core.logits["forced"]), greedy.output
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="seeded random weights instead of the shipped checkpoint")
     ap.add_argument("--length", type=int, default=1000)
     ap.add_argument("--keep", type=int, default=134)
     ap.add_argument("--decode", type=int, default=32)
@@ -65,28 +74,28 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     cfg = preset(args.preset)
-    w = init_weights(cfg, args.seed, getattr(torch, args.dtype))
-    prompt = torch.randint(0, 256, (args.length,), generator=torch.Generator().manual_seed(1)).tolist()
+    dtype = getattr(torch, args.dtype)
+    w = None if args.random_weights else default_weights(args.preset)
+    w = init_weights(cfg, args.seed, dtype) if w is None else {k: t.to(dtype) for k, t in w.items()}
+    text = data.eval_windows(held_out_stream(), 1, args.length + args.decode)[0].tolist()
+    prompt, cont = text[: args.length], text[args.length: args.length + args.decode]
     s = args.length - args.keep
-    print(f"{cfg.name}: L={args.length}, KEEP={args.keep}, truncation start s={s}, {args.dtype}")
+    source = "random weights" if args.random_weights else "shipped checkpoint"
+    print(f"{cfg.name} ({source}): L={args.length}, KEEP={args.keep}, truncation start s={s}, {args.dtype}")
 
-    off = reference.forward(w, cfg, prompt)
-    mask = reference.forward(w, cfg, prompt, dec_lo=s, dec_mode="mask")
-    compact = reference.forward(w, cfg, prompt, dec_lo=s, dec_mode="compact")
+    out = {m: run_mode(cfg, w, prompt, cont, m, args.keep) for m in MODES}
     rows = [
-        summarize("hidden mask-compact", l2_rows(mask.hidden, compact.hidden)),
-        summarize("logits mask-compact", l2_rows(mask.logits, compact.logits)),
-        summarize("hidden off-compact", l2_rows(off.hidden[s:], compact.hidden)),
-        summarize("logits off-compact", l2_rows(off.logits[s:], compact.logits)),
+        summarize("logits mask-compact", l2_rows(out["mask"][0], out["compact"][0])),
+        summarize("logits off-compact", l2_rows(out["off"][0], out["compact"][0])),
     ]
-    ref_norm = float(off.logits[s:].norm(dim=-1).mean())
-    print(f"\nper-position L2 distance over the {args.keep} kept positions "
-          f"(mean |logits| row norm {ref_norm:.3f})")
-    print(f"{'pair':<22}{'max':>12}{'mean':>12}{'at s':>12}{'at L-1':>12}")
+    ref_norm = float(out["off"][0].norm(dim=-1).mean())
+    print(f"\nengine logits, per-position L2 distance over the last prompt position and "
+          f"{args.decode - 1} teacher-forced decode positions (mean |logits| row norm {ref_norm:.3f})")
+    print(f"{'pair':<22}{'max':>12}{'mean':>12}{'at L-1':>12}{'at end':>12}")
     for r in rows:
         print(f"{r['pair']:<22}{r['max']:>12.3e}{r['mean']:>12.3e}{r['first']:>12.3e}{r['last']:>12.3e}")
 
-    tokens = {m: greedy(cfg, w, prompt, m, args.keep, args.decode) for m in ("off", "mask", "compact")}
+    tokens = {m: out[m][1] for m in MODES}
     agree = {
         "mask-compact": sum(a == b for a, b in zip(tokens["mask"], tokens["compact"], strict=True)),
         "off-compact": sum(a == b for a, b in zip(tokens["off"], tokens["compact"], strict=True)),

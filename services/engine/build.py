@@ -12,6 +12,7 @@ from pathlib import Path
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.config import (
     PRESETS,
+    REPLAY_BLOCKS,
     ROLES,
     TRUNCATION_MODES,
     EngineConfig,
@@ -64,11 +65,23 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
                    help="prefill/decode disaggregation: a prefill engine (extra-state on unless "
                         "--no-extra-state is given) hands each request to a decode engine after "
                         "its first token; a decode engine keeps the 134 ring")
+    g.add_argument("--speculative", default="off",
+                   help="speculative decoding: off | ngram:K (prompt lookup) | mtp:K (needs "
+                        "mtp.* weights), K <= B drafts per step; requests may ask for off or a "
+                        "smaller K")
+    g.add_argument("--ngram-min", type=int, default=1,
+                   help="ngram drafter: shortest suffix it looks up")
+    g.add_argument("--ngram-max", type=int, default=4,
+                   help="ngram drafter: longest suffix it looks up (tried first)")
     g.add_argument("--deterministic", action="store_true",
                    help="refuse settings whose output may change under preemption "
                         "(truncation on)")
     g.add_argument("--swa-policy", default="full",
                    help="which 128-token boundaries keep an SWA snapshot: full | periodic:N | zero")
+    g.add_argument("--replay-blocks", choices=REPLAY_BLOCKS, default="share",
+                   help="blocks completed after a bounded replay: share them under the exact "
+                        "prefix hash, or isolate them under a lineage-salted hash that exact "
+                        "requests never match (README, 'Replay quality')")
     g.add_argument("--snapshot-mb", type=int, default=256,
                    help="host memory for SWA snapshots, MiB")
     g.add_argument("--snapshot-ttl-min", type=float, default=60.0,
@@ -89,7 +102,9 @@ def engine_config(args, env=None) -> EngineConfig:
         long_prefill_chunk=args.long_prefill_chunk,
         truncation=args.truncation, keep_tokens=args.keep_tokens, extra_state=extra, role=role,
         extra_state_size=args.extra_state_size, max_backtrack=args.max_backtrack,
+        speculative=args.speculative, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         deterministic=args.deterministic, swa_policy=args.swa_policy,
+        replay_blocks=args.replay_blocks,
         snapshot_bytes=args.snapshot_mb << 20, snapshot_ttl_min=args.snapshot_ttl_min,
         dtype=args.dtype, seed=args.seed,
     )

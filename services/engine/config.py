@@ -178,6 +178,7 @@ assert math.lcm(TINY.csa_m, TINY.hca_m) == TINY.block_size
 # (cache/layout.py), built once per engine.
 
 TRUNCATION_MODES = ("off", "mask", "compact")
+REPLAY_BLOCKS = ("share", "isolate")
 # unified: prefill and decode (today's engine); prefill: extra-state ring (396/262), hands
 # requests off after their first token; decode: the 134 ring, adopts handoffs (and still
 # serves whole requests, e.g. a fallback). docs/design.md §9.
@@ -196,8 +197,12 @@ class EngineConfig:
     extra_state: bool = False           # prefill-engine SWA ring of 396
     extra_state_size: int = 128         # PREFILL_STORE_EXTRA: rows the long ring adds
     max_backtrack: int = 6              # B: tokens a sequence may take back (speculative decoding)
+    speculative: str = "off"            # off | ngram:K | mtp:K, K <= B (core/speculative.py)
+    ngram_min: int = 1                  # ngram drafter: suffix lengths it looks up
+    ngram_max: int = 4
     deterministic: bool = False
     swa_policy: str = "full"            # full | periodic:N | zero
+    replay_blocks: str = "share"        # blocks completed after a bounded replay: share | isolate
     snapshot_bytes: int = 256 << 20     # host-memory snapshot store budget
     snapshot_ttl_min: float = 60.0
     dtype: str = "float32"
@@ -225,6 +230,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError("dtype must be float32 or float64")
+        if self.replay_blocks not in REPLAY_BLOCKS:
+            raise ValueError(f"replay_blocks must be one of {REPLAY_BLOCKS}, not {self.replay_blocks!r}")
         policy = self.swa_policy
         if not (policy in ("full", "zero") or (policy.startswith("periodic:")
                                                and policy[9:].isdigit() and int(policy[9:]) > 0)):

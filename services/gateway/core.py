@@ -180,6 +180,14 @@ class GatewayCore:
              principal: Principal | None = None) -> GatewayRequest:
         return GatewayRequest(self, req, timeout, method, principal)
 
+    def refused(self, method: str, exc: KvmeshError, total_s: float, where: str = "") -> None:
+        """Count and log a request refused before `open` (bad key, a body or message over
+        the size limit, unparsable fields): the same metric and log line as the others,
+        so a 5 MiB request shows up like any refused request. `where`: e.g. " http=413"."""
+        status = status_name(exc)
+        self.metrics.observe(method, status, total_s)
+        log.info("request id=- status=%s%s method=%s: %s", status, where, method, exc)
+
 
 class GatewayRequest:
     """One request's life: iterate it for chunks; `engine_id`, `attempts` are set as it goes.

@@ -35,6 +35,7 @@ class GenRequest:
     traffic_class: str = ""             # kvmesh.generation.TRAFFIC_CLASSES or "" (none)
     cache_salt: str = ""
     ignore_eos: bool = False
+    speculative: str | None = None      # None: the engine's setting (kvmesh.generation)
 
 
 class Usage(NamedTuple):
@@ -45,6 +46,8 @@ class Usage(NamedTuple):
     prefill_engine: str = ""        # disaggregated requests (pd.py): who prefilled,
     decode_engine: str = ""         # who decoded,
     handoff_bytes: int = 0          # and what moved between them
+    drafted_tokens: int = 0             # speculative decoding: proposed
+    accepted_tokens: int = 0            # and accepted
 
 
 class HandoffInfo(NamedTuple):

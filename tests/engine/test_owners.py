@@ -13,7 +13,8 @@ ENGINE = Path(__file__).resolve().parents[2] / "services" / "engine"
 WRITERS = {
     "cache/manager.py": {"prompt", "output", "slot", "table", "hashes", "num_computed",
                          "prefill_len", "enc_lo", "dec_lo", "cmp_from", "cached_tokens",
-                         "replayed_tokens", "recomputed_tokens", "prefetched", "block_hashes"},
+                         "replayed_tokens", "recomputed_tokens", "prefetched", "block_hashes",
+                         "lineage"},
     "core/scheduler.py": {"status", "finish", "preemptions", "admitted_at"},
 }
 # same names on other objects: a GenerateRequest's `prompt` field

@@ -117,3 +117,73 @@ def test_dockerfile_builds_cpu_image():
     assert "torch==2.13.0" in text and "whl/cpu" in text and "pip install ." in text
     for name in KVMESH_SERVICES:
         assert SERVICES[name]["build"] == "."
+
+
+# -- backing-server credentials (README, "Backing-server credentials") ------------------
+SECRETS = {"REDIS_PASSWORD": "pw-1", "S3_ACCESS_KEY": "ak-2", "S3_SECRET_KEY": "sk-3",
+           "KVMESH_SERVICE_TOKEN": "tok-4"}
+
+
+def interpolate(text: str) -> str:
+    """Compose's ${VAR} / ${VAR:?message} substitution with SECRETS."""
+    return re.sub(r"\$\{(\w+)(:\?[^}]*)?\}", lambda m: SECRETS[m.group(1)], text)
+
+
+def test_credentials_come_from_the_environment_and_are_required():
+    text = (ROOT / "docker-compose.yml").read_text()
+    used = set(re.findall(r"\$\{(\w+)", text))
+    assert used == set(SECRETS)
+    for name in SECRETS:  # compose refuses to start without each one
+        assert re.search(r"\$\{" + name + r":\?", text), name
+    assert "scripts/backing_secrets.py" in text
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/backing_secrets.py")],
+                         capture_output=True, text=True, check=True).stdout
+    made = dict(line.split("=", 1) for line in out.splitlines())
+    assert set(made) == set(SECRETS) and all(len(v) >= 16 for v in made.values())
+
+
+def test_redis_runs_with_the_acl_kvmesh_writes():
+    from kvmesh.backing.valkey import acl_config
+
+    conf = interpolate(COMPOSE["configs"]["redis-acl"]["content"])
+    assert conf == acl_config("kvmesh", SECRETS["REDIS_PASSWORD"])
+    redis = SERVICES["redis"]
+    [mount] = redis["configs"]
+    assert redis["command"][:2] == ["redis-server", mount["target"]]
+    assert mount["source"] == "redis-acl"
+    assert "--user kvmesh" in redis["healthcheck"]["test"][1]
+    env = SERVICES["directory"]["environment"]
+    assert env["KVMESH_DIRECTORY_REDIS_USERNAME"] == "kvmesh"
+    assert interpolate(env["KVMESH_DIRECTORY_REDIS_PASSWORD"]) == SECRETS["REDIS_PASSWORD"]
+
+
+def test_s3_runs_with_the_identities_kvmesh_writes(tmp_path):
+    import json
+
+    from kvmesh.backing.seaweed import S3Keys, write_identity_config
+
+    keys = S3Keys(SECRETS["S3_ACCESS_KEY"], SECRETS["S3_SECRET_KEY"])
+    want = json.loads(write_identity_config(tmp_path / "s3.json", keys).read_text())
+    assert json.loads(interpolate(COMPOSE["configs"]["s3-identities"]["content"])) == want
+    s3 = SERVICES["s3"]
+    [mount] = s3["configs"]
+    assert f"-s3.config={mount['target']}" in s3["command"]
+    env = SERVICES["kvstore"]["environment"]
+    assert {k: interpolate(env[k]) for k in keys.env()} == keys.env()
+
+
+def test_each_credential_reaches_only_the_containers_that_use_it():
+    where = {name: {n for n, svc in SERVICES.items()
+                    if "${" + name in yaml.safe_dump(svc.get("environment", {}))}
+             for name in ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY")}
+    assert where == {"REDIS_PASSWORD": {"redis", "directory"}, "S3_ACCESS_KEY": {"kvstore"},
+                     "S3_SECRET_KEY": {"kvstore"}}
+
+
+def test_every_port_is_published_on_loopback_only():
+    for name, svc in SERVICES.items():
+        for p in svc.get("ports", []):
+            assert str(p).startswith("127.0.0.1:"), (name, p)

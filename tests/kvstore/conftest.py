@@ -49,6 +49,21 @@ class FakeClock:
 
 
 @pytest.fixture
+def killer(cluster):
+    """Kill weed servers for one test; restart them (same ports, same data) after."""
+    killed = []
+
+    def kill(server: int) -> list[int]:
+        cluster.servers[server].kill()
+        killed.append(server)
+        return cluster.locations_on(server)
+
+    yield kill
+    for server in killed:
+        cluster.restart(server)
+
+
+@pytest.fixture
 def clock():
     return FakeClock()
 

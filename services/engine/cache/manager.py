@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.cachekeys import extend_chain
+from kvmesh.cachekeys import ROOT, block_hash, extend_chain
 from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.handoff import SlotHandoff, handoff_block, rearrange_slot
@@ -149,6 +149,7 @@ class CacheManager:
         self.snapshots.admitted(seq.slot)
         seq.num_computed = seq.enc_lo = seq.cmp_from = 0
         seq.cached_tokens = seq.replayed_tokens = seq.recomputed_tokens = 0
+        seq.lineage = ""
         seq.prefill_len = len(seq.tokens)
         seq.dec_lo = 0 if self.ecfg.truncation == "off" else max(0, seq.prefill_len - self.ecfg.keep_tokens)
         prefetched, seq.prefetched = seq.prefetched, None
@@ -159,6 +160,10 @@ class CacheManager:
             self.snapshots.restore(seq.slot, match.snapshot)
         else:
             seq.enc_lo = match.start
+            if self.ecfg.replay_blocks == "isolate":
+                # named by where the replay started (for reading logs and stores); matching
+                # follows the exact chain only, so no request is ever given these blocks
+                seq.lineage = "replay@" + match.hashes[-1].hex()[:32]
         seq.num_computed, seq.cmp_from = match.start, match.l1
         seq.cached_tokens = match.l1
         seq.replayed_tokens, seq.recomputed_tokens = match.replayed, match.recomputed
@@ -275,7 +280,14 @@ class CacheManager:
         fresh = []
         while len(seq.hashes) < new_computed // bs:
             k = len(seq.hashes)
-            h = extend_chain(seq.block_hashes, tokens, k + 1, bs, self.fingerprint, seq.salt)[k]
+            if seq.lineage and k * bs >= seq.cmp_from:
+                # computed after a bounded replay, isolated: chained off the hashes this
+                # sequence registered, under a salt no exact request uses
+                parent = seq.hashes[-1] if seq.hashes else ROOT
+                h = block_hash(parent, tokens[k * bs:(k + 1) * bs], self.fingerprint,
+                               seq.salt + "\x00" + seq.lineage)
+            else:
+                h = extend_chain(seq.block_hashes, tokens, k + 1, bs, self.fingerprint, seq.salt)[k]
             if self.pool.hash_of[seq.table[k]] is None and self.pool.register(seq.table[k], h):
                 fresh.append((h, seq.table[k]))
             seq.hashes.append(h)
@@ -288,6 +300,34 @@ class CacheManager:
         if not 0 <= r <= min(max_backtrack, seq.num_computed):
             raise ValueError(f"rollback of {r} tokens: must be in [0, min(B={max_backtrack}, computed)]")
         new = seq.num_computed - r
+        self._uncommit(seq, new)
+        self.snapshots.rolled_back(seq)
+        # the sequence ends at the rollback point (a sampled, not yet computed token goes too)
+        drop = len(seq.tokens) - new
+        from_output = min(drop, len(seq.output))
+        del seq.output[len(seq.output) - from_output :]
+        del seq.prompt[len(seq.prompt) - (drop - from_output) :]
+        seq.prefill_len = min(seq.prefill_len, new)
+
+    def reopen(self, seq: Sequence) -> None:
+        """The last computed token becomes pending again (a rollback took back the sampled
+        one, so there is nothing to compute): the next step recomputes its rows, the same
+        bytes, and samples from its logits. Safe for any rollback r <= B: that position's
+        window reaches back to num_computed - W, and the rows the rolled-back tokens
+        overwrote are older than num_computed - W (ring W + B, compression ring m + B).
+        The replica stays: it covers the same token, recomputed identically."""
+        assert seq.num_computed == len(seq.tokens) > 0, seq.request_id
+        self._uncommit(seq, seq.num_computed - 1)
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back blocks past what the next token needs (grown for drafts that were
+        rejected; unregistered, their rows are rewritten before they are ever read)."""
+        keep = self.blocks_for(seq.num_computed + 1)
+        self.pool.release(reversed(seq.table[keep:]))
+        del seq.table[keep:]
+
+    def _uncommit(self, seq: Sequence, new: int) -> None:
+        """Computed tokens end at `new`: blocks past it leave, an incomplete one its hash."""
         full = new // self.cfg.block_size
         for k in range(full, len(seq.hashes)):
             block = seq.table[k]
@@ -304,13 +344,6 @@ class CacheManager:
         self.pool.release(reversed(seq.table[keep:]))
         del seq.table[keep:]
         seq.num_computed = new
-        self.snapshots.rolled_back(seq)
-        # the sequence ends at the rollback point (a sampled, not yet computed token goes too)
-        drop = len(seq.tokens) - new
-        from_output = min(drop, len(seq.output))
-        del seq.output[len(seq.output) - from_output :]
-        del seq.prompt[len(seq.prompt) - (drop - from_output) :]
-        seq.prefill_len = min(seq.prefill_len, new)
 
     def check_integrity(self, running: list[Sequence]) -> None:
         """free + in use + cached == total, slots balance, and refcounts match the tables."""

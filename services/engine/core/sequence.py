@@ -10,7 +10,8 @@ Every field has one writer, all on the engine thread:
                  takes tokens back
                  together with their cache rows (the two must never disagree)
     cache        slot, table, hashes, block_hashes, num_computed, prefill_len, enc_lo,
-                 dec_lo, cmp_from, cached_tokens, replayed_tokens, recomputed_tokens, prefetched
+                 dec_lo, cmp_from, cached_tokens, replayed_tokens, recomputed_tokens, lineage,
+                 prefetched
                  CacheManager (match, admit, grow, commit, release, rollback); EngineCore
                  seeds `prefetched` and `block_hashes` (the prefetch's hashes) at creation
     scheduling   status, finish, preemptions, admitted_at
@@ -28,6 +29,9 @@ What the cache fields say about the two ledgers:
     enc_lo        encoder SWA keys start here (bounded replay start; 0 = full window)
     dec_lo        decoder SWA keys start here (YOCO truncation: L - KEEP)
     cmp_from      compressed entries before this position are cached: never rewritten
+    lineage       "" = exact; else (`--replay-blocks isolate` after a bounded replay) the
+                  salt suffix its blocks from cmp_from on are registered under, so that
+                  exact requests never match them
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class Sequence:
     cached_tokens: int = 0      # tokens whose blocks came from cache (L1)
     replayed_tokens: int = 0    # approximate: encoder bounded replay of [L1 - W, L1)
     recomputed_tokens: int = 0  # exact: [S, L1) recomputed over a snapshot at S < L1
+    lineage: str = ""
     preemptions: int = 0
     admitted_at: int = 0
 

@@ -32,12 +32,16 @@ def params_from_proto(req) -> SamplingParams:
         stop_token_ids=tuple(req.stop_token_ids),
         stop=tuple(req.stop),
         ignore_eos=req.ignore_eos,
+        speculative=s.speculative if s.HasField("speculative") else "",
     )
 
 
-def usage_proto(seq) -> common_pb2.Usage:
+def usage_proto(ev) -> common_pb2.Usage:
+    """Usage of a finished generation from its last Event."""
+    seq = ev.seq
     return common_pb2.Usage(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
-                            replayed_tokens=seq.replayed_tokens, generated_tokens=len(seq.output))
+                            replayed_tokens=seq.replayed_tokens, generated_tokens=len(seq.output),
+                            drafted_tokens=ev.drafted, accepted_tokens=ev.accepted)
 
 
 HANDOFF_TIMEOUT_S = 30.0     # one fetch of a handoff (a few MB on tiny, ~20 MB on v41-flash)
@@ -100,7 +104,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 generated += len(ev.token_ids)
                 if ev.finish is not None:
                     msg.finish_reason = finish_to_proto(ev.finish.value)
-                    usage = usage_proto(ev.seq)
+                    usage = usage_proto(ev)
                     msg.usage.CopyFrom(usage)
                 if isinstance(ev, _Fetched):          # a decode engine: bytes it fetched
                     msg.handoff.total_bytes = ev.fetched

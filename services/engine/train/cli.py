@@ -27,6 +27,7 @@ HELP = {
     "eval_windows": "held-out windows per evaluation",
     "ckpt_minutes": "minutes between resumable checkpoints",
     "time_budget_min": "stop and save after this many minutes; 0 = no limit",
+    "decay_by_time": "with --time-budget-min: anneal the lr by elapsed time as well as by step",
     "resume": "continue from the run directory's checkpoint",
 }
 

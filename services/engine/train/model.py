@@ -20,6 +20,7 @@ the work is laid out, so that a training step is affordable on one CPU core:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -46,6 +47,7 @@ def _window_keys(kv, window: int, chunk: int):
     return padded.unfold(1, window + chunk, chunk)
 
 
+@functools.lru_cache(maxsize=8)
 def _window_ok(t: int, window: int, chunk: int):
     """[T/chunk, chunk, window + chunk] bool: query i of chunk c sees key j iff the key's
     position c*chunk - window + j lies in [max(0, q - window + 1), q], q = c*chunk + i."""
