@@ -164,7 +164,11 @@ class ModelRunner:
         the ring (read before this chunk writes it), through the window mirror."""
         out = []
         big_w = self.cfg.window
-        for rows in (torch.nonzero(short).squeeze(1), torch.nonzero(~short).squeeze(1)):
+        # single-row (decode) works apart from short multi-row ones (speculative verify
+        # rows), so a verify work beside them does not move every decode off the fast path
+        single = (seg.n == 1)[seg.wid]
+        for rows in (torch.nonzero(short & single).squeeze(1), torch.nonzero(short & ~single).squeeze(1),
+                     torch.nonzero(~short).squeeze(1)):
             if not len(rows):
                 continue
             wid, pos = seg.wid[rows], seg.pos[rows]
