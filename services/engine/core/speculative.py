@@ -55,7 +55,7 @@ def engine_setting(text: str, backtrack: int, has_mtp: bool) -> SpecSetting:
                               f"sequence can take back (--max-backtrack)")
     if s.method == "mtp" and not has_mtp:
         raise InvalidArgument("speculative: mtp needs MTP weights (mtp.* tensors) in the "
-                              "checkpoint; train them with `kvmesh train-mtp`")
+                              "checkpoint, and this one has none; use ngram:K or off")
     return s
 
 
