@@ -164,9 +164,11 @@ class ModelRunner:
         the ring (read before this chunk writes it), through the window mirror."""
         out = []
         big_w = self.cfg.window
-        # single-row (decode) works apart from short multi-row ones (speculative verify
-        # rows), so a verify work beside them does not move every decode off the fast path
-        single = (seg.n == 1)[seg.wid]
+        # Works of at most B + 1 rows (decodes, speculative verify works) take the mirror
+        # fast path together: writing their rows into the mirror first displaces only
+        # positions older than any of their windows (ring W + B). Other short works apart.
+        ring_rows = self.states.swa[layer].shape[1]
+        single = (seg.n <= ring_rows - big_w + 1)[seg.wid]
         for rows in (torch.nonzero(short & single).squeeze(1), torch.nonzero(short & ~single).squeeze(1),
                      torch.nonzero(~short).squeeze(1)):
             if not len(rows):
@@ -174,10 +176,11 @@ class ModelRunner:
             wid, pos = seg.wid[rows], seg.pos[rows]
             lo = torch.clamp(seg.lo[wid], min=0)
             kpos = pos.unsqueeze(1) - big_w + 1 + torch.arange(big_w)            # [t, W]
-            if bool((seg.n[wid] == 1).all()) and kv.dtype == self.mirror.dtype and \
-                    self.states.swa[layer].shape[1] >= big_w:
-                # decode rows: put the new row in the mirror first (the ring holds W + B
-                # rows, so it cannot displace one of this window), then one gather
+            if bool((seg.n[wid] <= ring_rows - big_w + 1).all()) and kv.dtype == self.mirror.dtype and \
+                    ring_rows >= big_w:
+                # decode and verify rows: put the new rows in the mirror first (the ring
+                # holds W + B rows, so at most B + 1 of them cannot displace a key of any
+                # of their windows), then one gather; keys past a row are outside its window
                 self.mirror.write(layer, step.slots[wid], pos, kv[rows])
                 keys = self.mirror.read(layer, step.slots[wid].unsqueeze(1).expand_as(kpos), kpos, kv.dtype)
                 out.append((rows, (keys, kpos >= lo.unsqueeze(1))))
