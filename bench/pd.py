@@ -98,10 +98,19 @@ def summarize(out: list) -> dict:
 
 
 def start(pd: bool, tmp: Path) -> Mesh:
-    cfg = MeshConfig(engines=2, pd=pd, num_slots=16, num_blocks=512, http_port=-1,
-                     log_dir=tmp / ("pd" if pd else "unified") / "logs",
-                     engine_extra=("--max-batched-tokens", "512", "--long-prefill-chunk", "256"))
-    return Mesh(cfg).start()
+    """A started mesh; a start that fails (SeaweedFS now and then does on a loaded box) is
+    tried again in a fresh directory."""
+    for attempt in range(3):
+        cfg = MeshConfig(engines=2, pd=pd, num_slots=16, num_blocks=512, http_port=-1,
+                         log_dir=tmp / f"{'pd' if pd else 'unified'}-{attempt}" / "logs",
+                         engine_extra=("--max-batched-tokens", "512", "--long-prefill-chunk", "256"))
+        try:
+            return Mesh(cfg).start()
+        except RuntimeError as exc:
+            if attempt == 2:
+                raise
+            print(f"mesh start failed ({str(exc).splitlines()[0]}); again", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 def main() -> None:
@@ -114,7 +123,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvmesh-bench-pd-"))
     results, alone = {}, {}
     for name, pd in (("unified", False), ("pd", True)):
-        with start(pd, tmp) as mesh:
+        mesh = start(pd, tmp)
+        try:
             ce = mesh.endpoints["engine-b"]
             before = engine_stats(ce)
             results[name] = summarize(run_mix(mesh, args, seed=1))
@@ -134,6 +144,8 @@ def main() -> None:
                 alone = {"ttft_s": one[0][1][0], "fetch_ms": s1["handoff_fetch_ms"] - s0["handoff_fetch_ms"],
                          "bytes": s1["handoff_in_bytes"] - s0["handoff_in_bytes"],
                          "usage": str(one[0][2]).replace("\n", " ")}
+        finally:
+            mesh.stop()
     rows = [[name, r["ttft_long_p50"], r["ttft_long_p99"], r["ttft_short_p50"],
              r["itl_p50"] * 1000, r["itl_p99"] * 1000] for name, r in results.items()]
     print(f"{args.long} x {args.long_len}-token prompts (4 tokens) during {args.short} x 64-token "

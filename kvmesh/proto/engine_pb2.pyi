@@ -38,28 +38,32 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., resume_generated: _Optional[int] = ..., handoff: _Optional[bool] = ..., handoff_from: _Optional[_Union[HandoffSource, _Mapping]] = ...) -> None: ...
 
 class HandoffSource(_message.Message):
-    __slots__ = ("address", "request_id", "total_bytes", "sha256")
+    __slots__ = ("address", "request_id", "total_bytes", "sha256", "block_hashes")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     address: str
     request_id: str
     total_bytes: int
     sha256: str
-    def __init__(self, address: _Optional[str] = ..., request_id: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, address: _Optional[str] = ..., request_id: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class HandoffInfo(_message.Message):
-    __slots__ = ("state_bytes", "total_bytes", "blocks", "sha256")
+    __slots__ = ("state_bytes", "total_bytes", "blocks", "sha256", "block_hashes")
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     state_bytes: int
     total_bytes: int
     blocks: int
     sha256: str
-    def __init__(self, state_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, state_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., sha256: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "handoff")
@@ -167,10 +171,12 @@ class FetchSwaSnapshotResponse(_message.Message):
     def __init__(self, position: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class FetchHandoffRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "skip")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    skip: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., skip: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "request", "seed", "num_computed", "enc_lo", "dec_lo", "cmp_from", "block_hashes", "block_sizes", "state_bytes", "total_bytes", "layout_fingerprint", "model_fingerprint")

@@ -54,6 +54,7 @@ class HandoffInfo(NamedTuple):
     """A prefill engine's handoff (engine.v1 HandoffInfo): what the decode engine fetches."""
     total_bytes: int
     sha256: str
+    block_hashes: tuple[bytes, ...] = ()
 
 
 class Chunk(NamedTuple):

@@ -119,7 +119,8 @@ async def _decode(greq, pe_address: str, pe_id: str, request_id: str, info: Hand
     core = greq.core
     routes: PdRoutes = core.pd
     src = engine_pb2.HandoffSource(address=pe_address, request_id=request_id,
-                                   total_bytes=info.total_bytes, sha256=info.sha256)
+                                   total_bytes=info.total_bytes, sha256=info.sha256,
+                                   block_hashes=info.block_hashes)
     ce_msg = engine_pb2.GenerateRequest(handoff_from=src)
     tried: list[str] = []
     last: Exception | None = None
@@ -138,12 +139,13 @@ async def _decode(greq, pe_address: str, pe_id: str, request_id: str, info: Hand
                 async for chunk in chunks:
                     sent += len(chunk.token_ids)
                     if chunk.usage is not None:
+                        moved = chunk.handoff.total_bytes if chunk.handoff else info.total_bytes
                         # the prompt's cache hits happened on the PE
                         chunk = chunk._replace(usage=chunk.usage._replace(
                             cached_tokens=pe_usage.cached_tokens,
                             replayed_tokens=pe_usage.replayed_tokens,
                             prefill_engine=pe_id, decode_engine=ce.engine_id,
-                            handoff_bytes=info.total_bytes))
+                            handoff_bytes=moved))
                     yield chunk
         except EngineFailure as exc:
             routes.decode.mark_down(ce.address, core.clock() + core.cfg.down_s)

@@ -194,11 +194,10 @@ class KvStore(AdminOps):
         try:
             await self.durable.write(run_id, blobs, prefix=RUN_PREFIX)
         except BaseException:
-            for e in entries:
-                self.meta.remove(e.key, e.generation)
+            self.meta.abort_run(run_id, [(e.key, e.generation) for e in entries])
             asyncio.ensure_future(self._reclaim_runs())
             raise
-        done = set(self.meta.commit_run([(e.key, e.generation) for e in entries]))
+        done = set(self.meta.commit_run(run_id, [(e.key, e.generation) for e in entries]))
         self.counters["puts"] += len(done)
         self.counters["runs_written"] += 1
         for (key, data, _), e in zip(items, entries, strict=True):
@@ -274,6 +273,7 @@ class KvStore(AdminOps):
         got = await self.runs.read(run, info, group, lambda: run in self.meta.runs)
         self.counters["run_reads"] += 1
         self.counters["run_blocks_ranged"] += len(group) - got.fast_failed
+        self.counters["run_ranged_late"] += got.late
         if got.slow is not None:
             self._count(got.slow)
             self.counters["run_reads_decoded"] += 1

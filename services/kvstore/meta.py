@@ -104,6 +104,8 @@ class MetaStore:
         self.runs: dict[str, RunRecord] = {}
         self._live: dict[str, int] = {}  # run id -> blocks with a record pointing at it
         self.dead_runs: set[str] = set()  # no live block left; shards still to delete
+        # run id -> overwrites of committed blocks, not current before commit_run (memory only)
+        self._pending: dict[str, list[tuple[str, Record]]] = {}
         for run, gen, size, frag, at, digest, created in self._db.execute(
             "SELECT run, generation, size, frag_data, data_at, digest, created FROM runs"
         ):
@@ -161,13 +163,28 @@ class MetaStore:
         )
 
     def begin_run(self, run: str, info: RunRecord, blocks: list[tuple[str, Record]]) -> None:
-        """Record a run and its blocks (complete=0) in one transaction, before the shards
-        are written; a crash mid-put leaves stale records GC removes (then the run)."""
+        """Record a run and its new blocks (complete=0) in one transaction, before the
+        shards are written; a crash mid-put leaves stale records GC removes (then the run).
+        A block that overwrites a committed one is held in memory only (`_pending`) until
+        `commit_run`: the committed version stays current, so a crash mid-put loses
+        nothing that was acknowledged (the new run is then reclaimed as dead)."""
         self._db.execute("BEGIN")
         self.add_run(run, info)
         for key, rec in blocks:
-            self._insert(key, rec)
+            cur = self._records.get(key)
+            if cur is not None and cur.complete:
+                self._pending.setdefault(run, []).append((key, rec))
+                self._live[run] += 1
+            else:
+                self._insert(key, rec)
         self._db.execute("COMMIT")
+
+    def abort_run(self, run: str, blocks: list[tuple[str, int]]) -> None:
+        """The run's shards did not land: forget its blocks (the run becomes dead)."""
+        for key, gen in blocks:
+            self.remove(key, gen)
+        for _ in self._pending.pop(run, []):
+            self._release(run)
 
     def add_run(self, run: str, info: RunRecord) -> None:
         self.runs[run] = info
@@ -209,13 +226,24 @@ class MetaStore:
         )
         return True
 
-    def commit_run(self, blocks: list[tuple[str, int]]) -> list[str]:
-        """Commit the blocks of a run still at their generation (one transaction);
-        returns the keys committed (a block overwritten meanwhile is not)."""
+    def commit_run(self, run: str, blocks: list[tuple[str, int]]) -> list[str]:
+        """Commit the blocks of a run (one transaction): new ones still at their
+        generation, overwrites held in `_pending` (the last committed put wins).
+        Returns the keys committed."""
         self._db.execute("BEGIN")
         done = [key for key, gen in blocks if self.commit_put(key, gen)]
+        for key, rec in self._pending.pop(run, []):
+            self._release(run)
+            rec.complete = True
+            self._insert(key, rec)
+            done.append(key)
         self._db.execute("COMMIT")
         return done
+
+    def _release(self, run: str) -> None:
+        self._live[run] -= 1
+        if self._live[run] == 0:
+            self.dead_runs.add(run)
 
     def remove(self, key: str, generation: int | None = None) -> Record | None:
         """Delete the record (only if still at `generation`, when given)."""
@@ -232,9 +260,7 @@ class MetaStore:
         if rec is not None and rec.complete:
             self.complete_bytes -= rec.size
         if rec is not None and rec.run:
-            self._live[rec.run] -= 1
-            if self._live[rec.run] == 0:
-                self.dead_runs.add(rec.run)
+            self._release(rec.run)
 
     def touch(self, key: str, now: float) -> None:
         rec = self._records.get(key)

@@ -23,14 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.kvstore import ec, runs
-from services.kvstore.durable import GIVE_UP_MIN_S, DurableStore, ReadResult
+from services.kvstore.durable import GIVE_UP_FACTOR, GIVE_UP_MIN_S, DurableStore, ReadResult
 from services.kvstore.meta import Record, RunRecord
 from services.kvstore.shards import RUN_PREFIX, ShardStore
 
 log = logging.getLogger("kvmesh.kvstore.runs")
-# Ranged reads are not hedged one by one: past max(floor, factor x the slowest
-# budget) the whole fast path gives up and the hedged full read takes over.
-FAST_FACTOR = 4.0
+# Ranged reads are not hedged one by one: the fast path waits as long as a get waits
+# for a late shard (max(2 s, 8 x the slowest budget)), then the hedged full read
+# takes over. A shorter wait (0.5 s was tried) turned queueing under load (16 prefix
+# reads = 160 ranged GETs in flight) into decodes of whole runs: twice the requests.
+# A location already hung or down is not read by the fast path at all (`_fast_ok`).
 
 
 @dataclass
@@ -38,6 +40,7 @@ class RunRead:
     blocks: dict[str, bytes | None]  # key -> bytes, or None (a clean miss)
     slow: ReadResult | None = None  # the full decode, when the fast path was not enough
     fast_failed: int = 0  # blocks the fast path could not serve
+    late: int = 0  # ranged GETs not in by the fast path's deadline (a loaded or hung location)
 
 
 class RunReader:
@@ -55,7 +58,7 @@ class RunReader:
         reads: dict[int, asyncio.Future] = {}
         if self._fast_ok(ranges):
             reads = self._ranged(run, info, ranges)
-            timeout = max(GIVE_UP_MIN_S / 4, FAST_FACTOR * max(
+            timeout = max(GIVE_UP_MIN_S, GIVE_UP_FACTOR * max(
                 (self.shards.budget(i) for i in ranges), default=0.0))
             if reads:
                 await asyncio.wait(list(reads.values()), timeout=timeout)
@@ -69,6 +72,7 @@ class RunReader:
             run, info.generation, repair=repair, still_current=still_current,
             expect=info.digest, prefix=RUN_PREFIX))
         late = [t for t in reads.values() if not t.done()]
+        out.late = len(late)
         try:
             res = await slow
             if res.data is None and late:

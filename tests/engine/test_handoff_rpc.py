@@ -74,9 +74,13 @@ async def _decode(client, src):
 
 def _source(pair, rid, info, **change):
     src = engine_pb2.HandoffSource(address=pair.pe, request_id=rid, total_bytes=info.total_bytes,
-                                   sha256=info.sha256)
+                                   sha256=info.sha256, block_hashes=info.block_hashes)
     for k, v in change.items():
-        setattr(src, k, v)
+        if k == "block_hashes":
+            del src.block_hashes[:]
+            src.block_hashes.extend(v)
+        else:
+            setattr(src, k, v)
     return src
 
 
@@ -109,6 +113,7 @@ def test_damaged_or_missing_handoffs_are_unavailable_not_internal(pair):
     before = pair.run(pair.ce_client.stats())
     cases = [dict(sha256="0" * 64),                       # damaged in transit / wrong bytes
              dict(total_bytes=info.total_bytes - 1),      # truncated
+             dict(block_hashes=[b"x" * 32] * len(info.block_hashes)),   # not the PE's blocks
              dict(total_bytes=10**12),                    # over the engine's bound
              dict(request_id="never-handed-off"),         # not held: NOT_FOUND at the PE
              dict(address="127.0.0.1:1")]                 # PE gone
@@ -123,6 +128,24 @@ def test_damaged_or_missing_handoffs_are_unavailable_not_internal(pair):
     # the intact handoff is still held by the PE and goes through afterwards
     rest = pair.run(_decode(pair.ce_client, _source(pair, rid, info)))
     assert rest[-1].usage.generated_tokens == 4
+
+
+def test_blocks_the_decode_engine_holds_are_not_sent(pair):
+    """A second prompt over the same 2 complete blocks: the CE holds them from the first
+    handoff, asks the PE to skip them, and still decodes a unified engine's tokens."""
+    base = random_prompt(400, 77)
+    sent = []
+    for rid, prompt in (("share-1", base[:300]), ("share-2", base[:256] + random_prompt(80, 78))):
+        first = pair.run(_prefill(pair.pe_client, prompt, rid, max_tokens=4, temperature=0.0))
+        info = first[-1].handoff
+        rest = pair.run(_decode(pair.ce_client, _source(pair, rid, info)))
+        sent.append((info.total_bytes, rest[-1].handoff.total_bytes))
+        want = pair.unified.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        run_to_completion(pair.unified)
+        assert [t for m in first + rest for t in m.token_ids] == want.output
+    block = pair.ce_core.cache.store.bytes_per_block()
+    assert sent[0][1] == sent[0][0]                   # nothing held yet: everything moved
+    assert sent[1][1] == sent[1][0] - 2 * block       # the 2 shared blocks stayed home
 
 
 def test_fetch_handoff_of_an_unknown_request_is_not_found(pair):

@@ -187,3 +187,18 @@ def test_every_port_is_published_on_loopback_only():
     for name, svc in SERVICES.items():
         for p in svc.get("ports", []):
             assert str(p).startswith("127.0.0.1:"), (name, p)
+
+
+def test_every_public_gateway_has_keys_or_is_allowed_without():
+    """A gateway on the container's 0.0.0.0 without keys refuses to start unless allowed."""
+    from kvmesh.auth import check_public_bind
+    from services.gateway.cli import config_from_args
+    from services.gateway.config import GatewayConfig
+
+    gateways = [n for n in KVMESH_SERVICES if SERVICES[n]["command"][1] == "gateway"]
+    assert len(gateways) >= 1
+    for name in gateways:
+        flags = config_from_args(parse(name))
+        env = {k: str(v) for k, v in SERVICES[name].get("environment", {}).items()}
+        cfg = GatewayConfig.from_env(env, host=flags.host)
+        check_public_bind(cfg.host, bool(cfg.api_keys), cfg.allow_unauthenticated)

@@ -223,7 +223,9 @@ class CacheManager:
         bs = self.cfg.block_size
         if len(h.blocks) != self.blocks_for(h.num_computed) or len(h.hashes) != h.num_computed // bs:
             return f"{len(h.blocks)} blocks / {len(h.hashes)} hashes do not cover {h.num_computed} tokens"
-        for blob in h.blocks:
+        for i, blob in enumerate(h.blocks):
+            if not blob and i < len(h.hashes):
+                continue                      # skipped: this pool holds it (has_room checks)
             try:
                 self.store.check(blob)
             except ValueError as exc:
@@ -234,11 +236,14 @@ class CacheManager:
         """A free slot and the blocks `adopt` would take (reviving a cached one takes one)."""
         local = [self.pool.lookup(x) for x in h.hashes]
         need = sum(b is None or self.pool.ref_cnt[b] == 0 for b in local) + len(h.blocks) - len(local)
-        return self.states.num_free > 0 and need <= self.pool.num_free
+        skipped_here = all(local[i] is not None for i, blob in enumerate(h.blocks[: len(local)])
+                           if not blob)       # a skipped block evicted since: refuse, retryable
+        return self.states.num_free > 0 and need <= self.pool.num_free and skipped_here
 
     def adopt(self, seq: Sequence, h: SlotHandoff) -> int:
-        """Install a checked handoff (handoff_problem is None) as seq's slot and block table:
-        complete blocks this pool already holds are shared, the rest installed and registered.
+        """Install a checked handoff (handoff_problem is None, has_room) as seq's slot and block
+        table: complete blocks this pool already holds are shared (those the sender skipped
+        among them), the rest installed and registered.
         Returns how many blocks were found here."""
         assert seq.slot is None and not seq.table, seq.request_id
         seq.slot = self.states.allocate()

@@ -47,6 +47,14 @@ def usage_proto(ev) -> common_pb2.Usage:
 HANDOFF_TIMEOUT_S = 30.0     # one fetch of a handoff (a few MB on tiny, ~20 MB on v41-flash)
 
 
+class _Fetched:
+    """A decode engine's last event of an adopted request, with the bytes it fetched."""
+
+    def __init__(self, ev, fetched: int):
+        self.__dict__.update(ev.__dict__)
+        self.fetched = fetched
+
+
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, engine: AsyncEngine, remote=None):
         self.engine = engine
@@ -98,7 +106,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     msg.finish_reason = finish_to_proto(ev.finish.value)
                     usage = usage_proto(ev)
                     msg.usage.CopyFrom(usage)
-                if ev.handoff is not None:
+                if isinstance(ev, _Fetched):          # a decode engine: bytes it fetched
+                    msg.handoff.total_bytes = ev.fetched
+                elif ev.handoff is not None:          # a prefill engine: what it holds
                     msg.handoff.CopyFrom(handoff_rpc.handoff_info(ev.handoff))
                 yield msg
         finally:
@@ -113,21 +123,30 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         transfer fails or is refused, so the gateway tries another engine."""
         handoff_rpc.check_source(src)
         core = self.engine.core
+        hashes = list(src.block_hashes)
+        skip = await self.engine.call(lambda c: [x for x in hashes if c.cache.pool.lookup(x) is not None])
         try:
             h, seconds = await handoff_rpc.fetch_handoff(
                 src, params_from_proto, HANDOFF_TIMEOUT_S, core.prefix.layout_fp,
-                core.cfg.fingerprint(), core.handoff_state_bytes, core.handoff_max_bytes)
+                core.cfg.fingerprint(), core.handoff_state_bytes, core.handoff_max_bytes,
+                skip, core.cache.store.bytes_per_block())
         except Exception:
             self.engine.post(lambda c: c.counters.update(handoff_refused=1))
             raise
         self.engine.post(lambda c: c.counters.update(handoff_fetch_ms=int(seconds * 1000)))
-        return self.engine.adopt(h)
+        return self._with_fetched(self.engine.adopt(h), h.nbytes)
+
+    @staticmethod
+    async def _with_fetched(events, nbytes: int):
+        """An adopted request's events; the last one says what was fetched (HandoffInfo)."""
+        async for ev in events:
+            yield ev if ev.finish is None else _Fetched(ev, nbytes)
 
     @map_errors
     async def FetchHandoff(self, request, context):
         rid = request.request_id
         h = await self.engine.call(lambda core: core.handoffs.get(rid))
-        for msg in handoff_rpc.handoff_messages(h, rid):
+        for msg in handoff_rpc.handoff_messages(h, rid, request.skip):
             yield msg
 
     @map_errors
