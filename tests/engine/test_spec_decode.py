@@ -124,3 +124,56 @@ def test_bad_settings_name_the_field():
                                                             speculative="off"))
     run_to_completion(engine)
     assert len(seq.output) == 8 and engine.stats()["spec_verify_steps"] == 0
+
+
+def slot_view(engine, seq) -> dict:
+    """The bytes a continuation of seq can read: SWA ring rows of the window [nc - W, nc)
+    of every layer, compression / indexer tail rows of the open group, and the entry rows
+    of every completed group (through the block table)."""
+    nc, st = seq.num_computed, engine.cache.states
+    out = {}
+    pos = torch.arange(max(0, nc - CFG.window), nc)
+    for layer, ring in st.swa.items():
+        out[f"swa{layer}"] = ring[seq.slot, pos.remainder(ring.shape[1])].clone()
+    for name, rings in (("cmp", st.cmp), ("idx", st.idx)):
+        for layer, ring in rings.items():
+            m = CFG.compress_ratio(layer)
+            tail = torch.arange(nc // m * m, nc)
+            out[f"{name}{layer}"] = ring[seq.slot, tail.remainder(ring.shape[1])].clone()
+    for name, store in (("entries", engine.cache.store.entries),
+                        ("keys", engine.cache.store.index_keys)):
+        for layer, rows in store.items():
+            m, per = CFG.compress_ratio(layer), rows.shape[1]
+            j = torch.arange(nc // m)
+            blocks = torch.tensor(seq.table, dtype=torch.long)[j // per]
+            out[f"{name}{layer}"] = rows[blocks, j % per].clone()
+    return out
+
+
+def test_slot_bytes_after_every_rollback_equal_a_run_without_drafts():
+    """After each verify step (drafts rejected at every position in turn), the kept
+    positions' slot rows and entries equal, byte for byte, those of the same request run
+    without speculation when it has computed as many tokens."""
+    prompt = random_prompt(37, 77)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    off = make_engine(CFG, num_slots=1)
+    ref_seq = off.add_request(prompt, params)
+    run_to_completion(off)
+    ref_tokens = prompt + ref_seq.output
+    spec = make_engine(CFG, num_slots=1, speculative="ngram:6")
+    spec.spec.drafter = OracleDrafter([ref_tokens])
+    off = make_engine(CFG, num_slots=1)
+    seq, ref_seq = spec.add_request(prompt, params), off.add_request(prompt, params)
+    compared = 0
+    while spec.has_work:
+        spec.step()
+        if seq.finished:
+            break
+        while ref_seq.num_computed < seq.num_computed:
+            off.step()
+        assert ref_seq.num_computed == seq.num_computed and ref_seq.tokens == seq.tokens
+        want, got = slot_view(off, ref_seq), slot_view(spec, seq)
+        for key in want:
+            assert torch.equal(got[key], want[key]), (key, seq.num_computed)
+        compared += 1
+    assert compared >= 6 and spec.stats()["spec_accepted_pos6"] > 0

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from kvmesh.errors import InvalidArgument
 from services.engine.core import speculative
 from services.engine.core.sampling import SamplingParams, target_probs
 
@@ -29,9 +30,8 @@ def draw_many(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1234)
     drafts = torch.multinomial(q, DRAWS, replacement=True, generator=gen).tolist()
     counts = torch.zeros(V)
-    for i, d in enumerate(drafts):
-        gu = torch.Generator().manual_seed(2 * i + 1)
-        gr = torch.Generator().manual_seed(2 * i + 2)
+    gu, gr = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    for d in drafts:
         tok = speculative.accept_one(p, q, d, gu, gr)
         counts[d if tok is None else tok] += 1
     return counts
@@ -98,3 +98,48 @@ def test_greedy_is_longest_matching_prefix():
     assert speculative.verify(logits, [3, 4, 1], g, 0, 0) == [3, 5]           # replaced at 1
     assert speculative.verify(logits, [0, 5, 1], g, 0, 0) == [3]
     assert speculative.verify(logits[:1], [], g, 0, 0) == [3]
+
+
+def test_ngram_drafter_proposes_the_continuation_of_the_latest_longest_match():
+    d = speculative.NgramDrafter(min_n=1, max_n=3)
+    assert d.propose([5, 6, 7, 8, 1, 5, 6, 7], 4) == [8, 1, 5, 6]     # 3-gram 5 6 7
+    assert d.propose([1, 9, 2, 9, 3, 4, 9], 2) == [3, 4]              # latest 1-gram match
+    assert d.propose([9, 9, 9, 9], 4) == [9, 9, 9, 9]                 # a run: copy pointer
+    assert d.propose([1, 2, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]        # period 2
+    assert d.propose([1, 2, 3], 3) == []                              # nothing repeats
+    assert speculative.NgramDrafter(min_n=2, max_n=2).propose([1, 4, 2, 1], 2) == []
+    with pytest.raises(InvalidArgument, match="speculative: ngram sizes"):
+        speculative.NgramDrafter(min_n=3, max_n=2)
+
+
+def test_wholly_rejected_drafts_back_off_1_2_4_tokens():
+    """A request whose drafts are all rejected decodes plainly for 1, then 2, then 4 tokens
+    before drafting again; one accepted draft resets it."""
+    from services.engine.core.sequence import Sequence
+
+    spec = speculative.Speculator(speculative.SpecSetting("ngram", 2))
+    params = SamplingParams(temperature=0, max_tokens=100)
+    seq = Sequence("r", [1, 2, 1, 2, 1, 2], params, seed=0, slot=0, prefill_len=6, num_computed=6)
+    spec.add("r", params)
+
+    class Ones:
+        def propose(self, tokens, k):
+            return [1] * k
+
+    spec.drafter = Ones()
+    wrong = torch.zeros(3, V, dtype=torch.float64)          # argmax 0: every draft rejected
+    pauses = []
+    for _ in range(3):
+        drafts = spec.propose([seq])["r"]
+        seq.output.extend(spec.verify(seq, wrong, drafts))
+        waited = 0
+        while "r" not in spec.propose([seq]):
+            seq.output.append(0)
+            waited += 1
+        pauses.append(waited)
+    assert pauses == [1, 2, 4]
+    right = torch.zeros(3, V, dtype=torch.float64)
+    drafts = spec.propose([seq])["r"]
+    right[0, drafts[0]] = 1.0                                 # the first draft is accepted
+    seq.output.extend(spec.verify(seq, right, drafts))
+    assert "r" in spec.propose([seq])

@@ -55,7 +55,7 @@ def engine_setting(text: str, backtrack: int, has_mtp: bool) -> SpecSetting:
                               f"sequence can take back (--max-backtrack)")
     if s.method == "mtp" and not has_mtp:
         raise InvalidArgument("speculative: mtp needs MTP weights (mtp.* tensors) in the "
-                              "checkpoint; train them with `kvmesh train-mtp`")
+                              "checkpoint, and this one has none; use ngram:K or off")
     return s
 
 
@@ -78,7 +78,10 @@ def request_setting(params: SamplingParams, engine: SpecSetting) -> SpecSetting:
 # --- drafters -------------------------------------------------------------------------
 class NgramDrafter:
     """Prompt lookup: find the most recent earlier occurrence of the longest suffix of
-    the tokens (n from max_n down to min_n) and propose what followed it."""
+    the tokens (n from max_n down to min_n) and propose what followed it. The proposal is
+    a copy pointer: when the match overlaps the suffix (a run or a short period), the
+    copy continues through the tokens it has just proposed, so a periodic tail still
+    yields k drafts instead of the one token left before the end."""
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
@@ -96,7 +99,10 @@ class NgramDrafter:
             i = n_tok - n - 1
             while i >= 0:
                 if tokens[i] == first and tokens[i:i + n] == suffix:
-                    return tokens[i + n:i + n + k]
+                    out: list[int] = []
+                    for j in range(i + n, i + n + k):
+                        out.append(tokens[j] if j < n_tok else out[j - n_tok])
+                    return out
                 i -= 1
         return []
 
@@ -160,6 +166,9 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, step
 
 
 # --- the engine's side ----------------------------------------------------------------
+MAX_BACKOFF = 16     # tokens a request decodes plainly after repeated wholly rejected drafts
+
+
 class Speculator:
     """Owned by EngineCore (engine thread only): the engine's setting, its drafter, each
     running request's own setting and draft counts, and the draft counters of GetStats."""
@@ -170,6 +179,10 @@ class Speculator:
         self.drafter = NgramDrafter(ngram_min, ngram_max) if setting.method == "ngram" else None
         self.requests: dict[str, SpecSetting] = {}
         self.usage: dict[str, list[int]] = {}          # request id -> [drafted, accepted]
+        # request id -> (output length at which it drafts again, wholly rejected drafts in
+        # a row): a verify row costs more than a plain decode row, so a request whose
+        # drafts keep failing decodes plainly for 1, 2, 4 .. MAX_BACKOFF tokens between tries
+        self.backoff: dict[str, tuple[int, int]] = {}
         self.counters: dict[str, int] = {"spec_verify_steps": 0, "spec_drafted_tokens": 0,
                                          "spec_accepted_tokens": 0}
         for j in range(1, setting.k + 1):
@@ -184,6 +197,7 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.usage.pop(request_id, None)
+        self.backoff.pop(request_id, None)
 
     def propose(self, running) -> dict[str, list[int]]:
         """Drafts of every decoding request that speculates (never more than its remaining
@@ -192,6 +206,8 @@ class Speculator:
         for seq in running:
             s = self.requests.get(seq.request_id)
             if s is None or seq.prefilling or seq.slot is None:
+                continue
+            if len(seq.output) < self.backoff.get(seq.request_id, (0, 0))[0]:
                 continue
             k = min(s.k, seq.params.max_tokens - len(seq.output) - 1)
             if k > 0:
@@ -210,6 +226,12 @@ class Speculator:
         for j in range(1, len(drafts) + 1):
             c[f"spec_drafted_pos{j}"] = c.get(f"spec_drafted_pos{j}", 0) + 1
             c[f"spec_accepted_pos{j}"] = c.get(f"spec_accepted_pos{j}", 0) + (j <= accepted)
+        if accepted:
+            self.backoff.pop(seq.request_id, None)
+        else:
+            misses = self.backoff.get(seq.request_id, (0, 0))[1] + 1
+            wait = min(MAX_BACKOFF, 1 << (misses - 1))
+            self.backoff[seq.request_id] = (len(seq.output) + len(tokens) + wait, misses)
         use = self.usage.setdefault(seq.request_id, [0, 0])
         use[0] += len(drafts)
         use[1] += accepted
