@@ -82,7 +82,8 @@ Reproduce (then `python scripts/ship_model.py RUN_DIR models/v4-mini-tiny --comm
 ```
 
 The run is deterministic for a seed and resumable (`--resume` continues from
-`RUN_DIR/state.pt`); with a time budget the step it stops at depends on the machine's speed.
+`RUN_DIR/state.pt`); with a time budget the step it stops at (and, with `--decay-by-time`,
+the learning rate of each step) depends on the machine's speed.
 
 ## Measured (held-out files, `kvmesh train-eval`)
 
