@@ -20,7 +20,16 @@ that on the same machine.
 For every get row the CPU time spent per object by the weed servers, the
 kvstore process and the benchmark process itself is read from /proc: on a
 2-core box the rows are CPU-bound, so these columns say where the time goes.
-Prints the tables and writes bench/out/kvstore_throughput.png.
+Part 3, runs (services/kvstore/runs.py): prefixes of 16 blocks (an engine's
+write-through batch), each put in one call, read back as one 16-key Get (what
+an engine's prefetch does) at concurrency 16, from a kvstore storing runs
+(the default) and one storing every block as its own object (`run_blocks=1`),
+both with hot tiers off, against one raw boto3 GET of the same bytes stored as
+a single object. S3 requests are the kvstore's own counts (Stats counters
+`s3_requests_*`): per stored block, per 16-block read, per single-block read.
+
+Prints the tables and writes bench/out/kvstore_throughput.png and
+bench/out/kvstore_runs.png.
 """
 
 from __future__ import annotations
@@ -176,10 +185,12 @@ def raw_bench(cluster, payloads: list[bytes], conc: int, meter: CpuMeter):
     return t_put, t_get, cpu
 
 
-def start_kvstore(cluster, tmp: Path, name: str, tiers: bool) -> tuple[ManagedProcess, str]:
+def start_kvstore(cluster, tmp: Path, name: str, tiers: bool,
+                  run_blocks: int = 16) -> tuple[ManagedProcess, str]:
     port = free_port()
     mem = str(2 << 30) if tiers else "0"
-    env = {"KVMESH_KVSTORE_LOCATIONS": ",".join(cluster.locations)}
+    env = {"KVMESH_KVSTORE_LOCATIONS": ",".join(cluster.locations),
+           "KVMESH_KVSTORE_RUN_BLOCKS": str(run_blocks)}
     proc = ManagedProcess(name, [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING",
                                  "kvstore", "serve", "--port", str(port),
                                  "--data-dir", str(tmp / name), "--mem-bytes", mem,
@@ -194,11 +205,20 @@ def main() -> None:
     ap.add_argument("--size-mib", type=float, default=4.0)
     ap.add_argument("--objects", type=int, default=32)
     ap.add_argument("--codec-mib", type=int, default=64)
+    ap.add_argument("--only", choices=("all", "runs"), default="all",
+                    help="runs: only part 3 (runs vs per-block objects vs raw)")
+    ap.add_argument("--prefixes", type=int, default=32, help="part 3: 16-block prefixes")
+    ap.add_argument("--block-kib", type=int, default=256, help="part 3: block size")
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=150)
+    from bench.kvstore_runs import runs_bench
+
+    if args.only == "runs":
+        runs_bench(console, args.prefixes, args.block_kib << 10)
+        return
     codec = codec_bench(args.codec_mib << 20)
     t = Table(title=f"erasure coding 10+2, {args.codec_mib} MiB object (GB/s, best of 3)")
     for col in ("codec", "encode", "decode (2 lost)", "encode vs copy"):
@@ -266,6 +286,7 @@ def main() -> None:
     console.print(t)
     print_floor(console, costs)
     plot(codec, rows)
+    runs_bench(console, args.prefixes, args.block_kib << 10)
 
 
 def print_floor(console, costs) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -137,3 +138,33 @@ def check_token(presented: str | None, expected: str, what: str) -> None:
         raise Unauthenticated(f"missing {what}: send 'authorization: Bearer <token>'")
     if not hmac.compare_digest(digest(presented), digest(expected)):
         raise PermissionDenied(f"wrong {what}")
+
+
+ALLOW_UNAUTHENTICATED_FLAG = "--allow-unauthenticated"
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and `localhost`; a name or wildcard (0.0.0.0, ::) is not."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)  # ::ffff:127.0.0.1, an IPv6 socket's view
+    return (mapped or addr).is_loopback
+
+
+def check_public_bind(host: str, has_api_keys: bool, allowed: bool) -> None:
+    """Refuse to serve the public API beyond loopback without API keys: anyone on the
+    network could generate, and read the cache-hit accounting of every prompt. The
+    operator may still do so on purpose (a trusted network, auth in front) with
+    `--allow-unauthenticated`."""
+    if has_api_keys or allowed or is_loopback(host):
+        return
+    raise InvalidArgument(
+        f"host {host!r} is not a loopback address and no API keys are configured: anyone who "
+        f"can reach it could use the mesh. Give --api-keys FILE, or pass "
+        f"{ALLOW_UNAUTHENTICATED_FLAG} (KVMESH_GATEWAY_ALLOW_UNAUTHENTICATED=1) to serve "
+        "without authentication anyway")

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from kvmesh.clihelp import DefaultsFormatter, walk
+from kvmesh.tls import export_flags as export_tls_flags
 
 # Modules that add sub-commands, in the order they appear in --help.
 COMMAND_MODULES = [
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    export_tls_flags(args)  # --tls-* reach every channel and server of this process
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",

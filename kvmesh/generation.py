@@ -11,6 +11,8 @@ class added to the proto without a name here fails at start-up, not on a request
     "chatbot"         TRAFFIC_CLASS_CHATBOT
     None              FINISH_REASON_UNSPECIFIED   (not finished)
     "length" | "stop" | "aborted"   FINISH_REASON_LENGTH | _STOP | _ABORTED
+    "handoff"         FINISH_REASON_HANDOFF  (a prefill engine's last message: a decode
+                      engine continues the generation, docs/design.md §9)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ DEFAULT_MAX_TOKENS = 64
 
 TRAFFIC_CLASSES = ("agent", "chatbot")     # "" (none given) is also accepted
 DEFAULT_TRAFFIC_CLASS = "chatbot"           # what the kvstore files "" under
-FINISH_REASONS = ("length", "stop", "aborted")
+FINISH_REASONS = ("length", "stop", "aborted", "handoff")
 
 _TRAFFIC_TO_PROTO = {"": common_pb2.TRAFFIC_CLASS_UNSPECIFIED} | {
     name: common_pb2.TrafficClass.Value("TRAFFIC_CLASS_" + name.upper()) for name in TRAFFIC_CLASSES}
@@ -78,15 +80,32 @@ _Req = TypeVar("_Req", bound=_SamplingRequest)
 
 
 def set_sampling(req: _Req, max_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None
-                 ) -> _Req:
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 speculative: str | None = None) -> _Req:
     """Fill max_tokens and the common.v1 SamplingParams fields that were given, on a gateway
     or engine GenerateRequest (both carry `max_tokens` and `sampling`); unset ones keep
     the server-side defaults."""
     if max_tokens is not None:
         req.max_tokens = max_tokens
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                        ("seed", seed)):
+                        ("seed", seed), ("speculative", speculative)):
         if value is not None:
             setattr(req.sampling, name, value)
     return req
+
+
+SPECULATIVE_METHODS = ("ngram", "mtp")
+
+
+def parse_speculative(text: str, field: str = "sampling.speculative") -> tuple[str, int]:
+    """'off' (or empty) -> ("off", 0); 'ngram:K' / 'mtp:K' (K >= 1) -> (method, K). The
+    syntax only: each engine bounds it by its own setting (services/engine/core/speculative.py)."""
+    text = text.strip()
+    if text in ("", "off"):
+        return "off", 0
+    method, _, k = text.partition(":")
+    if method not in SPECULATIVE_METHODS:
+        raise InvalidArgument(f"{field}: unknown method {method!r}; use off, ngram:K or mtp:K")
+    if not k.isdigit() or int(k) < 1:
+        raise InvalidArgument(f"{field}: {text!r} needs a draft count K >= 1, as in {method}:4")
+    return method, int(k)

@@ -11,9 +11,19 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.tls import TlsFiles
 
-def check(address: str, timeout: float = 2.0) -> bool:
-    with grpc.insecure_channel(address) as ch:
+
+def sync_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+    """A blocking channel, TLS as `kvmesh.rpc.channel` decides it ($KVMESH_TLS_*)."""
+    tls = TlsFiles.from_env() if tls is None else tls
+    if tls.client_enabled:
+        return grpc.secure_channel(address, tls.channel_credentials(), tls.channel_options())
+    return grpc.insecure_channel(address)
+
+
+def check(address: str, timeout: float = 2.0, tls: TlsFiles | None = None) -> bool:
+    with sync_channel(address, tls) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
                                                         timeout=timeout)

@@ -18,8 +18,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvmesh.auth import check_public_bind
+from kvmesh.errors import InvalidArgument
 from kvmesh.mesh_runner import Mesh, MeshConfig
 from kvmesh.running import RUNNING_MESH_FILE, remove_running, write_running, write_tokens
+from kvmesh.tls import add_flags as add_tls_flags
 
 # A Python snippet the shipped model (models/v4-mini-tiny, trained on the standard library)
 # continues. 309 bytes: two full 128-token blocks plus a partial one.
@@ -50,6 +53,7 @@ def main(argv):
 # of spaces (the most likely byte); sampled, it writes Python-shaped text. Same seed, same text.
 DEMO_TEMPERATURE = 0.8
 DEMO_SEED = 1
+DEMO_TOKENS = 32
 
 
 def register(sub) -> None:
@@ -65,14 +69,28 @@ def register(sub) -> None:
                     help="service logs, SeaweedFS and kvstore data")
     up.add_argument("--num-slots", type=int, default=8, help="state slots per engine")
     up.add_argument("--num-blocks", type=int, default=512, help="cache blocks per engine")
+    up.add_argument("--pd", action="store_true",
+                    help="prefill/decode disaggregation: engine-a prefills (--role prefill), "
+                    "the other engines decode (--role decode); with the default --engines "
+                    "that is 1 prefill + 2 decode engines")
     up.add_argument("--demo", action="store_true",
-                    help="stream two greedy requests through the gateway (the second extends "
-                    "the first, so its usage shows cached tokens), then stop and exit")
+                    help=f"stream two requests through the gateway ({DEMO_TOKENS} tokens each, "
+                    f"sampled at temperature {DEMO_TEMPERATURE} with seed {DEMO_SEED}, so the "
+                    "text is the same every run; the second prompt extends the first, so its "
+                    "usage line shows cached tokens), then stop the mesh and exit 0")
     up.add_argument("--prompt", default=DEMO_PROMPT,
-                    help="first prompt for --demo (default: a 309-byte text about kvmesh)")
+                    help=f"first prompt for --demo (default: a {len(DEMO_PROMPT.encode())}-byte "
+                    "Python snippet the shipped model continues)")
     up.add_argument("--api-keys", default="",
                     help="gateway API keys file ('key tenant role' lines); default none: "
-                    "gateway auth off, which kvmesh up allows because it binds 127.0.0.1 only")
+                    "gateway auth off, which kvmesh up allows on loopback only")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="address of the gateway's gRPC, HTTP and metrics ports (every other "
+                    "service and backing server always listens on 127.0.0.1); beyond loopback "
+                    "it needs --api-keys or --allow-unauthenticated")
+    up.add_argument("--allow-unauthenticated", action="store_true",
+                    help="let --host be a non-loopback address without --api-keys")
+    add_tls_flags(up)
     up.set_defaults(func=run_up)
 
 
@@ -118,22 +136,41 @@ def address_lines(mesh: Mesh) -> list[str]:
         else f"(or export KVMESH_KVSTORE_ADDR={kv})"))
     lines.append("auth: gateway API keys " + (
         f"required ({mesh.cfg.api_keys})" if mesh.cfg.api_keys else
-        "OFF (every service listens on 127.0.0.1 only; --api-keys FILE turns them on)") +
+        "OFF (every service listens on 127.0.0.1 only; --api-keys FILE turns them on)"
+        if mesh.cfg.public_host == "127.0.0.1" else "OFF on a public address "
+        "(--allow-unauthenticated)") +
         "; internal RPCs need this run's random service token, which `kvmesh admin` "
         "finds by itself (kvmesh/running.py)")
+    if mesh.s3_keys is not None:
+        lines.append("backing servers: Valkey (ACL user kvmesh) and S3 need this run's random "
+                     "credentials, given only to the directory and the kvstore")
+    if mesh.tls.server_enabled:
+        lines.append(("TLS: mutual TLS on every gRPC port (clients need a certificate of the "
+                      "CA)" if mesh.tls.mutual else "TLS on every gRPC port")
+                     + "; HTTPS on the HTTP API")
     return lines
 
 
 def run_up(args: argparse.Namespace) -> int:
     # Endpoints must not wrap mid-address: never narrower than the table needs.
     console = Console(stderr=True, width=max(Console(stderr=True).width, 100))
-    cfg = MeshConfig(engines=args.engines, gateway_port=args.gateway_port,
+    try:  # before anything starts: a refused bind should not cost a minute of start-up
+        check_public_bind(args.host, bool(args.api_keys), args.allow_unauthenticated)
+    except InvalidArgument as exc:
+        console.print(f"[red]kvmesh up:[/red] {exc}", highlight=False)
+        return 2
+    pd = getattr(args, "pd", False)
+    engines = 3 if pd and args.engines == 2 else args.engines   # --pd: 1 PE + 2 CEs by default
+    cfg = MeshConfig(engines=engines, pd=pd, gateway_port=args.gateway_port,
                      http_port=args.http_port, metrics_port=args.metrics_port, log_dir=Path(args.log_dir),
                      num_slots=args.num_slots, num_blocks=args.num_blocks,
                      # Fresh random tokens per run: internal RPCs refuse anyone without them.
                      service_token=secrets.token_urlsafe(32),
                      admin_token=secrets.token_urlsafe(32),
-                     api_keys=getattr(args, "api_keys", ""))
+                     api_keys=args.api_keys, public_host=args.host,
+                     allow_unauthenticated=args.allow_unauthenticated,
+                     # Valkey and S3 with random credentials only the mesh's processes get.
+                     lock_backing=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
     status = console.status("starting kvmesh ...")
     mesh = Mesh(cfg, on_progress=lambda name, state: status.update(f"{name}: {state} ..."))
@@ -175,14 +212,14 @@ async def _demo(gateway: str, prompt: str, console: Console) -> int:
     async with GatewayClient(gateway) as gw:
         for i, text in enumerate((prompt, prompt + DEMO_FOLLOW_UP)):
             console.print(f"[bold]demo {i + 1}/2[/bold]: GenerateStream via {gateway} "
-                          f"(temperature {DEMO_TEMPERATURE}, seed {DEMO_SEED}, 32 tokens, "
+                          f"(temperature {DEMO_TEMPERATURE}, seed {DEMO_SEED}, {DEMO_TOKENS} tokens, "
                           f"{len(text.encode())}-byte prompt)")
             # The prompt dimmed, then the model's continuation as it streams in.
             console.print(text, style="dim", end="", markup=False, highlight=False,
                           soft_wrap=True)
             last = None
             # ignore_eos: the demo always shows 32 tokens (the usage line is checked by tests).
-            async for msg in gw.stream(text, max_tokens=32, temperature=DEMO_TEMPERATURE,
+            async for msg in gw.stream(text, max_tokens=DEMO_TOKENS, temperature=DEMO_TEMPERATURE,
                                        seed=DEMO_SEED, timeout=60, ignore_eos=True):
                 # The trained model writes Python; --random-weights engines write arbitrary
                 # bytes, so control characters other than newline and tab are shown escaped.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import time
 import uuid
@@ -24,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.backing.proc import ManagedProcess, free_port, port_open
+from kvmesh.backing.seaweed import S3Keys
 from kvmesh.backing.valkey import ValkeyProcess
 from kvmesh.healthcheck import check as health_check
+from kvmesh.tls import TlsFiles
 
 log = logging.getLogger("kvmesh.mesh")
 KVMESH = [sys.executable, "-m", "kvmesh.cli"]
@@ -52,20 +55,41 @@ class MeshConfig:
     service_token: str = ""          # KVMESH_SERVICE_TOKEN: internal RPCs
     admin_token: str = ""            # KVMESH_ADMIN_TOKEN: kvstore Delete/RunGC/Scrub
     api_keys: str = ""               # gateway keys file (--api-keys); "" = gateway auth off
+    # The gateway's gRPC/HTTP/metrics address; every other process listens on 127.0.0.1.
+    # Beyond loopback the gateway itself refuses to start without api_keys unless allowed.
+    public_host: str = "127.0.0.1"
+    allow_unauthenticated: bool = False
+    # Lock the backing servers with fresh random credentials (`kvmesh up`): Valkey's
+    # ACL user and password go to the directory only, the S3 keys to the kvstore only.
+    lock_backing: bool = False
+    # Certificates for every gRPC server and client, HTTPS on the HTTP API (kvmesh/tls.py);
+    # None = whatever $KVMESH_TLS_* says in this process (children inherit it).
+    tls: TlsFiles | None = None
+    # Prefill/decode disaggregation: engine-a is a prefill engine, the others decode
+    # engines (`kvmesh up --pd`: 1 + 2); the decode engines are also the gateway's fallback.
+    pd: bool = False
 
     def __post_init__(self):
         if not 1 <= self.engines <= 26:
             raise ValueError(f"engines must be in [1, 26], got {self.engines}")
+        if self.pd and self.engines < 2:
+            raise ValueError("pd needs at least 2 engines (1 prefill + decode engines)")
+
+    def role(self, index: int) -> str:
+        """The role of the index-th engine (engine-a = 0)."""
+        if not self.pd:
+            return "unified"
+        return "prefill" if index == 0 else "decode"
 
 
-def engine_argv(cfg: MeshConfig, engine_id: str, port: int, directory: str, kvstore: str
-                ) -> list[str]:
+def engine_argv(cfg: MeshConfig, engine_id: str, port: int, directory: str, kvstore: str,
+                role: str = "unified") -> list[str]:
     """The one place that decides how engines are launched."""
     return [*KVMESH, "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--engine-id", engine_id, "--directory", directory, "--kvstore", kvstore,
             "--preset", cfg.preset, "--num-slots", str(cfg.num_slots),
             "--num-blocks", str(cfg.num_blocks),
-            "--truncation", "compact", "--keep-tokens", "134", *cfg.engine_extra]
+            "--truncation", "compact", "--keep-tokens", "134", "--role", role, *cfg.engine_extra]
 
 
 def kvstore_argv(port: int, locations: list[str], data_dir: Path) -> list[str]:
@@ -89,11 +113,26 @@ class Mesh:
             env["KVMESH_SERVICE_TOKEN"] = self.cfg.service_token
         if self.cfg.admin_token:
             env["KVMESH_ADMIN_TOKEN"] = self.cfg.admin_token
+        self.tls = self.cfg.tls if self.cfg.tls is not None else TlsFiles.from_env()
+        env.update(self.tls.env())
         self.env = env  # what every child process gets on top of os.environ
+        self._own_env: dict[str, dict[str, str]] = {}  # name -> what only that one gets
+        # Made per run, never written to config, logs or command lines (see _start_all).
+        self.redis_user = self.redis_password = ""
+        self.s3_keys: S3Keys | None = None
+        if self.cfg.lock_backing:
+            self.redis_user, self.redis_password = "kvmesh", secrets.token_urlsafe(30)
+            self.s3_keys = S3Keys.generate()
 
     @property
     def engine_names(self) -> list[str]:
         return [f"engine-{chr(ord('a') + i)}" for i in range(self.cfg.engines)]
+
+    @property
+    def gateway_host(self) -> str:
+        """Where local clients reach the gateway: loopback when it listens everywhere."""
+        host = self.cfg.public_host
+        return "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
 
     @property
     def gateway(self) -> str:
@@ -112,7 +151,8 @@ class Mesh:
         cfg, log_dir = self.cfg, Path(self.cfg.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.on_progress("valkey", "starting")
-        self.valkey = ValkeyProcess(work_dir=log_dir / "valkey").start()
+        self.valkey = ValkeyProcess(work_dir=log_dir / "valkey", user=self.redis_user,
+                                    password=self.redis_password).start()
         self.endpoints["valkey"] = self.valkey.url
         self.on_progress("valkey", "healthy")
         kvstore = self._start_kvstore(log_dir)
@@ -120,57 +160,84 @@ class Mesh:
         self._spawn("directory", [*KVMESH, "directory", "serve", "--host", "127.0.0.1",
                                   "--port", str(dir_port), "--redis-url", self.valkey.url,
                                   "--key-prefix", f"kvmesh:mesh:{uuid.uuid4().hex[:8]}",
-                                  "--metrics-port", str(dir_metrics)], dir_port)
+                                  "--metrics-port", str(dir_metrics)], dir_port,
+                    own_env={"KVMESH_DIRECTORY_REDIS_USERNAME": self.redis_user,
+                             "KVMESH_DIRECTORY_REDIS_PASSWORD": self.redis_password}
+                    if self.redis_user else None)
         self.endpoints["directory-metrics"] = f"http://127.0.0.1:{dir_metrics}/metrics"
         self._wait_healthy(["directory"])
-        for name in self.engine_names:
+        for i, name in enumerate(self.engine_names):
             port, metrics = free_port(), free_port()
-            self._spawn(name, [*engine_argv(cfg, name, port, self.endpoints["directory"], kvstore),
+            self._spawn(name, [*engine_argv(cfg, name, port, self.endpoints["directory"], kvstore,
+                                            cfg.role(i)),
                                "--metrics-port", str(metrics)], port)
             self.endpoints[f"{name}-metrics"] = f"http://127.0.0.1:{metrics}/metrics"
         self._wait_healthy(self.engine_names)
-        gw_port = cfg.gateway_port or free_port()
-        metrics_port = cfg.metrics_port or free_port()
-        http_port = 0 if cfg.http_port < 0 else cfg.http_port or free_port()
-        self._spawn("gateway", [*KVMESH, "gateway", "serve", "--host", "127.0.0.1",
-                                "--port", str(gw_port),
-                                "--engines", ",".join(self.endpoints[n] for n in self.engine_names),
-                                "--directory", self.endpoints["directory"],
-                                "--metrics-port", str(metrics_port),
-                                "--http-port", str(http_port),
-                                *(("--api-keys", cfg.api_keys) if cfg.api_keys else ()),
-                                *cfg.gateway_extra],
-                    gw_port)
-        self._wait_healthy(["gateway"])
-        self.endpoints["gateway-metrics"] = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.add_gateway("gateway", cfg.api_keys, cfg.gateway_port, cfg.metrics_port,
+                         cfg.http_port)
+
+    def add_gateway(self, name: str, api_keys: str = "", port: int = 0, metrics_port: int = 0,
+                    http_port: int = 0) -> None:
+        """Start a gateway over this mesh's engines and directory, wait until it serves;
+        endpoints `name`, `name-metrics`, `name-http`. `start()` starts "gateway"; a
+        benchmark may add a second one (auth on beside auth off, same engines)."""
+        cfg = self.cfg
+        port, metrics_port = port or free_port(), metrics_port or free_port()
+        http_port = 0 if http_port < 0 else http_port or free_port()
+        self._spawn(name, [*KVMESH, "gateway", "serve", "--host", cfg.public_host,
+                           "--port", str(port),
+                           "--engines", ",".join(self.endpoints[n] for n in self.engine_names),
+                           "--directory", self.endpoints["directory"],
+                           "--metrics-port", str(metrics_port), "--http-port", str(http_port),
+                           *(("--api-keys", api_keys) if api_keys else ()),
+                           *(("--allow-unauthenticated",) if cfg.allow_unauthenticated else ()),
+                           *self._pd_args(), *cfg.gateway_extra],
+                    port, host=self.gateway_host)
+        self._wait_healthy([name])
+        host = self.gateway_host
+        self.endpoints[f"{name}-metrics"] = f"http://{host}:{metrics_port}/metrics"
         if http_port:
-            self._wait_port("gateway", http_port)
-            self.endpoints["gateway-http"] = f"http://127.0.0.1:{http_port}"
+            self._wait_port(name, host, http_port)
+            scheme = "https" if self.tls.server_enabled else "http"
+            self.endpoints[f"{name}-http"] = f"{scheme}://{host}:{http_port}"
+
+    def _pd_args(self) -> list[str]:
+        if not self.cfg.pd:
+            return []
+        names = self.engine_names
+        return ["--prefill-engines", self.endpoints[names[0]],
+                "--decode-engines", ",".join(self.endpoints[n] for n in names[1:])]
 
     def _start_kvstore(self, log_dir: Path) -> str:
         """One SeaweedFS server with 12 buckets (the 12 shard locations), then the kvstore."""
         from kvmesh.backing.seaweed import start_seaweed_cluster
 
         self.on_progress("seaweedfs", "starting")
-        self.seaweed = start_seaweed_cluster(1, 12, log_dir / "seaweedfs")
+        self.seaweed = start_seaweed_cluster(1, 12, log_dir / "seaweedfs", keys=self.s3_keys)
         self.endpoints["seaweedfs"] = self.seaweed.servers[0].endpoint
         self.on_progress("seaweedfs", "healthy")
         port = free_port()
         metrics = free_port()
         self._spawn("kvstore", [*kvstore_argv(port, self.seaweed.locations, log_dir / "kvstore"),
-                                "--metrics-port", str(metrics)], port)
+                                "--metrics-port", str(metrics)], port,
+                    own_env=self.s3_keys.env() if self.s3_keys else None)
         self.endpoints["kvstore-metrics"] = f"http://127.0.0.1:{metrics}/metrics"
         self._wait_healthy(["kvstore"])
         return self.endpoints["kvstore"]
 
-    def _spawn(self, name: str, argv: list[str], port: int) -> None:
+    def _spawn(self, name: str, argv: list[str], port: int, host: str = "127.0.0.1",
+               own_env: dict[str, str] | None = None) -> None:
         self.on_progress(name, "starting")
         log.debug("starting %s: %s", name, " ".join(argv))
-        proc = ManagedProcess(name, argv, Path(self.cfg.log_dir), env=self.env)
+        self._own_env[name] = own_env or {}
+        proc = ManagedProcess(name, argv, Path(self.cfg.log_dir), env=self._env_of(name))
         # Start each run with a fresh log: the tail shown on failure is this run's.
         proc.log_path.unlink(missing_ok=True)
         self.procs[name] = proc.start()
-        self.endpoints[name] = f"127.0.0.1:{port}"
+        self.endpoints[name] = f"{host}:{port}"
+
+    def _env_of(self, name: str) -> dict[str, str]:
+        return {**self.env, **self._own_env.get(name, {})}
 
     def _wait_healthy(self, names: list[str]) -> None:
         deadline = time.monotonic() + self.cfg.start_timeout_s
@@ -181,7 +248,7 @@ class Mesh:
                 if not proc.alive:
                     raise RuntimeError(f"{name} exited with {proc.proc.returncode} while starting; "
                                        f"last log lines ({proc.log_path}):\n{proc.tail()}")
-                if health_check(self.endpoints[name], timeout=0.5):
+                if health_check(self.endpoints[name], timeout=0.5, tls=self.tls):
                     waiting.remove(name)
                     self.on_progress(name, "healthy")
             if waiting and time.monotonic() > deadline:
@@ -190,10 +257,10 @@ class Mesh:
             if waiting:
                 time.sleep(0.1)
 
-    def _wait_port(self, name: str, port: int) -> None:
+    def _wait_port(self, name: str, host: str, port: int) -> None:
         """The gateway opens its HTTP port just after its gRPC one: wait for it too."""
         deadline = time.monotonic() + self.cfg.start_timeout_s
-        while not port_open("127.0.0.1", port):
+        while not port_open(host, port):
             if not self.procs[name].alive or time.monotonic() > deadline:
                 raise RuntimeError(f"{name} did not open port {port}; last log lines:\n"
                                    f"{self.procs[name].tail()}")
@@ -215,7 +282,7 @@ class Mesh:
         old = self.procs[name]
         old.stop()
         self.procs[name] = ManagedProcess(name, old.argv, Path(self.cfg.log_dir),
-                                          env=self.env).start()
+                                          env=self._env_of(name)).start()
         self._wait_healthy([name])
 
     def pids(self) -> list[int]:

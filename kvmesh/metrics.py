@@ -51,9 +51,11 @@ MIGRATIONS = Counter("kvmesh_migrations_total",
                      ["service"])
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> int:
-    """Serve /metrics in a daemon thread; returns the bound port (useful with port 0)."""
-    server, _thread = start_http_server(port, addr=host)
+def serve_metrics(port: int, host: str) -> int:
+    """Serve /metrics in a daemon thread; returns the bound port (useful with port 0).
+    `host` is the service's gRPC listen address: a service bound to loopback keeps its
+    metrics on loopback too (no separate, forgotten wildcard port)."""
+    server, _thread = start_http_server(port, addr=host.strip("[]"))
     return server.server_port
 
 

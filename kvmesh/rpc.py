@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh import auth, errors
 from kvmesh.rpc_auth import TokenGuard, token_interceptors
+from kvmesh.tls import TlsFiles
 
 log = logging.getLogger("kvmesh.rpc")
 
@@ -213,9 +214,13 @@ class Server:
 
     def __init__(self, address: str, service_names: Iterable[str], metrics_service: str = "",
                  options: list | None = None, metrics_skip: tuple[str, ...] = (),
-                 service_token: str | None = None, admin_token: str | None = None):
+                 service_token: str | None = None, admin_token: str | None = None,
+                 tls: TlsFiles | None = None):
         """`service_token`/`admin_token`: None = $KVMESH_SERVICE_TOKEN/$KVMESH_ADMIN_TOKEN;
-        '' = no check (the public gateway passes '': its callers hold API keys)."""
+        '' = no check (the public gateway passes '': its callers hold API keys).
+        `tls`: None = $KVMESH_TLS_* (kvmesh/tls.py); with a certificate the port is TLS
+        only, with a CA as well clients need a certificate it signed (mutual TLS)."""
+        tls = TlsFiles.from_env() if tls is None else tls
         if service_token is None:
             service_token = auth.read_token(auth.SERVICE_TOKEN_ENV)
         if admin_token is None:
@@ -238,7 +243,9 @@ class Server:
             reflection.SERVICE_NAME,
         ]
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(address)
+        self.tls = tls.server_enabled
+        self.port = (self.server.add_secure_port(address, tls.server_credentials())
+                     if tls.server_enabled else self.server.add_insecure_port(address))
         if self.port == 0:
             raise errors.Unavailable(f"cannot bind {address}")
 
@@ -275,11 +282,18 @@ def shutdown_signal() -> asyncio.Event:
     return stop
 
 
-def channel(address: str) -> grpc.aio.Channel:
+def channel(address: str, tls: TlsFiles | None = None) -> grpc.aio.Channel:
     """An internal channel; it sends $KVMESH_SERVICE_TOKEN ($KVMESH_ADMIN_TOKEN on admin
-    RPCs) when set. Without either it is a plain channel (no interceptor on the hot path)."""
+    RPCs) when set. Without either it is a plain channel (no interceptor on the hot path).
+    TLS (mutual when this process has a certificate) when $KVMESH_TLS_CA or
+    $KVMESH_TLS_CERT is set, or `tls` says so."""
     service, admin = auth.read_token(auth.SERVICE_TOKEN_ENV), auth.read_token(auth.ADMIN_TOKEN_ENV)
     interceptors = token_interceptors(service, admin) if service or admin else None
+    tls = TlsFiles.from_env() if tls is None else tls
+    if tls.client_enabled:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                       options=CHANNEL_OPTIONS + tls.channel_options(),
+                                       interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 

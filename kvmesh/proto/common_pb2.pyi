@@ -17,6 +17,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
+    FINISH_REASON_HANDOFF: _ClassVar[FinishReason]
 TRAFFIC_CLASS_UNSPECIFIED: TrafficClass
 TRAFFIC_CLASS_AGENT: TrafficClass
 TRAFFIC_CLASS_CHATBOT: TrafficClass
@@ -24,27 +25,40 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_ABORTED: FinishReason
+FINISH_REASON_HANDOFF: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "speculative")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    speculative: str
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., speculative: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "replayed_tokens", "generated_tokens")
+    __slots__ = ("prompt_tokens", "cached_tokens", "replayed_tokens", "generated_tokens", "prefill_engine", "decode_engine", "handoff_bytes", "drafted_tokens", "accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     replayed_tokens: int
     generated_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    prefill_engine: str
+    decode_engine: str
+    handoff_bytes: int
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_engine: _Optional[str] = ..., decode_engine: _Optional[str] = ..., handoff_bytes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class EngineServiceStub:
                 request_serializer=kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotResponse.FromString,
                 _registered_method=True)
+        self.FetchHandoff = channel.unary_stream(
+                '/kvmesh.engine.v1.EngineService/FetchHandoff',
+                request_serializer=kvmesh_dot_proto_dot_engine__pb2.FetchHandoffRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_engine__pb2.FetchHandoffResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -97,6 +102,14 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchHandoff(self, request, context):
+        """Serve a request this (prefill) engine handed off, to a decode engine (NOT_FOUND when
+        it is not held: never handed off, or expired).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +137,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.FetchSwaSnapshot,
                     request_deserializer=kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotResponse.SerializeToString,
+            ),
+            'FetchHandoff': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchHandoff,
+                    request_deserializer=kvmesh_dot_proto_dot_engine__pb2.FetchHandoffRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_engine__pb2.FetchHandoffResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +279,33 @@ class EngineService:
             '/kvmesh.engine.v1.EngineService/FetchSwaSnapshot',
             kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotRequest.SerializeToString,
             kvmesh_dot_proto_dot_engine__pb2.FetchSwaSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.engine.v1.EngineService/FetchHandoff',
+            kvmesh_dot_proto_dot_engine__pb2.FetchHandoffRequest.SerializeToString,
+            kvmesh_dot_proto_dot_engine__pb2.FetchHandoffResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -251,3 +251,29 @@ class ScrubResponse(_message.Message):
     progress: Progress
     report: ScrubReport
     def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., report: _Optional[_Union[ScrubReport, _Mapping]] = ...) -> None: ...
+
+class ReindexRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReindexReport(_message.Message):
+    __slots__ = ("objects", "runs", "blocks_found", "restored", "unreadable")
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FOUND_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
+    UNREADABLE_FIELD_NUMBER: _ClassVar[int]
+    objects: int
+    runs: int
+    blocks_found: int
+    restored: int
+    unreadable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, objects: _Optional[int] = ..., runs: _Optional[int] = ..., blocks_found: _Optional[int] = ..., restored: _Optional[int] = ..., unreadable: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReindexResponse(_message.Message):
+    __slots__ = ("progress", "report")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    progress: Progress
+    report: ReindexReport
+    def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., report: _Optional[_Union[ReindexReport, _Mapping]] = ...) -> None: ...

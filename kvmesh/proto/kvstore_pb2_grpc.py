@@ -74,6 +74,11 @@ class KvstoreServiceStub:
                 request_serializer=kvmesh_dot_proto_dot_kvstore__pb2.ScrubRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_kvstore__pb2.ScrubResponse.FromString,
                 _registered_method=True)
+        self.Reindex = channel.unary_stream(
+                '/kvmesh.kvstore.v1.KvstoreService/Reindex',
+                request_serializer=kvmesh_dot_proto_dot_kvstore__pb2.ReindexRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvstore__pb2.ReindexResponse.FromString,
+                _registered_method=True)
 
 
 class KvstoreServiceServicer:
@@ -134,6 +139,14 @@ class KvstoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reindex(self, request, context):
+        """Rebuild the index from the manifests the shard locations carry (a lost data
+        dir): adds every stored block the index lacks or holds in an older version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvstoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +189,11 @@ def add_KvstoreServiceServicer_to_server(servicer, server):
                     servicer.Scrub,
                     request_deserializer=kvmesh_dot_proto_dot_kvstore__pb2.ScrubRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_kvstore__pb2.ScrubResponse.SerializeToString,
+            ),
+            'Reindex': grpc.unary_stream_rpc_method_handler(
+                    servicer.Reindex,
+                    request_deserializer=kvmesh_dot_proto_dot_kvstore__pb2.ReindexRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvstore__pb2.ReindexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +412,33 @@ class KvstoreService:
             '/kvmesh.kvstore.v1.KvstoreService/Scrub',
             kvmesh_dot_proto_dot_kvstore__pb2.ScrubRequest.SerializeToString,
             kvmesh_dot_proto_dot_kvstore__pb2.ScrubResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reindex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.kvstore.v1.KvstoreService/Reindex',
+            kvmesh_dot_proto_dot_kvstore__pb2.ReindexRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvstore__pb2.ReindexResponse.FromString,
             options,
             channel_credentials,
             insecure,

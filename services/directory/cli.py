@@ -11,6 +11,7 @@ import asyncio
 import logging
 
 from kvmesh.clihelp import env_default
+from kvmesh.tls import add_flags as add_tls_flags
 from services.directory.config import DirectoryConfig
 
 log = logging.getLogger("kvmesh.directory")
@@ -21,10 +22,12 @@ def register(subparsers) -> None:
     sub = parser.add_subparsers(dest="directory_command", required=True)
     serve = sub.add_parser("serve", help="serve DirectoryService over gRPC")
     d = lambda name: env_default(DirectoryConfig, "KVMESH_DIRECTORY_", name)  # noqa: E731
-    serve.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on, gRPC and "
+                       "/metrics (default 127.0.0.1; 0.0.0.0 = every interface)")
     serve.add_argument("--port", type=int, default=50070, help="gRPC port")
     serve.add_argument("--redis-url", help="default: $KVMESH_DIRECTORY_REDIS_URL or "
-                       "redis://127.0.0.1:6379/0")
+                       "redis://127.0.0.1:6379/0; credentials: $KVMESH_DIRECTORY_REDIS_USERNAME "
+                       "and $KVMESH_DIRECTORY_REDIS_PASSWORD (never a flag: ps shows flags)")
     serve.add_argument("--key-prefix", help=f"prefix of every Redis key ({d('key_prefix')})")
     serve.add_argument("--entry-ttl-s", type=float,
                        help=f"default lifetime of a published snapshot entry ({d('entry_ttl_s')})")
@@ -37,6 +40,7 @@ def register(subparsers) -> None:
                        help=f"most keys in one Lookup or Publish ({d('max_batch')})")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus /metrics on this port (default: off)")
+    add_tls_flags(serve)
     serve.set_defaults(func=run_serve)
 
 
@@ -55,7 +59,7 @@ async def serve(config: DirectoryConfig, address: str) -> None:
     stop = shutdown_signal()
     server = await DirectoryServer(config, address).start()
     log.info("directory listening on %s:%d (redis %s, prefix %s)", address.rpartition(":")[0],
-             server.port, config.redis_url, config.key_prefix)
+             server.port, config.redacted_url, config.key_prefix)
     try:
         await stop.wait()
     finally:
@@ -66,6 +70,6 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         from kvmesh.metrics import serve_metrics
 
-        serve_metrics(args.metrics_port)
+        serve_metrics(args.metrics_port, args.host)
     asyncio.run(serve(config_from_args(args), f"{args.host}:{args.port}"))
     return 0

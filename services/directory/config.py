@@ -3,6 +3,8 @@
 | env var                                  | field              | default                    |
 |------------------------------------------|--------------------|----------------------------|
 | KVMESH_DIRECTORY_REDIS_URL               | redis_url          | redis://127.0.0.1:6379/0   |
+| KVMESH_DIRECTORY_REDIS_USERNAME          | redis_username     | "" (the URL's, or none)    |
+| KVMESH_DIRECTORY_REDIS_PASSWORD          | redis_password     | "" (the URL's, or none)    |
 | KVMESH_DIRECTORY_KEY_PREFIX              | key_prefix         | kvmesh:dir                 |
 | KVMESH_DIRECTORY_ENTRY_TTL_S             | entry_ttl_s        | 1800 (30 min)              |
 | KVMESH_DIRECTORY_MAX_ENTRY_TTL_S         | max_entry_ttl_s    | 86400                      |
@@ -12,11 +14,16 @@
 | KVMESH_DIRECTORY_REDIS_TIMEOUT_S         | redis_timeout_s    | 1.0 (socket read/write)    |
 | KVMESH_DIRECTORY_CONNECT_TIMEOUT_S       | connect_timeout_s  | 0.5 (TCP connect)          |
 | KVMESH_DIRECTORY_OP_TIMEOUT_S            | op_timeout_s       | 3.0 (whole call, retries)  |
+
+Redis credentials: `redis_username`/`redis_password` (or `redis://user:pass@host/0`), from
+the environment only, never a flag, so they stay out of `ps` and of the logs; logs show
+`redacted_url`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 
 from kvmesh.envs import config_from_env
@@ -27,6 +34,8 @@ ENV_PREFIX = "KVMESH_DIRECTORY_"
 @dataclasses.dataclass(frozen=True)
 class DirectoryConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_username: str = dataclasses.field(default="", repr=False)
+    redis_password: str = dataclasses.field(default="", repr=False)
     # Every Redis key the directory writes starts with this, so several meshes
     # (or tests) can share one Redis.
     key_prefix: str = "kvmesh:dir"
@@ -56,6 +65,13 @@ class DirectoryConfig:
             raise ValueError("lease_ttl_s must be >= 0.2 s (heartbeats need headroom)")
         if not 1 <= self.max_batch <= 100_000:
             raise ValueError(f"max_batch must be in [1, 100000], got {self.max_batch}")
+
+    @property
+    def redacted_url(self) -> str:
+        """The URL with any password replaced by `***`: the only form that is logged."""
+        return re.sub(r"^(\w+://)([^@/]*)@", lambda m: m.group(1) + (
+            m.group(2).split(":")[0] + ":***" if ":" in m.group(2) else m.group(2)) + "@",
+            self.redis_url)
 
     @property
     def entry_ttl_ms(self) -> int:

@@ -54,6 +54,9 @@ def connect(config: DirectoryConfig) -> aioredis.Redis:
         retry=Retry(NoBackoff(), 1),
         health_check_interval=0,
         client_name=CLIENT_NAME,
+        # None keeps what the URL says (redis://user:pass@...); set values win.
+        username=config.redis_username or None,
+        password=config.redis_password or None,
     )
 
 
@@ -103,7 +106,7 @@ class Directory:
                 return await script(args=[self._p, *args])
         except (rexc.ConnectionError, rexc.TimeoutError, TimeoutError, OSError) as exc:
             raise errors.Unavailable(
-                f"redis unavailable ({self.config.redis_url}): {type(exc).__name__}: {exc}"
+                f"redis unavailable ({self.config.redacted_url}): {type(exc).__name__}: {exc}"
             ) from exc
         except (rexc.ReadOnlyError, rexc.BusyLoadingError) as exc:
             raise errors.Unavailable(f"redis not ready: {exc}") from exc

@@ -101,7 +101,7 @@ class DirectoryServer:
             await self.server.set_serving(ok)
             log.log(logging.INFO if ok else logging.WARNING,
                     "directory %s (redis %s)", "SERVING" if ok else "NOT_SERVING",
-                    self.config.redis_url)
+                    self.config.redacted_url)
 
     async def _sweep_loop(self) -> None:
         """Purge lapsed engines every sweep_interval_s; reports Redis health on the way."""

@@ -13,6 +13,7 @@ from services.engine.cache.layout import RuntimeLayout
 from services.engine.config import (
     PRESETS,
     REPLAY_BLOCKS,
+    ROLES,
     TRUNCATION_MODES,
     EngineConfig,
     ModelConfig,
@@ -60,6 +61,18 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     g.add_argument("--max-backtrack", type=int, default=None,
                    help="B: tokens a sequence may take back (env KVMESH_MAX_BACKTRACKING_TOKENS, "
                         "default 6)")
+    g.add_argument("--role", choices=ROLES, default="unified",
+                   help="prefill/decode disaggregation: a prefill engine (extra-state on unless "
+                        "--no-extra-state is given) hands each request to a decode engine after "
+                        "its first token; a decode engine keeps the 134 ring")
+    g.add_argument("--speculative", default="off",
+                   help="speculative decoding: off | ngram:K (prompt lookup) | mtp:K (needs "
+                        "mtp.* weights), K <= B drafts per step; requests may ask for off or a "
+                        "smaller K")
+    g.add_argument("--ngram-min", type=int, default=1,
+                   help="ngram drafter: shortest suffix it looks up")
+    g.add_argument("--ngram-max", type=int, default=4,
+                   help="ngram drafter: longest suffix it looks up (tried first)")
     g.add_argument("--deterministic", action="store_true",
                    help="refuse settings whose output may change under preemption "
                         "(truncation on)")
@@ -78,13 +91,18 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
 
 def engine_config(args, env=None) -> EngineConfig:
     """Flags first; the KVMESH_* variables (env, default os.environ) only for flags not given."""
+    role = getattr(args, "role", "unified")
+    extra = args.extra_state
+    if role == "prefill" and extra is None:
+        extra = True                   # a prefill engine runs extra-state unless told otherwise
     return EngineConfig.from_flags(
         env,
         num_slots=args.num_slots, num_blocks=args.num_blocks,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running,
         long_prefill_chunk=args.long_prefill_chunk,
-        truncation=args.truncation, keep_tokens=args.keep_tokens, extra_state=args.extra_state,
+        truncation=args.truncation, keep_tokens=args.keep_tokens, extra_state=extra, role=role,
         extra_state_size=args.extra_state_size, max_backtrack=args.max_backtrack,
+        speculative=args.speculative, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         deterministic=args.deterministic, swa_policy=args.swa_policy,
         replay_blocks=args.replay_blocks,
         snapshot_bytes=args.snapshot_mb << 20, snapshot_ttl_min=args.snapshot_ttl_min,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvmesh.errors import KvmeshError
 from kvmesh.generation import DEFAULT_MAX_TOKENS
+from kvmesh.tls import add_flags as add_tls_flags
 from services.engine.build import add_engine_args, build_core, runtime_layout
 
 
@@ -34,6 +35,7 @@ def register(sub) -> None:
                        help="serve Prometheus /metrics on this port (0 = any free port; "
                        "default: off)")
     add_engine_args(serve)
+    add_tls_flags(serve)
     serve.set_defaults(func=_serve)
 
     lay = esub.add_parser("layout", help="print ring sizes, slot regions and bytes, and what fits "
@@ -75,6 +77,7 @@ def register(sub) -> None:
     local = add_engine_args(gen, title="local only (--local): model and cache")
     gen.set_defaults(local_only={a.dest: (a.option_strings[0], a.default)
                                  for a in local._group_actions})
+    add_tls_flags(gen)
     gen.set_defaults(func=_generate)
 
 

@@ -179,6 +179,10 @@ assert math.lcm(TINY.csa_m, TINY.hca_m) == TINY.block_size
 
 TRUNCATION_MODES = ("off", "mask", "compact")
 REPLAY_BLOCKS = ("share", "isolate")
+# unified: prefill and decode (today's engine); prefill: extra-state ring (396/262), hands
+# requests off after their first token; decode: the 134 ring, adopts handoffs (and still
+# serves whole requests, e.g. a fallback). docs/design.md §9.
+ROLES = ("unified", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,9 @@ class EngineConfig:
     extra_state: bool = False           # prefill-engine SWA ring of 396
     extra_state_size: int = 128         # PREFILL_STORE_EXTRA: rows the long ring adds
     max_backtrack: int = 6              # B: tokens a sequence may take back (speculative decoding)
+    speculative: str = "off"            # off | ngram:K | mtp:K, K <= B (core/speculative.py)
+    ngram_min: int = 1                  # ngram drafter: suffix lengths it looks up
+    ngram_max: int = 4
     deterministic: bool = False
     swa_policy: str = "full"            # full | periodic:N | zero
     replay_blocks: str = "share"        # blocks completed after a bounded replay: share | isolate
@@ -200,8 +207,16 @@ class EngineConfig:
     snapshot_ttl_min: float = 60.0
     dtype: str = "float32"
     seed: int = 0                       # weight init seed when no checkpoint is given
+    role: str = "unified"               # unified | prefill | decode (ROLES)
 
     def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
+        if self.role == "prefill" and not self.extra_state:
+            raise ValueError("role prefill needs extra-state on (the 396-row ring): "
+                             "--extra-state or no --no-extra-state")
+        if self.role == "decode" and self.extra_state:
+            raise ValueError("role decode keeps the 134-row inference ring: --no-extra-state")
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, not {self.truncation!r}")
         if self.deterministic and self.truncation != "off":

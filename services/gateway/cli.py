@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvmesh.tls import add_flags as add_tls_flags
 from services.gateway.config import GatewayConfig
 
 
@@ -44,6 +45,16 @@ def register(sub) -> None:
     serve.add_argument("--api-keys", help="file of 'key tenant role' lines; callers must send "
                        "'authorization: Bearer <key>' (default $KVMESH_GATEWAY_API_KEYS or "
                        "none = auth off)")
+    serve.add_argument("--allow-unauthenticated", action="store_const", const=True,
+                       help="listen beyond loopback (--host 0.0.0.0) without --api-keys, which "
+                       "is refused otherwise (default $KVMESH_GATEWAY_ALLOW_UNAUTHENTICATED "
+                       "or false)")
+    add_tls_flags(serve)
+    serve.add_argument("--prefill-engines", help="prefill/decode disaggregation: prefill "
+                       "engines host:port,... (with --decode-engines; default "
+                       "$KVMESH_GATEWAY_PREFILL_ENGINES or none = off)")
+    serve.add_argument("--decode-engines", help="decode engines host:port,... (default "
+                       "$KVMESH_GATEWAY_DECODE_ENGINES)")
     serve.set_defaults(func=_serve)
 
 
@@ -55,15 +66,22 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                                   migration_limit=getattr(args, "migration_limit", None),
                                   event_loop=getattr(args, "event_loop", None),
                                   engine_sessions=getattr(args, "engine_sessions", None),
-                                  api_keys=getattr(args, "api_keys", None))
+                                  api_keys=getattr(args, "api_keys", None),
+                                  allow_unauthenticated=getattr(args, "allow_unauthenticated",
+                                                                None),
+                                  prefill_engines=getattr(args, "prefill_engines", None),
+                                  decode_engines=getattr(args, "decode_engines", None))
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from kvmesh.auth import check_public_bind
+    from kvmesh.errors import InvalidArgument
     from services.gateway.service import run, serve
 
     try:
         cfg = config_from_args(args)
-    except ValueError as exc:
+        check_public_bind(cfg.host, bool(cfg.api_keys), cfg.allow_unauthenticated)
+    except (ValueError, InvalidArgument) as exc:
         print(f"kvmesh gateway: {exc}", file=sys.stderr)
         return 2
     if not cfg.engines and not cfg.directory:

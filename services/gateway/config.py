@@ -23,10 +23,19 @@
 | KVMESH_GATEWAY_EVENT_LOOP            | event_loop            | uvloop             |
 | KVMESH_GATEWAY_ENGINE_SESSIONS       | engine_sessions       | true               |
 | KVMESH_GATEWAY_API_KEYS              | api_keys              | "" = auth off      |
+| KVMESH_GATEWAY_ALLOW_UNAUTHENTICATED | allow_unauthenticated | false              |
+| KVMESH_GATEWAY_PREFILL_ENGINES       | prefill_engines       | "" (host:port,...) |
+| KVMESH_GATEWAY_DECODE_ENGINES        | decode_engines        | "" (host:port,...) |
+
+`prefill_engines` and `decode_engines` (both or neither): prefill/decode disaggregation
+(services/gateway/pd.py). Each request is prefilled on a prefill engine, then decoded on a
+decode engine; `engines` (and the directory's) are the fallback when that fails.
 
 `api_keys`: a file of `key tenant role` lines (role `user` or `admin`); when set, every
 Generate call and HTTP API request must carry `authorization: Bearer <key>` (see
-kvmesh/auth.py and README.md, "Authentication and tenants").
+kvmesh/auth.py and README.md, "Authentication and tenants"). Without keys the gateway
+refuses to listen beyond loopback unless `allow_unauthenticated` is set
+(`kvmesh.auth.check_public_bind`, checked when serving starts).
 
 `event_loop`: `uvloop` (default; a declared dependency), `asyncio`, or `auto` (uvloop when
 importable). grpc.aio runs on uvloop unchanged; on the 2-core box it takes ~0.15 ms of
@@ -94,9 +103,14 @@ class GatewayConfig:
     event_loop: str = "uvloop"          # uvloop | asyncio | auto (see the module docstring)
     engine_sessions: bool = True        # one Session stream per engine, else a call per request
     api_keys: str = ""                  # keys file (`key tenant role` lines); "" = auth off
+    allow_unauthenticated: bool = False  # serve beyond loopback without api_keys
+    prefill_engines: str = ""           # disaggregation: prefill engines, host:port,...
+    decode_engines: str = ""            # and decode engines (both or neither)
 
     def __post_init__(self):
         split_addresses(self.engines)
+        if bool(split_addresses(self.prefill_engines)) != bool(split_addresses(self.decode_engines)):
+            raise ValueError("prefill_engines and decode_engines go together: give both or neither")
         if self.directory:
             split_addresses(self.directory)
         for name in ("port", "metrics_port", "http_port"):

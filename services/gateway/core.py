@@ -42,6 +42,7 @@ from services.gateway.model import (
     Usage,
     status_name,
 )
+from services.gateway.pd import PdFailed, PdRoutes, serve_pd
 from services.gateway.router import Router
 
 log = logging.getLogger("kvmesh.gateway")
@@ -89,6 +90,7 @@ class GatewayCore:
         self.directory = directory          # DirectoryClient-like, or None
         self.clock = clock
         self.router = Router(cfg.engine_list, cfg.affinity_entries, cfg.max_imbalance)
+        self.pd = PdRoutes.from_config(cfg)     # prefill/decode engines, None = off
         self.tokenizer = load_tokenizer(cfg.tokenizer or None)
         self.metrics = RequestMetrics("gateway")
         # None = auth off (no keys file): every caller is anonymous, as before keys existed.
@@ -127,6 +129,8 @@ class GatewayCore:
             log.warning("directory ListEngines failed: %s", exc)
             engines = []
         self.router.update_from_directory(engines, self.clock())
+        if self.pd is not None:
+            self.pd.update_from_directory(engines, self.clock())
 
     async def model_info(self) -> ModelInfo | None:
         """GetModelInfo from the first engine that answers; cached once known."""
@@ -176,6 +180,14 @@ class GatewayCore:
              principal: Principal | None = None) -> GatewayRequest:
         return GatewayRequest(self, req, timeout, method, principal)
 
+    def refused(self, method: str, exc: KvmeshError, total_s: float, where: str = "") -> None:
+        """Count and log a request refused before `open` (bad key, a body or message over
+        the size limit, unparsable fields): the same metric and log line as the others,
+        so a 5 MiB request shows up like any refused request. `where`: e.g. " http=413"."""
+        status = status_name(exc)
+        self.metrics.observe(method, status, total_s)
+        log.info("request id=- status=%s%s method=%s: %s", status, where, method, exc)
+
 
 class GatewayRequest:
     """One request's life: iterate it for chunks; `engine_id`, `attempts` are set as it goes.
@@ -201,6 +213,8 @@ class GatewayRequest:
         self.usage = Usage()
         self.t0 = core.clock()
         self.ttft: float | None = None
+        self.prefill_engine = ""         # disaggregated (pd.py): the engines of each phase
+        self.decode_engine = ""
 
     @property
     def tokens(self) -> int:
@@ -241,10 +255,24 @@ class GatewayRequest:
             keys = info.snapshot_keys(ids, req.cache_salt)
             holders = await core.holders(keys[:info.lookup_count(len(ids))])
         msg = engine_request(req)
-        if core.cfg.migration_limit and not msg.sampling.HasField("seed"):
+        if (core.cfg.migration_limit or core.pd) and not msg.sampling.HasField("seed"):
             # A stream continued on another engine draws its next tokens from the same
             # (seed, position) stream only if the seed is known here.
             msg.sampling.seed = random.getrandbits(62)
+        if core.pd is not None:
+            try:
+                async with contextlib.aclosing(serve_pd(self, msg, keys, holders)) as chunks:
+                    async for chunk in chunks:
+                        self._took(chunk)
+                        yield chunk
+                return
+            except PdFailed as exc:
+                # a unified engine takes over, from the tokens already sent (same seed)
+                log.warning("request %s: disaggregation failed after %d tokens (%s); "
+                            "falling back to a unified engine", req.request_id, self.tokens, exc)
+                core.metrics.retries.inc()
+                if self.generated:
+                    msg = resume_request(msg, ids, self.generated)
         failed_at: dict[str, float] = {}   # engine address -> when it failed this request
         last: Exception | None = None
         while self.attempts < core.cfg.max_attempts + self.migrations:
@@ -263,19 +291,18 @@ class GatewayRequest:
             if self.attempts > 1:
                 core.metrics.retries.inc()
             st.in_flight += 1
+            sent_before = self.tokens
             try:
                 async with contextlib.aclosing(
                         core.pool.stream(st.address, msg, self._remaining())) as chunks:
                     async for chunk in chunks:
-                        if self.ttft is None and chunk.token_ids:
-                            self.ttft = core.clock() - self.t0
-                        self.generated.extend(chunk.token_ids)
-                        if chunk.usage is not None:
-                            self.usage = chunk.usage
+                        self._took(chunk)
                         yield chunk
             except EngineFailure as exc:
                 core.router.mark_down(st.address, core.clock() + core.cfg.down_s)
-                if self.tokens:
+                # tokens from this engine: a migration; none (even after a disaggregated
+                # request's first tokens, or a migration): another try of the same request
+                if self.tokens > sent_before:
                     if self.migrations >= core.cfg.migration_limit:
                         raise Unavailable(f"engine {st.engine_id} failed mid-stream after "
                                           f"{self.tokens} tokens: {exc}") from None
@@ -299,6 +326,14 @@ class GatewayRequest:
             raise Unavailable("no engine available: none configured or none alive")
         raise Unavailable(f"no engine could serve the request after {self.attempts} attempts; "
                           f"last error from {self.engine_id}: {last}")
+
+    def _took(self, chunk: Chunk) -> None:
+        """Bookkeeping of a chunk on its way to the client."""
+        if self.ttft is None and chunk.token_ids:
+            self.ttft = self.core.clock() - self.t0
+        self.generated.extend(chunk.token_ids)
+        if chunk.usage is not None:
+            self.usage = chunk.usage
 
     def scoped(self) -> GenRequest:
         """The request as engines see it: id and cache salt inside the caller's tenant."""

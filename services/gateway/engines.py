@@ -41,7 +41,8 @@ def engine_request(req: GenRequest) -> engine_pb2.GenerateRequest:
         msg.prompt_token_ids.extend(req.prompt_token_ids)
     else:
         msg.prompt = req.prompt
-    return set_sampling(msg, req.max_tokens, req.temperature, req.top_k, req.top_p, req.seed)
+    return set_sampling(msg, req.max_tokens, req.temperature, req.top_k, req.top_p, req.seed,
+                        req.speculative)
 
 
 def resume_request(msg: engine_pb2.GenerateRequest, prompt_ids: list[int],

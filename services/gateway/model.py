@@ -35,6 +35,7 @@ class GenRequest:
     traffic_class: str = ""             # kvmesh.generation.TRAFFIC_CLASSES or "" (none)
     cache_salt: str = ""
     ignore_eos: bool = False
+    speculative: str | None = None      # None: the engine's setting (kvmesh.generation)
 
 
 class Usage(NamedTuple):
@@ -42,6 +43,18 @@ class Usage(NamedTuple):
     cached_tokens: int = 0
     replayed_tokens: int = 0
     generated_tokens: int = 0
+    prefill_engine: str = ""        # disaggregated requests (pd.py): who prefilled,
+    decode_engine: str = ""         # who decoded,
+    handoff_bytes: int = 0          # and what moved between them
+    drafted_tokens: int = 0             # speculative decoding: proposed
+    accepted_tokens: int = 0            # and accepted
+
+
+class HandoffInfo(NamedTuple):
+    """A prefill engine's handoff (engine.v1 HandoffInfo): what the decode engine fetches."""
+    total_bytes: int
+    sha256: str
+    block_hashes: tuple[bytes, ...] = ()
 
 
 class Chunk(NamedTuple):
@@ -51,6 +64,7 @@ class Chunk(NamedTuple):
     text: str
     finish: str | None = None
     usage: Usage | None = None
+    handoff: HandoffInfo | None = None     # finish "handoff" (a prefill engine's last chunk)
 
 
 class Outcome(NamedTuple):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import time
 from collections.abc import Coroutine
 
 import grpc
@@ -23,6 +24,7 @@ from kvmesh.proto import common_pb2
 from kvmesh.proto import gateway_pb2 as pb
 from kvmesh.proto import gateway_pb2_grpc as pb_grpc
 from kvmesh.rpc import Server, shutdown_signal
+from kvmesh.tls import TlsFiles
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
 from services.gateway.model import GenRequest, status_name
@@ -45,6 +47,7 @@ def request_from_proto(msg: pb.GenerateRequest, max_bytes: int) -> GenRequest:
         top_k=s.top_k if s.HasField("top_k") else None,
         top_p=s.top_p if s.HasField("top_p") else None,
         seed=s.seed if s.HasField("seed") else None,
+        speculative=s.speculative if s.HasField("speculative") else None,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         # An unknown enum number maps to a name validation rejects with the number in it.
@@ -66,11 +69,16 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         self.core = core
 
     def _open(self, request, context, method: str):
-        principal = None
-        if self.core.keys is not None:  # auth off: no metadata scan on the hot path
-            principal = self.core.authenticate(
-                metadata_value(context.invocation_metadata(), "authorization"))
-        req = request_from_proto(request, self.core.cfg.max_request_bytes)
+        t0 = time.monotonic()
+        try:
+            principal = None
+            if self.core.keys is not None:  # auth off: no metadata scan on the hot path
+                principal = self.core.authenticate(
+                    metadata_value(context.invocation_metadata(), "authorization"))
+            req = request_from_proto(request, self.core.cfg.max_request_bytes)
+        except KvmeshError as exc:  # refused before the core saw it: counted and logged
+            self.core.refused(method, exc, time.monotonic() - t0)
+            raise
         return self.core.open(req, context.time_remaining(), method, principal)
 
     async def GenerateStream(self, request, context):
@@ -151,7 +159,7 @@ async def serve(cfg: GatewayConfig) -> None:
     if cfg.http_port:
         from services.gateway.openai_api.server import HttpServer
 
-        http = HttpServer(core, cfg.host, cfg.http_port)
+        http = HttpServer(core, cfg.host, cfg.http_port, tls=TlsFiles.from_env())
         try:
             await http.start()
         except OSError:  # port taken: stop what started; the CLI prints why and exits 2

@@ -31,6 +31,7 @@ from services.gateway.model import (
     DeadlineExceeded,
     EngineFailure,
     EngineInternal,
+    HandoffInfo,
     Usage,
 )
 
@@ -52,8 +53,12 @@ def to_chunk(m: engine_pb2.GenerateResponse) -> Chunk:
     if not m.finish_reason:
         return Chunk(list(m.token_ids), m.text)
     u = m.usage
+    handoff = HandoffInfo(m.handoff.total_bytes, m.handoff.sha256,
+                          tuple(m.handoff.block_hashes)) if m.HasField("handoff") else None
     return Chunk(list(m.token_ids), m.text, finish_name(m.finish_reason) or "aborted",
-                 Usage(u.prompt_tokens, u.cached_tokens, u.replayed_tokens, u.generated_tokens))
+                 Usage(u.prompt_tokens, u.cached_tokens, u.replayed_tokens, u.generated_tokens,
+                       drafted_tokens=u.drafted_tokens, accepted_tokens=u.accepted_tokens),
+                 handoff)
 
 
 class EngineSession:

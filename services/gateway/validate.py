@@ -12,7 +12,7 @@ import math
 import re
 
 from kvmesh.errors import InvalidArgument, TooLarge
-from kvmesh.generation import check_traffic_class
+from kvmesh.generation import check_traffic_class, parse_speculative
 from services.gateway.config import GatewayConfig
 from services.gateway.model import GenRequest
 
@@ -32,6 +32,8 @@ def check_sampling(req: GenRequest, cfg: GatewayConfig) -> None:
         raise InvalidArgument(f"sampling.top_k must be >= 0 (0 = off), got {req.top_k}")
     if req.seed is not None and not 0 <= req.seed < 2**63:
         raise InvalidArgument(f"sampling.seed must be in [0, 2**63), got {req.seed}")
+    if req.speculative is not None:
+        parse_speculative(req.speculative)      # the engine checks it against its own setting
     if req.max_tokens is not None:
         if req.max_tokens <= 0:
             raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}")

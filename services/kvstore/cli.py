@@ -1,4 +1,4 @@
-"""`kvmesh kvstore serve` and `kvmesh admin {gc run|gc stats|ls|scrub}`.
+"""`kvmesh kvstore serve` and `kvmesh admin {gc run|gc stats|ls|scrub|reindex}`.
 
 Admin commands talk gRPC to `--kvstore ADDR` (default $KVMESH_KVSTORE_ADDR or
 127.0.0.1:7100) and draw progress and tables with rich.
@@ -19,6 +19,7 @@ from rich.table import Table
 from kvmesh.clihelp import env_default
 from kvmesh.generation import traffic_class_name
 from kvmesh.running import RUNNING_MESH_FILE
+from kvmesh.tls import add_flags as add_tls_flags
 from services.kvstore.client import KvstoreClient
 from services.kvstore.config import KvstoreConfig
 
@@ -51,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "activity; default: off)")
     serve.add_argument("--create-buckets", action="store_true",
                        help="create missing shard buckets at start (fresh S3 servers, compose)")
+    add_tls_flags(serve)
     serve.set_defaults(func=_serve)
 
     admin = sub.add_parser("admin", help="kvstore administration over gRPC")
@@ -59,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        f"the `kvmesh up` running from this directory ({RUNNING_MESH_FILE}), "
                        f"else {DEFAULT_ADDR})")
     admin.add_argument("--timeout", type=float, default=600.0, help="seconds per admin call")
+    add_tls_flags(admin)
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
     gc = admin_sub.add_parser("gc", help="garbage collection")
     gc_sub = gc.add_subparsers(dest="gc_command", required=True)
@@ -72,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     scrub = admin_sub.add_parser("scrub", help="check every object's shards")
     scrub.add_argument("--repair", action="store_true", help="rewrite missing/corrupt shards")
     scrub.set_defaults(func=_scrub)
+    reidx = admin_sub.add_parser("reindex", help="rebuild a lost index from the shard "
+                                 "locations' manifests (adds what the index lacks)")
+    reidx.set_defaults(func=_reindex)
 
 
 # -- serve -------------------------------------------------------------------------
@@ -112,7 +118,7 @@ async def _serve_async(cfg: KvstoreConfig, metrics_port: int | None = None) -> N
     server = KvstoreServer(cfg)
     port = await server.start()
     if metrics_port is not None:
-        _export_metrics(server, metrics_port)
+        _export_metrics(server, metrics_port, cfg.host)
     log.info("kvstore serving on %s:%d (%d shard locations, data in %s)",
              cfg.host, port, len(cfg.locations), cfg.data_dir)
     from kvmesh.rpc import shutdown_signal
@@ -123,7 +129,7 @@ async def _serve_async(cfg: KvstoreConfig, metrics_port: int | None = None) -> N
     await server.stop()
 
 
-def _export_metrics(server, port: int) -> None:
+def _export_metrics(server, port: int, host: str) -> None:
     """Gauges read at scrape time from plain attributes (no I/O): durable bytes, hot-tier
     bytes and the core's counters (GC deletions, bytes freed, repairs, ...)."""
     from kvmesh.metrics import StatsExporter, serve_metrics
@@ -139,7 +145,7 @@ def _export_metrics(server, port: int) -> None:
                 **dict(core.counters)}
 
     StatsExporter("kvstore", read)
-    serve_metrics(port)
+    serve_metrics(port, host)
 
 
 # -- admin -------------------------------------------------------------------------
@@ -294,5 +300,19 @@ def _scrub(args) -> int:
         for key in r.lost:
             console.print(f"  [red]lost[/red] {key}")
         return 1 if r.lost or (r.degraded and not args.repair) else 0
+
+    return _run(args, go)
+
+
+def _reindex(args) -> int:
+    console = _console()
+
+    async def go(client: KvstoreClient):
+        r = await _drain(client.reindex_stream(), console, "reindex")
+        console.print(f"found {r.objects} objects and {r.runs} runs holding {r.blocks_found} "
+                      f"blocks; {r.restored} index records restored")
+        for name in r.unreadable:
+            console.print(f"  [red]unreadable[/red] {name}")
+        return 1 if r.unreadable else 0
 
     return _run(args, go)

@@ -107,3 +107,12 @@ class KvstoreClient(RpcClient):
             if msg.WhichOneof("part") == "report":
                 return msg.report
         raise RuntimeError("Scrub stream ended without a report")
+
+    def reindex_stream(self, timeout: float | None = None):
+        return self.stub.Reindex(pb.ReindexRequest(), timeout=self._t(timeout))
+
+    async def reindex(self, timeout: float | None = None) -> pb.ReindexReport:
+        async for msg in self.reindex_stream(timeout):
+            if msg.WhichOneof("part") == "report":
+                return msg.report
+        raise RuntimeError("Reindex stream ended without a report")

@@ -72,6 +72,10 @@ class KvstoreConfig:
     health_min_errors: int = 3
     health_error_rate: float = 0.6
     threads_per_location: int = 4
+    # A put of several blocks is stored as runs of up to run_blocks blocks and
+    # run_max_bytes payload each (runs.py); 1 = every block an object of its own.
+    run_blocks: int = 16
+    run_max_bytes: int = 64 * MiB
     layout: Layout = field(default_factory=Layout)
 
     def __post_init__(self) -> None:
@@ -87,7 +91,8 @@ class KvstoreConfig:
         for name in ("mem_bytes", "disk_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("capacity_bytes", "max_object_bytes", "threads_per_location"):
+        for name in ("capacity_bytes", "max_object_bytes", "threads_per_location", "run_blocks",
+                     "run_max_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("ttl_agent_s", "ttl_chatbot_s", "gc_interval_s", "access_flush_s",
@@ -149,7 +154,8 @@ class KvstoreConfig:
 
 
 _INTS = {"port", "mem_bytes", "disk_bytes", "capacity_bytes", "max_object_bytes",
-         "write_quorum", "threads_per_location", "health_min_errors"}
+         "write_quorum", "threads_per_location", "health_min_errors", "run_blocks",
+         "run_max_bytes"}
 _STRS = {"host"}
 
 

@@ -15,11 +15,17 @@ One Get, walked through:
 GC removes a victim's record and tier copies in one synchronous step (no
 await in between), so a reader either got its lease first (GC skips the key)
 or finds no record (a clean miss); shards are deleted only afterwards.
+
+Runs (runs.py): a put of several blocks writes one run object per location;
+a get groups its cold keys by run and reads each run once (runstore.py). A
+run is reclaimed (`_reclaim_runs`) once none of its blocks has a record and
+no reader holds a lease on it (`_run_readers`). Admin calls: admin.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -28,13 +34,14 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvmesh.errors import InvalidArgument, Unavailable
-from services.kvstore import ec, gc, keys
+from kvmesh.errors import Unavailable
+from services.kvstore import ec, keys, runs
+from services.kvstore.admin import AdminOps
 from services.kvstore.config import KvstoreConfig
 from services.kvstore.durable import DurableStore, ReadResult
-from services.kvstore.meta import MetaStore, Record
-from services.kvstore.reports import GcReport, ListEntry, ScrubReport, Stats
-from services.kvstore.shards import LocationDown, ShardStore
+from services.kvstore.meta import MetaStore, Record, RunRecord
+from services.kvstore.runstore import RunReader
+from services.kvstore.shards import RUN_PREFIX, ShardStore
 from services.kvstore.tiers import DiskTier, MemoryTier
 
 # What each GC pass adds to `counters` (run_gc); /metrics shows them from the start, at 0.
@@ -45,14 +52,7 @@ READ_COUNTERS = ("shards_repaired", "shard_reads_hedged", "shard_reads_timed_out
                  "digest_mismatches_recovered", "shards_forged", "digest_mismatches_unrecovered")
 
 log = logging.getLogger("kvmesh.kvstore")
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
-
-
-def _no_progress(phase: str, done: int, total: int) -> None:
-    pass
-
-
-class KvStore:
+class KvStore(AdminOps):
     def __init__(self, cfg: KvstoreConfig, clock: Callable[[], float] = time.time):
         self.cfg = cfg
         self.clock = clock
@@ -62,7 +62,9 @@ class KvStore:
         self.disk = DiskTier(data / "blocks", cfg.disk_bytes)
         self.shards = ShardStore.from_config(cfg)
         self.durable = DurableStore(cfg.layout, self.shards, cfg.write_quorum)
+        self.runs = RunReader(cfg.layout, self.shards, self.durable)
         self._readers: Counter[str] = Counter()
+        self._run_readers: Counter[str] = Counter()  # a run being read is never reclaimed
         self.counters: Counter[str] = Counter()
         self._tasks: list[asyncio.Task] = []
         self._gc_lock = asyncio.Lock()
@@ -99,14 +101,20 @@ class KvStore:
         await self.shards.close()
 
     @contextmanager
-    def _lease(self, key: str):
+    def _lease(self, key: str, run: str = ""):
         self._readers[key] += 1
+        if run:
+            self._run_readers[run] += 1
         try:
             yield
         finally:
             self._readers[key] -= 1
             if self._readers[key] <= 0:
                 del self._readers[key]
+            if run:
+                self._run_readers[run] -= 1
+                if self._run_readers[run] <= 0:
+                    del self._run_readers[run]
 
     def busy(self) -> set[str]:
         return set(self._readers)
@@ -122,20 +130,38 @@ class KvStore:
         return await self.put_objects([(k, d, traffic_class) for k, d in items])
 
     async def put_objects(self, items: list[tuple[str, bytes, str]]) -> int:
-        """Like `put`, with a traffic class per object."""
+        """Like `put`, with a traffic class per object. Two or more objects are stored
+        as runs (runs.py) of up to `run_blocks`; a later duplicate key wins."""
         checked = [(k, bytes(d), self.check_put(k, len(d), tc)) for k, d, tc in items]
-        await asyncio.gather(*(self._put_one(k, d, tc) for k, d, tc in checked))
+        unique = list({k: (k, d, tc) for k, d, tc in checked}.values())
+        # An empty block would touch no shard in a run, so its reads could not tell a
+        # lost run from a healthy one: it stays an object of its own.
+        packed = [i for i, (_, d, _) in enumerate(unique) if d]
+        groups = [[packed[j] for j in g] for g in runs.split_batches(
+            [len(unique[i][1]) for i in packed], self.cfg.run_blocks, self.cfg.run_max_bytes)]
+        groups += [[i] for i, (_, d, _) in enumerate(unique) if not d]
+        await asyncio.gather(*(
+            self._put_run([unique[i] for i in g]) if len(g) > 1 else self._put_one(*unique[g[0]])
+            for g in groups))
+        await self._reclaim_runs()  # runs whose last block these puts overwrote
         return len(checked)
+
+    @staticmethod
+    async def _digest(data: bytes) -> bytes:
+        # blake3 releases the GIL: a 64 MiB object's digest must not stall the loop.
+        return ec.digest(data) if len(data) < 1 << 20 else await asyncio.to_thread(ec.digest, data)
 
     async def _put_one(self, key: str, data: bytes, traffic_class: str) -> None:
         gen = secrets.randbits(63)
-        # blake3 releases the GIL: a 64 MiB object's digest must not stall the loop.
-        digest = ec.digest(data) if len(data) < 1 << 20 else await asyncio.to_thread(ec.digest, data)
+        digest = await self._digest(data)
+        now = self.clock()
+        manifest = runs.Manifest((runs.BlockEntry(key, 0, len(data), gen, traffic_class, now,
+                                                  digest),), digest)
         self.mem.drop(key)
         self.disk.drop(key)
-        self.meta.begin_put(key, gen, len(data), traffic_class, self.clock(), digest)
+        self.meta.begin_put(key, gen, len(data), traffic_class, now, digest)
         try:
-            await self.durable.put(key, gen, data)
+            await self.durable.put(key, gen, data, manifest.pack())
         except BaseException:
             if self.meta.remove(key, gen) is not None:
                 asyncio.ensure_future(self.durable.delete(key))
@@ -145,39 +171,116 @@ class KvStore:
             self.mem.put(key, gen, data)
             await self.disk.put(key, gen, data)
 
-    async def get(self, key_list: list[str]) -> list[bytes | None]:
-        keys.check_keys(key_list)
-        return list(await asyncio.gather(*(self._get_one(k) for k in key_list)))
+    async def _put_run(self, items: list[tuple[str, bytes, str]]) -> None:
+        """One run: index rows (complete=0) first, then 12 shard objects, then commit."""
+        run_id = secrets.token_hex(runs.RUN_ID_HEX // 2)
+        now = self.clock()
+        offsets = runs.layout_blocks([len(d) for _, d, _ in items])
+        payload = b"".join(d for _, d, _ in items)
+        digests = [await self._digest(d) for _, d, _ in items]
+        entries = tuple(runs.BlockEntry(k, off, len(d), secrets.randbits(63), tc, now, dg)
+                        for (k, d, tc), off, dg in zip(items, offsets, digests, strict=True))
+        manifest = runs.Manifest(entries, await self._digest(payload))
+        run_gen = secrets.randbits(63)
+        blobs = await self.durable.encode(run_id, run_gen, payload, manifest.pack())
+        frag_data, data_at = ec.fragment_data(self.cfg.layout, blobs[0])
+        info = RunRecord(run_gen, len(payload), frag_data, data_at, manifest.digest, now)
+        for e in entries:
+            self.mem.drop(e.key)
+            self.disk.drop(e.key)
+        self.meta.begin_run(run_id, info, [
+            (e.key, Record(e.generation, e.size, e.traffic_class, now, now, False, e.digest,
+                           run_id, e.offset)) for e in entries])
+        try:
+            await self.durable.write(run_id, blobs, prefix=RUN_PREFIX)
+        except BaseException:
+            self.meta.abort_run(run_id, [(e.key, e.generation) for e in entries])
+            asyncio.ensure_future(self._reclaim_runs())
+            raise
+        done = set(self.meta.commit_run(run_id, [(e.key, e.generation) for e in entries]))
+        self.counters["puts"] += len(done)
+        self.counters["runs_written"] += 1
+        for (key, data, _), e in zip(items, entries, strict=True):
+            if key in done:
+                self.mem.put(key, e.generation, data)
+                await self.disk.put(key, e.generation, data)
 
-    async def _get_one(self, key: str) -> bytes | None:
-        rec = self.meta.current(key)
-        if rec is None:
-            self.counters["misses"] += 1
-            return None
-        gen = rec.generation
-        with self._lease(key):
-            data = self.mem.get(key, gen)
-            tier = "mem"
+    async def _reclaim_runs(self) -> int:
+        """Delete the shards of runs whose last block is gone (not while one is read)."""
+        dead = [r for r in self.meta.dead_runs if r not in self._run_readers]
+        for run in dead:
+            self.meta.drop_run(run)
+        await asyncio.gather(*(self.durable.delete(r, prefix=RUN_PREFIX) for r in dead))
+        self.counters["runs_reclaimed"] += len(dead)
+        return len(dead)
+
+    async def get(self, key_list: list[str]) -> list[bytes | None]:
+        """Hot tiers first; the rest from S3, blocks of one run in one run read."""
+        keys.check_keys(key_list)
+        recs = {k: r for k in dict.fromkeys(key_list) if (r := self.meta.current(k)) is not None}
+        found: dict[str, bytes | None] = {}
+        with contextlib.ExitStack() as leases:
+            for k, r in recs.items():  # no await since meta.current: GC cannot have struck
+                leases.enter_context(self._lease(k, r.run))
+            cold: dict[str, list[tuple[str, Record]]] = {}
+            for k, r in recs.items():
+                found[k] = data = await self._hot(k, r.generation)
+                if data is None:
+                    cold.setdefault(r.run, []).append((k, r))
+            singles = [(k, r) for k, r in cold.pop("", [])]
+            await asyncio.gather(*(self._get_cold(k, r, found) for k, r in singles),
+                                 *(self._get_run(run, group, found) for run, group in cold.items()))
+        now = self.clock()
+        out = [found.get(k) for k in key_list]
+        for k, data in zip(key_list, out, strict=True):
             if data is None:
-                tier = "disk"
-                data = await self.disk.get(key, gen)
-                if data is not None:
-                    self.mem.put(key, gen, data)
-            if data is None:
-                tier = "s3"
-                res = await self.durable.get(key, gen, still_current=lambda: self._is_current(key, gen),
-                                             expect=rec.digest)
-                data = res.data
-                self._count(res)
-                if data is not None and self._is_current(key, gen):
-                    self.mem.put(key, gen, data)
-                    await self.disk.put(key, gen, data)
-        if data is None:
-            self.counters["misses"] += 1
-            return None
-        self.counters[f"hits_{tier}"] += 1
-        self.meta.touch(key, self.clock())
+                self.counters["misses"] += 1
+            else:
+                self.meta.touch(k, now)
+        return out
+
+    async def _hot(self, key: str, gen: int) -> bytes | None:
+        data = self.mem.get(key, gen)
+        if data is not None:
+            self.counters["hits_mem"] += 1
+            return data
+        data = await self.disk.get(key, gen)
+        if data is not None:
+            self.counters["hits_disk"] += 1
+            self.mem.put(key, gen, data)
         return data
+
+    async def _fill(self, key: str, gen: int, data: bytes) -> None:
+        self.counters["hits_s3"] += 1
+        if self._is_current(key, gen):
+            self.mem.put(key, gen, data)
+            await self.disk.put(key, gen, data)
+
+    async def _get_cold(self, key: str, rec: Record, found: dict[str, bytes | None]) -> None:
+        gen = rec.generation
+        res = await self.durable.get(key, gen, still_current=lambda: self._is_current(key, gen),
+                                     expect=rec.digest)
+        self._count(res)
+        found[key] = res.data
+        if res.data is not None:
+            await self._fill(key, gen, res.data)
+
+    async def _get_run(self, run: str, group: list[tuple[str, Record]],
+                       found: dict[str, bytes | None]) -> None:
+        info = self.meta.runs.get(run)
+        if info is None:  # cannot happen while its blocks are leased; a miss if it did
+            return
+        got = await self.runs.read(run, info, group, lambda: run in self.meta.runs)
+        self.counters["run_reads"] += 1
+        self.counters["run_blocks_ranged"] += len(group) - got.fast_failed
+        self.counters["run_ranged_late"] += got.late
+        if got.slow is not None:
+            self._count(got.slow)
+            self.counters["run_reads_decoded"] += 1
+        for key, rec in group:
+            found[key] = data = got.blocks.get(key)
+            if data is not None:
+                await self._fill(key, rec.generation, data)
 
     def _count(self, res: ReadResult) -> None:
         """Integrity and hedging counters (Stats.counters, `kvmesh admin gc stats`)."""
@@ -213,8 +316,9 @@ class KvStore:
 
     async def delete(self, key_list: list[str]) -> int:
         keys.check_keys(key_list)
-        gone = [k for k in key_list if self._forget(k) is not None]
-        await asyncio.gather(*(self.durable.delete(k) for k in gone))
+        gone = [(k, rec) for k in key_list if (rec := self._forget(k)) is not None]
+        await asyncio.gather(*(self.durable.delete(k) for k, rec in gone if not rec.run))
+        await self._reclaim_runs()
         return len(gone)
 
     def _forget(self, key: str, generation: int | None = None) -> Record | None:
@@ -224,116 +328,3 @@ class KvStore:
             self.mem.drop(key)
             self.disk.drop(key)
         return rec
-
-    # -- admin ------------------------------------------------------------------
-    async def require_durable(self) -> list[bool]:
-        up = await self.shards.probe()
-        if sum(up) < self.cfg.layout.k:
-            raise Unavailable(
-                f"only {sum(up)} of {len(up)} shard locations reachable "
-                f"(need {self.cfg.layout.k}): S3 is down"
-            )
-        return up
-
-    async def stats(self) -> Stats:
-        up = await self.require_durable()
-        by_class: Counter[str] = Counter()
-        bytes_by_class: Counter[str] = Counter()
-        pending = 0
-        for _, rec in self.meta.items():
-            if not rec.complete:
-                pending += 1
-                continue
-            by_class[rec.traffic_class] += 1
-            bytes_by_class[rec.traffic_class] += rec.size
-        return Stats(
-            objects=sum(by_class.values()), bytes=self.meta.complete_bytes, pending=pending,
-            objects_by_class=dict(by_class), bytes_by_class=dict(bytes_by_class),
-            mem_objects=len(self.mem), mem_bytes=self.mem.used, mem_capacity=self.mem.capacity,
-            disk_objects=len(self.disk), disk_bytes=self.disk.used,
-            disk_capacity=self.disk.capacity, capacity_bytes=self.cfg.capacity_bytes,
-            high_watermark=self.cfg.high_watermark, low_watermark=self.cfg.low_watermark,
-            locations=[str(loc) for loc in self.cfg.locations], locations_up=up,
-            counters=dict(self.counters),
-        )
-
-    async def list(self, start_after: str = "", limit: int = 1000) -> tuple[list[ListEntry], str]:
-        """One page of objects in key order; the second value is the next page token."""
-        if limit <= 0 or limit > 10_000:
-            raise InvalidArgument(f"limit {limit} outside 1..10000")
-        await self.require_durable()
-        page = sorted(k for k, _ in self.meta.items() if k > start_after)[: limit + 1]
-        out = [ListEntry.of(k, self.meta.get(k)) for k in page[:limit]]
-        return out, (page[limit - 1] if len(page) > limit else "")
-
-    async def run_gc(self, dry_run: bool = False, progress: Progress = _no_progress) -> GcReport:
-        async with self._gc_lock:
-            await self.require_durable()
-            now = self.clock()
-            the_plan = gc.plan(self.meta.items(), now, self.cfg, self.busy())
-            # Generations as planned: a key re-put while we list must not be hit.
-            gens = {k: self.meta.get(k).generation for k in the_plan.victims}
-            orphans = await self._orphans(now)
-            report = GcReport.of(the_plan, orphans, dry_run)
-            if dry_run:
-                return report
-            victims = the_plan.victims
-            total = len(victims) + len(orphans)
-            kept: set[str] = set()
-            for done, key in enumerate(victims, 1):
-                # Recheck at the moment of removal: a reader may have arrived.
-                rec = None if key in self._readers else self._forget(key, gens[key])
-                if rec is None:
-                    kept.add(key)
-                else:
-                    await self.durable.delete(key)
-                progress("delete", done, total)
-            report.drop_kept(kept, {k: r.size for k, r in self.meta.items() if k in kept})
-            for done, key in enumerate(orphans, len(victims) + 1):
-                if self.meta.get(key) is None:
-                    await self.durable.delete(key)
-                progress("orphans", done, total)
-            self.counters["gc_runs"] += 1
-            self.counters["gc_deleted"] += len(victims) - len(kept)
-            self.counters["gc_expired"] += len(report.expired)
-            self.counters["gc_evicted"] += len(report.evicted)
-            self.counters["gc_orphans_removed"] += len(orphans)
-            self.counters["gc_bytes_freed"] += report.bytes_freed
-            return report
-
-    async def _orphans(self, now: float) -> list[str]:
-        newest: dict[str, float] = {}
-        for i in range(self.cfg.layout.n):
-            try:
-                listed = await self.shards.list(i)
-            except LocationDown:
-                continue  # its orphans wait for the next run
-            for shard in listed:
-                newest[shard.key] = max(newest.get(shard.key, 0.0), shard.modified)
-        known = {k for k, _ in self.meta.items()}
-        return gc.find_orphans(newest, known, now, self.cfg.orphan_grace_s, self.meta.created)
-
-    async def scrub(self, repair: bool = False, progress: Progress = _no_progress,
-                    concurrency: int = 4) -> ScrubReport:
-        """Read every committed object's shards; with `repair`, rewrite bad ones."""
-        await self.require_durable()
-        report = ScrubReport(repair=repair)
-        todo = sorted((k, r.generation, r.digest) for k, r in self.meta.items() if r.complete)
-        sem = asyncio.Semaphore(concurrency)
-        done = 0
-
-        async def one(key: str, gen: int, expect: bytes | None) -> None:
-            nonlocal done
-            async with sem:
-                with self._lease(key):
-                    res = await self.durable.get(
-                        key, gen, repair=repair, full=True,
-                        still_current=lambda: self._is_current(key, gen), expect=expect,
-                    )
-            report.add(key, res)
-            self._count(res)
-            done += 1
-            progress("scrub", done, len(todo))
-
-        await asyncio.gather(*(one(k, g, d) for k, g, d in todo))
-        return report

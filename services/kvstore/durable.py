@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.errors import Unavailable
 from services.kvstore import ec
-from services.kvstore.shards import ShardStore
+from services.kvstore.shards import PREFIX, ShardStore
 
 log = logging.getLogger("kvmesh.kvstore.durable")
 # With nothing left to start, a late read is awaited max(GIVE_UP_MIN_S, GIVE_UP_FACTOR x
@@ -70,11 +70,17 @@ class DurableStore:
         self.put_grace_s = put_grace_s
         self._background: set[asyncio.Future] = set()  # late shard reads left to finish
 
-    async def _encode(self, key: str, generation: int, data: bytes) -> list[bytes]:
+    async def encode(self, key: str, generation: int, data: bytes,
+                     manifest: bytes | None = None) -> list[bytes]:
         # Encoding a 64 MiB object takes ~0.1 s: keep it off the event loop.
-        return await asyncio.to_thread(ec.encode, self.layout, key, generation, data)
+        return await asyncio.to_thread(ec.encode, self.layout, key, generation, data, manifest)
 
-    async def put(self, key: str, generation: int, data: bytes) -> int:
+    async def put(self, key: str, generation: int, data: bytes,
+                  manifest: bytes | None = None) -> int:
+        """Encode and write all shards of a single object (`write`)."""
+        return await self.write(key, await self.encode(key, generation, data, manifest))
+
+    async def write(self, key: str, blobs: list[bytes], prefix: str = PREFIX) -> int:
         """Write all shards; Unavailable when fewer than `write_quorum` landed.
 
         Once the quorum has landed the stragglers get max(`put_grace_s`, 2 x the
@@ -82,9 +88,9 @@ class DurableStore:
         the 5 s timeout, a merely busy one should land); a shard that lands
         later is still the right one, one that never does is repaired by the
         next read or scrub."""
-        blobs = await self._encode(key, generation, data)
         t0 = time.monotonic()
-        tasks = [asyncio.ensure_future(self.shards.put(i, key, b)) for i, b in enumerate(blobs)]
+        tasks = [asyncio.ensure_future(self.shards.put(i, key, b, prefix=prefix))
+                 for i, b in enumerate(blobs)]
         pending = set(tasks)
         stored = 0
         grace_until = None
@@ -117,7 +123,7 @@ class DurableStore:
         return generation is None or head.generation == generation
 
     async def _gather(self, key: str, generation: int | None, want: int,
-                      order: list[int], full: bool = False) -> _Gathered:
+                      order: list[int], full: bool = False, prefix: str = PREFIX) -> _Gathered:
         """Read shards in `order` until `want` good ones are in, hedging late ones.
 
         Locations with a read already late are put last (parity is read instead
@@ -139,7 +145,7 @@ class DurableStore:
             i = queue.pop(0)
             started[i] = time.monotonic()
             out.launched.add(i)
-            pending[asyncio.ensure_future(self.shards.get(i, key, force=True))] = i
+            pending[asyncio.ensure_future(self.shards.get(i, key, force=True, prefix=prefix))] = i
 
         def deadline(i: int) -> float:
             budget = self.shards.budget(i)
@@ -193,12 +199,14 @@ class DurableStore:
 
     async def get(self, key: str, generation: int | None, repair: bool = True,
                   still_current: Callable[[], bool] = lambda: True,
-                  full: bool = False, expect: bytes | None = None) -> ReadResult:
+                  full: bool = False, expect: bytes | None = None,
+                  prefix: str = PREFIX) -> ReadResult:
         """The object, or data=None (a clean miss). Data shards first; parity only
         for shards that are missing, bad or late. `full` (scrub) checks all n.
-        `expect`: the digest recorded at put time."""
+        `expect`: the digest recorded at put time. `prefix`: runs are `run/` objects."""
         k, n = self.layout.k, self.layout.n
-        got = await self._gather(key, generation, n if full else k, list(range(n)), full=full)
+        got = await self._gather(key, generation, n if full else k, list(range(n)), full=full,
+                                 prefix=prefix)
         blobs = got.blobs
         try:
             decoded = await asyncio.to_thread(ec.decode, self.layout, key, blobs, generation,
@@ -207,7 +215,7 @@ class DurableStore:
             log.warning("digest mismatch, trying other shard sets: %s", exc)
             rest = [i for i in range(n) if i not in got.launched]
             if rest:  # the shards not read yet may complete a set that matches
-                more = await self._gather(key, generation, len(rest), rest)
+                more = await self._gather(key, generation, len(rest), rest, prefix=prefix)
                 blobs.update({i: b for i, b in more.blobs.items() if b is not None})
                 got.launched |= more.launched
                 got.timed_out |= more.timed_out
@@ -229,7 +237,7 @@ class DurableStore:
             # read (a 404 or a bad shard): one that is down, hung or was not asked
             # could hold the get for a write timeout. Scrub (`full`) tries every location.
             targets = missing if full else frozenset(missing & got.answered)
-            repaired = await self._repair(key, decoded, targets, still_current)
+            repaired = await self._repair(key, decoded, targets, still_current, prefix)
         return ReadResult(decoded.data, frozenset(missing), repaired, decoded.forged, False,
                           got.hedged, got.timed_out)
 
@@ -239,7 +247,7 @@ class DurableStore:
                           digest_miss=digest_miss, hedged=got.hedged, timed_out=got.timed_out)
 
     async def _repair(self, key: str, decoded: ec.Decoded, targets: frozenset[int],
-                      still_current: Callable[[], bool]) -> frozenset[int]:
+                      still_current: Callable[[], bool], prefix: str = PREFIX) -> frozenset[int]:
         order = sorted(targets)
         if not order:
             return frozenset()
@@ -247,16 +255,17 @@ class DurableStore:
         # Checked after the slow part: a delete or GC meanwhile must not be undone.
         if not still_current():
             return frozenset()
-        ok = await asyncio.gather(*(self.shards.put(i, key, fresh[i], force=True) for i in order))
+        ok = await asyncio.gather(*(self.shards.put(i, key, fresh[i], force=True, prefix=prefix)
+                                    for i in order))
         done = frozenset(i for i, good in zip(order, ok, strict=True) if good)
         if done:
             log.info("repaired shards %s of %s", sorted(done), key)
         return done
 
-    async def delete(self, key: str) -> int:
+    async def delete(self, key: str, prefix: str = PREFIX) -> int:
         """Best effort on every location; returns how many deletes succeeded.
         Shards left on dead locations are orphans for the GC sweep."""
         ok = await asyncio.gather(
-            *(self.shards.delete(i, key, force=True) for i in range(self.layout.n))
+            *(self.shards.delete(i, key, force=True, prefix=prefix) for i in range(self.layout.n))
         )
         return sum(ok)

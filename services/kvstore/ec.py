@@ -8,7 +8,7 @@ its own:
     offset  size  field
     ------  ----  -----------------------------------------------------------
          0     4  magic  b"KVSH"
-         4     1  format version (1)
+         4     1  format version (1, or 2 = with manifest, below)
          5     1  k  (data shards)
          6     1  m  (parity shards)
          7     1  shard index 0..k+m-1
@@ -20,6 +20,14 @@ its own:
         34     n  key (ascii lowercase hex)
       34+n     F  payload: the pyeclib fragment (its own 80-byte header + data)
     34+n+F     4  crc32 of bytes [0, 34+n+F)   (header + key + payload)
+
+Format 2 (written now; 1 is still read) inserts a manifest after the key, so
+that one shard of an object or run rebuilds its index entries (runs.py):
+
+      34+n     4  manifest length M
+      38+n     M  manifest (runs.py: keys, offsets, sizes, generations, ...)
+    38+n+M     4  crc32 of bytes [0, 38+n+M)   (a ranged GET of the head checks it)
+    42+n+M     F  payload, then the crc32 of everything as in format 1
 
 All integers little-endian. A shard whose checksum, magic, fingerprint, key,
 index or size fields do not match what the reader expects counts as lost,
@@ -51,9 +59,12 @@ from blake3 import blake3
 from isal.isal_zlib import crc32
 
 MAGIC = b"KVSH"
-FORMAT_VERSION = 1
+FORMAT_V1 = 1  # one object, no manifest (still read)
+FORMAT_VERSION = 2  # written now: a manifest section after the key (runs.py)
+LAYOUT_FORMAT = 1  # in the layout fingerprint: unchanged by v2 (same fragment layout)
 _HEADER = struct.Struct("<4sBBBBIQQIH")
 _CRC = struct.Struct("<I")
+_MLEN = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size  # 34, without the key
 
 # liberasurecode's fragment header (80 bytes, host order = little-endian here):
@@ -95,6 +106,9 @@ class ShardHeader:
     fragment_size: int
     key: str
     fingerprint: int
+    version: int = FORMAT_V1
+    manifest: bytes = b""  # v2: the run/object manifest (runs.py), checked by its own crc
+    payload_offset: int = 0  # where the pyeclib fragment starts in the stored shard
 
 
 @dataclass(frozen=True)
@@ -115,7 +129,7 @@ class Layout:
 
     @property
     def fingerprint(self) -> int:
-        return zlib.crc32(f"{self.k}/{self.m}/{self.backend}/{FORMAT_VERSION}".encode())
+        return zlib.crc32(f"{self.k}/{self.m}/{self.backend}/{LAYOUT_FORMAT}".encode())
 
     @cached_property
     def _driver(self) -> Any:  # pyeclib's ECDriver; pyeclib ships no type information
@@ -129,22 +143,95 @@ class Layout:
         return HEADER_SIZE + len(key) + frag + _CRC.size
 
 
-def encode(layout: Layout, key: str, generation: int, data: bytes) -> list[bytes]:
-    """The n shards of `data`, index i at position i."""
+def encode(layout: Layout, key: str, generation: int, data: bytes,
+           manifest: bytes | None = None) -> list[bytes]:
+    """The n shards of `data`, index i at position i. With `manifest`: format v2
+    (the manifest is copied into every shard, so any one shard can rebuild the index)."""
     fragments = layout._driver.encode(bytes(data))
     return [
-        _pack(layout, key, i, generation, len(data), frag) for i, frag in enumerate(fragments)
+        _pack(layout, key, i, generation, len(data), frag, manifest)
+        for i, frag in enumerate(fragments)
     ]
 
 
-def _pack(layout: Layout, key: str, index: int, generation: int, size: int, frag: bytes) -> bytes:
+def _pack(layout: Layout, key: str, index: int, generation: int, size: int, frag: bytes,
+          manifest: bytes | None = None) -> bytes:
     kb = key.encode("ascii")
+    version = FORMAT_V1 if manifest is None else FORMAT_VERSION
     head = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, layout.k, layout.m, index, layout.fingerprint,
+        MAGIC, version, layout.k, layout.m, index, layout.fingerprint,
         generation, size, len(frag), len(kb),
     )
-    crc = crc32(frag, crc32(kb, crc32(head)))
-    return b"".join((head, kb, frag, _CRC.pack(crc)))
+    parts = [head, kb]
+    if manifest is not None:  # v2: manifest length, manifest, crc32 of everything so far
+        parts += [_MLEN.pack(len(manifest)), manifest]
+        parts.append(_CRC.pack(crc32(b"".join(parts))))
+    parts.append(frag)
+    crc = 0
+    for part in parts:
+        crc = crc32(part, crc)
+    parts.append(_CRC.pack(crc))
+    return b"".join(parts)
+
+
+def fragment_offset(key: str, manifest_len: int | None) -> int:
+    """Byte offset of the pyeclib fragment inside a stored shard (v1: None)."""
+    base = HEADER_SIZE + len(key)
+    return base if manifest_len is None else base + _MLEN.size + manifest_len + _CRC.size
+
+
+def fragment_data(layout: Layout, blob: bytes) -> tuple[int, int]:
+    """(F, at) of a freshly encoded shard: data shard i holds payload bytes [i*F, (i+1)*F),
+    starting at byte `at` of the stored shard object (runs.locate uses both)."""
+    head, payload = parse(layout, blob)
+    idx, fsize, meta_size, orig = _FRAG_META.unpack_from(payload)
+    (magic,) = _FRAG_MAGIC.unpack_from(payload, _FRAG_MAGIC_OFFSET)
+    if magic != _LIBEC_MAGIC or meta_size != 0 or len(payload) != _FRAG_HEADER_SIZE + fsize:
+        raise ShardError("unexpected pyeclib fragment header: no ranged reads for this layout")
+    return fsize, head.payload_offset + _FRAG_HEADER_SIZE
+
+
+@dataclass(frozen=True)
+class Head:
+    """What the first bytes of a stored shard say (`parse_head`, for reindex)."""
+
+    header: ShardHeader
+    frag_data: int  # payload bytes per data shard (F), from the pyeclib fragment header
+    data_at: int  # where fragment data starts in the stored shard
+
+
+def parse_head(layout: Layout, prefix: bytes) -> Head | int:
+    """Header, manifest and fragment layout of a shard from its first bytes (a ranged
+    GET). v2: the manifest is checked by its own crc32; v1 (no manifest) header fields
+    are taken as they are (only the whole shard's crc covers them; decode checks again).
+    Returns how many bytes are needed when `prefix` is too short; ShardError if unusable."""
+    need = HEADER_SIZE + _MLEN.size + 512
+    if len(prefix) < HEADER_SIZE:
+        return need
+    magic, ver, k, m, idx, fp, gen, size, frag, klen = _HEADER.unpack_from(prefix)
+    if magic != MAGIC or ver not in (FORMAT_V1, FORMAT_VERSION):
+        raise ShardError("not a kvstore shard (magic/version)")
+    if (k, m, fp) != (layout.k, layout.m, layout.fingerprint):
+        raise ShardError(f"layout mismatch: shard k={k} m={m} fp={fp:#x}")
+    at = HEADER_SIZE + klen
+    manifest, start = b"", at
+    if ver == FORMAT_VERSION:
+        if len(prefix) < at + _MLEN.size:
+            return need + klen
+        (mlen,) = _MLEN.unpack_from(prefix, at)
+        end = at + _MLEN.size + mlen
+        if len(prefix) < end + _CRC.size:
+            return end + _CRC.size + _FRAG_HEADER_SIZE
+        (crc,) = _CRC.unpack_from(prefix, end)
+        if crc32(prefix[:end]) != crc:
+            raise ShardError("manifest checksum mismatch")
+        manifest, start = bytes(prefix[at + _MLEN.size:end]), end + _CRC.size
+    if len(prefix) < start + _FRAG_HEADER_SIZE:
+        return start + _FRAG_HEADER_SIZE
+    _, fsize, _, _ = _FRAG_META.unpack_from(prefix, start)
+    skey = bytes(prefix[HEADER_SIZE:at]).decode("ascii", "replace")
+    head = ShardHeader(idx, gen, size, frag, skey, fp, ver, manifest, start)
+    return Head(head, fsize, start + _FRAG_HEADER_SIZE)
 
 
 def parse(layout: Layout, blob: bytes, key: str | None = None,
@@ -157,14 +244,22 @@ def parse(layout: Layout, blob: bytes, key: str | None = None,
     if len(blob) < HEADER_SIZE + _CRC.size:
         raise ShardError(f"truncated shard ({len(blob)} bytes)")
     magic, ver, k, m, idx, fp, gen, size, frag, klen = _HEADER.unpack_from(blob)
-    if magic != MAGIC or ver != FORMAT_VERSION:
+    if magic != MAGIC or ver not in (FORMAT_V1, FORMAT_VERSION):
         raise ShardError("not a kvstore shard (magic/version)")
     if (k, m, fp) != (layout.k, layout.m, layout.fingerprint):
         raise ShardError(f"layout mismatch: shard k={k} m={m} fp={fp:#x}")
-    end = HEADER_SIZE + klen + frag
+    start = HEADER_SIZE + klen
+    manifest = b""
+    view = memoryview(blob)
+    if ver == FORMAT_VERSION:
+        if len(blob) < start + _MLEN.size:
+            raise ShardError("truncated manifest")
+        (mlen,) = _MLEN.unpack_from(blob, start)
+        manifest = bytes(view[start + _MLEN.size:start + _MLEN.size + mlen])
+        start += _MLEN.size + mlen + _CRC.size
+    end = start + frag
     if len(blob) != end + _CRC.size:
         raise ShardError(f"length mismatch: {len(blob)} != {end + _CRC.size}")
-    view = memoryview(blob)
     (crc,) = _CRC.unpack_from(blob, end)
     if crc32(view[:end]) != crc:
         raise ShardError("checksum mismatch")
@@ -173,8 +268,8 @@ def parse(layout: Layout, blob: bytes, key: str | None = None,
         raise ShardError(f"shard belongs to key {skey!r}")
     if index is not None and idx != index:
         raise ShardError(f"shard index {idx} stored at position {index}")
-    head = ShardHeader(idx, gen, size, frag, skey, fp)
-    return head, view[HEADER_SIZE + klen:end]
+    head = ShardHeader(idx, gen, size, frag, skey, fp, ver, manifest, start)
+    return head, view[start:end]
 
 
 @dataclass(frozen=True)
@@ -184,6 +279,7 @@ class Decoded:
     healthy: frozenset[int]  # shard indexes that passed checks, of the chosen generation
     missing: frozenset[int]  # indexes absent, corrupt or of another generation
     forged: frozenset[int] = frozenset()  # of `missing`: passed every check, wrong content
+    manifest: bytes | None = None  # v2 shards: the manifest most healthy shards carry
 
 
 def decode(layout: Layout, key: str, blobs: dict[int, bytes | None],
@@ -219,6 +315,7 @@ def decode(layout: Layout, key: str, blobs: dict[int, bytes | None],
     # may still be None here for the type checker, never in fact once `good` is non-empty)
     head = next(iter(good.values()))[0]
     size, gen = head.object_size, head.generation
+    manifest = _majority_manifest(good)
     everything = frozenset(range(layout.n))
     first = sorted(good)[: layout.k]
     data = _assemble(layout, key, good, first, size)
@@ -226,25 +323,33 @@ def decode(layout: Layout, key: str, blobs: dict[int, bytes | None],
         if data is None:
             raise NotEnoughShards(f"{key}: decoded size disagrees with the header ({size})")
         if verify_all and expect is not None:  # without a digest, no shard is the judge
-            return _verified(layout, key, blobs, good, gen, data)
-        return Decoded(data, gen, frozenset(good), everything - set(good))
+            return _verified(layout, key, blobs, good, gen, data, manifest)
+        return Decoded(data, gen, frozenset(good), everything - set(good), manifest=manifest)
     for chosen in itertools.combinations(sorted(good), layout.k):
         if list(chosen) == first:
             continue
         data = _assemble(layout, key, good, list(chosen), size)
         if data is not None and digest(data) == expect:
-            return _verified(layout, key, blobs, good, gen, data)
+            return _verified(layout, key, blobs, good, gen, data, manifest)
     raise DigestMismatch(f"{key}: no {layout.k} of {len(good)} healthy shards match the "
                          "recorded digest")
 
 
+def _majority_manifest(good: dict[int, tuple[ShardHeader, memoryview]]) -> bytes | None:
+    """The manifest most healthy shards carry (None: v1 shards, which have none)."""
+    if all(h.version == FORMAT_V1 for h, _ in good.values()):
+        return None
+    return Counter(h.manifest for h, _ in good.values()).most_common(1)[0][0]
+
+
 def _verified(layout: Layout, key: str, blobs: dict[int, bytes | None], good: dict,
-              generation: int, data: bytes) -> Decoded:
+              generation: int, data: bytes, manifest: bytes | None = None) -> Decoded:
     """`data` is right: every healthy shard that differs from its fresh encoding is forged."""
-    fresh = encode(layout, key, generation, data)
+    fresh = encode(layout, key, generation, data, manifest)
     forged = frozenset(i for i in good if blobs[i] != fresh[i])   # `good` shards parsed: not None
     healthy = frozenset(good) - forged
-    return Decoded(data, generation, healthy, frozenset(range(layout.n)) - healthy, forged)
+    return Decoded(data, generation, healthy, frozenset(range(layout.n)) - healthy, forged,
+                   manifest)
 
 
 def _assemble(layout: Layout, key: str, good: dict[int, tuple[ShardHeader, memoryview]],
@@ -295,5 +400,5 @@ def _concat_data(layout: Layout, payloads: list[memoryview], size: int) -> bytes
 
 def rebuild(layout: Layout, key: str, decoded: Decoded, indexes: list[int]) -> dict[int, bytes]:
     """Fresh shards for `indexes` (the repair path), re-encoded from the data."""
-    shards = encode(layout, key, decoded.generation, decoded.data)
+    shards = encode(layout, key, decoded.generation, decoded.data, decoded.manifest)
     return {i: shards[i] for i in indexes}

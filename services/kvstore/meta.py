@@ -15,6 +15,13 @@ Each record carries the object's blake3 digest, taken at put time: the
 durable tier checks reassembled bytes against it before answering (records
 written before digests existed have none and are served unchecked).
 
+A block stored in a run (runs.py) has `run` set to the run id and `offset`
+into the run payload; the run's own row (`RunRecord`: size, fragment data
+size, where fragment data starts in a shard) lives in the `runs` table. Only
+this class tracks how many live blocks each run has; a run whose last block
+was removed is listed in `dead_runs` until the caller deleted its shards and
+called `drop_run`.
+
 Access times change in memory on every hit and reach sqlite in one batched
 transaction per `flush()` (the service calls it every `access_flush_s`).
 """
@@ -36,8 +43,20 @@ CREATE TABLE IF NOT EXISTS objects (
   complete INTEGER NOT NULL,
   digest BLOB
 );
+CREATE TABLE IF NOT EXISTS runs (
+  run TEXT PRIMARY KEY,
+  generation INTEGER NOT NULL,
+  size INTEGER NOT NULL,
+  frag_data INTEGER NOT NULL,
+  data_at INTEGER NOT NULL,
+  digest BLOB NOT NULL,
+  created REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS info (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+# Columns added after the first release: (name, type) added in place to older databases.
+_LATER_COLUMNS = (("digest", "BLOB"), ("run", "TEXT NOT NULL DEFAULT ''"),
+                  ("offset", "INTEGER NOT NULL DEFAULT 0"))
 
 
 @dataclass
@@ -49,6 +68,18 @@ class Record:
     last_access: float
     complete: bool
     digest: bytes | None = None  # blake3 of the object (32 bytes); None: written before digests
+    run: str = ""  # run id when stored in a run (runs.py); "" = an object of its own
+    offset: int = 0  # in the run payload
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    generation: int
+    size: int  # payload bytes
+    frag_data: int  # payload bytes per data shard (F)
+    data_at: int  # offset of fragment data in every stored shard object
+    digest: bytes  # blake3 of the payload
+    created: float
 
 
 class MetaStore:
@@ -60,8 +91,9 @@ class MetaStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(objects)")}
-        if "digest" not in columns:  # a database from before digests: keep its records
-            self._db.execute("ALTER TABLE objects ADD COLUMN digest BLOB")
+        for name, kind in _LATER_COLUMNS:  # an older database: keep its records
+            if name not in columns:
+                self._db.execute(f'ALTER TABLE objects ADD COLUMN "{name}" {kind}')
         self._db.execute("INSERT OR IGNORE INTO info VALUES ('created', ?)", (repr(now),))
         self.created = float(
             self._db.execute("SELECT value FROM info WHERE name='created'").fetchone()[0]
@@ -69,14 +101,27 @@ class MetaStore:
         self._records: dict[str, Record] = {}
         self._dirty: set[str] = set()
         self.complete_bytes = 0
-        for key, gen, size, tc, created, last, complete, digest in self._db.execute(
-            "SELECT key, generation, size, traffic_class, created, last_access, complete, digest"
-            " FROM objects"
+        self.runs: dict[str, RunRecord] = {}
+        self._live: dict[str, int] = {}  # run id -> blocks with a record pointing at it
+        self.dead_runs: set[str] = set()  # no live block left; shards still to delete
+        # run id -> overwrites of committed blocks, not current before commit_run (memory only)
+        self._pending: dict[str, list[tuple[str, Record]]] = {}
+        for run, gen, size, frag, at, digest, created in self._db.execute(
+            "SELECT run, generation, size, frag_data, data_at, digest, created FROM runs"
+        ):
+            self.runs[run] = RunRecord(gen, size, frag, at, bytes(digest), created)
+            self._live[run] = 0
+        for key, gen, size, tc, created, last, complete, digest, run, off in self._db.execute(
+            "SELECT key, generation, size, traffic_class, created, last_access, complete, digest,"
+            ' run, "offset" FROM objects'
         ):
             self._records[key] = Record(gen, size, tc, created, last, bool(complete),
-                                        None if digest is None else bytes(digest))
+                                        None if digest is None else bytes(digest), run, off)
+            if run:
+                self._live[run] = self._live.get(run, 0) + 1
             if complete:
                 self.complete_bytes += size
+        self.dead_runs = {r for r, n in self._live.items() if n == 0}
 
     def close(self) -> None:
         self.flush()
@@ -100,13 +145,75 @@ class MetaStore:
                   now: float, digest: bytes | None = None) -> None:
         """Record an upload before its shards are written (complete=0): a crash
         mid-put leaves a record GC can find and clean up."""
+        self._insert(key, Record(generation, size, traffic_class, now, now, False, digest))
+
+    def _insert(self, key: str, rec: Record) -> None:
         self._forget(key)
-        self._records[key] = Record(generation, size, traffic_class, now, now, False, digest)
+        self._records[key] = rec
+        if rec.run:
+            self._live[rec.run] = self._live.get(rec.run, 0) + 1
+            self.dead_runs.discard(rec.run)
+        if rec.complete:
+            self.complete_bytes += rec.size
         self._db.execute(
             "INSERT OR REPLACE INTO objects (key, generation, size, traffic_class, created,"
-            " last_access, complete, digest) VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
-            (key, generation, size, traffic_class, now, now, digest),
+            ' last_access, complete, digest, run, "offset") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)',
+            (key, rec.generation, rec.size, rec.traffic_class, rec.created, rec.last_access,
+             int(rec.complete), rec.digest, rec.run, rec.offset),
         )
+
+    def begin_run(self, run: str, info: RunRecord, blocks: list[tuple[str, Record]]) -> None:
+        """Record a run and its new blocks (complete=0) in one transaction, before the
+        shards are written; a crash mid-put leaves stale records GC removes (then the run).
+        A block that overwrites a committed one is held in memory only (`_pending`) until
+        `commit_run`: the committed version stays current, so a crash mid-put loses
+        nothing that was acknowledged (the new run is then reclaimed as dead)."""
+        self._db.execute("BEGIN")
+        self.add_run(run, info)
+        for key, rec in blocks:
+            cur = self._records.get(key)
+            if cur is not None and cur.complete:
+                self._pending.setdefault(run, []).append((key, rec))
+                self._live[run] += 1
+            else:
+                self._insert(key, rec)
+        self._db.execute("COMMIT")
+
+    def abort_run(self, run: str, blocks: list[tuple[str, int]]) -> None:
+        """The run's shards did not land: forget its blocks (the run becomes dead)."""
+        for key, gen in blocks:
+            self.remove(key, gen)
+        for _ in self._pending.pop(run, []):
+            self._release(run)
+
+    def add_run(self, run: str, info: RunRecord) -> None:
+        self.runs[run] = info
+        self._live.setdefault(run, 0)
+        self._db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         (run, info.generation, info.size, info.frag_data, info.data_at,
+                          info.digest, info.created))
+
+    def restore(self, key: str, rec: Record) -> None:
+        """Insert a record as found on the locations (reindex); replaces any other."""
+        self._insert(key, rec)
+
+    def drop_run(self, run: str) -> None:
+        """Forget a run with no live block left (its shards are deleted or about to be)."""
+        if self._live.get(run, 0) > 0:
+            raise ValueError(f"run {run} still has {self._live[run]} live blocks")
+        self.runs.pop(run, None)
+        self._live.pop(run, None)
+        self.dead_runs.discard(run)
+        self._db.execute("DELETE FROM runs WHERE run=?", (run,))
+
+    def find_dead_runs(self) -> set[str]:
+        """Recount runs with no live block (after `restore`, which may add runs whose
+        every block is held newer elsewhere)."""
+        self.dead_runs = {r for r in self.runs if self._live.get(r, 0) == 0}
+        return self.dead_runs
+
+    def live_blocks(self, run: str) -> int:
+        return self._live.get(run, 0)
 
     def commit_put(self, key: str, generation: int) -> bool:
         rec = self._records.get(key)
@@ -118,6 +225,25 @@ class MetaStore:
             "UPDATE objects SET complete=1 WHERE key=? AND generation=?", (key, generation)
         )
         return True
+
+    def commit_run(self, run: str, blocks: list[tuple[str, int]]) -> list[str]:
+        """Commit the blocks of a run (one transaction): new ones still at their
+        generation, overwrites held in `_pending` (the last committed put wins).
+        Returns the keys committed."""
+        self._db.execute("BEGIN")
+        done = [key for key, gen in blocks if self.commit_put(key, gen)]
+        for key, rec in self._pending.pop(run, []):
+            self._release(run)
+            rec.complete = True
+            self._insert(key, rec)
+            done.append(key)
+        self._db.execute("COMMIT")
+        return done
+
+    def _release(self, run: str) -> None:
+        self._live[run] -= 1
+        if self._live[run] == 0:
+            self.dead_runs.add(run)
 
     def remove(self, key: str, generation: int | None = None) -> Record | None:
         """Delete the record (only if still at `generation`, when given)."""
@@ -133,6 +259,8 @@ class MetaStore:
         self._dirty.discard(key)
         if rec is not None and rec.complete:
             self.complete_bytes -= rec.size
+        if rec is not None and rec.run:
+            self._release(rec.run)
 
     def touch(self, key: str, now: float) -> None:
         rec = self._records.get(key)

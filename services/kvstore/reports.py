@@ -97,3 +97,12 @@ class ScrubReport:
             self.healthy += 1
         self.shards_bad += len(res.missing)
         self.shards_repaired += len(res.repaired)
+
+
+@dataclass
+class ReindexReport:
+    objects: int  # single objects found
+    runs: int
+    blocks_found: int  # distinct keys the manifests name
+    restored: int  # records added or replaced
+    unreadable: list[str]

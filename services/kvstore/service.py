@@ -16,7 +16,7 @@ from kvmesh.proto import kvstore_pb2 as pb
 from kvmesh.proto import kvstore_pb2_grpc as pb_grpc
 from kvmesh.rpc import map_errors
 from services.kvstore.core import KvStore
-from services.kvstore.reports import GcReport, ScrubReport, Stats
+from services.kvstore.reports import GcReport, ReindexReport, ScrubReport, Stats
 
 CHUNK_BYTES = 1024 * 1024
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvstoreService"].full_name
@@ -102,6 +102,12 @@ class KvstoreServicer(pb_grpc.KvstoreServiceServicer):
             yield (pb.ScrubResponse(progress=value) if kind == "progress"
                    else pb.ScrubResponse(report=scrub_pb(value)))
 
+    @map_errors
+    async def Reindex(self, request, context):
+        async for kind, value in _with_progress(self.core.reindex):
+            yield (pb.ReindexResponse(progress=value) if kind == "progress"
+                   else pb.ReindexResponse(report=reindex_pb(value)))
+
 
 async def _with_progress(start):
     """Run `start(progress_callback)` and yield ("progress", msg)* then ("report", result)."""
@@ -150,3 +156,8 @@ def scrub_pb(r: ScrubReport) -> pb.ScrubReport:
     return pb.ScrubReport(repair=r.repair, objects=r.objects, healthy=r.healthy,
                           degraded=r.degraded, lost=r.lost, shards_bad=r.shards_bad,
                           shards_repaired=r.shards_repaired)
+
+
+def reindex_pb(r: ReindexReport) -> pb.ReindexReport:
+    return pb.ReindexReport(objects=r.objects, runs=r.runs, blocks_found=r.blocks_found,
+                            restored=r.restored, unreadable=r.unreadable)

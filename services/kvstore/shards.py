@@ -11,7 +11,10 @@ fetches it on the event loop. Data-path calls on a location that is down
 timeout again, apart from one trial read per `location_retry_s`; admin probes
 and scrub always really try.
 
-Object name of a shard in its bucket: `blk/<key>`.
+Object name of a shard in its bucket: `blk/<key>` for a single object,
+`run/<run id>` for a run (runs.py). `requests` counts the S3 requests sent per
+kind (get, range, put, delete, list, head): the kvstore's Stats counters show
+them, tests and the benchmark count requests per block with them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -37,6 +40,7 @@ from services.kvstore.health import HealthPolicy, LocationHealth
 
 log = logging.getLogger("kvmesh.kvstore.shards")
 PREFIX = "blk/"
+RUN_PREFIX = "run/"
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 URL_TTL_S = 3600  # presigned GET URLs are valid this long; reused for half of it
 URL_CACHE = 8192  # presigned URLs kept per store (LRU)
@@ -116,6 +120,7 @@ class ShardStore:
         self._sessions: list[tuple[asyncio.AbstractEventLoop, aiohttp.ClientSession] | None] = \
             [None] * len(self.locations)
         self._urls: OrderedDict[tuple[int, str], tuple[float, str]] = OrderedDict()
+        self.requests: Counter[str] = Counter()  # S3 requests sent, by kind
 
     @classmethod
     def from_config(cls, cfg: KvstoreConfig) -> ShardStore:
@@ -208,11 +213,13 @@ class ShardStore:
         return list(await asyncio.gather(*(one(i) for i in range(len(self.locations)))))
 
     # -- objects ----------------------------------------------------------------
-    async def put(self, i: int, key: str, blob: bytes, force: bool = False) -> bool:
+    async def put(self, i: int, key: str, blob: bytes, force: bool = False,
+                  prefix: str = PREFIX) -> bool:
         """Store one shard; False when it did not land. `force`: try a down location too."""
+        self.requests["put"] += 1
         try:
             await self._call(i, self._clients[i].put_object,
-                             Bucket=self.locations[i].bucket, Key=PREFIX + key, Body=blob,
+                             Bucket=self.locations[i].bucket, Key=prefix + key, Body=blob,
                              force=force)
             return True
         except (LocationDown, KeyError, ClientError) as exc:
@@ -229,52 +236,66 @@ class ShardStore:
             held = self._sessions[i] = (loop, session)
         return held[1]
 
-    def _get_url(self, i: int, key: str) -> str:
-        """A presigned GET URL for shard i of key, signed by the location's boto3 client."""
+    def _get_url(self, i: int, name: str) -> str:
+        """A presigned GET URL for object `name` at location i, signed by its boto3 client.
+        (A Range header is not part of the signature: one URL serves ranged reads too.)"""
         now = time.monotonic()
-        cached = self._urls.get((i, key))
+        cached = self._urls.get((i, name))
         if cached is not None and now - cached[0] < URL_TTL_S / 2:
-            self._urls.move_to_end((i, key))
+            self._urls.move_to_end((i, name))
             return cached[1]
         url = self._clients[i].generate_presigned_url(
-            "get_object", Params={"Bucket": self.locations[i].bucket, "Key": PREFIX + key},
+            "get_object", Params={"Bucket": self.locations[i].bucket, "Key": name},
             ExpiresIn=URL_TTL_S)
-        self._urls[(i, key)] = (now, url)
-        self._urls.move_to_end((i, key))
+        self._urls[(i, name)] = (now, url)
+        self._urls.move_to_end((i, name))
         while len(self._urls) > URL_CACHE:
             self._urls.popitem(last=False)
         return url
 
-    async def get(self, i: int, key: str, force: bool = False) -> bytes | None:
+    async def get(self, i: int, key: str, force: bool = False, prefix: str = PREFIX,
+                  byte_range: tuple[int, int] | None = None) -> bytes | None:
         """The shard's bytes, or None when absent or the location is down.
 
         Same outcomes and health records as a boto3 get_object through `_call`:
         404 -> None (a success), 5xx / no answer -> None (an error), other
-        errors -> None (not recorded). `force`: read even if the location is down."""
+        errors -> None (not recorded). `force`: read even if the location is down.
+        `byte_range` (start, end): only bytes [start, end) (an HTTP Range GET);
+        a short answer is None."""
         if not force and not self.is_up(i):
             return None
+        self.requests["range" if byte_range else "get"] += 1
         t0 = time.monotonic()
         token = object()
         self._inflight[i][token] = t0
         try:
-            return await self._get(i, key, t0)
+            return await self._get(i, prefix + key, t0, byte_range)
         finally:
             del self._inflight[i][token]
 
-    async def _get(self, i: int, key: str, t0: float) -> bytes | None:
+    async def _get(self, i: int, name: str, t0: float,
+                   byte_range: tuple[int, int] | None = None) -> bytes | None:
         try:
-            url = self._get_url(i, key)
+            url = self._get_url(i, name)
         except BotoCoreError as exc:  # local signing failed; says nothing about the location
-            log.debug("get shard %d of %s: presign failed: %s", i, key, exc)
+            log.debug("get shard %d of %s: presign failed: %s", i, name, exc)
             return None
+        headers = None
+        if byte_range is not None:
+            headers = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"}
         try:
-            async with self._session(i).get(yarl.URL(url, encoded=True)) as resp:
+            async with self._session(i).get(yarl.URL(url, encoded=True), headers=headers) as resp:
                 status = resp.status
-                body = await resp.read() if status == 200 else b""
+                body = await resp.read() if status in (200, 206) else b""
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             self._mark(i, False, refused=isinstance(exc, aiohttp.ClientConnectorError))
-            log.debug("get shard %d of %s: location down: %s", i, key, exc)
+            log.debug("get shard %d of %s: location down: %s", i, name, exc)
             return None
+        if byte_range is not None and status in (200, 206):
+            self._mark(i, True)  # a partial read's latency is not a shard read's: no budget
+            if status == 200:  # the server ignored the range
+                body = body[byte_range[0]:byte_range[1]]
+            return body if len(body) == byte_range[1] - byte_range[0] else None
         if status == 200:
             self._mark(i, True, time.monotonic() - t0)
             return body
@@ -283,31 +304,33 @@ class ShardStore:
         elif status >= 500:
             self._mark(i, False)
         if status != 404:
-            log.debug("get shard %d of %s: HTTP %d", i, key, status)
+            log.debug("get shard %d of %s: HTTP %d", i, name, status)
         return None
 
-    async def delete(self, i: int, key: str, force: bool = False) -> bool:
+    async def delete(self, i: int, key: str, force: bool = False, prefix: str = PREFIX) -> bool:
+        self.requests["delete"] += 1
         try:
             await self._call(i, self._clients[i].delete_object,
-                             Bucket=self.locations[i].bucket, Key=PREFIX + key, force=force)
+                             Bucket=self.locations[i].bucket, Key=prefix + key, force=force)
             return True
         except KeyError:
             return True
         except (LocationDown, ClientError):
             return False
 
-    async def list(self, i: int) -> list[ListedShard]:
-        """Every shard object at location i. Raises LocationDown."""
+    async def list(self, i: int, prefix: str = PREFIX) -> list[ListedShard]:
+        """Every shard object at location i (under `prefix`). Raises LocationDown."""
         def walk():
             out, token = [], None
             client, bucket = self._clients[i], self.locations[i].bucket
             while True:
-                kw = {"Bucket": bucket, "Prefix": PREFIX, "MaxKeys": 1000}
+                kw = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": 1000}
                 if token:
                     kw["ContinuationToken"] = token
+                self.requests["list"] += 1
                 resp = client.list_objects_v2(**kw)
                 for obj in resp.get("Contents", []):
-                    out.append(ListedShard(obj["Key"][len(PREFIX):], obj["Size"],
+                    out.append(ListedShard(obj["Key"][len(prefix):], obj["Size"],
                                            obj["LastModified"].timestamp()))
                 if not resp.get("IsTruncated"):
                     return out

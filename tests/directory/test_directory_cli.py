@@ -56,3 +56,20 @@ def test_config_reads_kvmesh_directory_env_and_checks_invariants():
                 {"entry_ttl_s": 10**6}):
         with pytest.raises(ValueError):
             DirectoryConfig(**bad)
+
+
+@pytest.mark.parametrize("url,shown", [
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ("redis://:s3cr3t@h:6379/0", "redis://:***@h:6379/0"),
+    ("rediss://kvmesh:s3cr3t@h:6380/1", "rediss://kvmesh:***@h:6380/1"),
+    ("redis://kvmesh@h:6379/0", "redis://kvmesh@h:6379/0"),
+])
+def test_logged_url_never_shows_a_password(url, shown):
+    assert DirectoryConfig(redis_url=url).redacted_url == shown
+
+
+def test_redis_credentials_come_from_the_environment_and_stay_out_of_repr():
+    cfg = DirectoryConfig.from_env({"KVMESH_DIRECTORY_REDIS_USERNAME": "kvmesh",
+                                    "KVMESH_DIRECTORY_REDIS_PASSWORD": "s3cr3t-pw"})
+    assert (cfg.redis_username, cfg.redis_password) == ("kvmesh", "s3cr3t-pw")
+    assert "s3cr3t-pw" not in repr(cfg)

@@ -16,9 +16,12 @@ class RecordingEngine(EngineCore):
         super().__init__(*a, **kw)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
-    def _emit(self, seq, logits):
-        self.logits.setdefault(seq.request_id, []).append(logits.clone())
-        return super()._emit(seq, logits)
+    def _emit(self, seq, logits, *args):
+        rows = logits.clone() if logits.dim() == 2 else logits.clone()[None]
+        event = super()._emit(seq, logits, *args)
+        # a verify step's rows: one per emitted token (the rest judged rejected drafts)
+        self.logits.setdefault(seq.request_id, []).extend(rows[: len(event.token_ids)])
+        return event
 
 
 def make_engine(cfg, dtype="float64", weights=None, seed=0, **ecfg) -> RecordingEngine:

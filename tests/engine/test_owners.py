@@ -54,7 +54,7 @@ def writes(tree: ast.AST) -> set[str]:
 
 def test_every_sequence_field_is_written_only_by_its_owner():
     assert set().union(*WRITERS.values()) | {"request_id", "params", "seed", "salt",
-                                             "traffic_class"} == FIELDS
+                                             "traffic_class", "handoff"} == FIELDS
     found = {}
     for path in ENGINE.rglob("*.py"):
         rel = path.relative_to(ENGINE).as_posix()

@@ -57,21 +57,39 @@ def test_published_ports_are_the_ports_the_command_uses(name):
     assert health[-1] == f"localhost:{args.port}", health
 
 
-def test_gateway_config_resolves_to_published_ports():
+@pytest.mark.parametrize("name", ["gateway", "gateway-pd"])
+def test_gateway_config_resolves_to_published_ports(name):
     from services.gateway.cli import config_from_args
-    from services.gateway.config import GatewayConfig
+    from services.gateway.config import GatewayConfig, split_addresses
 
-    svc = SERVICES["gateway"]
-    args = parse("gateway")
+    svc = SERVICES[name]
+    args = parse(name)
     cfg = config_from_args(args)  # flags only; env comes from the file below
     cfg = GatewayConfig.from_env({k: str(v) for k, v in svc["environment"].items()},
-                                 **{k: getattr(cfg, k) for k in ("host", "port", "engines",
-                                                                 "directory")})
+                                 **{k: getattr(cfg, k) for k in (
+                                     "host", "port", "engines", "directory", "prefill_engines",
+                                     "decode_engines")})
     assert {cfg.port, cfg.metrics_port, cfg.http_port} == container_ports(svc)
     assert cfg.http_port
-    for addr in cfg.engine_list + (cfg.directory,):
+    pd = split_addresses(cfg.prefill_engines) + split_addresses(cfg.decode_engines)
+    for addr in cfg.engine_list + pd + ((cfg.directory,) if cfg.directory else ()):
         host, _, port = addr.rpartition(":")
         assert int(port) in container_ports(SERVICES[host]), addr
+
+
+def test_pd_profile_runs_one_prefill_and_two_decode_engines():
+    from services.gateway.cli import config_from_args
+    from services.gateway.config import split_addresses
+
+    pd = {n for n, s in SERVICES.items() if "pd" in s.get("profiles", [])}
+    assert pd == {"pd-prefill", "pd-decode-a", "pd-decode-b", "gateway-pd"}
+    roles = {n: parse(n).role for n in pd - {"gateway-pd"}}
+    assert roles == {"pd-prefill": "prefill", "pd-decode-a": "decode", "pd-decode-b": "decode"}
+    cfg = config_from_args(parse("gateway-pd"))
+    assert split_addresses(cfg.prefill_engines) == ("pd-prefill:7211",)
+    assert split_addresses(cfg.decode_engines) == ("pd-decode-a:7212", "pd-decode-b:7213")
+    # the default profile is unchanged: no role flags there
+    assert all(parse(n).role == "unified" for n in ("engine-a", "engine-b"))
 
 
 @pytest.mark.parametrize("name", sorted(IMAGE_PORTS))
@@ -99,3 +117,88 @@ def test_dockerfile_builds_cpu_image():
     assert "torch==2.13.0" in text and "whl/cpu" in text and "pip install ." in text
     for name in KVMESH_SERVICES:
         assert SERVICES[name]["build"] == "."
+
+
+# -- backing-server credentials (README, "Backing-server credentials") ------------------
+SECRETS = {"REDIS_PASSWORD": "pw-1", "S3_ACCESS_KEY": "ak-2", "S3_SECRET_KEY": "sk-3",
+           "KVMESH_SERVICE_TOKEN": "tok-4"}
+
+
+def interpolate(text: str) -> str:
+    """Compose's ${VAR} / ${VAR:?message} substitution with SECRETS."""
+    return re.sub(r"\$\{(\w+)(:\?[^}]*)?\}", lambda m: SECRETS[m.group(1)], text)
+
+
+def test_credentials_come_from_the_environment_and_are_required():
+    text = (ROOT / "docker-compose.yml").read_text()
+    used = set(re.findall(r"\$\{(\w+)", text))
+    assert used == set(SECRETS)
+    for name in SECRETS:  # compose refuses to start without each one
+        assert re.search(r"\$\{" + name + r":\?", text), name
+    assert "scripts/backing_secrets.py" in text
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/backing_secrets.py")],
+                         capture_output=True, text=True, check=True).stdout
+    made = dict(line.split("=", 1) for line in out.splitlines())
+    assert set(made) == set(SECRETS) and all(len(v) >= 16 for v in made.values())
+
+
+def test_redis_runs_with_the_acl_kvmesh_writes():
+    from kvmesh.backing.valkey import acl_config
+
+    conf = interpolate(COMPOSE["configs"]["redis-acl"]["content"])
+    assert conf == acl_config("kvmesh", SECRETS["REDIS_PASSWORD"])
+    redis = SERVICES["redis"]
+    [mount] = redis["configs"]
+    assert redis["command"][:2] == ["redis-server", mount["target"]]
+    assert mount["source"] == "redis-acl"
+    assert "--user kvmesh" in redis["healthcheck"]["test"][1]
+    env = SERVICES["directory"]["environment"]
+    assert env["KVMESH_DIRECTORY_REDIS_USERNAME"] == "kvmesh"
+    assert interpolate(env["KVMESH_DIRECTORY_REDIS_PASSWORD"]) == SECRETS["REDIS_PASSWORD"]
+
+
+def test_s3_runs_with_the_identities_kvmesh_writes(tmp_path):
+    import json
+
+    from kvmesh.backing.seaweed import S3Keys, write_identity_config
+
+    keys = S3Keys(SECRETS["S3_ACCESS_KEY"], SECRETS["S3_SECRET_KEY"])
+    want = json.loads(write_identity_config(tmp_path / "s3.json", keys).read_text())
+    assert json.loads(interpolate(COMPOSE["configs"]["s3-identities"]["content"])) == want
+    s3 = SERVICES["s3"]
+    [mount] = s3["configs"]
+    assert f"-s3.config={mount['target']}" in s3["command"]
+    env = SERVICES["kvstore"]["environment"]
+    assert {k: interpolate(env[k]) for k in keys.env()} == keys.env()
+
+
+def test_each_credential_reaches_only_the_containers_that_use_it():
+    where = {name: {n for n, svc in SERVICES.items()
+                    if "${" + name in yaml.safe_dump(svc.get("environment", {}))}
+             for name in ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY")}
+    assert where == {"REDIS_PASSWORD": {"redis", "directory"}, "S3_ACCESS_KEY": {"kvstore"},
+                     "S3_SECRET_KEY": {"kvstore"}}
+
+
+def test_every_port_is_published_on_loopback_only():
+    for name, svc in SERVICES.items():
+        for p in svc.get("ports", []):
+            assert str(p).startswith("127.0.0.1:"), (name, p)
+
+
+def test_every_public_gateway_has_keys_or_is_allowed_without():
+    """A gateway on the container's 0.0.0.0 without keys refuses to start unless allowed."""
+    from kvmesh.auth import check_public_bind
+    from services.gateway.cli import config_from_args
+    from services.gateway.config import GatewayConfig
+
+    gateways = [n for n in KVMESH_SERVICES if SERVICES[n]["command"][1] == "gateway"]
+    assert len(gateways) >= 1
+    for name in gateways:
+        flags = config_from_args(parse(name))
+        env = {k: str(v) for k, v in SERVICES[name].get("environment", {}).items()}
+        cfg = GatewayConfig.from_env(env, host=flags.host)
+        check_public_bind(cfg.host, bool(cfg.api_keys), cfg.allow_unauthenticated)

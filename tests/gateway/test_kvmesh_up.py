@@ -33,11 +33,29 @@ def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
     # the second demo request extends the first: its first 256 tokens resume from the
     # window the first one stored (fresh log dir: nothing in the kvstore before)
     assert usages[0] == ("309", "0", "0", "32") and usages[1] == ("410", "256", "0", "32")
+    # what `kvmesh up --help` promises for --demo is what it did (test_demo_help_...)
+    heads = re.findall(r"demo \d/2: GenerateStream via \S+ \(temperature ([\d.]+), seed (\d+), "
+                       r"(\d+) tokens, (\d+)-byte prompt\)", text)
+    assert heads == [("0.8", "1", "32", "309"), ("0.8", "1", "32", "410")], text[-3000:]
     for name in ("kvstore", "directory", "engine-a", "engine-b", "gateway"):
         assert (tmp_path / "logs" / f"{name}.log").exists()
     ports = ports_in(text)
     assert len(ports) >= 5
     assert not [p for p in ports if port_open("127.0.0.1", p)], "a service outlived kvmesh up"
+
+
+def test_demo_help_says_what_the_demo_does():
+    from kvmesh.mesh import DEMO_PROMPT, DEMO_SEED, DEMO_TEMPERATURE, DEMO_TOKENS
+
+    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "up", "--help"], env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    text = " ".join(out.stdout.split())
+    assert (DEMO_TEMPERATURE, DEMO_SEED, DEMO_TOKENS) == (0.8, 1, 32)  # checked by the run above
+    assert (f"{DEMO_TOKENS} tokens each, sampled at temperature {DEMO_TEMPERATURE} with seed "
+            f"{DEMO_SEED}") in text
+    assert "greedy" not in text
+    assert f"a {len(DEMO_PROMPT.encode())}-byte Python snippet" in text
+    assert "exit 0" in text and "extends the first" in text
 
 
 def check_printed_addresses(text: str) -> None:

@@ -230,6 +230,42 @@ def test_too_large_body_and_prompt_are_413_and_counted(base):
             'status="RESOURCE_EXHAUSTED"} 2.0') in metrics
 
 
+def test_a_5_mib_request_is_counted_and_logged_like_the_others(base, gw, mesh):
+    """Refused for size before the core sees it, on both front ends: RESOURCE_EXHAUSTED,
+    one kvmesh_requests_total count and one `request id=- status=...` log line each."""
+    import grpc
+
+    from services.gateway.client import gateway_request
+
+    def count(method: str) -> float:
+        want = (f'kvmesh_requests_total{{method="{method}",service="gateway",'
+                'status="RESOURCE_EXHAUSTED"} ')
+        line = [x for x in _get_text(base, "/metrics").splitlines() if x.startswith(want)]
+        return float(line[0].split()[-1]) if line else 0.0
+
+    log = mesh.procs["gateway"].log_path
+    lines_before = log.read_text().count("status=RESOURCE_EXHAUSTED")
+    before = {m: count(m) for m in ("unary", "stream", "http_completions")}
+    big = "a" * (5 << 20)
+    with pytest.raises(grpc.RpcError) as info:
+        gw.stub.Generate(gateway_request(big, max_tokens=1), timeout=60)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "limit" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        list(gw.stub.GenerateStream(gateway_request(big, max_tokens=1), timeout=60))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status, _, _ = raw(base, "POST", "/v1/completions", {"model": MODEL, "prompt": big})
+    assert status == 413
+    assert wait_for(lambda: {m: count(m) - before[m] for m in before} ==
+                    {"unary": 1.0, "stream": 1.0, "http_completions": 1.0}, timeout=10)
+    assert wait_for(lambda: log.read_text().count("status=RESOURCE_EXHAUSTED")
+                    - lines_before == 3, timeout=10), log.read_text()[-2000:]
+    refused = [x for x in log.read_text().splitlines()
+               if "request id=- status=RESOURCE_EXHAUSTED" in x][-3:]
+    assert {x.split(" method=")[1].split(":")[0] for x in refused} == {
+        "unary", "stream", "http_completions"}
+
+
 def _get_text(base: str, path: str) -> str:
     u = urllib.parse.urlsplit(base)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)

@@ -49,6 +49,41 @@ class FakeClock:
 
 
 @pytest.fixture
+def killer(cluster):
+    """Kill weed servers for one test; restart them (same ports, same data) after."""
+    killed = []
+
+    def kill(server: int) -> list[int]:
+        cluster.servers[server].kill()
+        killed.append(server)
+        return cluster.locations_on(server)
+
+    yield kill
+    for server in killed:
+        cluster.restart(server)
+        _wait_writable(cluster, server)
+
+
+def _wait_writable(cluster, server: int, timeout: float = 30.0) -> None:
+    """A restarted weed answers S3 (and lists buckets) a moment before its volume
+    server takes writes again; the next test's put goes to fresh buckets (new
+    collections, new volumes), so probe one of those."""
+    client = s3_client(cluster.servers[server].endpoint)
+    bucket = f"probe-{os.getpid() % 10000}x{next(_ids)}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ensure_bucket(client, bucket)
+            client.put_object(Bucket=bucket, Key="probe/restart", Body=b"x")
+            client.delete_object(Bucket=bucket, Key="probe/restart")
+            return
+        except Exception:  # noqa: BLE001 - not ready yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@pytest.fixture
 def clock():
     return FakeClock()
 

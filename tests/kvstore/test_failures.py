@@ -19,26 +19,12 @@ SIZES = [0, 1, 11, 100_003, 2 * 1024 * 1024 + 5]
 
 @pytest.fixture
 def stored(make_server):
-    """A kvstore without hot tiers, so every read goes to the shards."""
-    kv = make_server(mem_bytes=0, disk_bytes=0)
+    """A kvstore without hot tiers, so every read goes to the shards; one object per
+    block (run_blocks=1: test_runs.py covers the same faults for runs)."""
+    kv = make_server(mem_bytes=0, disk_bytes=0, run_blocks=1)
     items = [(hexkey(500 + i), os.urandom(n)) for i, n in enumerate(SIZES)]
     call(kv.address, lambda c: c.put(items))
     return kv, items
-
-
-@pytest.fixture
-def killer(cluster):
-    """Kill weed servers for one test; restart them (same ports, same data) after."""
-    killed = []
-
-    def kill(server: int) -> list[int]:
-        cluster.servers[server].kill()
-        killed.append(server)
-        return cluster.locations_on(server)
-
-    yield kill
-    for server in killed:
-        cluster.restart(server)
 
 
 def test_two_locations_down_every_read_succeeds(stored, killer):

@@ -84,7 +84,7 @@ def gets_for(kv, items, seconds: float, lat: list[float]) -> int:
 
 
 def test_hung_locations_hedged_health_by_rate_scrub_repairs(make_server, own_layout, stopper):
-    kv = make_server(locations=own_layout, mem_bytes=0, disk_bytes=0)
+    kv = make_server(locations=own_layout, mem_bytes=0, disk_bytes=0, run_blocks=1)
     items = [(hexkey(900 + i), os.urandom(50_000 + 7919 * i)) for i in range(16)]
     call(kv.address, lambda c: c.put(items))
     warm: list[float] = []

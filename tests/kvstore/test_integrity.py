@@ -45,7 +45,8 @@ def forge_other_object(kv, index: int, key: str, size: int) -> bytes:
 
 
 def stored(make_server, sizes):
-    kv = make_server(mem_bytes=0, disk_bytes=0)  # every get reassembles from S3
+    # every get reassembles from S3; one object per block (test_runs.py: forged run shards)
+    kv = make_server(mem_bytes=0, disk_bytes=0, run_blocks=1)
     items = [(hexkey(700 + i), os.urandom(n)) for i, n in enumerate(sizes)]
     call(kv.address, lambda c: c.put(items))
     return kv, items

@@ -27,6 +27,7 @@ import torch
 from kvmesh.cachekeys import ROOT, block_hash, extend_chain
 from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
+from services.engine.cache.handoff import SlotHandoff, handoff_block, rearrange_slot
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.prefix import Prefetched, PrefixReuse
 from services.engine.cache.snapshots import Snapshot
@@ -202,6 +203,71 @@ class CacheManager:
         self.pool.release(reversed(seq.table))
         seq.slot, seq.table, seq.hashes, seq.num_computed = None, [], [], 0
 
+    # --- prefill/decode handoff (cache/handoff.py) --------------------------------------
+    def export_slot(self, seq: Sequence) -> SlotHandoff:
+        """seq's slot rearranged for a 134-row engine, its block hashes and blocks (read only:
+        the caller releases seq afterwards as usual)."""
+        n = seq.num_computed
+        state = rearrange_slot(self.states.block, self.states.data[seq.slot], n)
+        blocks = tuple(self.store.serialize(b) for b in seq.table[: self.blocks_for(n)])
+        return SlotHandoff(n, seq.enc_lo, seq.dec_lo, seq.cmp_from, tuple(seq.hashes), blocks,
+                           state.numpy().tobytes())
+
+    def handoff_problem(self, h: SlotHandoff) -> str | None:
+        """Why `h` can never be adopted here (ring, sizes, block coverage, damaged blocks)."""
+        want = handoff_block(self.states.block).slot_bytes
+        if self.states.ring != self.layout.inference_ring:
+            return f"this engine's ring is {self.states.ring} rows; a decode engine keeps {self.layout.inference_ring}"
+        if len(h.state) != want:
+            return f"handoff state is {len(h.state)} B, this engine's slot is {want} B"
+        bs = self.cfg.block_size
+        if len(h.blocks) != self.blocks_for(h.num_computed) or len(h.hashes) != h.num_computed // bs:
+            return f"{len(h.blocks)} blocks / {len(h.hashes)} hashes do not cover {h.num_computed} tokens"
+        for i, blob in enumerate(h.blocks):
+            if not blob and i < len(h.hashes):
+                continue                      # skipped: this pool holds it (has_room checks)
+            try:
+                self.store.check(blob)
+            except ValueError as exc:
+                return str(exc)
+        return None
+
+    def has_room(self, h: SlotHandoff) -> bool:
+        """A free slot and the blocks `adopt` would take (reviving a cached one takes one)."""
+        local = [self.pool.lookup(x) for x in h.hashes]
+        need = sum(b is None or self.pool.ref_cnt[b] == 0 for b in local) + len(h.blocks) - len(local)
+        skipped_here = all(local[i] is not None for i, blob in enumerate(h.blocks[: len(local)])
+                           if not blob)       # a skipped block evicted since: refuse, retryable
+        return self.states.num_free > 0 and need <= self.pool.num_free and skipped_here
+
+    def adopt(self, seq: Sequence, h: SlotHandoff) -> int:
+        """Install a checked handoff (handoff_problem is None, has_room) as seq's slot and block
+        table: complete blocks this pool already holds are shared (those the sender skipped
+        among them), the rest installed and registered.
+        Returns how many blocks were found here."""
+        assert seq.slot is None and not seq.table, seq.request_id
+        seq.slot = self.states.allocate()
+        self.snapshots.admitted(seq.slot)
+        self.states.data[seq.slot] = torch.frombuffer(bytearray(h.state), dtype=torch.uint8)
+        local = [self.pool.lookup(x) for x in h.hashes]
+        for b in local:                        # shared first: installing cannot evict them
+            if b is not None:
+                self.pool.acquire(b)
+        table = []
+        for i, blob in enumerate(h.blocks):
+            b = local[i] if i < len(local) else None
+            if b is None:
+                (b,) = self.pool.allocate(1)
+                self.store.deserialize(b, blob)
+                if i < len(h.hashes):
+                    self.pool.register(b, h.hashes[i])
+            table.append(b)
+        seq.table, seq.hashes, seq.block_hashes = table, list(h.hashes), list(h.hashes)
+        seq.num_computed = seq.prefill_len = h.num_computed
+        seq.enc_lo, seq.dec_lo, seq.cmp_from = h.enc_lo, h.dec_lo, h.cmp_from
+        seq.cached_tokens = seq.replayed_tokens = seq.recomputed_tokens = 0
+        return sum(b is not None for b in local)
+
     # --- tokens and forwards --------------------------------------------------------
     def append_token(self, seq: Sequence, token: int) -> None:
         seq.output.append(token)
@@ -234,6 +300,34 @@ class CacheManager:
         if not 0 <= r <= min(max_backtrack, seq.num_computed):
             raise ValueError(f"rollback of {r} tokens: must be in [0, min(B={max_backtrack}, computed)]")
         new = seq.num_computed - r
+        self._uncommit(seq, new)
+        self.snapshots.rolled_back(seq)
+        # the sequence ends at the rollback point (a sampled, not yet computed token goes too)
+        drop = len(seq.tokens) - new
+        from_output = min(drop, len(seq.output))
+        del seq.output[len(seq.output) - from_output :]
+        del seq.prompt[len(seq.prompt) - (drop - from_output) :]
+        seq.prefill_len = min(seq.prefill_len, new)
+
+    def reopen(self, seq: Sequence) -> None:
+        """The last computed token becomes pending again (a rollback took back the sampled
+        one, so there is nothing to compute): the next step recomputes its rows, the same
+        bytes, and samples from its logits. Safe for any rollback r <= B: that position's
+        window reaches back to num_computed - W, and the rows the rolled-back tokens
+        overwrote are older than num_computed - W (ring W + B, compression ring m + B).
+        The replica stays: it covers the same token, recomputed identically."""
+        assert seq.num_computed == len(seq.tokens) > 0, seq.request_id
+        self._uncommit(seq, seq.num_computed - 1)
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back blocks past what the next token needs (grown for drafts that were
+        rejected; unregistered, their rows are rewritten before they are ever read)."""
+        keep = self.blocks_for(seq.num_computed + 1)
+        self.pool.release(reversed(seq.table[keep:]))
+        del seq.table[keep:]
+
+    def _uncommit(self, seq: Sequence, new: int) -> None:
+        """Computed tokens end at `new`: blocks past it leave, an incomplete one its hash."""
         full = new // self.cfg.block_size
         for k in range(full, len(seq.hashes)):
             block = seq.table[k]
@@ -250,13 +344,6 @@ class CacheManager:
         self.pool.release(reversed(seq.table[keep:]))
         del seq.table[keep:]
         seq.num_computed = new
-        self.snapshots.rolled_back(seq)
-        # the sequence ends at the rollback point (a sampled, not yet computed token goes too)
-        drop = len(seq.tokens) - new
-        from_output = min(drop, len(seq.output))
-        del seq.output[len(seq.output) - from_output :]
-        del seq.prompt[len(seq.prompt) - (drop - from_output) :]
-        seq.prefill_len = min(seq.prefill_len, new)
 
     def check_integrity(self, running: list[Sequence]) -> None:
         """free + in use + cached == total, slots balance, and refcounts match the tables."""

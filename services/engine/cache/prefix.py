@@ -175,6 +175,7 @@ class PrefixReuse:
             # the window [b - W, b) is intact in the ring while lag <= B - 1 (spare rows)
             if b > self.replica_pos[slot] and lag < self.r_inf - self.cfg.window and self._stores_at(b):
                 self._copy_from_ring(seq, b)
+                self._zero_spare_rows(seq.slot, b)
 
     def on_release(self, seq: Sequence) -> None:
         """The slot goes back (finish, abort, out of memory, preemption): store its latest
@@ -192,6 +193,14 @@ class PrefixReuse:
         """Tokens past num_computed were taken back: a replica that saw them is dropped."""
         if seq.slot is not None and self.replica_pos[seq.slot] > seq.num_computed:
             self.replica_pos[seq.slot] = 0
+
+    def _zero_spare_rows(self, slot: int, b: int) -> None:
+        """Zero a decode copy's rows older than the window [b - W, b). They are never read
+        after a restore, and in the ring they may already hold later positions, rolled-back
+        draft tokens among them: a snapshot must not depend on which tokens a request once
+        computed and took back (issue 12)."""
+        old = torch.arange(max(0, b - self.r_inf), max(0, b - self.cfg.window))
+        self.replica[slot][:, old.remainder(self.r_inf)] = 0
 
     def _copy_from_ring(self, seq: Sequence, b: int) -> None:
         positions = torch.arange(max(0, b - self.r_inf), b)

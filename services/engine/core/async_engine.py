@@ -41,13 +41,20 @@ class AsyncEngine:
         self._thread.start()
 
     # --- caller side (event loop) ---------------------------------------------------
-    async def generate(self, prompt_ids, params, request_id="", salt="", traffic_class="",
-                       prefetched=None, resume: int = 0) -> AsyncIterator[Event]:
+    def generate(self, prompt_ids, params, request_id="", salt="", traffic_class="",
+                 prefetched=None, resume: int = 0, handoff: bool = False) -> AsyncIterator[Event]:
+        return self._stream(lambda core: core.add_request(
+            prompt_ids, params, request_id, salt, traffic_class, prefetched, resume, handoff))
+
+    def adopt(self, handoff) -> AsyncIterator[Event]:
+        """Continue a request a prefill engine handed off (EngineCore.adopt)."""
+        return self._stream(lambda core: core.adopt(handoff))
+
+    async def _stream(self, start: Callable[[EngineCore], object]) -> AsyncIterator[Event]:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         fut: cf.Future = cf.Future()
-        self._cmds.put(("add", (prompt_ids, params, request_id, salt, traffic_class, prefetched,
-                                resume), fut, loop, sink))
+        self._cmds.put(("add", start, fut, loop, sink))
         try:
             seq = await asyncio.wrap_future(fut)      # raises InvalidArgument etc.
         except asyncio.CancelledError:
@@ -122,11 +129,11 @@ class AsyncEngine:
     def _handle(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, args, fut, loop, sink = cmd
+            _, start, fut, loop, sink = cmd
             if not fut.set_running_or_notify_cancel():
                 return                    # the caller left before admission: nothing to undo
             try:
-                seq = self.core.add_request(*args)
+                seq = start(self.core)
             except Exception as exc:  # noqa: BLE001 - returned to the caller
                 fut.set_exception(exc)
                 return

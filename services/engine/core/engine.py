@@ -19,22 +19,25 @@ import random
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.generation import check_traffic_class
 from kvmesh.tokenizer import ByteTokenizer
+from services.engine.cache.handoff import handoff_block
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.cache.prefix import Prefetched, PrefixReuse
 from services.engine.config import EngineConfig, ModelConfig
+from services.engine.core.handoff import Handoff, HandoffStore, export_handoff, handoff_problem
 from services.engine.core.output import OutputState
 from services.engine.core.sampling import SamplingParams, sample
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Finish, Sequence
-from services.engine.model.runner import ModelRunner, Work
+from services.engine.core.speculative import Speculator, engine_setting
+from services.engine.model.runner import ForwardResult, ModelRunner, Work
 from services.engine.model.weights import Weights, init_weights
 
 # Counters EngineCore always reports, 0 until their event first happens, so GetStats and
@@ -43,7 +46,9 @@ from services.engine.model.weights import Weights, init_weights
 COUNTERS = ("requests", "prompt_tokens", "cache_hit_tokens", "replayed_tokens",
             "recomputed_tokens", "snapshot_hits", "snapshot_misses", "snapshot_stores",
             "snapshot_refused", "block_hits_local", "block_hits_remote", "remote_blocks_refused",
-            "generated_tokens", "computed_tokens", "finished", "aborted", "steps")
+            "generated_tokens", "computed_tokens", "finished", "aborted", "steps",
+            "handoffs_out", "handoff_out_bytes", "handoffs_in", "handoff_in_bytes",
+            "handoff_blocks_local", "handoff_refused", "handoff_fetch_ms")
 
 
 class Hooks:
@@ -66,6 +71,9 @@ class Event:
     text: str
     finish: Finish | None
     seq: Sequence
+    handoff: Handoff | None = None      # finish HANDOFF: what a decode engine adopts
+    drafted: int = 0           # on the last event: draft tokens this request proposed
+    accepted: int = 0          # and how many of them verification accepted
 
 
 class EngineCore:
@@ -95,16 +103,24 @@ class EngineCore:
         self.prefix.store.on_evict = lambda key: self.hooks.snapshot_evicted(key)
         self.prefill_token_s = 0.0       # EMA of prefill seconds per token (replay cost model)
         self.last_rows: dict[str, int] = {}     # query rows the last step's forward computed
+        # handoffs waiting for a decode engine to fetch them (prefill engines): as many bytes
+        # as the snapshot store may hold, for as long as a fetch may reasonably take
+        self.handoffs = HandoffStore(ecfg.snapshot_bytes, ttl_s=60.0)
+        # speculative decoding: K <= B, mtp only with MTP weights (InvalidArgument at start-up)
+        self.spec = Speculator(engine_setting(ecfg.speculative, self.layout.backtrack,
+                                              has_mtp=False), ecfg.ngram_min, ecfg.ngram_max)
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
                     salt: str = "", traffic_class: str = "",
-                    prefetched: Prefetched | None = None, resume: int = 0) -> Sequence:
+                    prefetched: Prefetched | None = None, resume: int = 0,
+                    handoff: bool = False) -> Sequence:
         """`resume` > 0 continues a generation that another engine started (the gateway's
         mid-stream migration): the last `resume` ids are that generation's output. They
         count toward max_tokens and usage, sampling continues at their position (same
         seed, same tokens as an uninterrupted run), and their text, already delivered,
-        only sets the stop-string state."""
+        only sets the stop-string state. `handoff`: stop after the first token and keep
+        the request for a decode engine (core/handoff.py)."""
         params.validate(self.cfg.vocab_size)
         if not prompt_ids:
             raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
@@ -125,9 +141,10 @@ class EngineCore:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
+        self.spec.add(request_id, params)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id, list(prompt_ids[:n_prompt]), params, seed, salt, traffic_class,
-                       output=list(prompt_ids[n_prompt:]), prefetched=prefetched,
+                       handoff=handoff, output=list(prompt_ids[n_prompt:]), prefetched=prefetched,
                        # hashed for the prefetch from these very ids and salt: the chain's start
                        block_hashes=list(prefetched.hashes) if prefetched else [])
         out = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
@@ -142,6 +159,7 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         self.outputs.pop(request_id, None)
+        self.spec.forget(request_id)
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, Finish.ABORTED)
             self.counters["aborted"] += 1
@@ -152,15 +170,21 @@ class EngineCore:
 
     # --- one step ------------------------------------------------------------------
     def step(self) -> list[Event]:
-        plan = self.scheduler.schedule()
+        proposed = self.spec.propose(self.scheduler.running)
+        plan = self.scheduler.schedule({r: len(d) for r, d in proposed.items()})
         for _, match in plan.admitted:
             self._count_hit(match)
         events = [self._finish(seq, [], "") for seq in plan.out_of_memory]
         sampled: list[tuple[Sequence, torch.Tensor]] = []
-        # one ragged forward for the whole step: decode rows and prefill chunks side by side
-        jobs = [(s, s.num_computed, s.num_computed + 1) for s in plan.decode] + plan.prefill
+        verifying: list[tuple[Sequence, Work, int, list[int]]] = []
+        # one ragged forward for the whole step: decode rows (with their drafts) and prefill
+        # chunks side by side
+        drafts = {s.request_id: proposed[s.request_id][: plan.drafts[s.request_id]]
+                  for s in plan.decode if s.request_id in plan.drafts}
+        jobs = [(s, s.num_computed, len(s.tokens)) for s in plan.decode] + plan.prefill
         if jobs:
-            works = [self._work(seq, start, end) for seq, start, end in jobs]
+            works = [self._work(seq, start, end, drafts.get(seq.request_id, []))
+                     for seq, start, end in jobs]
             t0 = time.perf_counter()
             res = self.runner.forward(works)
             self.last_rows = res.rows
@@ -172,6 +196,9 @@ class EngineCore:
                 self.prefill_token_s = per_token if not self.prefill_token_s else \
                     0.8 * self.prefill_token_s + 0.2 * per_token
             for i, (seq, _, _) in enumerate(jobs):
+                if seq.request_id in drafts:          # committed once its drafts are judged
+                    verifying.append((seq, works[i], i, drafts[seq.request_id]))
+                    continue
                 self._after_forward(seq, works[i], res, i)
                 if not seq.prefilling and i in res.logits:
                     sampled.append((seq, res.logits[i]))
@@ -180,12 +207,16 @@ class EngineCore:
             self.prefix.expire()
         for seq, logits in sampled:
             events.append(self._emit(seq, logits))
+        for seq, work, i, d in verifying:
+            events.append(self._verify(seq, work, res, i, d))
         return events
 
-    def _work(self, seq: Sequence, start: int, end: int) -> Work:
-        work = Work(seq.slot, seq.table, seq.tokens, start, end, enc_lo=seq.enc_lo,
+    def _work(self, seq: Sequence, start: int, end: int, drafts: list[int] = ()) -> Work:
+        tokens = seq.tokens + list(drafts) if drafts else seq.tokens
+        work = Work(seq.slot, seq.table, tokens, start, end + len(drafts), enc_lo=seq.enc_lo,
                     dec_lo=seq.dec_lo, cmp_from=seq.cmp_from,
-                    want_logits=end == len(seq.tokens), owner=(seq.request_id, seq.admitted_at))
+                    want_logits=end == len(seq.tokens), n_logits=1 + len(drafts),
+                    owner=(seq.request_id, seq.admitted_at))
         if seq.prefilling:
             self.prefix.capture_for(seq, work)
         return work
@@ -216,22 +247,107 @@ class EngineCore:
         self.counters["snapshot_stores"] += 1
         self.hooks.snapshot_stored(snap.key, snap)
 
-    def _emit(self, seq: Sequence, logits: torch.Tensor) -> Event:
-        token = sample(logits, seq.params, len(seq.output), seq.seed)
-        self.cache.append_token(seq, token)
-        self.counters["generated_tokens"] += 1
-        text, finish = self.outputs[seq.request_id].push(token, len(seq.output))
+    def _emit(self, seq: Sequence, logits: torch.Tensor, drafts: list[int] | None = None,
+              work: Work | None = None) -> Event:
+        """Sample from logits [V]; or, with drafts, judge them against logits [1 + k, V] and
+        emit what verification gives (speculative.verify), committing the accepted ones."""
+        if drafts is None:
+            tokens = [sample(logits, seq.params, len(seq.output), seq.seed)]
+        else:
+            tokens = self.spec.verify(seq, logits, drafts)
+        out = self.outputs[seq.request_id]
+        emitted, text, finish = [], "", None
+        for token in tokens:
+            self.cache.append_token(seq, token)
+            emitted.append(token)
+            self.counters["generated_tokens"] += 1
+            piece, finish = out.push(token, len(seq.output))
+            text += piece
+            if finish:
+                break
+        if work is not None:
+            self._commit_verified(seq, work)
         if finish:
-            return self._finish(seq, [token], text, finish)
-        return Event(seq.request_id, [token], text, None, seq)
+            return self._finish(seq, emitted, text, finish)
+        if seq.handoff:
+            return self._hand_off(seq, emitted, text)
+        return Event(seq.request_id, emitted, text, None, seq)
 
-    def _finish(self, seq: Sequence, tokens, text, finish: Finish | None = None) -> Event:
+    def _verify(self, seq: Sequence, work: Work, res, index: int, drafts: list[int]) -> Event:
+        return self._emit(seq, res.logits[index], drafts, work)
+
+    def _commit_verified(self, seq: Sequence, work: Work) -> None:
+        """After a verify step: commit the pending token and the accepted drafts only. The
+        rows of rejected drafts stay uncommitted: their blocks are trimmed, their ring and
+        tail rows are rewritten before they are read (cache/manager.py reopen/rollback),
+        and the replica rule sees only the committed end."""
+        end = len(seq.tokens) - 1             # the last emitted token is pending
+        kept = replace(work, end=end)
+        self._after_forward(seq, kept, ForwardResult(), -1)
+        self.counters["computed_tokens"] += work.end - end       # rejected rows were computed too
+        self.cache.trim(seq)
+        if work.end > end:
+            self.runner.rewind(seq.slot, work.owner, end)
+
+    # --- prefill/decode handoff (core/handoff.py) ------------------------------------
+    def _hand_off(self, seq: Sequence, tokens: list[int], text: str) -> Event:
+        """Prefill done and the first token sampled: keep the request for a decode engine."""
+        h = export_handoff(seq, self.cache.export_slot(seq), self.prefix.layout_fp,
+                           self.cfg.fingerprint())
+        self.handoffs.put(h)
+        self.counters["handoffs_out"] += 1
+        self.counters["handoff_out_bytes"] += h.nbytes
+        return self._finish(seq, tokens, text, Finish.HANDOFF, h)
+
+    @property
+    def handoff_state_bytes(self) -> int:
+        """Size of the slot state a handoff to this (134-row) engine carries."""
+        return handoff_block(self.cache.states.block).slot_bytes
+
+    @property
+    def handoff_max_bytes(self) -> int:
+        """The most a handoff adopted here can weigh: the state and every block of the pool."""
+        return self.handoff_state_bytes + self.ecfg.num_blocks * self.cache.store.bytes_per_block()
+
+    def adopt(self, h: Handoff) -> Sequence:
+        """Continue a request another engine prefilled: decoding starts at the next step.
+        InvalidArgument for a malformed handoff, Unavailable when there is no room here."""
+        h.params.validate(self.cfg.vocab_size)
+        problem = handoff_problem(h, self.prefix.layout_fp, self.cfg.fingerprint(), self.cfg.vocab_size)
+        if problem is None:
+            problem = self.cache.handoff_problem(h.slot)
+        if problem is not None:
+            raise InvalidArgument(f"handoff refused: {problem}")
+        if not (self.scheduler.can_adopt and self.cache.has_room(h.slot)):
+            raise Unavailable("handoff refused: no free slot, blocks or running place here")
+        if h.request_id in self.requests:
+            raise InvalidArgument(f"request_id {h.request_id!r} is already running")
+        self.spec.add(h.request_id, h.params)     # a decode engine speculates on what it adopts
+        seq = Sequence(h.request_id, list(h.prompt), h.params, h.seed, h.salt, h.traffic_class,
+                       output=list(h.output))
+        out = OutputState(h.params, self.tokenizer.eos_id, self.tokenizer.stream())
+        out.resume(seq.output)                # the PE sent the first token's text already
+        local = self.cache.adopt(seq, h.slot)
+        self.scheduler.adopt(seq)
+        self.requests[seq.request_id] = seq
+        self.outputs[seq.request_id] = out
+        c = self.counters
+        c["requests"] += 1
+        c["handoffs_in"] += 1
+        c["handoff_in_bytes"] += h.nbytes
+        c["handoff_blocks_local"] += local
+        return seq
+
+    def _finish(self, seq: Sequence, tokens, text, finish: Finish | None = None,
+                handoff: Handoff | None = None) -> Event:
         finish = finish or seq.finish            # out of memory: the scheduler chose LENGTH
         self.scheduler.finish(seq, finish)
         self.requests.pop(seq.request_id, None)
         self.outputs.pop(seq.request_id, None)
+        drafted, accepted = self.spec.usage.get(seq.request_id, (0, 0))
+        self.spec.forget(seq.request_id)
         self.counters["finished"] += 1
-        return Event(seq.request_id, tokens, text, finish, seq)
+        return Event(seq.request_id, tokens, text, finish, seq, handoff, drafted, accepted)
 
     def rollback(self, request_id: str, r: int) -> None:
         """Take back the last r computed tokens of a running request (speculative decoding)."""
@@ -249,4 +365,5 @@ class EngineCore:
                    slots_in_use=self.cache.states.num_slots - self.cache.states.num_free,
                    running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                    snapshot_bytes=self.prefix.store.bytes, snapshots=len(self.prefix.store))
+        out.update(self.spec.stats())
         return out

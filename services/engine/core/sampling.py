@@ -31,6 +31,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    speculative: str = ""       # "" = the engine's setting; "off" or METHOD:K (bounded by it)
 
     def validate(self, vocab_size: int) -> None:
         t = self.temperature
@@ -62,10 +63,10 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, step: int, request_seed: int) -> int:
-    """logits: [V] -> token id. `step` = how many tokens this request has generated."""
-    if params.greedy:
-        return int(torch.argmax(logits))
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from: temperature, then top_k, then top_p
+    (float64). Speculative verification applies the same function to the draft's
+    distribution (core/speculative.py), so p and q are truncated alike."""
     x = logits.double() / params.temperature
     if params.top_k:
         kth = torch.topk(x, min(params.top_k, x.numel())).values[-1]
@@ -78,6 +79,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int, request_seed
         mask[order[keep]] = True
         probs = torch.where(mask, probs, torch.zeros_like(probs))
         probs = probs / probs.sum()
+    return probs
+
+
+def generator(params: SamplingParams, step: int, request_seed: int, stream: int = 0) -> torch.Generator:
+    """The random source of token `step` of a request; `stream` > 0 gives independent
+    sources for the same token (speculative acceptance draws)."""
     seed = params.seed if params.seed is not None else request_seed
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return torch.Generator().manual_seed((seed * 1_000_003 + step + stream * 7_919_777) % (2**63))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, step: int, request_seed: int) -> int:
+    """logits: [V] -> token id. `step` = how many tokens this request has generated."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = target_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator(params, step, request_seed)))

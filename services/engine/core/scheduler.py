@@ -3,7 +3,8 @@
 Owns the waiting queue, the running list and each sequence's scheduling fields
 (status, finish, preemptions, admitted_at). Each step:
 
-    1. every running sequence that is decoding gets one token (one batched forward);
+    1. every running sequence that is decoding gets one token (one batched forward), and
+       with speculative decoding its k draft tokens, while the budget lasts (1 + k rows);
     2. running sequences still in prefill get chunks, oldest first, within the
        token budget `max_batched_tokens` (decode tokens count against it), each chunk at
        most `long_prefill_chunk` tokens when that is set, so one long prompt cannot make
@@ -35,6 +36,7 @@ class StepPlan:
     prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)   # (seq, start, end)
     out_of_memory: list[Sequence] = field(default_factory=list)              # finished: cache full
     admitted: list[tuple[Sequence, MatchResult]] = field(default_factory=list)  # and their hits
+    drafts: dict[str, int] = field(default_factory=dict)    # request id -> draft rows granted
 
     @property
     def empty(self) -> bool:
@@ -52,6 +54,18 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def adopt(self, seq: Sequence) -> None:
+        """A handed-off sequence whose cache is already filled (CacheManager.adopt): it runs
+        from the next step on, decoding; the caller checked `can_adopt`."""
+        seq.status = Status.RUNNING
+        self._admissions += 1
+        seq.admitted_at = self._admissions
+        self.running.append(seq)
+
+    @property
+    def can_adopt(self) -> bool:
+        return len(self.running) < self.ecfg.max_running
+
     def finish(self, seq: Sequence, reason: Finish) -> None:
         """The request is over (stop, length, aborted): leave the queues, give back its cache."""
         if seq in self.running:
@@ -65,15 +79,25 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, drafts: dict[str, int] | None = None) -> StepPlan:
+        """`drafts`: draft tokens each decoding request proposes (speculative decoding);
+        they are granted while the token budget lasts, after every decode's own rows."""
         plan = StepPlan()
         budget = self.ecfg.max_batched_tokens
+        decoding = [s for s in self.running if s.status is Status.RUNNING and not s.prefilling]
+        for seq in decoding:
+            if seq.num_computed == len(seq.tokens):     # rolled back past its sampled token
+                self.cache.reopen(seq)
+            budget -= len(seq.tokens) - seq.num_computed
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or seq.prefilling:
+            if seq not in decoding or seq.status is not Status.RUNNING:
                 continue
-            if self._make_room(seq, seq.num_computed + 1, plan):
+            k = min((drafts or {}).get(seq.request_id, 0), max(0, budget))
+            if self._make_room(seq, len(seq.tokens) + k, plan):
                 plan.decode.append(seq)
-                budget -= 1
+                if k:
+                    plan.drafts[seq.request_id] = k
+                    budget -= k
         for seq in list(self.running):
             if budget <= 0:
                 break
@@ -130,5 +154,6 @@ class Scheduler:
         self.waiting.appendleft(seq)
         if seq in plan.decode:
             plan.decode.remove(seq)
+        plan.drafts.pop(seq.request_id, None)
         plan.prefill = [p for p in plan.prefill if p[0] is not seq]
         plan.admitted = [a for a in plan.admitted if a[0] is not seq]

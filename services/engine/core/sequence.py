@@ -2,7 +2,7 @@
 
 Every field has one writer, all on the engine thread:
 
-    request      request_id, params, seed, salt, traffic_class
+    request      request_id, params, seed, salt, traffic_class, handoff
                  set when EngineCore creates the Sequence; never changed
     tokens       prompt, output
                  set when EngineCore creates the Sequence (a resumed generation starts
@@ -53,6 +53,7 @@ class Finish(enum.Enum):
     LENGTH = "length"
     STOP = "stop"
     ABORTED = "aborted"
+    HANDOFF = "handoff"     # prefill done and first token sent: a decode engine continues
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Sequence:
     seed: int
     salt: str = ""
     traffic_class: str = ""
+    handoff: bool = False       # stop after the first token and hand the request off (PE)
     output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish: Finish | None = None

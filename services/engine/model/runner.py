@@ -64,12 +64,13 @@ class Work:
     cmp_from: int = 0          # entries for positions < cmp_from exist and must not be rewritten
     capture: int | None = None # snapshot the encoder window ending at this position (in (start, end])
     want_logits: bool = True
+    n_logits: int = 1          # logit rows of the chunk's last positions (verify: 1 + drafts)
     owner: object = None       # identifies one admission of a sequence (window mirror); None: no mirror
 
 
 @dataclass
 class ForwardResult:
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)     # work index -> [V]
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)     # work index -> [V] ([n, V]: n_logits > 1)
     captures: dict[int, torch.Tensor] = field(default_factory=dict)   # work index -> [E, R_inf, 528]
     rows: dict[str, int] = field(default_factory=dict)                # query rows computed per layer
 
@@ -105,12 +106,21 @@ class ModelRunner:
 
         want = [i for i, w in enumerate(works) if w.want_logits]
         if want:
-            wi = torch.tensor(want, dtype=torch.long)
-            last = step.dec.rows_at(wi, step.ends[wi] - 1)
-            logits = ops.logits(self.w, x[last], cfg)
-            for k, i in enumerate(want):
-                result.logits[i] = logits[k]
+            counts = torch.tensor([works[i].n_logits for i in want], dtype=torch.long)
+            wi = torch.repeat_interleave(torch.tensor(want, dtype=torch.long), counts)
+            back = torch.cat([torch.arange(n - 1, -1, -1) for n in counts.tolist()])
+            logits = ops.logits(self.w, x[step.dec.rows_at(wi, step.ends[wi] - 1 - back)], cfg)
+            at = 0
+            for i, n in zip(want, counts.tolist(), strict=True):
+                result.logits[i] = logits[at] if n == 1 else logits[at : at + n]
+                at += n
         return result
+
+    def rewind(self, slot: int, owner: object, end: int) -> None:
+        """The slot's sequence continues at `end`, before the end of its last chunk (rejected
+        draft rows): the window mirror stays valid (rows past `end` carry their positions and
+        are rewritten before any read), so it is kept instead of dropped."""
+        self.mirror.rewind(slot, owner, end)
 
     # --- one layer ----------------------------------------------------------
     def _layer(self, layer, x, step: StepBatch, seg: Segments, h_enc, works, result):

@@ -49,6 +49,12 @@ class WindowMirror:
             for p in self.pos.values():
                 p[idx] = NOWHERE
 
+    def rewind(self, slot: int, owner: object, end: int) -> None:
+        """The owner continues at `end` < the end of its last chunk (a verify step's rejected
+        rows): their mirror rows keep their own positions, never read before rewritten."""
+        if owner is not None and self._owner.get(slot, (None,))[0] == owner:
+            self._owner[slot] = (owner, end)
+
     def read(self, layer: int, slots, pos, dtype) -> torch.Tensor:
         """Dequantized ring rows at (slots, pos) (same-shape long tensors) -> [*shape, D]."""
         if dtype != self.dtype:

@@ -14,7 +14,8 @@ def generate_request(prompt: str | list[int], max_tokens: int | None = None,
                      top_p: float | None = None, seed: int | None = None,
                      stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
                      cache_salt: str = "", traffic_class: str | int = "", request_id: str = "",
-                     ignore_eos: bool = False) -> engine_pb2.GenerateRequest:
+                     ignore_eos: bool = False, speculative: str | None = None
+                     ) -> engine_pb2.GenerateRequest:
     """`traffic_class`: a name ("agent", "chatbot", "" = none) or a common.v1 TrafficClass
     number as is (the engine rejects numbers outside the enum)."""
     if isinstance(traffic_class, str):
@@ -26,7 +27,7 @@ def generate_request(prompt: str | list[int], max_tokens: int | None = None,
         req.prompt = prompt
     else:
         req.prompt_token_ids.extend(prompt)
-    return set_sampling(req, max_tokens, temperature, top_k, top_p, seed)
+    return set_sampling(req, max_tokens, temperature, top_k, top_p, seed, speculative)
 
 
 class EngineClient(RpcClient):

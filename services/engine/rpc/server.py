@@ -21,7 +21,8 @@ async def serve(core: EngineCore, address: str, engine_id: str = "", advertise: 
     engine = AsyncEngine(core)
     stats_task = None
     if metrics_port is not None:
-        stats_task = asyncio.create_task(_export_stats(engine, metrics_port))
+        stats_task = asyncio.create_task(_export_stats(engine, metrics_port,
+                                                       address.rpartition(":")[0]))
     # A Session carries many generations and counts each one itself (as Generate).
     server = Server(address, [SERVICE_NAME], metrics_service="engine", metrics_skip=("Session",))
     remote = await _remote(engine, server.port, engine_id, advertise or address, directory,
@@ -45,14 +46,15 @@ async def serve(core: EngineCore, address: str, engine_id: str = "", advertise: 
     engine.shutdown()
 
 
-async def _export_stats(engine: AsyncEngine, port: int, every_s: float = 1.0) -> None:
+async def _export_stats(engine: AsyncEngine, port: int, host: str, every_s: float = 1.0
+                        ) -> None:
     """/metrics: engine counters (slots, blocks, cache hits, ...) refreshed once a second
     on the event loop, so a scrape never touches the engine thread."""
     from kvmesh.metrics import StatsExporter, serve_metrics
 
     latest: dict[str, float] = {}
     StatsExporter("engine", lambda: latest)
-    bound = serve_metrics(port)
+    bound = serve_metrics(port, host)  # the gRPC host: loopback stays loopback
     log.info("engine metrics on port %d", bound)
     while True:
         latest = await engine.call(lambda core: core.stats())

@@ -12,6 +12,7 @@ from kvmesh.proto import common_pb2, engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
 from services.engine.core.async_engine import AsyncEngine
 from services.engine.core.sampling import SamplingParams
+from services.engine.rpc import handoff as handoff_rpc
 from services.engine.rpc.peers import check_key, snapshot_messages
 from services.engine.rpc.session import SessionHub
 
@@ -31,12 +32,27 @@ def params_from_proto(req) -> SamplingParams:
         stop_token_ids=tuple(req.stop_token_ids),
         stop=tuple(req.stop),
         ignore_eos=req.ignore_eos,
+        speculative=s.speculative if s.HasField("speculative") else "",
     )
 
 
-def usage_proto(seq) -> common_pb2.Usage:
+def usage_proto(ev) -> common_pb2.Usage:
+    """Usage of a finished generation from its last Event."""
+    seq = ev.seq
     return common_pb2.Usage(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
-                            replayed_tokens=seq.replayed_tokens, generated_tokens=len(seq.output))
+                            replayed_tokens=seq.replayed_tokens, generated_tokens=len(seq.output),
+                            drafted_tokens=ev.drafted, accepted_tokens=ev.accepted)
+
+
+HANDOFF_TIMEOUT_S = 30.0     # one fetch of a handoff (a few MB on tiny, ~20 MB on v41-flash)
+
+
+class _Fetched:
+    """A decode engine's last event of an adopted request, with the bytes it fetched."""
+
+    def __init__(self, ev, fetched: int):
+        self.__dict__.update(ev.__dict__)
+        self.fetched = fetched
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -68,24 +84,32 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         Counts kvmesh_tokens_total{service="engine"} as the gateway does: every token sent
         as generated (an aborted generation's too), prompt/cached/replayed from the usage
         of a generation that finished."""
-        params = params_from_proto(request)
-        ids = self.prompt_ids(request)
-        prefetched = None
-        if self.remote is not None and ids:
-            prefetched = await self.remote.prefetch(ids, request.cache_salt)
+        if request.HasField("handoff_from"):
+            stream = await self._adopted(request.handoff_from)
+        else:
+            params = params_from_proto(request)
+            ids = self.prompt_ids(request)
+            prefetched = None
+            if self.remote is not None and ids:
+                prefetched = await self.remote.prefetch(ids, request.cache_salt)
+            traffic_class = traffic_class_name(request.traffic_class)   # checked by the core
+            stream = self.engine.generate(ids, params, request.request_id, request.cache_salt,
+                                          traffic_class, prefetched, request.resume_generated,
+                                          request.handoff)
         generated, usage = 0, None
-        traffic_class = traffic_class_name(request.traffic_class)   # checked by the core
         try:
-            async for ev in self.engine.generate(ids, params, request.request_id,
-                                                 request.cache_salt, traffic_class,
-                                                 prefetched, request.resume_generated):
+            async for ev in stream:
                 msg = engine_pb2.GenerateResponse(request_id=ev.request_id,
                                                   token_ids=ev.token_ids, text=ev.text)
                 generated += len(ev.token_ids)
                 if ev.finish is not None:
                     msg.finish_reason = finish_to_proto(ev.finish.value)
-                    usage = usage_proto(ev.seq)
+                    usage = usage_proto(ev)
                     msg.usage.CopyFrom(usage)
+                if isinstance(ev, _Fetched):          # a decode engine: bytes it fetched
+                    msg.handoff.total_bytes = ev.fetched
+                elif ev.handoff is not None:          # a prefill engine: what it holds
+                    msg.handoff.CopyFrom(handoff_rpc.handoff_info(ev.handoff))
                 yield msg
         finally:
             counts = {"generated": generated}
@@ -93,6 +117,37 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 counts.update(prompt=usage.prompt_tokens, cached=usage.cached_tokens,
                               replayed=usage.replayed_tokens)
             self.metrics.count_tokens(counts)
+
+    async def _adopted(self, src):
+        """Fetch (checked) the handoff `src` names and continue it here; Unavailable when the
+        transfer fails or is refused, so the gateway tries another engine."""
+        handoff_rpc.check_source(src)
+        core = self.engine.core
+        hashes = list(src.block_hashes)
+        skip = await self.engine.call(lambda c: [x for x in hashes if c.cache.pool.lookup(x) is not None])
+        try:
+            h, seconds = await handoff_rpc.fetch_handoff(
+                src, params_from_proto, HANDOFF_TIMEOUT_S, core.prefix.layout_fp,
+                core.cfg.fingerprint(), core.handoff_state_bytes, core.handoff_max_bytes,
+                skip, core.cache.store.bytes_per_block())
+        except Exception:
+            self.engine.post(lambda c: c.counters.update(handoff_refused=1))
+            raise
+        self.engine.post(lambda c: c.counters.update(handoff_fetch_ms=int(seconds * 1000)))
+        return self._with_fetched(self.engine.adopt(h), h.nbytes)
+
+    @staticmethod
+    async def _with_fetched(events, nbytes: int):
+        """An adopted request's events; the last one says what was fetched (HandoffInfo)."""
+        async for ev in events:
+            yield ev if ev.finish is None else _Fetched(ev, nbytes)
+
+    @map_errors
+    async def FetchHandoff(self, request, context):
+        rid = request.request_id
+        h = await self.engine.call(lambda core: core.handoffs.get(rid))
+        for msg in handoff_rpc.handoff_messages(h, rid, request.skip):
+            yield msg
 
     @map_errors
     async def GetModelInfo(self, request, context):

@@ -40,7 +40,6 @@ from starlette.routing import Route
 
 from kvmesh.errors import KvmeshError, NotFound, TooLarge, Unavailable
 from services.gateway.core import GatewayCore
-from services.gateway.model import status_name
 from services.gateway.openai_api import fields
 from services.gateway.openai_api.chat import load_template
 from services.gateway.openai_api.render import DONE, Renderer, error_body, http_error, sse
@@ -207,10 +206,7 @@ class OpenAIApp:
     def _refused(self, method: str, exc: KvmeshError, t0: float) -> JSONResponse:
         """Count and log a request the core never saw, like the core does its own."""
         resp = error_response(exc)
-        status = status_name(exc)
-        self.core.metrics.observe(method, status, time.monotonic() - t0)
-        log.info("request id=- status=%s http=%d method=%s: %s", status, resp.status_code,
-                 method, exc)
+        self.core.refused(method, exc, time.monotonic() - t0, f" http={resp.status_code}")
         return resp
 
     # --- models and health ----------------------------------------------------------------

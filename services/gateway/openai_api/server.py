@@ -13,6 +13,7 @@ import logging
 
 import uvicorn
 
+from kvmesh.tls import TlsFiles
 from services.gateway.core import GatewayCore
 from services.gateway.openai_api.app import OpenAIApp
 
@@ -20,11 +21,16 @@ log = logging.getLogger("kvmesh.gateway.http")
 
 
 class HttpServer:
-    def __init__(self, core: GatewayCore, host: str, port: int, grace: float = 5.0):
+    def __init__(self, core: GatewayCore, host: str, port: int, grace: float = 5.0,
+                 tls: TlsFiles | None = None):
+        # HTTPS with the process's certificate (kvmesh/tls.py); callers authenticate
+        # with API keys, so no client certificate is asked for.
+        tls = tls or TlsFiles()
         self.config = uvicorn.Config(
             OpenAIApp(core).app, host=host, port=port, loop="none", http="httptools",
             lifespan="off", access_log=False, log_config=None, server_header=False,
-            date_header=False, timeout_graceful_shutdown=grace)
+            date_header=False, timeout_graceful_shutdown=grace,
+            ssl_certfile=tls.cert or None, ssl_keyfile=tls.key or None)
         self.server = uvicorn.Server(self.config)
         self.port = 0
 

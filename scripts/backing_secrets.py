@@ -1,0 +1,32 @@
+"""Print fresh random credentials for the backing servers, as `kvmesh up` makes per run:
+
+    python3 scripts/backing_secrets.py > .env                 # docker-compose.yml
+    python3 scripts/backing_secrets.py --k8s > backing.env     # deploy/k8s/overlays/bundled
+
+Compose: REDIS_PASSWORD (the Redis ACL user `kvmesh`, used by the directory),
+S3_ACCESS_KEY/S3_SECRET_KEY (SeaweedFS's one S3 identity, used by the kvstore) and
+KVMESH_SERVICE_TOKEN (every internal RPC). --k8s: the keys of the `kvmesh-backing`
+Secret under the names the containers read (backing.env.example beside the overlay).
+Keep the output private (both file names are git-ignored); running this again replaces
+every credential.
+"""
+
+import argparse
+import secrets
+
+
+def credentials() -> dict[str, str]:
+    return {"redis": secrets.token_urlsafe(30), "s3_key": f"kvmesh-{secrets.token_hex(8)}",
+            "s3_secret": secrets.token_urlsafe(30), "service": secrets.token_urlsafe(32)}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k8s", action="store_true", help="the kvmesh-backing Secret's keys")
+    c = credentials()
+    names = (("KVMESH_DIRECTORY_REDIS_PASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+             if ap.parse_args().k8s else
+             ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY", "KVMESH_SERVICE_TOKEN"))
+    for name, value in zip(names, (c["redis"], c["s3_key"], c["s3_secret"], c["service"]),
+                           strict=False):  # --k8s: no service token row
+        print(f"{name}={value}")

@@ -1,0 +1,226 @@
+"""Speculative decoding: settings, drafters and lossless verification.
+
+A running request proposes k draft tokens after its pending (sampled, not yet computed)
+token; one forward computes the pending token and the drafts (1 + k rows beside the
+step's other work) and returns k + 1 logit rows. Row j is the target distribution of the
+token after position start + j, so draft j + 1 is checked against row j:
+
+    greedy         accept the longest prefix of drafts equal to the argmax of their row;
+                   the first mismatch is replaced by that argmax, and if every draft was
+                   accepted the last row gives one more token (the bonus)
+    temperature>0  rejection sampling: accept draft d with probability min(1, p(d)/q(d)),
+                   else draw from the normalized residual max(0, p - q) and stop; after k
+                   acceptances the bonus is drawn from p of the last row. p and q are
+                   both truncated by the request's top_k/top_p (sampling.target_probs), so
+                   every emitted token is distributed exactly as without speculation.
+
+Every random draw comes from a generator seeded by (request seed, token index, stream),
+so a request's tokens do not depend on how it was batched. The rows of rejected drafts
+are never committed: EngineCore commits only up to the last accepted token, so no block
+hash, snapshot, kvstore upload or directory entry ever sees a rejected token
+(docs/design.md §8; the rollback analysis is in cache/manager.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.generation import parse_speculative
+from services.engine.core.sampling import SamplingParams, generator, target_probs
+
+
+@dataclass(frozen=True)
+class SpecSetting:
+    method: str = "off"          # off | ngram | mtp
+    k: int = 0                   # drafts per step (0 when off)
+
+    @property
+    def on(self) -> bool:
+        return self.k > 0
+
+
+def parse(text: str, field: str = "speculative") -> SpecSetting:
+    """'off' | 'ngram:K' | 'mtp:K' (K >= 1); the error names `field`."""
+    return SpecSetting(*parse_speculative(text, field))
+
+
+def engine_setting(text: str, backtrack: int, has_mtp: bool) -> SpecSetting:
+    """The engine's --speculative, checked against its layout (K <= B) and weights."""
+    s = parse(text)
+    if s.k > backtrack:
+        raise InvalidArgument(f"speculative: K = {s.k} exceeds B = {backtrack}, the tokens a "
+                              f"sequence can take back (--max-backtrack)")
+    if s.method == "mtp" and not has_mtp:
+        raise InvalidArgument("speculative: mtp needs MTP weights (mtp.* tensors) in the "
+                              "checkpoint; train them with `kvmesh train-mtp`")
+    return s
+
+
+def request_setting(params: SamplingParams, engine: SpecSetting) -> SpecSetting:
+    """A request's own setting, bounded by the engine's: off, or the engine's method with
+    K no larger than the engine's. Empty = the engine's setting."""
+    if not params.speculative:
+        return engine
+    s = parse(params.speculative)
+    if not s.on:
+        return s
+    if s.method != engine.method or s.k > engine.k:
+        have = f"{engine.method}:{engine.k}" if engine.on else "off"
+        raise InvalidArgument(f"speculative: {params.speculative!r} is not allowed on this engine "
+                              f"(it runs {have}; a request may ask for off or the same method "
+                              f"with K up to {engine.k})")
+    return s
+
+
+# --- drafters -------------------------------------------------------------------------
+class NgramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the longest suffix of
+    the tokens (n from max_n down to min_n) and propose what followed it."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise InvalidArgument(f"speculative: ngram sizes need 1 <= min_n <= max_n, got "
+                                  f"{min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        n_tok = len(tokens)
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            suffix = tokens[n_tok - n:]
+            first = suffix[0]
+            # scan backwards from the latest possible start (the match must end before
+            # the suffix itself starts so that something follows it)
+            i = n_tok - n - 1
+            while i >= 0:
+                if tokens[i] == first and tokens[i:i + n] == suffix:
+                    return tokens[i + n:i + n + k]
+                i -= 1
+        return []
+
+
+# --- verification ---------------------------------------------------------------------
+ACCEPT_STREAM, RESIDUAL_STREAM = 1, 2
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The distribution of the replacement after a rejection: max(0, p - q), normalized."""
+    r = torch.clamp(p - q, min=0)
+    total = r.sum()
+    return r / total if total > 0 else p
+
+
+def draft_probs(drafts: list[int], q: torch.Tensor | None, vocab: int,
+                params: SamplingParams) -> torch.Tensor:
+    """[k, V] draft distributions, truncated like the target: a deterministic drafter
+    (q None, e.g. n-gram) proposes with probability one; a sampling drafter's logits
+    go through the request's temperature/top_k/top_p."""
+    if q is None:
+        out = torch.zeros(len(drafts), vocab, dtype=torch.float64)
+        out[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)] = 1.0
+        return out
+    return torch.stack([target_probs(row, params) for row in q])
+
+
+def accept_one(p: torch.Tensor, q: torch.Tensor, d: int, gen_u: torch.Generator,
+               gen_r: torch.Generator) -> int | None:
+    """One rejection-sampling step: None if draft d is accepted, else the replacement."""
+    u = float(torch.rand((), generator=gen_u, dtype=torch.float64))
+    if q[d] > 0 and u * float(q[d]) < float(p[d]):          # u < min(1, p/q)
+        return None
+    return int(torch.multinomial(residual(p, q), 1, generator=gen_r))
+
+
+def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, step: int,
+           seed: int, q: torch.Tensor | None = None) -> list[int]:
+    """logits [k + 1, V] of one verify work -> the tokens it emits (accepted drafts, then
+    one replacement or bonus token). `step` = tokens the request generated before."""
+    k = len(drafts)
+    if params.greedy:
+        best = torch.argmax(logits, dim=-1).tolist()
+        out = []
+        for j, d in enumerate(drafts):
+            if best[j] != d:
+                return out + [best[j]]
+            out.append(d)
+        return out + [best[k]]
+    qs = draft_probs(drafts, q, logits.shape[-1], params)
+    out = []
+    for j, d in enumerate(drafts):
+        p = target_probs(logits[j], params)
+        tok = accept_one(p, qs[j], d, generator(params, step + j, seed, ACCEPT_STREAM),
+                         generator(params, step + j, seed, RESIDUAL_STREAM))
+        if tok is not None:
+            return out + [tok]
+        out.append(d)
+    p = target_probs(logits[k], params)
+    return out + [int(torch.multinomial(p, 1, generator=generator(params, step + k, seed)))]
+
+
+# --- the engine's side ----------------------------------------------------------------
+class Speculator:
+    """Owned by EngineCore (engine thread only): the engine's setting, its drafter, each
+    running request's own setting and draft counts, and the draft counters of GetStats."""
+
+    def __init__(self, setting: SpecSetting, ngram_min: int = 1, ngram_max: int = 4):
+        self.setting = setting
+        # tests may replace the drafter (any object with propose(tokens, k) -> drafts)
+        self.drafter = NgramDrafter(ngram_min, ngram_max) if setting.method == "ngram" else None
+        self.requests: dict[str, SpecSetting] = {}
+        self.usage: dict[str, list[int]] = {}          # request id -> [drafted, accepted]
+        self.counters: dict[str, int] = {"spec_verify_steps": 0, "spec_drafted_tokens": 0,
+                                         "spec_accepted_tokens": 0}
+        for j in range(1, setting.k + 1):
+            self.counters[f"spec_drafted_pos{j}"] = self.counters[f"spec_accepted_pos{j}"] = 0
+
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        s = request_setting(params, self.setting)      # InvalidArgument naming `speculative`
+        if s.on and self.drafter is not None:
+            self.requests[request_id] = s
+        self.usage[request_id] = [0, 0]
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.usage.pop(request_id, None)
+
+    def propose(self, running) -> dict[str, list[int]]:
+        """Drafts of every decoding request that speculates (never more than its remaining
+        max_tokens can use: the step emits at most 1 + k tokens)."""
+        out = {}
+        for seq in running:
+            s = self.requests.get(seq.request_id)
+            if s is None or seq.prefilling or seq.slot is None:
+                continue
+            k = min(s.k, seq.params.max_tokens - len(seq.output) - 1)
+            if k > 0:
+                drafts = self.drafter.propose(seq.tokens, k)[:k]
+                if drafts:
+                    out[seq.request_id] = drafts
+        return out
+
+    def verify(self, seq, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+        tokens = verify(logits, drafts, seq.params, len(seq.output), seq.seed)
+        accepted = len(tokens) - 1
+        c = self.counters
+        c["spec_verify_steps"] += 1
+        c["spec_drafted_tokens"] += len(drafts)
+        c["spec_accepted_tokens"] += accepted
+        for j in range(1, len(drafts) + 1):
+            c[f"spec_drafted_pos{j}"] = c.get(f"spec_drafted_pos{j}", 0) + 1
+            c[f"spec_accepted_pos{j}"] = c.get(f"spec_accepted_pos{j}", 0) + (j <= accepted)
+        use = self.usage.setdefault(seq.request_id, [0, 0])
+        use[0] += len(drafts)
+        use[1] += accepted
+        return tokens
+
+    def stats(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in self.counters.items()}
+        steps = self.counters["spec_verify_steps"]
+        out["spec_mean_accepted"] = self.counters["spec_accepted_tokens"] / steps if steps else 0.0
+        for key, v in self.counters.items():
+            if key.startswith("spec_drafted_pos") and v:
+                j = key[len("spec_drafted_pos"):]
+                out[f"spec_acceptance_pos{j}"] = self.counters[f"spec_accepted_pos{j}"] / v
+        return out

@@ -1,0 +1,164 @@
+"""Handoff over real gRPC sockets: a prefill engine (ring 396) hands a request to a decode
+engine (ring 134) through FetchHandoff; the tokens equal a unified engine's. A handoff
+named wrongly (size, digest) or missing is refused with UNAVAILABLE (the gateway's cue to
+try elsewhere), never INTERNAL, and nothing is installed."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvmesh.proto import engine_pb2, engine_pb2_grpc
+from kvmesh.rpc import Server
+from services.engine.config import TINY
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.sampling import SamplingParams
+from services.engine.rpc.client import EngineClient, generate_request
+from services.engine.rpc.server import SERVICE_NAME
+from services.engine.rpc.service import EngineServicer
+from tests.engine.helpers import make_engine, random_prompt, run_to_completion
+from tests.loop import LoopThread
+
+KW = dict(truncation="compact", keep_tokens=134, num_blocks=64, num_slots=4, long_prefill_chunk=33)
+
+
+class Pair(LoopThread):
+    """A PE and a CE server on one loop, same float64 weights; a unified core for reference."""
+
+    def __init__(self):
+        super().__init__()
+        self.pe_core = make_engine(TINY, extra_state=True, role="prefill", **KW)
+        w = self.pe_core.weights
+        self.ce_core = make_engine(TINY, weights=w, role="decode", **KW)
+        self.unified = make_engine(TINY, weights=w, **KW)
+        self.engines = [AsyncEngine(self.pe_core), AsyncEngine(self.ce_core)]
+        self.servers = [self.run(self._server(e)) for e in self.engines]
+        self.pe, self.ce = (f"127.0.0.1:{s.port}" for s in self.servers)
+        self.pe_client = self.make(EngineClient, self.pe)
+        self.ce_client = self.make(EngineClient, self.ce)
+
+    async def _server(self, engine):
+        server = Server("127.0.0.1:0", [SERVICE_NAME])
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), server.server)
+        await server.start()
+        return server
+
+    def close(self):
+        for c in (self.pe_client, self.ce_client):
+            self.run(c.close())
+        for s in self.servers:
+            self.run(s.stop(0.1))
+        for e in self.engines:
+            e.shutdown()
+        super().close()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+async def _prefill(client, prompt, rid, **kw):
+    req = generate_request(prompt, request_id=rid, **kw)
+    req.handoff = True
+    msgs = [m async for m in client.stub.Generate(req, timeout=60)]
+    return msgs
+
+
+async def _decode(client, src):
+    req = engine_pb2.GenerateRequest(handoff_from=src)
+    return [m async for m in client.stub.Generate(req, timeout=60)]
+
+
+def _source(pair, rid, info, **change):
+    src = engine_pb2.HandoffSource(address=pair.pe, request_id=rid, total_bytes=info.total_bytes,
+                                   sha256=info.sha256, block_hashes=info.block_hashes)
+    for k, v in change.items():
+        if k == "block_hashes":
+            del src.block_hashes[:]
+            src.block_hashes.extend(v)
+        else:
+            setattr(src, k, v)
+    return src
+
+
+@pytest.mark.parametrize("n, sampling", [(300, dict(temperature=0.0)),
+                                         (397, dict(temperature=1.0, top_k=40, seed=77))])
+def test_tokens_over_grpc_equal_a_unified_engine(pair, n, sampling):
+    prompt, rid = random_prompt(n, n), f"grpc-{n}"
+    first = pair.run(_prefill(pair.pe_client, prompt, rid, max_tokens=6, **sampling))
+    last = first[-1]
+    assert last.finish_reason == 4 and len(last.token_ids) == 1       # FINISH_REASON_HANDOFF
+    info = last.handoff
+    assert info.state_bytes == 2_343_168 and info.blocks == -(-n // 128)
+    rest = pair.run(_decode(pair.ce_client, _source(pair, rid, info)))
+    tokens = [t for m in first + rest for t in m.token_ids]
+    assert rest[-1].usage.generated_tokens == 6 and rest[-1].usage.prompt_tokens == n
+
+    params = SamplingParams(max_tokens=6, **sampling)
+    want = pair.unified.add_request(prompt, params)
+    run_to_completion(pair.unified)
+    assert tokens == want.output
+    stats = pair.run(pair.ce_client.stats())
+    assert stats["handoffs_in"] >= 1 and stats["handoff_in_bytes"] >= info.total_bytes
+
+
+def test_damaged_or_missing_handoffs_are_unavailable_not_internal(pair):
+    rid = "bad"
+    first = pair.run(_prefill(pair.pe_client, random_prompt(260, 5), rid, max_tokens=4,
+                              temperature=0.0))
+    info = first[-1].handoff
+    before = pair.run(pair.ce_client.stats())
+    cases = [dict(sha256="0" * 64),                       # damaged in transit / wrong bytes
+             dict(total_bytes=info.total_bytes - 1),      # truncated
+             dict(block_hashes=[b"x" * 32] * len(info.block_hashes)),   # not the PE's blocks
+             dict(total_bytes=10**12),                    # over the engine's bound
+             dict(request_id="never-handed-off"),         # not held: NOT_FOUND at the PE
+             dict(address="127.0.0.1:1")]                 # PE gone
+    for change in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            pair.run(_decode(pair.ce_client, _source(pair, rid, info, **change)))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, (change, err.value.details())
+    after = pair.run(pair.ce_client.stats())
+    assert after["handoffs_in"] == before["handoffs_in"]
+    assert after["handoff_refused"] == before["handoff_refused"] + len(cases)
+    assert after["slots_in_use"] == 0
+    # the intact handoff is still held by the PE and goes through afterwards
+    rest = pair.run(_decode(pair.ce_client, _source(pair, rid, info)))
+    assert rest[-1].usage.generated_tokens == 4
+
+
+def test_blocks_the_decode_engine_holds_are_not_sent(pair):
+    """A second prompt over the same 2 complete blocks: the CE holds them from the first
+    handoff, asks the PE to skip them, and still decodes a unified engine's tokens."""
+    base = random_prompt(400, 77)
+    sent = []
+    for rid, prompt in (("share-1", base[:300]), ("share-2", base[:256] + random_prompt(80, 78))):
+        first = pair.run(_prefill(pair.pe_client, prompt, rid, max_tokens=4, temperature=0.0))
+        info = first[-1].handoff
+        rest = pair.run(_decode(pair.ce_client, _source(pair, rid, info)))
+        sent.append((info.total_bytes, rest[-1].handoff.total_bytes))
+        want = pair.unified.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        run_to_completion(pair.unified)
+        assert [t for m in first + rest for t in m.token_ids] == want.output
+    block = pair.ce_core.cache.store.bytes_per_block()
+    assert sent[0][1] == sent[0][0]                   # nothing held yet: everything moved
+    assert sent[1][1] == sent[1][0] - 2 * block       # the 2 shared blocks stayed home
+
+
+def test_fetch_handoff_of_an_unknown_request_is_not_found(pair):
+    async def fetch():
+        return [m async for m in pair.pe_client.stub.FetchHandoff(
+            engine_pb2.FetchHandoffRequest(request_id="nope"), timeout=10)]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        pair.run(fetch())
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_decode_role_refuses_a_long_ring():
+    with pytest.raises(ValueError, match="role decode"):
+        make_engine(TINY, extra_state=True, role="decode", **KW)
+    with pytest.raises(ValueError, match="role prefill needs extra-state"):
+        make_engine(TINY, role="prefill", **KW)

@@ -1,0 +1,126 @@
+"""Speculative decoding is lossless (issue 12, "Must show"): greedy outputs with ngram:4
+and with a drafter that is wrong on purpose at every draft position 0..k equal those of
+`off` for 50 prompts whose generations cross block (16), CSA (4) and HCA (16) boundaries,
+in float64 with every emitted token's logits <= 1e-9 of the run without speculation,
+batched so that verify steps run beside other requests' prefill chunks. Truncation is on,
+so snapshots are stored and blocks registered: the stored snapshots, the blocks handed to
+the kvstore write-through and the snapshots handed to the directory are byte-identical to
+the run that never saw a rejected token."""
+
+import pytest
+import torch
+
+from kvmesh.errors import InvalidArgument
+from services.engine.config import EngineConfig, small_test_config
+from services.engine.core.engine import EngineCore, Hooks
+from services.engine.core.sampling import SamplingParams
+from tests.engine.helpers import make_engine, random_prompt, run_to_completion
+from tests.engine.spec_helpers import OracleDrafter
+
+CFG = small_test_config()          # W 16, CSA m 4, HCA m 16, block 16, B 6
+EXACT = 1e-9
+N_PROMPTS, MAX_TOKENS = 50, 18
+SETTINGS = dict(truncation="compact", keep_tokens=22, num_slots=12, max_batched_tokens=80)
+
+
+def prompts() -> list[list[int]]:
+    """Lengths 10..58 (generations cross 16, 32, 48, 64); repeated motifs give n-gram hits."""
+    out = []
+    for i in range(N_PROMPTS):
+        motif = random_prompt(3 + i % 5, i)
+        n = 10 + i
+        out.append((motif * 20)[: n - 4] + random_prompt(4, 500 + i))
+    return out
+
+
+class Recorder(Hooks):
+    wants_blocks = True
+
+    def __init__(self):
+        self.blocks: dict[bytes, bytes] = {}
+        self.published: dict[str, bytes] = {}
+
+    def block_done(self, block_hash, payload, traffic_class):
+        assert self.blocks.setdefault(block_hash, payload) == payload
+
+    def snapshot_stored(self, key, snap):
+        self.published[key] = snap.data
+
+
+def run(speculative="off", drafter=None):
+    engine = make_engine(CFG, speculative=speculative, **SETTINGS)
+    if drafter is not None:
+        engine.spec.drafter = drafter
+    engine.hooks = Recorder()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    seqs = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts())]
+    plans, schedule = [], engine.scheduler.schedule
+
+    def spy(*a):
+        plan = schedule(*a)
+        plans.append((bool(plan.drafts), bool(plan.prefill)))
+        return plan
+
+    engine.scheduler.schedule = spy
+    run_to_completion(engine)
+    engine.mixed_steps = sum(d and p for d, p in plans)    # verify rows beside prefill chunks
+    return engine, seqs
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return run()
+
+
+def assert_same_as_baseline(engine, seqs, baseline):
+    base_engine, base_seqs = baseline
+    for seq, ref in zip(seqs, base_seqs, strict=True):
+        assert seq.output == ref.output, seq.request_id
+        got = torch.stack(engine.logits[seq.request_id])
+        want = torch.stack(base_engine.logits[ref.request_id])
+        assert float((got - want).abs().max()) <= EXACT, seq.request_id
+    stored = {k: s.data for k, s in engine.prefix.store.items()}
+    assert len(stored) >= N_PROMPTS and len(engine.hooks.blocks) >= N_PROMPTS
+    assert stored == {k: s.data for k, s in base_engine.prefix.store.items()}
+    assert engine.hooks.blocks == base_engine.hooks.blocks
+    assert engine.hooks.published == base_engine.hooks.published
+    assert engine.cache.pool.stats().in_use == 0
+
+
+def test_ngram_greedy_equals_off(baseline):
+    engine, seqs = run("ngram:4")
+    assert_same_as_baseline(engine, seqs, baseline)
+    s = engine.stats()
+    assert s["spec_accepted_tokens"] > 0 and s["spec_accepted_tokens"] < s["spec_drafted_tokens"]
+    assert engine.counters["steps"] < baseline[0].counters["steps"]
+    assert engine.mixed_steps >= 5
+
+
+def test_forced_rejection_at_every_position_equals_off(baseline):
+    refs = [s.prompt + s.output for s in baseline[1]]
+    engine, seqs = run("ngram:4", OracleDrafter(refs))
+    assert_same_as_baseline(engine, seqs, baseline)
+    s = engine.stats()
+    for j in range(1, 5):            # every position was both accepted and rejected
+        assert 0 < s[f"spec_accepted_pos{j}"] < s[f"spec_drafted_pos{j}"], j
+    assert s["spec_accepted_pos4"] > 0          # whole drafts accepted: the bonus token path
+    assert engine.mixed_steps >= 5
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(InvalidArgument, match="speculative: K = 7 exceeds B = 6"):
+        EngineCore(CFG, EngineConfig(speculative="ngram:7"))
+    with pytest.raises(InvalidArgument, match="speculative: unknown method 'medusa'"):
+        EngineCore(CFG, EngineConfig(speculative="medusa:2"))
+    with pytest.raises(InvalidArgument, match="speculative: mtp needs MTP weights"):
+        EngineCore(CFG, EngineConfig(speculative="mtp:2"))
+    engine = make_engine(CFG, speculative="ngram:3")
+    for bad, msg in (("ngram:4", "not allowed on this engine"), ("mtp:1", "not allowed"),
+                     ("ngram", "needs a draft count"), ("x:1", "unknown method")):
+        with pytest.raises(InvalidArgument, match=f"speculative: .*{msg}"):
+            engine.add_request([1, 2, 3], SamplingParams(speculative=bad))
+    assert not engine.requests
+    seq = engine.add_request([1, 2, 3] * 5, SamplingParams(temperature=0, max_tokens=8,
+                                                            speculative="off"))
+    run_to_completion(engine)
+    assert len(seq.output) == 8 and engine.stats()["spec_verify_steps"] == 0
