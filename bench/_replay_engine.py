@@ -24,7 +24,7 @@ from services.engine.config import EngineConfig, ModelConfig
 from services.engine.core.engine import EngineCore
 from services.engine.core.sampling import SamplingParams
 
-CHUNK = 256          # prompt tokens per sequence per step (the CLI's long-prefill-chunk)
+CHUNK = 32           # prompt tokens per sequence per step: keeps a step of 2n sequences small
 
 
 class ForcingEngine(EngineCore):

@@ -36,9 +36,14 @@ def training_record(run: Path, command: str) -> dict:
 def card(m: dict, t: dict) -> str:
     bw = m["beyond_window"]
     a = t["args"]
+    by_time = a.get("decay_by_time") and a["time_budget_min"]
     stopped = ("" if t["step"] >= t["steps_planned"] else
                f" (of {t['steps_planned']} planned: stopped by the {a['time_budget_min']:g}-minute "
-               "time budget, so the learning rate had not finished its cosine decay)")
+               "time budget" + (")" if by_time else
+                                ", so the learning rate had not finished its cosine decay)"))
+    decay = (f"over the {a['time_budget_min']:g}-minute time budget (`--decay-by-time`: the cosine "
+             "follows elapsed time or steps, whichever is further along, so the run ends annealed)"
+             if by_time else f"over {t['steps_planned']} steps")
     return f"""# V4-mini `tiny`, trained on the Python standard library
 
 The default weights of kvmesh's `tiny` preset (`services/engine/config.py`): 8 layers (YOCO
@@ -60,9 +65,9 @@ concatenated training files.
 
 - {t['step']} steps{stopped} x {a['batch']} x {a['seq_len']} tokens = **{t['tokens']:,} tokens seen**
   (about {t['tokens'] / m['train_tokens']:.3f} epochs), **{t['minutes']} minutes** on one CPU
-  thread of a shared 2-core machine (torch {t['torch']}).
+  thread of a shared 2-core machine ({t['tokens'] / (60 * t['minutes']):,.0f} tokens/s; torch {t['torch']}).
 - AdamW (0.9, 0.95), lr {a['lr']:g}, {a['warmup']} warmup steps then cosine to
-  {a['min_lr_frac']:g} x lr over {t['steps_planned']} steps,
+  {a['min_lr_frac']:g} x lr {decay},
   weight decay {a['weight_decay']:g} on matrices, gradient clip {a['clip']:g}, bf16 autocast
   (fp32 master weights), seed {a['seed']}.
 - Same forward as the engine's reference (`services/engine/model/reference.py`) without
@@ -77,7 +82,8 @@ Reproduce (then `python scripts/ship_model.py RUN_DIR models/v4-mini-tiny --comm
 ```
 
 The run is deterministic for a seed and resumable (`--resume` continues from
-`RUN_DIR/state.pt`); with a time budget the step it stops at depends on the machine's speed.
+`RUN_DIR/state.pt`); with a time budget the step it stops at (and, with `--decay-by-time`,
+the learning rate of each step) depends on the machine's speed.
 
 ## Measured (held-out files, `kvmesh train-eval`)
 

@@ -91,3 +91,16 @@ def test_held_out_split_is_by_file_and_large_enough():
     stream = torch.tensor([1, 2, 3, 1], dtype=torch.int16)
     # add-one unigram over 4 symbols + 256 unseen: p(1) = 3 / 264
     assert math.isclose(data.unigram_bits(stream, torch.tensor([1]), 260), -math.log2(3 / 264))
+
+
+def test_decay_by_time_anneals_a_budget_stopped_run():
+    """With --decay-by-time the cosine follows the elapsed share of the time budget when that
+    is further along than the steps, so a run stopped by its budget ends at min_lr_frac."""
+    from services.engine.train.loop import lr_at
+
+    a = TrainArgs(lr=1e-3, warmup=10, steps=1000, min_lr_frac=0.1, time_budget_min=10.0)
+    timed = TrainArgs(**{**a.__dict__, "decay_by_time": True})
+    assert lr_at(5, timed, elapsed=599.0) == lr_at(5, a)                  # warm-up: by step
+    assert lr_at(100, a, elapsed=600.0) > 0.9e-3                          # by step: barely decayed
+    assert math.isclose(lr_at(100, timed, elapsed=600.0), 1e-4)           # budget spent: the floor
+    assert math.isclose(lr_at(505, timed, elapsed=60.0), lr_at(505, a))   # steps further along
