@@ -77,7 +77,7 @@ class LocalView:
 
 
 class CacheManager:
-    def __init__(self, layout: RuntimeLayout, device="cpu"):
+    def __init__(self, layout: RuntimeLayout, device: str | torch.device = "cpu") -> None:
         self.layout = layout                 # the engine's one layout: pool sizes come from here
         self.cfg = cfg = layout.model
         self.ecfg = layout.engine            # truncation, KEEP, snapshot policy

@@ -83,7 +83,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def generator(params: SamplingParams, step: int, request_seed: int, stream: int = 0,
-              device="cpu") -> torch.Generator:
+              device: str | torch.device = "cpu") -> torch.Generator:
     """The random source of token `step` of a request; `stream` > 0 gives independent
     sources for the same token (speculative acceptance draws)."""
     seed = params.seed if params.seed is not None else request_seed
