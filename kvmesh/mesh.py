@@ -49,8 +49,8 @@ def main(argv):
         sys.exit("usage: prog FILE")
     return read_config('''
 
-# Seeded sampling, not greedy: the small shipped model's greedy continuation of code is a run
-# of spaces (the most likely byte); sampled, it writes Python-shaped text. Same seed, same text.
+# Seeded sampling, not greedy: the small shipped model's greedy continuation of code soon
+# repeats a line over and over; sampled, it writes varied Python-shaped text. Same seed, same text.
 DEMO_TEMPERATURE = 0.8
 DEMO_SEED = 1
 DEMO_TOKENS = 32
