@@ -149,7 +149,10 @@ class SeaweedServer:
             # A restarted single master otherwise waits ~10 s for a raft election.
             "-master.electionTimeout=500ms",
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
-            "-volume.max=0", "-volume.preStopSeconds=0",
+            # An explicit count, not 0 (= free disk / 64 MiB, which shrinks as the disk fills):
+            # each bucket is a collection that grows 7 volumes at its first write, and a test
+            # session makes ~1,000 buckets; volumes are not preallocated, so a slot costs nothing.
+            "-volume.max=4000", "-volume.preStopSeconds=0",
             "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
             "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
             # Each server would otherwise bind the same Iceberg (8181) and Lance (9101) ports.
