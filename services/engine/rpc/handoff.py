@@ -21,8 +21,6 @@ from __future__ import annotations
 import hashlib
 import time
 
-import grpc
-
 from kvmesh.errors import InvalidArgument, NotFound, Unavailable
 from kvmesh.generation import set_sampling, traffic_class_name, traffic_class_to_proto
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
@@ -30,8 +28,7 @@ from kvmesh.rpc import channel
 from services.engine.cache.handoff import SlotHandoff
 from services.engine.core.handoff import Handoff
 from services.engine.core.sampling import SamplingParams
-
-CHUNK = 1 << 20
+from services.engine.rpc.peers import FetchError, body_messages, read_transfer
 
 
 def handoff_info(h: Handoff) -> engine_pb2.HandoffInfo:
@@ -71,9 +68,7 @@ def handoff_messages(h: Handoff | None, request_id: str, skip=()):
         state_bytes=len(s.state), total_bytes=len(data), layout_fingerprint=h.layout_fp,
         model_fingerprint=h.model_fp)
     yield engine_pb2.FetchHandoffResponse(header=header)
-    for off in range(0, len(data), CHUNK):
-        yield engine_pb2.FetchHandoffResponse(data=data[off : off + CHUNK])
-    yield engine_pb2.FetchHandoffResponse(sha256=hashlib.sha256(data).hexdigest())
+    yield from body_messages(data, engine_pb2.FetchHandoffResponse)
 
 
 def check_source(src) -> None:
@@ -91,28 +86,15 @@ async def fetch_handoff(src, params_from_proto, timeout_s: float, expect_layout:
     want = src.total_bytes - len(skip) * block_bytes
     if src.total_bytes > max_bytes:
         raise Unavailable(f"handoff of {want} B exceeds this engine's bound of {max_bytes} B")
-    header, parts, got, digest = None, [], 0, ""
     async with channel(src.address) as ch:
         stub = engine_pb2_grpc.EngineServiceStub(ch)
-        try:
-            async for msg in stub.FetchHandoff(
-                    engine_pb2.FetchHandoffRequest(request_id=src.request_id, skip=skip),
-                    timeout=timeout_s):
-                if header is None:
-                    header = msg.header
-                elif msg.sha256:
-                    digest = msg.sha256
-                else:
-                    got += len(msg.data)
-                    if got > want:          # bounded: stop reading what was not announced
-                        raise Unavailable(f"handoff from {src.address} sends more than {want} B")
-                    parts.append(msg.data)
-        except grpc.aio.AioRpcError as exc:
-            raise Unavailable(f"handoff fetch from {src.address}: {exc.code().name} "
-                              f"{exc.details()}") from None
-    if header is None:
-        raise Unavailable(f"handoff fetch from {src.address}: empty stream")
-    data = b"".join(parts)
+        try:   # bounded: reads no more than the announced bytes
+            first, data, digest = await read_transfer(stub.FetchHandoff(
+                engine_pb2.FetchHandoffRequest(request_id=src.request_id, skip=skip),
+                timeout=timeout_s), limit=want)
+        except FetchError as exc:
+            raise Unavailable(f"handoff fetch from {src.address}: {exc}") from None
+    header = first.header
     problems = []
     if header.layout_fingerprint != expect_layout or header.model_fingerprint != expect_model:
         problems.append("layout or model fingerprint differs")

@@ -36,13 +36,42 @@ def snapshot_messages(snap: Snapshot | None, key: str):
     yield engine_pb2.FetchSwaSnapshotResponse(
         position=snap.position, layout_fingerprint=snap.layout_fp,
         model_fingerprint=snap.model_fp, total_bytes=len(data))
+    yield from body_messages(data, engine_pb2.FetchSwaSnapshotResponse)
+
+
+def body_messages(data: bytes, response):
+    """The body of a checked transfer (snapshots, handoffs): `data` in <= CHUNK pieces, then
+    its sha256; `response` is the stream's message class."""
     for off in range(0, len(data), CHUNK):
-        yield engine_pb2.FetchSwaSnapshotResponse(data=data[off : off + CHUNK])
-    yield engine_pb2.FetchSwaSnapshotResponse(sha256=hashlib.sha256(data).hexdigest())
+        yield response(data=data[off : off + CHUNK])
+    yield response(sha256=hashlib.sha256(data).hexdigest())
 
 
 class FetchError(Exception):
     pass
+
+
+async def read_transfer(stream, limit: int | None = None):
+    """Read a transfer stream (header message | data ... | sha256) -> (first message, data,
+    sha256 sent). FetchError for an RPC failure, an empty stream, or more than `limit` bytes
+    of data (read no further than was announced)."""
+    first, parts, got, digest = None, [], 0, ""
+    try:
+        async for msg in stream:
+            if first is None:
+                first = msg
+            elif msg.sha256:
+                digest = msg.sha256
+            else:
+                got += len(msg.data)
+                if limit is not None and got > limit:
+                    raise FetchError(f"sends more than {limit} B")
+                parts.append(msg.data)
+    except grpc.aio.AioRpcError as exc:
+        raise FetchError(f"{exc.code().name} {exc.details()}") from None
+    if first is None:
+        raise FetchError("empty stream")
+    return first, b"".join(parts), digest
 
 
 async def fetch_snapshot(address: str, key: str, timeout_s: float, expect_layout: str,
@@ -52,21 +81,11 @@ async def fetch_snapshot(address: str, key: str, timeout_s: float, expect_layout
     t0 = time.perf_counter()
     async with channel(address) as ch:
         stub = engine_pb2_grpc.EngineServiceStub(ch)
-        header, parts, digest = None, [], ""
         try:
-            async for msg in stub.FetchSwaSnapshot(
-                    engine_pb2.FetchSwaSnapshotRequest(key=key), timeout=timeout_s):
-                if header is None:
-                    header = msg
-                elif msg.sha256:
-                    digest = msg.sha256
-                else:
-                    parts.append(msg.data)
-        except grpc.aio.AioRpcError as exc:
-            raise FetchError(f"{address}: {exc.code().name} {exc.details()}") from None
-    if header is None:
-        raise FetchError(f"{address}: empty stream")
-    data = b"".join(parts)
+            header, data, digest = await read_transfer(stub.FetchSwaSnapshot(
+                engine_pb2.FetchSwaSnapshotRequest(key=key), timeout=timeout_s))
+        except FetchError as exc:
+            raise FetchError(f"{address}: {exc}") from None
     problems = []
     if header.layout_fingerprint != expect_layout or header.model_fingerprint != expect_model:
         problems.append("layout or model fingerprint differs")
