@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench._common import OUT
-from bench.kvstore_throughput import CpuMeter, _timed, start_kvstore
-from kvmesh.backing.seaweed import s3_client, start_seaweed_cluster
+from bench.kvstore_throughput import CpuMeter, _timed, raw_clients, start_kvstore
+from kvmesh.backing.seaweed import start_seaweed_cluster
 from services.kvstore.client import KvstoreClient
 
 BLOCKS = 16
@@ -72,13 +72,8 @@ async def _service(address: str, tag: str, prefixes: list[list[bytes]], meter: C
 
 
 def _raw(cluster, prefixes: list[list[bytes]], meter: CpuMeter) -> tuple[float, dict]:
-    clients = [s3_client(s.endpoint, read_timeout=60) for s in cluster.servers]
     bucket = "raw-runs"
-    for c in clients:
-        try:
-            c.create_bucket(Bucket=bucket)
-        except Exception:  # noqa: BLE001 - exists already
-            pass
+    clients = raw_clients(cluster, bucket)
     whole = [b"".join(p) for p in prefixes]
 
     def put(i: int) -> None:

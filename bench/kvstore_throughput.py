@@ -156,14 +156,20 @@ async def inprocess_bench(locations, payloads: list[bytes], conc: int, tag: str,
     return t_get, cpu
 
 
-def raw_bench(cluster, payloads: list[bytes], conc: int, meter: CpuMeter):
+def raw_clients(cluster, bucket: str) -> list:
+    """One plain boto3 client per SeaweedFS server, each with `bucket` made (the raw rows)."""
     clients = [s3_client(s.endpoint, read_timeout=60) for s in cluster.servers]
-    bucket = "raw-bench"
     for c in clients:
         try:
             c.create_bucket(Bucket=bucket)
         except Exception:  # noqa: BLE001 - exists already
             pass
+    return clients
+
+
+def raw_bench(cluster, payloads: list[bytes], conc: int, meter: CpuMeter):
+    bucket = "raw-bench"
+    clients = raw_clients(cluster, bucket)
     n = len(clients)
 
     def put(i):

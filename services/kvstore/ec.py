@@ -200,6 +200,16 @@ class Head:
     data_at: int  # where fragment data starts in the stored shard
 
 
+def _header(layout: Layout, buf: bytes | memoryview) -> tuple[int, int, int, int, int, int, int]:
+    """(version, index, fp, generation, size, frag, key length), checked against `layout`."""
+    magic, ver, k, m, idx, fp, gen, size, frag, klen = _HEADER.unpack_from(buf)
+    if magic != MAGIC or ver not in (FORMAT_V1, FORMAT_VERSION):
+        raise ShardError("not a kvstore shard (magic/version)")
+    if (k, m, fp) != (layout.k, layout.m, layout.fingerprint):
+        raise ShardError(f"layout mismatch: shard k={k} m={m} fp={fp:#x}")
+    return ver, idx, fp, gen, size, frag, klen
+
+
 def parse_head(layout: Layout, prefix: bytes) -> Head | int:
     """Header, manifest and fragment layout of a shard from its first bytes (a ranged
     GET). v2: the manifest is checked by its own crc32; v1 (no manifest) header fields
@@ -208,11 +218,7 @@ def parse_head(layout: Layout, prefix: bytes) -> Head | int:
     need = HEADER_SIZE + _MLEN.size + 512
     if len(prefix) < HEADER_SIZE:
         return need
-    magic, ver, k, m, idx, fp, gen, size, frag, klen = _HEADER.unpack_from(prefix)
-    if magic != MAGIC or ver not in (FORMAT_V1, FORMAT_VERSION):
-        raise ShardError("not a kvstore shard (magic/version)")
-    if (k, m, fp) != (layout.k, layout.m, layout.fingerprint):
-        raise ShardError(f"layout mismatch: shard k={k} m={m} fp={fp:#x}")
+    ver, idx, fp, gen, size, frag, klen = _header(layout, prefix)
     at = HEADER_SIZE + klen
     manifest, start = b"", at
     if ver == FORMAT_VERSION:
@@ -243,11 +249,7 @@ def parse(layout: Layout, blob: bytes, key: str | None = None,
     """
     if len(blob) < HEADER_SIZE + _CRC.size:
         raise ShardError(f"truncated shard ({len(blob)} bytes)")
-    magic, ver, k, m, idx, fp, gen, size, frag, klen = _HEADER.unpack_from(blob)
-    if magic != MAGIC or ver not in (FORMAT_V1, FORMAT_VERSION):
-        raise ShardError("not a kvstore shard (magic/version)")
-    if (k, m, fp) != (layout.k, layout.m, layout.fingerprint):
-        raise ShardError(f"layout mismatch: shard k={k} m={m} fp={fp:#x}")
+    ver, idx, fp, gen, size, frag, klen = _header(layout, blob)
     start = HEADER_SIZE + klen
     manifest = b""
     view = memoryview(blob)
