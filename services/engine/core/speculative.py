@@ -202,7 +202,9 @@ class Speculator:
     def propose(self, running) -> dict[str, list[int]]:
         """Drafts of every decoding request that speculates (never more than its remaining
         max_tokens can use: the step emits at most 1 + k tokens)."""
-        out = {}
+        out: dict[str, list[int]] = {}
+        if not self.requests:            # nothing speculates: no walk over the running list
+            return out
         for seq in running:
             s = self.requests.get(seq.request_id)
             if s is None or seq.prefilling or seq.slot is None:
@@ -224,8 +226,8 @@ class Speculator:
         c["spec_drafted_tokens"] += len(drafts)
         c["spec_accepted_tokens"] += accepted
         for j in range(1, len(drafts) + 1):
-            c[f"spec_drafted_pos{j}"] = c.get(f"spec_drafted_pos{j}", 0) + 1
-            c[f"spec_accepted_pos{j}"] = c.get(f"spec_accepted_pos{j}", 0) + (j <= accepted)
+            c[f"spec_drafted_pos{j}"] += 1          # j <= K: made in __init__
+            c[f"spec_accepted_pos{j}"] += j <= accepted
         if accepted:
             self.backoff.pop(seq.request_id, None)
         else:
