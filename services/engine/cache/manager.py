@@ -323,7 +323,10 @@ class CacheManager:
     def trim(self, seq: Sequence) -> None:
         """Give back blocks past what the next token needs (grown for drafts that were
         rejected; unregistered, their rows are rewritten before they are ever read)."""
-        keep = self.blocks_for(seq.num_computed + 1)
+        self._release_from(seq, self.blocks_for(seq.num_computed + 1))
+
+    def _release_from(self, seq: Sequence, keep: int) -> None:
+        """Blocks past the first `keep` of seq's table go back to the pool, newest first."""
         self.pool.release(reversed(seq.table[keep:]))
         del seq.table[keep:]
 
@@ -341,9 +344,7 @@ class CacheManager:
                 seq.table[k] = copy
         del seq.hashes[full:]
         del seq.block_hashes[full:]
-        keep = self.blocks_for(new)
-        self.pool.release(reversed(seq.table[keep:]))
-        del seq.table[keep:]
+        self._release_from(seq, self.blocks_for(new))
         seq.num_computed = new
 
     def check_integrity(self, running: list[Sequence]) -> None:
