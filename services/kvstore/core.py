@@ -39,7 +39,8 @@ from services.kvstore import ec, keys, runs
 from services.kvstore.admin import AdminOps
 from services.kvstore.config import KvstoreConfig
 from services.kvstore.durable import DurableStore, ReadResult
-from services.kvstore.meta import MetaStore, Record, RunRecord
+from services.kvstore.index import open_index
+from services.kvstore.meta import Record, RunRecord
 from services.kvstore.runstore import RunReader
 from services.kvstore.shards import RUN_PREFIX, ShardStore
 from services.kvstore.tiers import DiskTier, MemoryTier
@@ -57,7 +58,7 @@ class KvStore(AdminOps):
         self.cfg = cfg
         self.clock = clock
         data = Path(cfg.data_dir)
-        self.meta = MetaStore(data / "meta.sqlite", now=clock())
+        self.meta, self.lease = open_index(cfg, clock())  # index.py: sqlite or shared
         self.mem = MemoryTier(cfg.mem_bytes)
         self.disk = DiskTier(data / "blocks", cfg.disk_bytes)
         self.shards = ShardStore.from_config(cfg)
@@ -207,9 +208,9 @@ class KvStore(AdminOps):
 
     async def _reclaim_runs(self) -> int:
         """Delete the shards of runs whose last block is gone (not while one is read)."""
-        dead = [r for r in self.meta.dead_runs if r not in self._run_readers]
-        for run in dead:
-            self.meta.drop_run(run)
+        # drop_run is True for exactly one caller (replicas sharing the index race here)
+        dead = [r for r in list(self.meta.dead_runs)
+                if r not in self._run_readers and self.meta.drop_run(r)]
         await asyncio.gather(*(self.durable.delete(r, prefix=RUN_PREFIX) for r in dead))
         self.counters["runs_reclaimed"] += len(dead)
         return len(dead)
@@ -217,7 +218,7 @@ class KvStore(AdminOps):
     async def get(self, key_list: list[str]) -> list[bytes | None]:
         """Hot tiers first; the rest from S3, blocks of one run in one run read."""
         keys.check_keys(key_list)
-        recs = {k: r for k in dict.fromkeys(key_list) if (r := self.meta.current(k)) is not None}
+        recs = self.meta.current_many(list(dict.fromkeys(key_list)))
         found: dict[str, bytes | None] = {}
         with contextlib.ExitStack() as leases:
             for k, r in recs.items():  # no await since meta.current: GC cannot have struck

@@ -138,6 +138,10 @@ class MetaStore:
         rec = self._records.get(key)
         return rec if rec is not None and rec.complete else None
 
+    def current_many(self, keys: list[str]) -> dict[str, Record]:
+        """Committed records of `keys` (one round trip in the shared index)."""
+        return {k: r for k in keys if (r := self.current(k)) is not None}
+
     def items(self) -> list[tuple[str, Record]]:
         return list(self._records.items())
 
@@ -197,14 +201,16 @@ class MetaStore:
         """Insert a record as found on the locations (reindex); replaces any other."""
         self._insert(key, rec)
 
-    def drop_run(self, run: str) -> None:
-        """Forget a run with no live block left (its shards are deleted or about to be)."""
-        if self._live.get(run, 0) > 0:
-            raise ValueError(f"run {run} still has {self._live[run]} live blocks")
+    def drop_run(self, run: str) -> bool:
+        """Forget a run with no live block left (its shards are deleted or about to be);
+        True if this call dropped it (False: blocks left, or dropped already)."""
+        if self._live.get(run, 0) > 0 or run not in self.runs:
+            return False
         self.runs.pop(run, None)
         self._live.pop(run, None)
         self.dead_runs.discard(run)
         self._db.execute("DELETE FROM runs WHERE run=?", (run,))
+        return True
 
     def find_dead_runs(self) -> set[str]:
         """Recount runs with no live block (after `restore`, which may add runs whose
@@ -239,6 +245,11 @@ class MetaStore:
             done.append(key)
         self._db.execute("COMMIT")
         return done
+
+    def sweep_pending(self, cutoff: float) -> int:
+        """Pending overwrites live in this process's memory only and die with it: nothing
+        to sweep (the shared index keeps them in Redis, meta_redis.py)."""
+        return 0
 
     def _release(self, run: str) -> None:
         self._live[run] -= 1
