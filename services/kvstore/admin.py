@@ -91,6 +91,7 @@ class AdminOps:
         report = GcReport.of(the_plan, orphans, dry_run)
         if dry_run:
             return report
+        held.check()  # listing the locations can take seconds under load
         victims = the_plan.victims
         total = len(victims) + len(orphans)
         kept: set[str] = set()

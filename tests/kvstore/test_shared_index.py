@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 
@@ -142,6 +141,6 @@ def test_lease_one_holder_renewed_released_and_expiring(shared_index):
         log = la.history()
         assert [(e["holder"], e["lost"]) for e in log] == [
             ("replica-a", False), ("replica-b", False), ("replica-b", False), ("replica-a", True)]
-        assert all(x["end"] <= y["start"] for x, y in zip(log, log[1:]))
+        assert all(x["end"] <= y["start"] for x, y in zip(log, log[1:], strict=False))
 
     asyncio.run(go())
