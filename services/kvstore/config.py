@@ -76,9 +76,10 @@ class KvstoreConfig:
     # run_max_bytes payload each (runs.py); 1 = every block an object of its own.
     run_blocks: int = 16
     run_max_bytes: int = 64 * MiB
-    # The live index: "sqlite" (a file in data_dir, one process) or redis://host:port/db,
-    # shared by every kvstore replica over the same locations (meta_redis.py). Redis
-    # credentials come from the environment only (KVMESH_KVSTORE_REDIS_USERNAME/_PASSWORD).
+    # The live index (--index, KVMESH_KVSTORE_INDEX): "sqlite" (a file in data_dir, one
+    # process) or redis://host:port/db, shared by every kvstore replica over the same
+    # locations (meta_redis.py). Redis credentials come from the environment only:
+    # KVMESH_KVSTORE_REDIS_USERNAME and KVMESH_KVSTORE_REDIS_PASSWORD, never a flag.
     index: str = "sqlite"
     index_prefix: str = "kvmesh:kv"  # every index key starts with it (the mesh ACL: kvmesh:*)
     redis_username: str = field(default="", repr=False)
