@@ -116,6 +116,8 @@ class AdminOps:
             elif self.meta.get(name) is None:
                 await self.durable.delete(name)
             progress("orphans", done, total)
+        if self.cfg.compact_live_fraction > 0:  # mostly-dead runs (compaction.py)
+            await self.compact_runs(now, held)
         self.counters["gc_runs"] += 1
         self.counters["gc_deleted"] += len(victims) - len(kept)
         self.counters["gc_expired"] += len(report.expired)

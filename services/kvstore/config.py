@@ -76,6 +76,10 @@ class KvstoreConfig:
     # run_max_bytes payload each (runs.py); 1 = every block an object of its own.
     run_blocks: int = 16
     run_max_bytes: int = 64 * MiB
+    # Compaction (compaction.py, end of each GC pass): a run older than compact_min_age_s
+    # whose live blocks hold less than compact_live_fraction of its bytes is rewritten.
+    compact_live_fraction: float = 0.25
+    compact_min_age_s: float = 3600.0
     # The live index (--index, KVMESH_KVSTORE_INDEX): "sqlite" (a file in data_dir, one
     # process) or redis://host:port/db, shared by every kvstore replica over the same
     # locations (meta_redis.py). Redis credentials come from the environment only:
@@ -121,6 +125,8 @@ class KvstoreConfig:
                                                               for c in self.index_prefix):
             raise ValueError(f"index_prefix must start with kvmesh: (no spaces), got "
                              f"{self.index_prefix!r}")
+        if not 0 <= self.compact_live_fraction < 1 or self.compact_min_age_s < 0:
+            raise ValueError("need 0 <= compact_live_fraction < 1 and compact_min_age_s >= 0")
         if not self.lease_ttl_s >= 0.5:
             raise ValueError(f"lease_ttl_s must be >= 0.5, got {self.lease_ttl_s}")
         if not (0 <= self.port < 65536):

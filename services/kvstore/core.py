@@ -37,6 +37,7 @@ from pathlib import Path
 from kvmesh.errors import Unavailable
 from services.kvstore import ec, keys, runs
 from services.kvstore.admin import AdminOps
+from services.kvstore.compaction import CompactOps
 from services.kvstore.config import KvstoreConfig
 from services.kvstore.durable import DurableStore, ReadResult
 from services.kvstore.index import open_index
@@ -53,7 +54,7 @@ READ_COUNTERS = ("shards_repaired", "shard_reads_hedged", "shard_reads_timed_out
                  "digest_mismatches_recovered", "shards_forged", "digest_mismatches_unrecovered")
 
 log = logging.getLogger("kvmesh.kvstore")
-class KvStore(AdminOps):
+class KvStore(AdminOps, CompactOps):
     def __init__(self, cfg: KvstoreConfig, clock: Callable[[], float] = time.time):
         self.cfg = cfg
         self.clock = clock

@@ -168,6 +168,28 @@ end
 return n
 """
 
+# ARGV: old run, new run, new run JSON, then (key, generation, new record JSON)* -> moved.
+# Compaction: a block moves to the new run only if its record is still that generation,
+# committed, in the old run (a delete or overwrite meanwhile wins); access time kept.
+RELOCATE = _PRELUDE + """
+local old, new, moved = ARGV[1], ARGV[2], 0
+redis.call('HSET', R, new, ARGV[3])
+redis.call('HSETNX', LIVE, new, 0)
+for i = 4, #ARGV, 3 do
+  local cur = redis.call('HGET', O, ARGV[i])
+  if cur then
+    local r = cjson.decode(cur)
+    if r.g == ARGV[i + 1] and r.r == old and r.c == 1 then
+      local la = redis.call('HGET', LA, ARGV[i]) or '0'
+      insert(ARGV[i], ARGV[i + 2], la)
+      moved = moved + 1
+    end
+  end
+end
+if moved == 0 then redis.call('SADD', DEAD, new) end
+return moved
+"""
+
 # ARGV: (none) -> dead runs now: every run with no live block goes into P:dead (reindex)
 FIND_DEAD = _PRELUDE + """
 for _, run in ipairs(redis.call('HKEYS', R)) do

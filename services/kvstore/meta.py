@@ -28,6 +28,7 @@ transaction per `flush()` (the service calls it every `access_flush_s`).
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,24 @@ class MetaStore:
             done.append(key)
         self._db.execute("COMMIT")
         return done
+
+    def relocate(self, old: str, new: str, info: RunRecord,
+                 moves: list[tuple[str, Record, int]]) -> int:
+        """Compaction: record the new run and move each (key, record as read, new offset)
+        to it if still that generation, committed, in `old`; one transaction."""
+        self._db.execute("BEGIN")
+        self.add_run(new, info)
+        moved = 0
+        for key, rec, off in moves:
+            cur = self._records.get(key)
+            if cur is None or cur.generation != rec.generation or cur.run != old or not cur.complete:
+                continue
+            self._insert(key, dataclasses.replace(cur, run=new, offset=off))
+            moved += 1
+        if moved == 0:
+            self.dead_runs.add(new)
+        self._db.execute("COMMIT")
+        return moved
 
     def sweep_pending(self, cutoff: float) -> int:
         """Pending overwrites live in this process's memory only and die with it: nothing

@@ -24,6 +24,7 @@ cached here, so `current` always says what the shared index says now.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 
@@ -116,7 +117,7 @@ class RedisMeta:
         self.keys = [f"{prefix}:{k}" for k in _KEYS]
         self._s = {name: self.redis.register_script(getattr(S, name)) for name in (
             "INSERT", "REMOVE", "COMMIT_PUT", "BEGIN_RUN", "COMMIT_RUN", "ABORT_RUN", "ADD_RUN",
-            "DROP_RUN", "TOUCH", "FIND_DEAD", "SWEEP_PENDING")}
+            "DROP_RUN", "TOUCH", "FIND_DEAD", "SWEEP_PENDING", "RELOCATE")}
         self._touched: dict[str, float] = {}
         self.runs = _Runs(self)
         info = self.keys[5]
@@ -210,6 +211,16 @@ class RedisMeta:
         """Forget a run with no live block; True if this call dropped it (exactly one
         replica does, so exactly one deletes its shards)."""
         return bool(self._script("DROP_RUN", run))
+
+    def relocate(self, old: str, new: str, info: RunRecord,
+                 moves: list[tuple[str, Record, int]]) -> int:
+        """Compaction: record the new run and move each (key, record as read, new offset)
+        to it if still current in `old`; one script. Returns how many moved."""
+        args = [old, new, _run_json(info)]
+        for key, rec, off in moves:
+            args += [key, str(rec.generation),
+                     _rec_json(dataclasses.replace(rec, run=new, offset=off))]
+        return int(self._script("RELOCATE", *args))  # type: ignore[call-overload]
 
     def find_dead_runs(self) -> set[str]:
         return set(self._script("FIND_DEAD"))  # type: ignore[call-overload]
