@@ -66,8 +66,9 @@ class AdminOps:
         if limit <= 0 or limit > 10_000:
             raise InvalidArgument(f"limit {limit} outside 1..10000")
         await self.require_durable()
-        page = sorted(k for k, _ in self.meta.items() if k > start_after)[: limit + 1]
-        out = [ListEntry.of(k, self.meta.get(k)) for k in page[:limit]]
+        recs = dict(self.meta.items())  # one read of the index (shared: one round trip)
+        page = sorted(k for k in recs if k > start_after)[: limit + 1]
+        out = [ListEntry.of(k, recs[k]) for k in page[:limit]]
         return out, (page[limit - 1] if len(page) > limit else "")
 
     async def run_gc(self: KvStore, dry_run: bool = False, progress: Progress = _no_progress) -> GcReport:

@@ -253,10 +253,19 @@ class KvStore(AdminOps, CompactOps):
         return data
 
     async def _fill(self, key: str, gen: int, data: bytes) -> None:
-        self.counters["hits_s3"] += 1
-        if self._is_current(key, gen):
-            self.mem.put(key, gen, data)
-            await self.disk.put(key, gen, data)
+        await self._fill_many([(key, gen, data)])
+
+    async def _fill_many(self, got: list[tuple[str, int, bytes]]) -> None:
+        """Hot-tier copies of what S3 served, for the blocks still current (one index
+        read for all: a round trip each would add up on the shared index)."""
+        self.counters["hits_s3"] += len(got)
+        if not got or (self.mem.capacity == 0 and self.disk.capacity == 0):
+            return
+        cur = self.meta.current_many([k for k, _, _ in got])
+        for key, gen, data in got:
+            if (rec := cur.get(key)) is not None and rec.generation == gen:
+                self.mem.put(key, gen, data)
+                await self.disk.put(key, gen, data)
 
     async def _get_cold(self, key: str, rec: Record, found: dict[str, bytes | None]) -> None:
         gen = rec.generation
@@ -279,10 +288,10 @@ class KvStore(AdminOps, CompactOps):
         if got.slow is not None:
             self._count(got.slow)
             self.counters["run_reads_decoded"] += 1
-        for key, rec in group:
-            found[key] = data = got.blocks.get(key)
-            if data is not None:
-                await self._fill(key, rec.generation, data)
+        for key, _ in group:
+            found[key] = got.blocks.get(key)
+        await self._fill_many([(k, rec.generation, d) for k, rec in group
+                               if (d := got.blocks.get(k)) is not None])
 
     def _count(self, res: ReadResult) -> None:
         """Integrity and hedging counters (Stats.counters, `kvmesh admin gc stats`)."""
@@ -305,8 +314,9 @@ class KvStore(AdminOps, CompactOps):
         durable_ok = self.shards.up_count() >= self.cfg.layout.k
         now = self.clock()
         n = 0
+        recs = self.meta.current_many(list(dict.fromkeys(key_list)))  # one round trip
         for key in key_list:
-            rec = self.meta.current(key)
+            rec = recs.get(key)
             if rec is None:
                 break
             hot = self.mem.get(key, rec.generation) is not None or key in self.disk._index

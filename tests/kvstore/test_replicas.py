@@ -136,3 +136,28 @@ def test_pool_spreads_by_key_and_falls_over(pair):
 
     spread = asyncio.run(go())
     assert min(spread) >= 4, spread  # 24 calls over 2 replicas, by key hash
+
+
+def test_shared_index_lost_then_reindexed(pair, clock, shared_index):
+    """The whole shared index wiped from Valkey: `reindex` on one replica brings every
+    object back for both, exact; GC afterwards still honours the TTL classes."""
+    a, b = pair
+    agent = [(hexkey(40 + i), os.urandom(9000 + i)) for i in range(10)]
+    chat = [(hexkey(60 + i), os.urandom(7000 + i)) for i in range(5)]
+    call(a.address, lambda c: c.put(agent, traffic_class="agent"))
+    call(a.address, lambda c: c.put(chat, traffic_class="chatbot"))
+    single = (hexkey(80), os.urandom(4000))
+    call(b.address, lambda c: c.put([single]))
+    r = a.core.meta.redis
+    wiped = [k for k in r.scan_iter(shared_index["index_prefix"] + ":*")]
+    assert len(wiped) >= 5 and r.delete(*wiped) == len(wiped)
+    every = agent + chat + [single]
+    keys = [k for k, _ in every]
+    assert call(a.address, lambda c: c.get(keys)) == [None] * len(keys)
+    rep = call(b.address, lambda c: c.reindex())
+    assert (rep.runs, rep.restored) == (2, len(keys))
+    for srv in (a, b):
+        assert call(srv.address, lambda c: c.get(keys)) == [d for _, d in every]
+    clock.advance(3.5 * DAY)
+    assert sorted(call(a.address, lambda c: c.run_gc()).expired) == sorted(k for k, _ in agent)
+    assert call(b.address, lambda c: c.get(keys)) == [None] * 10 + [d for _, d in chat + [single]]
