@@ -120,9 +120,21 @@ class RedisMeta:
             "DROP_RUN", "TOUCH", "FIND_DEAD", "SWEEP_PENDING", "RELOCATE")}
         self._touched: dict[str, float] = {}
         self.runs = _Runs(self)
-        info = self.keys[5]
-        self.created = float(self._do(lambda r: (r.hsetnx(info, "created", repr(now)),
-                                                 r.hget(info, "created"))[1]))
+        self._now_at_start = now
+        self._created: float | None = None
+        try:
+            self.created  # noqa: B018 - read now if Redis is up; else on first use
+        except Unavailable:
+            pass  # the kvstore still starts; index calls are UNAVAILABLE until Redis is back
+
+    @property
+    def created(self) -> float:
+        """When this index was first used (GC leaves older shards alone, gc.find_orphans)."""
+        if self._created is None:
+            info, now = self.keys[5], self._now_at_start
+            self._created = float(self._do(lambda r: (r.hsetnx(info, "created", repr(now)),
+                                                      r.hget(info, "created"))[1]))
+        return self._created
 
     def _do(self, fn):
         try:

@@ -161,3 +161,23 @@ def test_shared_index_lost_then_reindexed(pair, clock, shared_index):
     clock.advance(3.5 * DAY)
     assert sorted(call(a.address, lambda c: c.run_gc()).expired) == sorted(k for k, _ in agent)
     assert call(b.address, lambda c: c.get(keys)) == [None] * 10 + [d for _, d in chat + [single]]
+
+
+def test_redis_outage_is_unavailable_and_the_index_persists(make_server, tmp_path):
+    """Its own Valkey with the append-only file on (as `kvmesh up` runs it): while it is
+    down every call is UNAVAILABLE (nothing crashes); restarted, it has the index back
+    from disk and every object is served exact."""
+    from kvmesh.backing.valkey import ValkeyProcess
+
+    with ValkeyProcess(work_dir=tmp_path / "valkey", persist=True) as v:
+        kv = make_server(data_dir=tmp_path / "kv", mem_bytes=0, disk_bytes=0, index=v.url)
+        items = [(hexkey(20 + i), os.urandom(5000)) for i in range(6)]
+        call(kv.address, lambda c: c.put(items))
+        v.stop()
+        for fn in (lambda c: c.get([items[0][0]]), lambda c: c.put(items[:2]),
+                   lambda c: c.run_gc()):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                call(kv.address, fn, timeout=20)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        v.start()
+        assert call(kv.address, lambda c: c.get([k for k, _ in items])) == [d for _, d in items]

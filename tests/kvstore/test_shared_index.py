@@ -102,8 +102,12 @@ def test_pending_overwrite_of_a_dead_putter_is_swept(shared_index):
 
 
 def test_redis_down_is_unavailable():
-    with pytest.raises(Unavailable, match="index"):
-        RedisMeta("redis://127.0.0.1:1/0", now=1.0)
+    """A kvstore starts with its Redis down; index calls are UNAVAILABLE meanwhile."""
+    m = RedisMeta("redis://127.0.0.1:1/0", now=1.0)
+    for call in (lambda: m.current("a" * 64), lambda: m.items(), lambda: m.created,
+                 lambda: m.begin_put("a" * 64, 1, 1, "agent", 1.0)):
+        with pytest.raises(Unavailable, match="index"):
+            call()
 
 
 def test_lease_one_holder_renewed_released_and_expiring(shared_index):
