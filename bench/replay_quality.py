@@ -128,16 +128,29 @@ class Singles:
         return {**s, "replayed": v.replayed, "cached": v.cached, "snapshot_hit": v.snapshot_hit}
 
 
+def _load(path: Path) -> dict[int, dict]:
+    """Per-prompt records of earlier runs (a line cut short by a killed run is skipped)."""
+    done = {}
+    for line in path.open() if path.exists() else []:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        done[r["i"]] = {**done.get(r["i"], {}), **r}
+    return done
+
+
 def single_variants(a, cfg, w, val, wanted: set[int]) -> dict:
     res = {}
     for length in a.lengths:
         path = OUT / f"replay_quality_L{length}_N{a.prompts}.jsonl"
         if a.fresh and path.exists():
             path.unlink()
-        done = {json.loads(line)["i"]: json.loads(line) for line in path.open()} if path.exists() else {}
+        done = _load(path)
         # strided, so that a partial run (stopped, then merged) spans the whole held-out stream
         order = sorted(range(a.prompts), key=lambda i: (i % 10, i))
         todo = [i for i in order if i not in done or any(f"v{v}" not in done[i] for v in wanted)]
+        todo = todo[a.shard[0]:: a.shard[1]]
         if todo and not a.merge_only:
             rows = windows(val, a.prompts, length + CONT)
             singles, t0 = Singles(a, cfg, w, length, wanted), time.perf_counter()
@@ -168,6 +181,8 @@ def main() -> int:
     p.add_argument("--group", type=int, default=2,
                    help="prompts per engine batch (variants 1-3): few sequences per step are cheapest")
     p.add_argument("--chunk", type=int, default=CHUNK, help="prompt tokens per sequence per engine step")
+    p.add_argument("--shard", default="0/1",
+                   help="k/n: run every n-th prompt still to do, from the k-th (n processes, one file)")
     p.add_argument("--fresh", action="store_true", help="ignore (delete) earlier per-prompt results")
     p.add_argument("--merge-only", action="store_true", help="report the per-prompt results there are")
     p.add_argument("--keep", type=int, default=134, help="YOCO KEEP (>= W + B = 134)")
@@ -191,6 +206,7 @@ def main() -> int:
     p.add_argument("--out", default=str(OUT / "replay_quality.json"))
     a = p.parse_args()
     a.lengths = [int(x) for x in a.lengths.split(",")]
+    a.shard = tuple(int(x) for x in a.shard.split("/"))
     wanted = {int(x) for x in a.variants.split(",")}
     torch.set_num_threads(a.threads)
     OUT.mkdir(parents=True, exist_ok=True)
