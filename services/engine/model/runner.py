@@ -210,7 +210,7 @@ class ModelRunner:
         flat, visible = step.once(("entries", key, m, entries.shape[1]),
                                   lambda: _visible_entries(seg, step, m, entries.shape[1], rows, per_row))
         table = entries.view(-1, entries.shape[-1])
-        if cfg.layers[layer] != "csa":
+        if cfg.layers[layer] != "csa" or self._all_visible(step, m):
             return table[flat].to(h.dtype), visible
         ikeys = self.blocks.index_keys[layer]
         ikeys = ikeys.view(-1, ikeys.shape[-1])[flat].to(h.dtype)           # [t, K, Di] / [L, Di]
@@ -223,6 +223,11 @@ class ModelRunner:
         idx, ok = selected_indices(chosen, cfg.csa_topk)                     # [t, k]
         picked = flat.gather(1, idx) if per_row else flat[idx]
         return table[picked].to(h.dtype), ok
+
+    def _all_visible(self, step: StepBatch, m: int) -> bool:
+        """No row of the step sees more than top-k entries: the indexer would keep every
+        visible one (select_topk's rule), so it is not run at all."""
+        return step.once(("few entries", m), lambda: int((step.ends // m).max()) <= self.cfg.csa_topk)
 
 
 def _visible_entries(seg: Segments, step: StepBatch, m: int, per: int, rows, per_row: bool):
