@@ -8,8 +8,9 @@
 
 Targets (issue 11): step(32) <= 2 x step(1); decode-only tokens/s at N = 32 >= 12 x N = 1.
 Only public EngineCore calls are used, so the same script measures an older checkout, and
-`--before DIR` does both in one run (DIR first, in a subprocess, then this checkout):
-    python bench/engine_throughput.py --before /old/checkout
+`--before DIR` does both in one run (DIR first, in a subprocess, then this checkout; with
+`--together` both at once, one per core, so a loaded machine's drift hits both alike):
+    python bench/engine_throughput.py --before /old/checkout [--together]
 (or by hand: PYTHONPATH=/old/checkout python bench/engine_throughput.py --label before, then
  python bench/engine_throughput.py --compare bench/out/engine_throughput_before.json).
 
@@ -333,6 +334,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="",
                     help="comma-separated max_batched_tokens values: N = 32 end to end under each")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    ap.add_argument("--together", action="store_true",
+                    help="with --before: run both checkouts at the same time (one per core), so "
+                         "the load of a shared machine hits both alike")
     args = ap.parse_args(argv)
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -347,15 +351,24 @@ def main(argv=None) -> int:
         if "--budgets" in rest:       # the scheduler-mix table is about this checkout only
             i = rest.index("--budgets")
             rest = rest[:i] + rest[i + 2:]
+        if "--together" in rest:
+            rest.remove("--together")
         print(f"== before: {args.before}", flush=True)
-        subprocess.run([sys.executable, __file__, "--label", "before", *rest], check=True,
-                       env={**os.environ, "PYTHONPATH": args.before}, cwd=args.before)
+        log = Path(args.before) / "bench" / "out" / "engine_throughput_before.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as out:
+            proc = subprocess.Popen([sys.executable, __file__, "--label", "before", *rest],
+                                      env={**os.environ, "PYTHONPATH": args.before},
+                                      cwd=args.before, stdout=out, stderr=subprocess.STDOUT)
+            if not args.together:
+                proc.wait()
         # the old checkout's bench/_common.py put it under its own bench/out
         args.compare = str(Path(args.before) / "bench" / "out" / "engine_throughput_before.json")
-        print("== after: this checkout", flush=True)
     if args.itl_only:
         itl(args.prompt, args.long, 20)
         return 0
+    if args.before:
+        print("== after: this checkout" + (" (at the same time)" if args.together else ""), flush=True)
     t0 = time.perf_counter()
     res = {"label": args.label, "load": os.getloadavg(), "args": vars(args)}
     res["step_s"] = step_times(args.prompt, args.steps)
@@ -368,6 +381,10 @@ def main(argv=None) -> int:
     res["load_end"] = os.getloadavg()
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"engine_throughput_{args.label}.json").write_text(json.dumps(res, indent=1))
+    if args.before:
+        if proc.wait():
+            raise SystemExit(f"the before run failed: see {log}")
+        print(f"-- before ({args.before}):\n{log.read_text()}-- end of before")
     before = json.loads(Path(args.compare).read_text()) if args.compare else None
     report(res, before)
     print(f"wall {res['wall_s']:.0f}s, load average {res['load']} -> {res['load_end']}")
