@@ -142,12 +142,13 @@ class ModelRunner:
                                                                     in_place, stale))
         # read every older key this layer needs before it writes the ring
         groups = []
-        for pool, per_row in ((plan.gather, True), (plan.pool, False)):
-            if pool is not None:
-                old = self.mirror.read(layer, pool.old_slots, pool.old_pos, kv.dtype)
-                keys = torch.cat([old, kv[pool.rows]])
-                groups.append((pool.rows, (keys if pool.idx is None else keys[pool.idx], pool.ok),
-                               per_row, "gather" if per_row else "pool"))
+        pools = [(plan.gather, "gather")] if plan.gather is not None else []
+        pools += [(pool, ("pool", i)) for i, pool in enumerate(plan.pools)]
+        for pool, path in pools:
+            old = self.mirror.read(layer, pool.old_slots, pool.old_pos, kv.dtype)
+            keys = torch.cat([old, kv[pool.rows]])
+            groups.append((pool.rows, (keys if pool.idx is None else keys[pool.idx], pool.ok),
+                           path == "gather", path))
         if plan.ring is not None and plan.ring.fill_slots is not None:
             self.mirror.fill(layer, plan.ring.fill_slots, plan.ring.fill_pos)
         if cfg.is_encoder(layer):
