@@ -20,9 +20,9 @@ only per-row work that reads W keys). rest = step - both: per-step overhead (Pyt
 tensors, small ops, sampling, bookkeeping) plus the smaller per-row pieces (gathers of
 compressed entries, indexer, compressor feeding, MXFP8). best x = (step(1) + what the
 matmuls and attention add from batch 1 to b) / step(1): the ratio if nothing else grew.
-End to end is bounded by the prefills, linear in tokens on a CPU: the table prints the
-share of prefill time of a request alone and 1 / that share, the e2e speedup if every
-decode step were free.
+End to end is bounded by the prefills (their compute is linear in tokens on a CPU): the
+table prints the share of the N-request run spent in steps with prefill work, and the e2e
+speedup that would leave if every decode-only step were free.
 Sequential throughput is measured on `--sequential` requests run one after another (a
 request alone costs the same whatever N is) and reported for every N.
 """
@@ -253,17 +253,17 @@ def floor_rows(res: dict) -> list[list]:
 
 
 def prefill_rows(res: dict) -> list[list]:
-    """End to end is bounded by the prefills: on a CPU their cost is linear in tokens
-    (batching them saves no compute), so N concurrent requests cost at least N prefills.
-    seq prefill share = prefill seconds / end-to-end seconds of one request alone; e2e bound =
-    1 / that share, the speedup over sequential if every decode step were free."""
+    """What bounds end to end: prefill share = seconds of the steps that carry prefill work /
+    all seconds of the N-request run (decode rows riding along included); if every
+    decode-only step were free, e2e vs seq could reach at most (e2e vs seq) / that share.
+    seq prefill share: the same share for one request alone."""
     rows = []
     for n in BATCHES:
         t = res["tput"][str(n)] if str(n) in res["tput"] else res["tput"][n]
         if "seq_prefill_share" not in t:
             continue
-        rows.append([n, t["e2e_tok_s"] / t["seq_tok_s"], t["prefill_share"], t["seq_prefill_share"],
-                     1.0 / t["seq_prefill_share"]])
+        e2e = t["e2e_tok_s"] / t["seq_tok_s"]
+        rows.append([n, e2e, t["prefill_share"], e2e / t["prefill_share"], t["seq_prefill_share"]])
     return rows
 
 
@@ -296,8 +296,9 @@ def report(res: dict, before: dict | None) -> None:
                                                                  "vs N=1")], rows))
     if rows := prefill_rows(res):
         print(f"\nend to end vs the prefill floor ({cols[-1][0]}): prefill share = seconds of steps "
-              "with prefill work / all; e2e bound = 1 / seq prefill share")
-        print(table(["N", "e2e vs seq", "prefill share", "seq prefill share", "e2e bound"], rows))
+              "with prefill work / all; decode free = e2e vs seq / prefill share, the most end to "
+              "end reaches if decode-only steps cost nothing")
+        print(table(["N", "e2e vs seq", "prefill share", "decode free", "seq prefill share"], rows))
     if res.get("budgets"):
         seq = tp(res, 32)["seq_tok_s"]
         print(f"\nscheduler mix ({cols[-1][0]}), N = 32 end to end by max_batched_tokens")

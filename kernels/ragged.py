@@ -121,8 +121,10 @@ class RingKeys:
 # The torch path reads a slot's ring twice (scores, then the weighted sum). Done for all
 # slots at once, the second read comes from memory again (32 slots x 134 rows x 2 KB ~ 9 MB
 # per layer, past L2); done for a few slots at a time it comes from L2. Measured on the
-# bench machine (1 thread, batch 32, 8 layers): 17.6 ms both passes at once, 6.7 ms in runs
-# of ~1 MB of rings. GPU kernels stream the ring once and never split.
+# bench machine (1 thread, batch 32, 8 layers, the two matmuls alone, machine idle): 17.6 ms
+# at once, 6.7 ms in runs of ~1 MB of rings; in the whole step the gain is smaller and on a
+# machine whose L2 is busy with neighbours it vanishes (bench/engine_step_ab.py measures
+# both ways side by side). GPU kernels stream the ring once and never split.
 RING_PASS_BYTES = 1 << 20
 
 
