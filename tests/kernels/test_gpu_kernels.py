@@ -50,3 +50,28 @@ def test_indexer_v41_geometry():
     want = indexer.indexer_scores_torch(q, w, k)
     got = tri_idx.indexer_scores(q, w, k)
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_ragged_decode_v41_geometry(batch, monkeypatch):
+    """The engine's attention op: decode rows reading the MXFP8 ring in place (134 rows,
+    window 128 visible) plus 512 CSA picks per row, Triton vs the torch ragged op."""
+    from kernels import ragged
+    from kernels.triton import ragged as tri
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    h, d, w, r = 64, 512, 128, 134
+    codes = mxfp8.quantize_torch(torch.randn(batch, r, d, device="cuda", generator=g))
+    rows = ragged.SlotRows.build(list(range(batch)), "cuda")
+    ok = torch.ones(batch, r, dtype=torch.bool, device="cuda")
+    ok[:, w:] = False                                  # rows outside the window
+    ring = ragged.RingKeys(mxfp8.dequantize_torch(codes), rows, ok, codes)
+    picks = torch.randn(batch, 512, d, device="cuda", generator=g)
+    pick_ok = torch.rand(batch, 512, device="cuda", generator=g) > 0.1
+    q = torch.randn(batch, h, d, device="cuda", generator=g)
+    sink = torch.randn(h, device="cuda", generator=g)
+    groups = [ring, (picks, pick_ok)]
+    got = tri.union_attention(q, groups, sink, d ** -0.5)
+    monkeypatch.setenv("KVMESH_KERNELS", "torch")          # the reference, on the same GPU
+    want = ragged.ragged_union_attention(q, groups, sink, d ** -0.5)
+    assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())

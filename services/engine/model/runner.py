@@ -157,8 +157,9 @@ class ModelRunner:
         self.mirror.write(layer, plan.put_slots, plan.put_pos, kv[put])
         if plan.ring is not None:
             rows = plan.ring.rows
-            groups.append((rows, RingKeys(self.mirror.values[layer], plan.ring.where, plan.ring.ok),
-                           True, "ring"))
+            # the ring bytes too: a Triton kernel dequantizes them in registers (kernels/ragged.py)
+            groups.append((rows, RingKeys(self.mirror.values[layer], plan.ring.where, plan.ring.ok,
+                                          ring), True, "ring"))
 
         if m is not None:
             compressor.feed(cfg, w, self.states, self.blocks, layer, step, step.enc,
