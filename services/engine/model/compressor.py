@@ -73,11 +73,25 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
         ring_put(ring, plan.put_slots, plan.put_pos, vz if plan.put is None else vz[plan.put])
 
 
+def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
+    """(fed rows, every row fed, stream length, every fed row kept in the tail ring), from
+    the host ints of the works: the same facts the tensors below hold, without a device sync."""
+    fed = total = 0
+    all_put = True
+    for first, n, cmp in zip(seg.first_ids, seg.counts, step.cmp_ids, strict=True):
+        end, s0 = first + n, max(first, cmp)
+        if end > s0:
+            fed += end - s0
+            total += max(0, end // m * m - s0 // m * m)
+            all_put &= end - s0 <= ring_len
+    return fed, fed == sum(seg.counts), total, all_put
+
+
 def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | None:
-    keep = seg.pos >= step.cmp_from[seg.wid]          # rows whose entries must not be rewritten
-    if not bool(keep.any()):
+    fed, every, total, all_put = _host_facts(step, seg, m, ring_len)
+    if not fed:
         return None
-    every = bool(keep.all())
+    keep = seg.pos >= step.cmp_from[seg.wid]          # rows whose entries must not be rewritten
     rows = torch.nonzero(keep).squeeze(1)
     wid, pos = seg.wid[rows], seg.pos[rows]
     n_new = torch.bincount(wid, minlength=len(seg.n))
@@ -93,7 +107,6 @@ def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | N
     glen = torch.where(n_new > 0, torch.clamp(gend - g0, min=0), torch.zeros_like(g0))
     g_cu = torch.zeros(len(glen) + 1, dtype=torch.long, device=dev)
     g_cu[1:] = torch.cumsum(glen, 0)
-    total = int(g_cu[-1])
     swid = torch.repeat_interleave(torch.arange(len(glen), device=dev), glen, output_size=total)
     spos = g0[swid] + torch.arange(total, device=dev) - g_cu[swid]
     from_ring = spos < s0[swid]
@@ -101,7 +114,7 @@ def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | N
 
     # ring rows to write: the last R fed rows of each work (older ones would be overwritten)
     last = pos >= end[wid] - ring_len
-    put = None if bool(last.all()) else torch.nonzero(last).squeeze(1)
+    put = None if all_put else torch.nonzero(last).squeeze(1)
     return FeedPlan(None if every else rows, put, step.slots[wid[last]], pos[last], len(spos) // m,
                     step.slots[swid], spos, from_ring.view(-1, 1, 1), new_idx,
                     swid[::m], torch.div(spos[::m], m, rounding_mode="floor"))
