@@ -7,6 +7,8 @@ rings wrap, the window is truncated at every offset (lo from below the window to
 row), the ring is read as the mirror's fp32 rows and as the MXFP8 bytes themselves, and
 window groups of every kind (ring in place, per-row gathered keys, one shared pool) are
 merged with compressed entries (HCA shared, CSA per-row picks, empty sets) and sinks.
+The products are checked both ways: bf16 tensor-core halves ("split", the compiled
+default) and fp32 IEEE ("ieee", the interpreter's default).
 """
 
 import pytest
@@ -45,7 +47,7 @@ def _rows(works):
     return slots, torch.tensor(pos), torch.stack(oks)
 
 
-def _both(q, groups, sink, device, scale=0.125):
+def _both(q, groups, sink, device, scale=0.125, precision=None):
     want = rg.ragged_union_attention(q, groups, sink, scale)         # torch on CPU
     moved = []
     for grp in groups:
@@ -55,27 +57,29 @@ def _both(q, groups, sink, device, scale=0.125):
                                      None if grp.codes is None else grp.codes.to(device)))
         else:
             moved.append(tuple(x.to(device) for x in grp))
-    return tri.union_attention(q.to(device), moved, sink.to(device), scale), want
+    return tri.union_attention(q.to(device), moved, sink.to(device), scale, precision), want
 
 
 # decode rows and short chunks of slots 7, 2, 5, 0 (a range too sparse for a view), wrapping
 MIXED = [(7, 40, 1, 0), (2, 3, 4, 0), (5, 29, 1, 27), (0, 0, 1, 0), (2 + 6, 16, 3, 12)]
 
 
+@pytest.mark.parametrize("precision", ["split", "ieee"])
 @pytest.mark.parametrize("mx", [False, True], ids=["mirror", "mxfp8"])
-def test_ring_rows_mixed_decode_and_chunks(device, mx):
+def test_ring_rows_mixed_decode_and_chunks(device, mx, precision):
     g = torch.Generator().manual_seed(1)
     values, codes = _ring(g)
     slots, pos, ok = _rows(MIXED)
     q = torch.randn(len(slots), H, D, generator=g)
     sink = torch.randn(H, generator=g)
     ring = rg.RingKeys(values, rg.SlotRows.build(slots), ok, codes if mx else None)
-    got, want = _both(q, [ring], sink, device)
+    got, want = _both(q, [ring], sink, device, precision=precision)
     _close(got, want)
 
 
+@pytest.mark.parametrize("precision", ["split", "ieee"])
 @pytest.mark.parametrize("mx", [False, True], ids=["mirror", "mxfp8"])
-def test_window_truncated_at_every_offset_across_the_wrap(device, mx):
+def test_window_truncated_at_every_offset_across_the_wrap(device, mx, precision):
     # one 3-row chunk at 30..32 (ring rows wrap: 30 % 11 = 8) per lower bound, from below
     # the window (no truncation) to past the last row (only the sink is left)
     first, n = 30, 3
@@ -87,7 +91,7 @@ def test_window_truncated_at_every_offset_across_the_wrap(device, mx):
     sink = torch.randn(H, generator=g)
     ring = rg.RingKeys(mxfp8.dequantize_torch(codes), rg.SlotRows.build(slots), ok,
                        codes if mx else None)
-    got, want = _both(q, [ring], sink, device)
+    got, want = _both(q, [ring], sink, device, precision=precision)
     _close(got, want)
     assert not bool(ok[-n:].any())                       # lo past the rows: nothing visible
     assert torch.all(want[-n:] == 0) and torch.all(got[-n:].cpu() == 0)
@@ -105,7 +109,7 @@ def test_ring_with_compressed_entries_and_sinks(device, sink_scale):
     ring = rg.RingKeys(values, rg.SlotRows.build(slots), ok, codes)
     picks = torch.randn(t, 5, D, generator=g) * 3        # CSA: each row's own top-k entries
     pick_ok = torch.rand(t, 5, generator=g) > 0.3
-    got, want = _both(q, [ring, (picks, pick_ok)], sink, device)
+    got, want = _both(q, [ring, (picks, pick_ok)], sink, device, precision="split")
     _close(got, want)
 
 
@@ -182,3 +186,32 @@ def test_dispatch_routes_ragged_attention(monkeypatch, device):
     rg.ragged_union_attention(q.double(), [rg.RingKeys(values.double(), ring.rows, ok)],
                               sink.double(), 0.125)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("precision, bound", [("split", 1e-4), ("ieee", 1e-5)])
+def test_products_against_float64(device, precision, bound):
+    # the default "split" runs its products on bf16 tensor cores from hi/lo halves (MXFP8
+    # keys are exact in bf16; fp32 CSA picks are split too); both stay fp32-grade
+    g = torch.Generator().manual_seed(8)
+    values, codes = _ring(g)
+    slots, pos, ok = _rows(MIXED)
+    t = len(slots)
+    q = torch.randn(t, H, D, generator=g)
+    sink = torch.randn(H, generator=g)
+    picks = torch.randn(t, 6, D, generator=g) * 3
+    pick_ok = torch.rand(t, 6, generator=g) > 0.3
+    want = rg.ragged_union_attention(
+        q.double(), [rg.RingKeys(values.double(), rg.SlotRows.build(slots), ok),
+                     (picks.double(), pick_ok)], sink.double(), 0.125)
+    ring = rg.RingKeys(values.to(device), rg.SlotRows.build(slots, device), ok.to(device),
+                       codes.to(device))
+    got = tri.union_attention(q.to(device), [ring, (picks.to(device), pick_ok.to(device))],
+                              sink.to(device), 0.125, precision)
+    err = float((got.cpu().double() - want).abs().max() / want.abs().max())
+    assert err <= bound, err
+
+
+def test_bad_precision_is_refused():
+    with pytest.raises(ValueError, match="precision must be split or ieee"):
+        tri.union_attention(torch.zeros(1, 1, D), [(torch.zeros(1, D), torch.ones(1, 1, dtype=torch.bool))],
+                            torch.zeros(1), 1.0, "tf32")
