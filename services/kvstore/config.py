@@ -72,6 +72,11 @@ class KvstoreConfig:
     health_min_errors: int = 3
     health_error_rate: float = 0.6
     threads_per_location: int = 4
+    # Object/run reads from S3 in flight at once in this process, over all Gets. One Get
+    # of many blocks (a prefetch of a long prefix) would otherwise start every run read
+    # at once; their shard GETs queue behind threads_per_location, the queued ones pass
+    # the late deadline and each turns into a hedged full decode (twice the requests).
+    s3_reads_in_flight: int = 16
     # A put of several blocks is stored as runs of up to run_blocks blocks and
     # run_max_bytes payload each (runs.py); 1 = every block an object of its own.
     run_blocks: int = 16
@@ -106,7 +111,7 @@ class KvstoreConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         for name in ("capacity_bytes", "max_object_bytes", "threads_per_location", "run_blocks",
-                     "run_max_bytes"):
+                     "run_max_bytes", "s3_reads_in_flight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("ttl_agent_s", "ttl_chatbot_s", "gc_interval_s", "access_flush_s",
@@ -180,7 +185,7 @@ class KvstoreConfig:
 
 _INTS = {"port", "mem_bytes", "disk_bytes", "capacity_bytes", "max_object_bytes",
          "write_quorum", "threads_per_location", "health_min_errors", "run_blocks",
-         "run_max_bytes"}
+         "run_max_bytes", "s3_reads_in_flight"}
 _STRS = {"host", "index", "index_prefix", "redis_username", "redis_password", "replica"}
 
 

@@ -65,6 +65,9 @@ class KvStore(AdminOps, CompactOps):
         self.shards = ShardStore.from_config(cfg)
         self.durable = DurableStore(cfg.layout, self.shards, cfg.write_quorum)
         self.runs = RunReader(cfg.layout, self.shards, self.durable)
+        # S3 reads in flight (config.s3_reads_in_flight says why they are bounded); the
+        # late deadlines of a read start when it holds a permit, not while it waits.
+        self._s3_reads = asyncio.Semaphore(cfg.s3_reads_in_flight)
         self._readers: Counter[str] = Counter()
         self._run_readers: Counter[str] = Counter()  # a run being read is never reclaimed
         self.counters: Counter[str] = Counter()
@@ -269,8 +272,10 @@ class KvStore(AdminOps, CompactOps):
 
     async def _get_cold(self, key: str, rec: Record, found: dict[str, bytes | None]) -> None:
         gen = rec.generation
-        res = await self.durable.get(key, gen, still_current=lambda: self._is_current(key, gen),
-                                     expect=rec.digest)
+        async with self._s3_reads:
+            res = await self.durable.get(key, gen,
+                                         still_current=lambda: self._is_current(key, gen),
+                                         expect=rec.digest)
         self._count(res)
         found[key] = res.data
         if res.data is not None:
@@ -281,7 +286,8 @@ class KvStore(AdminOps, CompactOps):
         info = self.meta.runs.get(run)
         if info is None:  # cannot happen while its blocks are leased; a miss if it did
             return
-        got = await self.runs.read(run, info, group, lambda: run in self.meta.runs)
+        async with self._s3_reads:
+            got = await self.runs.read(run, info, group, lambda: run in self.meta.runs)
         self.counters["run_reads"] += 1
         self.counters["run_blocks_ranged"] += len(group) - got.fast_failed
         self.counters["run_ranged_late"] += got.late
