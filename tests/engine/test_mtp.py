@@ -1,0 +1,114 @@
+"""The MTP drafter (model/mtp.py, model/mtp_runner.py, core/mtp_draft.py) against the
+uncached reference: every proposal's draft logits, at every chained depth, equal those of
+the MTP block run over the whole sequence (trunk hidden states from reference.forward),
+and after every verify step (drafts rejected at each position in turn) the MTP ring rows
+of the kept window are byte-identical to the MXFP8 of the reference block's KV. float64."""
+
+import pytest
+import torch
+
+from kernels import mxfp8
+from services.engine.config import small_test_config
+from services.engine.core.sampling import SamplingParams
+from services.engine.model import mtp, ops, reference
+from services.engine.model import weights as weights_mod
+from tests.engine.helpers import make_engine, random_prompt, run_to_completion
+from tests.engine.spec_helpers import OracleDrafter
+
+CFG = small_test_config()          # W 16, block 16, B 6: the MTP ring has 22 rows
+EXACT = 1e-9
+W64 = weights_mod.init_weights(CFG, seed=5, dtype=torch.float64, mtp=True)
+
+
+def reference_chain(tokens: list[int], c: int, drafts: list[int]):
+    """Reference MTP logits of a proposal at c computed tokens: row c - 1 from the trunk,
+    then one chained row per draft but the last. Also the block inputs of rows 0..c-1."""
+    hid = reference.forward(W64, CFG, torch.tensor(tokens[:c])).hidden
+    x = mtp.project(W64, CFG, hid, torch.tensor(tokens[1 : c + 1]))
+    out = []
+    for d in [None] + drafts[:-1]:
+        if d is not None:
+            x = torch.cat([x, mtp.project(W64, CFG, y[-1:], torch.tensor([d]))])
+        y = mtp.reference_block(W64, CFG, x)
+        out.append(mtp.logits(W64, CFG, y[-1]))
+    return torch.stack(out), x
+
+
+def ring_reference_bytes(x, positions):
+    view, bcfg = mtp.block_view(W64), mtp.block_config(CFG)
+    h = ops.rms_norm(x, view["layers.0.attn_norm"], CFG.norm_eps)
+    _, kv = ops.query_and_kv(view, 0, h, torch.arange(len(x)), bcfg)
+    return mxfp8.quantize(kv[positions])
+
+
+@pytest.fixture(scope="module")
+def reference_run():
+    prompt = random_prompt(41, 9)
+    params = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
+    off = make_engine(CFG, weights=W64, num_slots=1)
+    seq = off.add_request(prompt, params)
+    run_to_completion(off)
+    return prompt, params, prompt + seq.output
+
+
+def test_draft_logits_and_ring_rows_equal_the_reference(reference_run):
+    prompt, params, ref_tokens = reference_run
+    engine = make_engine(CFG, weights=W64, num_slots=1, speculative="mtp:3")
+    drafter = engine.spec.mtp
+    oracle = OracleDrafter([ref_tokens])          # wrong on purpose at each position in turn
+    seen = []
+    propose = drafter.propose
+
+    def spy(wanted):
+        out = propose(wanted)
+        for seq, _ in wanted:
+            if seq.request_id in out:
+                c = seq.num_computed
+                seen.append((c, list(seq.tokens), out[seq.request_id],
+                             drafter.q[seq.request_id].clone(), drafter.rings[seq.request_id].lo,
+                             drafter.runner.ring[seq.slot].clone()))
+                # the MTP module ran (ring rows written, chain computed); the verify step
+                # judges oracle drafts instead, so every accepted length 0..k happens
+                out[seq.request_id] = oracle.propose(seq.tokens, len(out[seq.request_id]))
+        return out
+
+    drafter.propose = spy
+    seq = engine.add_request(prompt, params)
+    run_to_completion(engine)
+    assert seq.prompt + seq.output == ref_tokens
+    assert len(seen) >= 8
+    for c, tokens, drafts, q, lo, ring in seen:
+        want, x = reference_chain(tokens, c, drafts)
+        assert float((q - want).abs().max()) <= EXACT, c
+        assert drafts == want.argmax(-1).tolist()
+        # ring rows of the window the next draft reads, as the reference block's KV bytes
+        pos = torch.arange(max(lo, c - CFG.window), c)
+        got = ring[pos.remainder(ring.shape[0])]
+        assert torch.equal(got, ring_reference_bytes(x, pos)), c
+    s = engine.stats()
+    for j in range(1, 4):
+        assert 0 < s[f"spec_accepted_pos{j}"] < s[f"spec_drafted_pos{j}"], j
+
+
+def test_a_snapshot_hit_restarts_the_window_and_outputs_stay_exact(reference_run):
+    """With YOCO truncation (hidden states only from dec_lo) a second request extending the
+    first's prompt resumes from its snapshot: the MTP ring of its slot starts at the resume
+    point (it is never stored), drafts still run, and tokens and logits equal the same two
+    requests without speculation."""
+    prompt, params, ref_tokens = reference_run
+    runs = {}
+    for spec in ("off", "mtp:2"):
+        engine = make_engine(CFG, weights=W64, num_slots=2, speculative=spec,
+                             truncation="compact", keep_tokens=22)
+        first = engine.add_request(prompt, params)
+        run_to_completion(engine)
+        second = engine.add_request(ref_tokens[:60], params)
+        run_to_completion(engine)
+        assert engine.counters["snapshot_hits"] == 1
+        runs[spec] = (engine, [first, second])
+    (off, want), (spec, got) = runs["off"], runs["mtp:2"]
+    for a, b in zip(got, want, strict=True):
+        assert a.output == b.output
+        diff = torch.stack(spec.logits[a.request_id]) - torch.stack(off.logits[b.request_id])
+        assert float(diff.abs().max()) <= EXACT
+    assert spec.stats()["spec_drafted_tokens"] > 0
