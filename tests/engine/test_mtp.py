@@ -112,3 +112,30 @@ def test_a_snapshot_hit_restarts_the_window_and_outputs_stay_exact(reference_run
         diff = torch.stack(spec.logits[a.request_id]) - torch.stack(off.logits[b.request_id])
         assert float(diff.abs().max()) <= EXACT
     assert spec.stats()["spec_drafted_tokens"] > 0
+
+
+def test_an_mtp_engine_also_serves_ngram_requests_and_bounds_k():
+    from kvmesh.errors import InvalidArgument
+    from services.engine.core.speculative import SpecSetting, request_setting
+
+    engine = SpecSetting("mtp", 3)
+    assert request_setting(SamplingParams(speculative="ngram:3"), engine) == SpecSetting("ngram", 3)
+    assert request_setting(SamplingParams(speculative="mtp:1"), engine) == SpecSetting("mtp", 1)
+    assert request_setting(SamplingParams(), engine) == engine
+    for bad in ("ngram:4", "mtp:4"):
+        with pytest.raises(InvalidArgument, match="speculative: .*not allowed"):
+            request_setting(SamplingParams(speculative=bad), engine)
+    with pytest.raises(InvalidArgument, match="speculative: 'mtp:1' is not allowed"):
+        request_setting(SamplingParams(speculative="mtp:1"), SpecSetting("ngram", 4))
+
+
+def test_checkpoint_with_mtp_round_trips_and_a_partial_module_is_refused(tmp_path):
+    weights_mod.save(W64, CFG, tmp_path / "m.safetensors")
+    loaded = weights_mod.load(tmp_path / "m.safetensors", CFG)
+    assert set(loaded) == set(W64) and mtp.has_mtp(loaded)
+    trunk = weights_mod.init_weights(CFG, seed=5, dtype=torch.float64)
+    assert all(torch.equal(trunk[k], W64[k]) for k in trunk)      # MTP init leaves the trunk be
+    partial = {k: v for k, v in W64.items() if k != "mtp.eh_proj"}
+    weights_mod.save(partial, CFG, tmp_path / "p.safetensors")
+    with pytest.raises(ValueError, match="missing tensors.*mtp.eh_proj"):
+        weights_mod.load(tmp_path / "p.safetensors", CFG)

@@ -62,17 +62,19 @@ def engine_setting(text: str, backtrack: int, has_mtp: bool) -> SpecSetting:
 
 def request_setting(params: SamplingParams, engine: SpecSetting) -> SpecSetting:
     """A request's own setting, bounded by the engine's: off, or the engine's method with
-    K no larger than the engine's. Empty = the engine's setting."""
+    K no larger than the engine's; an mtp engine also serves ngram (it needs no state).
+    Empty = the engine's setting."""
     if not params.speculative:
         return engine
     s = parse(params.speculative)
     if not s.on:
         return s
-    if s.method != engine.method or s.k > engine.k:
+    methods = ("ngram", "mtp") if engine.method == "mtp" else (engine.method,)
+    if s.method not in methods or s.k > engine.k:
         have = f"{engine.method}:{engine.k}" if engine.on else "off"
         raise InvalidArgument(f"speculative: {params.speculative!r} is not allowed on this engine "
-                              f"(it runs {have}; a request may ask for off or the same method "
-                              f"with K up to {engine.k})")
+                              f"(it runs {have}; a request may ask for off or "
+                              f"{' or '.join(methods)} with K up to {engine.k})")
     return s
 
 
@@ -178,11 +180,9 @@ class Speculator:
                  mtp: MtpDrafter | None = None):
         self.setting = setting
         # tests may replace the drafter (any object with propose(tokens, k) -> drafts)
-        self.drafter = NgramDrafter(ngram_min, ngram_max) if setting.method == "ngram" else None
+        self.drafter = NgramDrafter(ngram_min, ngram_max) if setting.on else None
         # mtp:K: drafts from the MTP module, batched over the step's requests (core/mtp_draft.py)
         self.mtp = mtp if setting.method == "mtp" else None
-        if self.mtp is not None:
-            self.drafter = self.mtp
         self.requests: dict[str, SpecSetting] = {}
         self.usage: dict[str, list[int]] = {}          # request id -> [drafted, accepted]
         # request id -> (output length at which it drafts again, wholly rejected drafts in
@@ -202,7 +202,8 @@ class Speculator:
 
     def wants_hidden(self, request_id: str) -> bool:
         """Does this request's forward hand its hidden states to the MTP drafter?"""
-        return self.mtp is not None and request_id in self.requests
+        s = self.requests.get(request_id)
+        return s is not None and s.method == "mtp"
 
     def observe(self, seq, owner, hidden: tuple[int, torch.Tensor] | None, end: int) -> None:
         """After a forward: the hidden states of seq's positions committed up to `end`."""
@@ -225,7 +226,7 @@ class Speculator:
         out: dict[str, list[int]] = {}
         if not self.requests:            # nothing speculates: no walk over the running list
             return out
-        wanted = []
+        wanted, by_mtp = [], []
         for seq in running:
             s = self.requests.get(seq.request_id)
             if s is None or seq.prefilling or seq.slot is None:
@@ -234,9 +235,9 @@ class Speculator:
                 continue
             k = min(s.k, seq.params.max_tokens - len(seq.output) - 1)
             if k > 0:
-                wanted.append((seq, k))
-        if self.drafter is self.mtp and self.mtp is not None:
-            return self.mtp.propose(wanted)           # one batched call per draft depth
+                (by_mtp if s.method == "mtp" else wanted).append((seq, k))
+        if by_mtp:
+            out = self.mtp.propose(by_mtp)            # one batched call per draft depth
         for seq, k in wanted:
             drafts = self.drafter.propose(seq.tokens, k)[:k]
             if drafts:
@@ -245,7 +246,7 @@ class Speculator:
 
     def verify(self, seq, logits: torch.Tensor, drafts: list[int]) -> list[int]:
         q = None
-        if self.drafter is self.mtp and self.mtp is not None:
+        if self.wants_hidden(seq.request_id):
             q = self.mtp.q.pop(seq.request_id)[: len(drafts)]     # the drafter's distribution
         tokens = verify(logits, drafts, seq.params, len(seq.output), seq.seed, q)
         accepted = len(tokens) - 1
