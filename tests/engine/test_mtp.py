@@ -139,3 +139,44 @@ def test_checkpoint_with_mtp_round_trips_and_a_partial_module_is_refused(tmp_pat
     weights_mod.save(partial, CFG, tmp_path / "p.safetensors")
     with pytest.raises(ValueError, match="missing tensors.*mtp.eh_proj"):
         weights_mod.load(tmp_path / "p.safetensors", CFG)
+
+
+def test_handoff_to_an_mtp_decode_engine_equals_unified(reference_run):
+    """A prefill engine with an MTP ring (extra-state, 150-row SWA rings) hands off without
+    it (the handoff state is the same size as without MTP); the decode engine's MTP ring
+    starts at the handed-off position; tokens and logits equal a unified engine's."""
+    from services.engine.core.sequence import Finish
+
+    prompt, params, ref_tokens = reference_run
+    unified = make_engine(CFG, weights=W64, num_slots=1)
+    pe = make_engine(CFG, weights=W64, num_slots=1, extra_state=True, speculative="mtp:2")
+    ce = make_engine(CFG, weights=W64, num_slots=1, speculative="mtp:2")
+    assert pe.handoff_state_bytes == make_engine(CFG, weights=W64, num_slots=1).handoff_state_bytes
+    ref = unified.add_request(prompt, params, request_id="r")
+    run_to_completion(unified)
+    pe.add_request(prompt, params, request_id="r", handoff=True)
+    events = []
+    while pe.has_work:
+        events += pe.step()
+    (h,) = [e.handoff for e in events if e.finish is Finish.HANDOFF]
+    seq = ce.adopt(h)
+    run_to_completion(ce)
+    assert seq.output == ref.output
+    got = torch.stack(pe.logits["r"] + ce.logits["r"])
+    assert float((got - torch.stack(unified.logits["r"])).abs().max()) <= EXACT
+    assert ce.stats()["spec_drafted_tokens"] > 0
+
+
+def test_sampled_requests_draw_drafts_from_the_mtp_softmax_reproducibly():
+    """temperature > 0: drafts are drawn from q (seeded), verification gets q; the same seed
+    gives the same tokens, batched or alone."""
+    params = SamplingParams(temperature=0.8, top_k=40, seed=7, max_tokens=24, ignore_eos=True)
+    outs = []
+    for n in (1, 3):
+        engine = make_engine(CFG, weights=W64, num_slots=3, speculative="mtp:3")
+        seqs = [engine.add_request(random_prompt(20, 30 + i) if i else random_prompt(20, 30),
+                                   params) for i in range(n)]
+        run_to_completion(engine)
+        outs.append(seqs[0].output)
+        assert engine.stats()["spec_drafted_tokens"] > 0 and not engine.spec.mtp.q
+    assert outs[0] == outs[1] and len(outs[0]) == 24
