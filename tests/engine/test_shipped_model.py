@@ -58,3 +58,18 @@ def test_generate_local_default_model_writes_text():
     print(repr(text))
     assert text.isascii() and text.replace("\n", "").isprintable()
     assert sum(c.isalpha() for c in text) >= 8, text
+
+
+def test_shipped_mtp_module_reaches_its_recorded_held_out_accuracy():
+    """The checkpoint's MTP module (speculative drafts): trained, and as good as recorded on
+    a small held-out slice (loss within 2 %, draft agreement with the trunk within 0.02)."""
+    from services.engine.model import mtp
+    from services.engine.train.mtp import slice_metrics
+
+    w = weights_mod.load(MODEL / "model.safetensors", TINY)
+    assert mtp.has_mtp(w) and set(mtp.shapes(TINY)) <= set(w)
+    got, want = slice_metrics(w, TINY, evaluate.held_out_stream()), METRICS["mtp"]["slice"]
+    print(f"MTP slice: {got}")
+    assert abs(got["mtp_loss"] - want["mtp_loss_nats"]) <= 0.02 * want["mtp_loss_nats"]
+    assert abs(got["draft_agreement"] - want["draft_agreement"]) <= 0.02
+    assert want["draft_agreement"] > 0.5 and METRICS["mtp"]["held_out"]["draft_agreement"] > 0.7

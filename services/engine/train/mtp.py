@@ -199,3 +199,12 @@ def train_mtp(a: MtpArgs) -> dict:
             log(f"time budget of {a.minutes} min reached at step {step}: stopping")
             break
     return {"step": step, "tokens": step * tokens_per_step, "minutes": elapsed / 60}
+
+
+SLICE = (2, 512)      # (windows, MTP positions) of the shipped checkpoint's quick check
+
+
+def slice_metrics(w, cfg, val_stream) -> dict:
+    """`evaluate` on the fixed small held-out slice the shipped-checkpoint test re-measures."""
+    n, s = SLICE
+    return evaluate(w, cfg, data.eval_windows(val_stream, n, s + 1), chunk=64)
