@@ -39,6 +39,7 @@ MTP_HELP = {
     "out": "run directory: state.pt, model.safetensors (trunk + mtp.*), train.log",
     "minutes": "stop and save after this many minutes (the cosine follows it); 0 = no limit",
     "eval_windows": "held-out windows per evaluation (MTP loss, top-1, draft agreement)",
+    "depth": "1: the first draft's row; 2: also the chained row of the second draft",
 }
 
 

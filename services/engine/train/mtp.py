@@ -24,13 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.config import preset
-from services.engine.model import mtp
+from services.engine.model import mtp, ops
 from services.engine.model import weights as weights_mod
 from services.engine.train import data
 from services.engine.train.loop import TrainArgs, _Log, lr_at
-from services.engine.train.model import hidden_states, layer_forward
+from services.engine.train.model import hidden_states
+from services.engine.train.mtp_chain import chained, depth1
 
-RESUME_KEYS = ("base", "preset", "seed", "batch", "seq_len", "steps", "lr", "warmup", "chunk")
+RESUME_KEYS = ("base", "preset", "seed", "batch", "seq_len", "steps", "lr", "warmup", "chunk", "depth")
 
 
 @dataclass
@@ -55,6 +56,7 @@ class MtpArgs:
     eval_windows: int = 4
     ckpt_minutes: float = 5.0
     minutes: float = 0.0              # time budget; 0 = none. The cosine follows it too
+    depth: int = 1                    # 2: also train the chained row (the second draft)
     resume: bool = False
 
 
@@ -69,42 +71,47 @@ def mtp_logits(w, cfg, h, next_tokens, chunk: int, bf16: bool = False):
     """h [N, T, hidden] at positions 0..T-1, next_tokens [N, T] (t_{i+1}) -> [N, T, V] logits
     of t_{i+2}. T must be a multiple of `chunk` (the training layer's window tiling)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        x = mtp.project(w, cfg, h, next_tokens)
-        y, _ = layer_forward(mtp.block_view(w), mtp.block_config(cfg), 0, x, None, chunk, False)
+        y, _ = depth1(w, cfg, h, next_tokens, chunk)
         return mtp.logits(w, cfg, y).float()
 
 
-def mtp_loss(w, cfg, batch, chunk: int, bf16: bool):
-    """batch [N, S + 2] -> CE (nats/token) of batch[:, 2:] over S MTP positions."""
-    s = batch.shape[1] - 2
+def mtp_loss(w, cfg, batch, chunk: int, bf16: bool, depth: int = 1):
+    """batch [N, S + 1 + depth] -> mean over depths of the CE (nats/token) of token i+1+d at
+    depth d, over S MTP positions (depth 2: the chained row, train/mtp_chain.py)."""
+    s = batch.shape[1] - 1 - depth
     h = trunk_states(w, cfg, batch[:, : s + 1], chunk, bf16)
-    logits = mtp_logits(w, cfg, h[:, :s], batch[:, 1 : s + 1], chunk, bf16)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 2:].reshape(-1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        y1, kv1 = depth1(w, cfg, h[:, :s], batch[:, 1 : s + 1], chunk)
+        logits = [mtp.logits(w, cfg, y1).float()]
+        if depth == 2:
+            logits.append(chained(w, cfg, y1, kv1, batch[:, 2 : s + 2], chunk).float())
+    losses = [F.cross_entropy(lg.reshape(-1, lg.shape[-1]), batch[:, 2 + d : s + 2 + d].reshape(-1))
+              for d, lg in enumerate(logits)]
+    return sum(losses) / len(losses)
 
 
 @torch.no_grad()
 def evaluate(w, cfg, windows, chunk: int) -> dict:
-    """Held-out windows [n, S + 2], fp32: MTP loss, top-1 accuracy against the true token
-    i+2, and agreement of its argmax with the trunk's greedy token at i+1 given the true
-    prefix (a teacher-forced proxy of greedy draft acceptance at position 1)."""
+    """Held-out windows [n, S + 2], fp32, teacher forced: MTP loss, top-1 accuracy against the
+    true token i+2, and agreement of its argmax with the trunk's greedy token at i+1 given the
+    true prefix (a proxy of greedy acceptance at draft position 1); `chain_agreement`: the
+    same for the chained row (position 2) fed the true token i+2."""
     s = windows.shape[1] - 2
-    loss = correct = agree = 0.0
+    loss = correct = agree = chain = 0.0
     for row in windows:
         h = trunk_states(w, cfg, row[None, : s + 2], chunk, False)
-        trunk_next = weights_logits_argmax(w, cfg, h[:, 1 : s + 1])
-        lg = mtp_logits(w, cfg, h[:, :s], row[None, 1 : s + 1], chunk)[0]
+        greedy = ops.logits(w, h[0], cfg).argmax(-1)                   # trunk's pick after i
+        y1, kv1 = depth1(w, cfg, h[:, :s], row[None, 1 : s + 1], chunk)
+        lg = mtp.logits(w, cfg, y1)[0]
         loss += float(F.cross_entropy(lg, row[2:], reduction="sum"))
         pick = lg.argmax(-1)
         correct += float((pick == row[2:]).sum())
-        agree += float((pick == trunk_next[0]).sum())
+        agree += float((pick == greedy[1 : s + 1]).sum())
+        pick2 = chained(w, cfg, y1, kv1, row[None, 2 : s + 2], chunk)[0].argmax(-1)
+        chain += float((pick2[: s - 1] == greedy[2 : s + 1]).sum())
     n = s * len(windows)
-    return {"mtp_loss": loss / n, "mtp_top1": correct / n, "draft_agreement": agree / n}
-
-
-def weights_logits_argmax(w, cfg, h):
-    from services.engine.model import ops
-
-    return ops.logits(w, h, cfg).argmax(-1)
+    return {"mtp_loss": loss / n, "mtp_top1": correct / n, "draft_agreement": agree / n,
+            "chain_agreement": chain / (n - len(windows))}
 
 
 def _save(run: Path, w, trunk_names, opt, step, gen, elapsed, a: MtpArgs, cfg, history):
@@ -131,7 +138,10 @@ def train_mtp(a: MtpArgs) -> dict:
     base_path = Path(a.base) / "model.safetensors" if Path(a.base).is_dir() else Path(a.base)
     base = weights_mod.load(base_path, cfg)
     trunk = {k: t for k, t in base.items() if not k.startswith(mtp.PREFIX)}
-    fresh = weights_mod.init_weights(cfg, a.seed, mtp=True)
+    # a base that has an MTP module already is trained further from it (e.g. --depth 2)
+    fresh = base if mtp.has_mtp(base) else weights_mod.init_weights(cfg, a.seed, mtp=True)
+    if a.depth not in (1, 2):
+        raise ValueError(f"depth must be 1 or 2, got {a.depth}")
     w = dict(trunk)
     for k in mtp.shapes(cfg):
         w[k] = fresh[k].clone().requires_grad_(True)
@@ -168,8 +178,8 @@ def train_mtp(a: MtpArgs) -> dict:
     while step < a.steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, sched, elapsed)
-        loss = mtp_loss(w, cfg, data.sample_batch(corpus.train, a.batch, a.seq_len + 1, gen),
-                        a.chunk, a.bf16)
+        loss = mtp_loss(w, cfg, data.sample_batch(corpus.train, a.batch, a.seq_len + a.depth, gen),
+                        a.chunk, a.bf16, a.depth)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, a.clip)
