@@ -25,10 +25,10 @@ def reference_chain(tokens: list[int], c: int, drafts: list[int]):
     then one chained row per draft but the last. Also the block inputs of rows 0..c-1."""
     hid = reference.forward(W64, CFG, torch.tensor(tokens[:c])).hidden
     x = mtp.project(W64, CFG, hid, torch.tensor(tokens[1 : c + 1]))
-    out = []
-    for d in [None] + drafts[:-1]:
-        if d is not None:
-            x = torch.cat([x, mtp.project(W64, CFG, y[-1:], torch.tensor([d]))])
+    y = mtp.reference_block(W64, CFG, x)
+    out = [mtp.logits(W64, CFG, y[-1])]
+    for d in drafts[:-1]:
+        x = torch.cat([x, mtp.project(W64, CFG, y[-1:], torch.tensor([d]))])
         y = mtp.reference_block(W64, CFG, x)
         out.append(mtp.logits(W64, CFG, y[-1]))
     return torch.stack(out), x

@@ -33,12 +33,12 @@ from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.cache.prefix import Prefetched, PrefixReuse
 from services.engine.config import EngineConfig, ModelConfig
 from services.engine.core.handoff import Handoff, HandoffStore, export_handoff, handoff_problem
+from services.engine.core.mtp_draft import MtpDrafter
 from services.engine.core.output import OutputState
 from services.engine.core.sampling import SamplingParams, sample
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Finish, Sequence
 from services.engine.core.speculative import Speculator, engine_setting
-from services.engine.core.mtp_draft import MtpDrafter
 from services.engine.model import mtp
 from services.engine.model.mtp_runner import MtpRunner
 from services.engine.model.runner import ForwardResult, ModelRunner, Work

@@ -14,7 +14,6 @@ MTP init comes from `init_weights(..., mtp=True)` and the batches from a generat
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
