@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ragged import dequantize_rows, ragged_union_attention, ring_put
+from kernels.ragged import ragged_union_attention, ring_put
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
 from services.engine.model import mtp, ops
@@ -49,6 +49,10 @@ class MtpRunner:
         self.block_cfg = mtp.block_config(cfg)
         self.view = mtp.block_view(weights)
         self.ring = states.mtp[0]                      # [S, W + B, 528] uint8
+        # the ring's rows dequantized (the same numbers as dequantizing its bytes): this class
+        # is the ring's only writer, so the copy never goes stale and reads skip the E4M3 decode
+        self.values = torch.zeros(*self.ring.shape[:2], cfg.head_dim, dtype=weights["embed"].dtype,
+                                  device=self.ring.device)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.device = weights["embed"].device
 
@@ -73,7 +77,7 @@ class MtpRunner:
         old_wid = torch.tensor([i for i, _, a, b in olds for _ in range(a, b)], dtype=torch.long, device=dev)
         old_pos = torch.tensor([p for _, _, a, b in olds for p in range(a, b)], dtype=torch.long, device=dev)
         old_slot = torch.tensor([s for _, s, a, b in olds for _ in range(a, b)], dtype=torch.long, device=dev)
-        old = dequantize_rows(self.ring[old_slot, old_pos.remainder(self.ring.shape[1])], dtype)
+        old = self.values[old_slot, old_pos.remainder(self.ring.shape[1])]
         keys = torch.cat([old, kv])                                          # [Lo + T, D]
         kwid, kpos = torch.cat([old_wid, seg.wid]), torch.cat([old_pos, seg.pos])
         qpos = seg.pos.unsqueeze(1)
@@ -85,4 +89,5 @@ class MtpRunner:
 
         slots = torch.tensor([it.slot for it in items], dtype=torch.long, device=dev)[seg.wid]
         ring_put(self.ring, slots, seg.pos, kv_bytes)
+        ring_put(self.values, slots, seg.pos, kv)
         return y, mtp.logits(w, cfg, y[seg.cu[1:] - 1])
