@@ -36,13 +36,12 @@ class ForcingEngine(EngineCore):
         self.logits: dict[str, list[torch.Tensor]] = {}
         self.forced: dict[str, list[int]] = {}
 
-    def _emit(self, seq, logits):
+    def _emit(self, seq, logits, token=None):
         self.logits.setdefault(seq.request_id, []).append(logits.float().clone())
         want = self.forced.get(seq.request_id)
-        if want is not None:          # a one-hot under greedy sampling picks the true token
-            logits = torch.full_like(logits, -1e4)
-            logits[want[len(seq.output)]] = 0.0
-        return super()._emit(seq, logits)
+        if want is not None:          # the forced token instead of the one the step sampled
+            token = want[len(seq.output)]
+        return super()._emit(seq, logits, token=token)
 
 
 def make_engine(cfg: ModelConfig, weights, n_pairs: int, max_len: int, **ecfg) -> ForcingEngine:

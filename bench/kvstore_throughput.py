@@ -191,8 +191,9 @@ def raw_bench(cluster, payloads: list[bytes], conc: int, meter: CpuMeter):
     return t_put, t_get, cpu
 
 
-def start_kvstore(cluster, tmp: Path, name: str, tiers: bool,
-                  run_blocks: int = 16) -> tuple[ManagedProcess, str]:
+def start_kvstore(cluster, tmp: Path, name: str, tiers: bool, run_blocks: int = 16,
+                  index: str = "sqlite", index_prefix: str = "kvmesh:kv"
+                  ) -> tuple[ManagedProcess, str]:
     port = free_port()
     mem = str(2 << 30) if tiers else "0"
     env = {"KVMESH_KVSTORE_LOCATIONS": ",".join(cluster.locations),
@@ -200,7 +201,8 @@ def start_kvstore(cluster, tmp: Path, name: str, tiers: bool,
     proc = ManagedProcess(name, [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING",
                                  "kvstore", "serve", "--port", str(port),
                                  "--data-dir", str(tmp / name), "--mem-bytes", mem,
-                                 "--disk-bytes", "0", "--capacity-bytes", str(1 << 40)],
+                                 "--disk-bytes", "0", "--capacity-bytes", str(1 << 40),
+                                 "--index", index, "--index-prefix", index_prefix],
                           tmp, env=env).start()
     wait_port("127.0.0.1", port, timeout=60, proc=proc.proc)
     return proc, f"127.0.0.1:{port}"

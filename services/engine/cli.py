@@ -26,7 +26,9 @@ def register(sub) -> None:
     serve.add_argument("--directory", default="", help="directory address: publish snapshots, "
                                                        "heartbeat, fetch peers' snapshots")
     serve.add_argument("--kvstore", default="", help="kvstore address: write blocks through, "
-                                                     "fetch missing prefix blocks")
+                                                     "fetch missing prefix blocks; a,b,...: "
+                                                     "replicas sharing one index, spread by "
+                                                     "key hash with fall-over")
     serve.add_argument("--swa-fetch", default="auto", choices=["auto", "always", "never"],
                        help="peer snapshot fetch vs bounded replay (auto: cost model)")
     serve.add_argument("--fetch-deadline-ms", type=int, default=1000,

@@ -66,48 +66,66 @@ class AdminOps:
         if limit <= 0 or limit > 10_000:
             raise InvalidArgument(f"limit {limit} outside 1..10000")
         await self.require_durable()
-        page = sorted(k for k, _ in self.meta.items() if k > start_after)[: limit + 1]
-        out = [ListEntry.of(k, self.meta.get(k)) for k in page[:limit]]
+        recs = dict(self.meta.items())  # one read of the index (shared: one round trip)
+        page = sorted(k for k in recs if k > start_after)[: limit + 1]
+        out = [ListEntry.of(k, recs[k]) for k in page[:limit]]
         return out, (page[limit - 1] if len(page) > limit else "")
 
     async def run_gc(self: KvStore, dry_run: bool = False, progress: Progress = _no_progress) -> GcReport:
+        """One GC pass (gc.py rules). With a shared index, under the maintenance lease
+        (lease.py): a pass while another replica holds it is UNAVAILABLE, naming it."""
         async with self._gc_lock:
             await self.require_durable()
-            now = self.clock()
-            the_plan = gc.plan(self.meta.items(), now, self.cfg, self.busy())
-            # Generations as planned: a key re-put while we list must not be hit.
-            gens = {k: self.meta.get(k).generation for k in the_plan.victims}
-            orphans = await self._orphans(now)
-            report = GcReport.of(the_plan, orphans, dry_run)
             if dry_run:
-                return report
-            victims = the_plan.victims
-            total = len(victims) + len(orphans)
-            kept: set[str] = set()
-            for done, key in enumerate(victims, 1):
-                # Recheck at the moment of removal: a reader may have arrived.
-                rec = None if key in self._readers else self._forget(key, gens[key])
-                if rec is None:
-                    kept.add(key)
-                elif not rec.run:  # a run's shards go when its last block has gone
-                    await self.durable.delete(key)
-                progress("delete", done, total)
-            report.drop_kept(kept, {k: r.size for k, r in self.meta.items() if k in kept})
-            await self._reclaim_runs()
-            for done, name in enumerate(orphans, len(victims) + 1):
-                if name.startswith(RUN_PREFIX):
-                    if name[len(RUN_PREFIX):] not in self.meta.runs:
-                        await self.durable.delete(name[len(RUN_PREFIX):], prefix=RUN_PREFIX)
-                elif self.meta.get(name) is None:
-                    await self.durable.delete(name)
-                progress("orphans", done, total)
-            self.counters["gc_runs"] += 1
-            self.counters["gc_deleted"] += len(victims) - len(kept)
-            self.counters["gc_expired"] += len(report.expired)
-            self.counters["gc_evicted"] += len(report.evicted)
-            self.counters["gc_orphans_removed"] += len(orphans)
-            self.counters["gc_bytes_freed"] += report.bytes_freed
+                return await self._gc_pass(True, progress, None)
+            async with self.lease.hold("gc") as held:
+                return await self._gc_pass(False, progress, held)
+
+    async def _gc_pass(self: KvStore, dry_run: bool, progress: Progress, held) -> GcReport:
+        now = self.clock()
+        snapshot = dict(self.meta.items())
+        the_plan = gc.plan(list(snapshot.items()), now, self.cfg, self.busy())
+        # Generations as planned: a key re-put while we list (here or by another replica
+        # sharing the index) must not be hit.
+        gens = {k: snapshot[k].generation for k in the_plan.victims}
+        orphans = await self._orphans(now)
+        report = GcReport.of(the_plan, orphans, dry_run)
+        if dry_run:
             return report
+        held.check()  # listing the locations can take seconds under load
+        victims = the_plan.victims
+        total = len(victims) + len(orphans)
+        kept: set[str] = set()
+        # overwrites pending since a putter died (shared index): their runs go dead
+        self.meta.sweep_pending(now - self.cfg.orphan_grace_s)
+        for done, key in enumerate(victims, 1):
+            held.check()
+            # Recheck at the moment of removal: a reader may have arrived.
+            rec = None if key in self._readers else self._forget(key, gens[key])
+            if rec is None:
+                kept.add(key)
+            elif not rec.run:  # a run's shards go when its last block has gone
+                await self.durable.delete(key)
+            progress("delete", done, total)
+        report.drop_kept(kept, {k: snapshot[k].size for k in kept})
+        await self._reclaim_runs()
+        for done, name in enumerate(orphans, len(victims) + 1):
+            held.check()
+            if name.startswith(RUN_PREFIX):
+                if name[len(RUN_PREFIX):] not in self.meta.runs:
+                    await self.durable.delete(name[len(RUN_PREFIX):], prefix=RUN_PREFIX)
+            elif self.meta.get(name) is None:
+                await self.durable.delete(name)
+            progress("orphans", done, total)
+        if self.cfg.compact_live_fraction > 0:  # mostly-dead runs (compaction.py)
+            await self.compact_runs(now, held)
+        self.counters["gc_runs"] += 1
+        self.counters["gc_deleted"] += len(victims) - len(kept)
+        self.counters["gc_expired"] += len(report.expired)
+        self.counters["gc_evicted"] += len(report.evicted)
+        self.counters["gc_orphans_removed"] += len(orphans)
+        self.counters["gc_bytes_freed"] += report.bytes_freed
+        return report
 
     async def _orphans(self: KvStore, now: float) -> list[str]:
         """Single objects by key, runs as `run/<id>`: shards with no index entry."""
@@ -152,12 +170,20 @@ class AdminOps:
             done += 1
             progress("scrub", done, len(todo))
 
-        await asyncio.gather(*(one(k, g, d) for k, g, d in todo))
+        if repair:  # rewrites shards: one runner at a time across replicas
+            async with self.lease.hold("scrub --repair"):
+                await asyncio.gather(*(one(k, g, d) for k, g, d in todo))
+        else:
+            await asyncio.gather(*(one(k, g, d) for k, g, d in todo))
         return report
 
     async def reindex(self: KvStore, progress: Progress = _no_progress) -> ReindexReport:
         """Add what the locations' manifests hold and the index lacks (reindex.py)."""
         await self.require_durable()
+        async with self.lease.hold("reindex"):
+            return await self._reindex(progress)
+
+    async def _reindex(self: KvStore, progress: Progress) -> ReindexReport:
         found, bad = await reindex.scan(self.shards, self.cfg.layout, progress)
         restored = reindex.plan(found)
         for run, info in restored.runs.items():

@@ -47,6 +47,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help=f"durable bytes GC keeps under ({d('capacity_bytes')})")
     serve.add_argument("--gc-interval-s", type=float, default=None,
                        help=f"seconds between GC runs ({d('gc_interval_s')})")
+    serve.add_argument("--index", default=None,
+                       help="live index: sqlite (a file in --data-dir, one kvstore process) or "
+                       "redis://host:port/db shared by several kvstore replicas over the same "
+                       "locations; credentials from $KVMESH_KVSTORE_REDIS_USERNAME/_PASSWORD "
+                       f"({d('index')})")
+    serve.add_argument("--index-prefix", default=None,
+                       help=f"key prefix of the shared index ({d('index_prefix')})")
+    serve.add_argument("--replica", default=None,
+                       help="this replica's name in the maintenance lease log (default host:pid)")
+    serve.add_argument("--lease-ttl-s", type=float, default=None,
+                       help=f"GC/scrub lease of a dead replica frees after ({d('lease_ttl_s')})")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus /metrics on this port (bytes per tier, GC "
                        "activity; default: off)")
@@ -86,6 +97,8 @@ def _serve(args) -> int:
         host=args.host, port=args.port, locations=args.locations, data_dir=args.data_dir,
         mem_bytes=args.mem_bytes, disk_bytes=args.disk_bytes,
         capacity_bytes=args.capacity_bytes, gc_interval_s=args.gc_interval_s,
+        index=args.index, index_prefix=args.index_prefix, replica=args.replica,
+        lease_ttl_s=args.lease_ttl_s,
     )
     if args.create_buckets:
         _create_buckets(cfg)

@@ -6,12 +6,17 @@
     await client.put([(h, blob)], traffic_class="agent")
 
 Errors arrive as grpc.aio.AioRpcError (INVALID_ARGUMENT, UNAVAILABLE, ...).
+Several replicas (`--kvstore a,b`): `connect("a,b")` gives a `KvstorePool`, same calls.
 A missing object is never an error: `get` returns None in its place.
 """
 
 from __future__ import annotations
 
+import time
+import zlib
 from collections.abc import AsyncIterator
+
+import grpc
 
 from kvmesh.generation import traffic_class_to_proto
 from kvmesh.proto import kvstore_pb2 as pb
@@ -116,3 +121,81 @@ class KvstoreClient(RpcClient):
             if msg.WhichOneof("part") == "report":
                 return msg.report
         raise RuntimeError("Reindex stream ended without a report")
+
+
+def connect(addresses: str, timeout: float | None = None) -> KvstoreClient | KvstorePool:
+    """`host:port` -> a client; `a,b,...` (kvstore replicas sharing one index) -> a pool."""
+    parts = [a.strip() for a in addresses.split(",") if a.strip()]
+    if not parts:
+        raise ValueError("no kvstore address")
+    return KvstoreClient(parts[0], timeout) if len(parts) == 1 else KvstorePool(parts, timeout)
+
+
+class KvstorePool:
+    """Kvstore replicas over the same shard locations and shared index, spread client-side.
+
+    A data call goes to the replica its first key hashes to (crc32), so an engine's
+    lookup and the get of the same prefix meet the same replica's hot tiers. A replica
+    answering UNAVAILABLE (down, restarting, its index unreachable) is passed over for
+    the next one, and put last for `cooldown_s`. Any other error is the answer: a put is
+    not retried after a deadline, when it may have landed (it would land again: harmless,
+    but it doubles load on a struggling store). Admin calls go to the first replica that
+    answers; the lease makes any replica's GC a mesh-wide one."""
+
+    def __init__(self, addresses: list[str], timeout: float | None = None,
+                 cooldown_s: float = 2.0):
+        self.addresses = list(addresses)
+        self.clients = [KvstoreClient(a, timeout) for a in self.addresses]
+        self.cooldown_s = cooldown_s
+        self._down_until = [0.0] * len(self.clients)
+        self.calls = [0] * len(self.clients)  # answered calls per replica (tests, bench)
+
+    def _order(self, key: str) -> list[int]:
+        n = len(self.clients)
+        start = zlib.crc32(key.encode()) % n
+        ring = [(start + i) % n for i in range(n)]
+        now = time.monotonic()
+        return sorted(ring, key=lambda i: self._down_until[i] > now)  # stable: up first
+
+    async def _call(self, key: str, fn):
+        last: grpc.aio.AioRpcError | None = None
+        for i in self._order(key):
+            try:
+                out = await fn(self.clients[i])
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self._down_until[i] = time.monotonic() + self.cooldown_s
+                last = exc
+                continue
+            self.calls[i] += 1
+            return out
+        assert last is not None
+        raise last
+
+    async def put(self, items: list[tuple[str, bytes]], traffic_class: str | int = "chatbot",
+                  timeout: float | None = None) -> int:
+        return await self._call(items[0][0] if items else "",
+                                lambda c: c.put(items, traffic_class, timeout))
+
+    async def get(self, keys: list[str], timeout: float | None = None) -> list[bytes | None]:
+        return await self._call(keys[0] if keys else "", lambda c: c.get(keys, timeout))
+
+    async def lookup(self, keys: list[str], timeout: float | None = None) -> int:
+        return await self._call(keys[0] if keys else "", lambda c: c.lookup(keys, timeout))
+
+    async def delete(self, keys: list[str], timeout: float | None = None) -> int:
+        return await self._call(keys[0] if keys else "", lambda c: c.delete(keys, timeout))
+
+    async def stats(self, timeout: float | None = None) -> pb.StatsResponse:
+        return await self._call("", lambda c: c.stats(timeout))
+
+    async def close(self) -> None:
+        for c in self.clients:
+            await c.close()
+
+    async def __aenter__(self) -> KvstorePool:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -72,10 +72,29 @@ class KvstoreConfig:
     health_min_errors: int = 3
     health_error_rate: float = 0.6
     threads_per_location: int = 4
+    # Object/run reads from S3 in flight at once in this process, over all Gets. One Get
+    # of many blocks (a prefetch of a long prefix) would otherwise start every run read
+    # at once; their shard GETs queue behind threads_per_location, the queued ones pass
+    # the late deadline and each turns into a hedged full decode (twice the requests).
+    s3_reads_in_flight: int = 16
     # A put of several blocks is stored as runs of up to run_blocks blocks and
     # run_max_bytes payload each (runs.py); 1 = every block an object of its own.
     run_blocks: int = 16
     run_max_bytes: int = 64 * MiB
+    # Compaction (compaction.py, end of each GC pass): a run older than compact_min_age_s
+    # whose live blocks hold less than compact_live_fraction of its bytes is rewritten.
+    compact_live_fraction: float = 0.25
+    compact_min_age_s: float = 3600.0
+    # The live index (--index, KVMESH_KVSTORE_INDEX): "sqlite" (a file in data_dir, one
+    # process) or redis://host:port/db, shared by every kvstore replica over the same
+    # locations (meta_redis.py). Redis credentials come from the environment only:
+    # KVMESH_KVSTORE_REDIS_USERNAME and KVMESH_KVSTORE_REDIS_PASSWORD, never a flag.
+    index: str = "sqlite"
+    index_prefix: str = "kvmesh:kv"  # every index key starts with it (the mesh ACL: kvmesh:*)
+    redis_username: str = field(default="", repr=False)
+    redis_password: str = field(default="", repr=False)
+    replica: str = ""  # this replica's name in lease logs ("" = host:pid)
+    lease_ttl_s: float = 10.0  # a dead lease holder's GC/scrub lease frees after this
     layout: Layout = field(default_factory=Layout)
 
     def __post_init__(self) -> None:
@@ -92,7 +111,7 @@ class KvstoreConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         for name in ("capacity_bytes", "max_object_bytes", "threads_per_location", "run_blocks",
-                     "run_max_bytes"):
+                     "run_max_bytes", "s3_reads_in_flight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("ttl_agent_s", "ttl_chatbot_s", "gc_interval_s", "access_flush_s",
@@ -104,6 +123,17 @@ class KvstoreConfig:
             raise ValueError("orphan_grace_s and location_retry_s must be >= 0")
         if not (0 < self.health_error_rate <= 1.0):
             raise ValueError(f"health_error_rate {self.health_error_rate} outside (0, 1]")
+        if self.index != "sqlite" and not self.index.startswith(("redis://", "rediss://",
+                                                                  "unix://")):
+            raise ValueError(f"index must be sqlite or redis://host:port/db, got {self.index!r}")
+        if not self.index_prefix.startswith("kvmesh:") or any(c.isspace()
+                                                              for c in self.index_prefix):
+            raise ValueError(f"index_prefix must start with kvmesh: (no spaces), got "
+                             f"{self.index_prefix!r}")
+        if not 0 <= self.compact_live_fraction < 1 or self.compact_min_age_s < 0:
+            raise ValueError("need 0 <= compact_live_fraction < 1 and compact_min_age_s >= 0")
+        if not self.lease_ttl_s >= 0.5:
+            raise ValueError(f"lease_ttl_s must be >= 0.5, got {self.lease_ttl_s}")
         if not (0 <= self.port < 65536):
             raise ValueError(f"port {self.port} out of range")
 
@@ -155,8 +185,8 @@ class KvstoreConfig:
 
 _INTS = {"port", "mem_bytes", "disk_bytes", "capacity_bytes", "max_object_bytes",
          "write_quorum", "threads_per_location", "health_min_errors", "run_blocks",
-         "run_max_bytes"}
-_STRS = {"host"}
+         "run_max_bytes", "s3_reads_in_flight"}
+_STRS = {"host", "index", "index_prefix", "redis_username", "redis_password", "replica"}
 
 
 def _convert(name: str, raw: str):

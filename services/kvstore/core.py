@@ -37,9 +37,11 @@ from pathlib import Path
 from kvmesh.errors import Unavailable
 from services.kvstore import ec, keys, runs
 from services.kvstore.admin import AdminOps
+from services.kvstore.compaction import CompactOps
 from services.kvstore.config import KvstoreConfig
 from services.kvstore.durable import DurableStore, ReadResult
-from services.kvstore.meta import MetaStore, Record, RunRecord
+from services.kvstore.index import open_index
+from services.kvstore.meta import Record, RunRecord
 from services.kvstore.runstore import RunReader
 from services.kvstore.shards import RUN_PREFIX, ShardStore
 from services.kvstore.tiers import DiskTier, MemoryTier
@@ -52,17 +54,20 @@ READ_COUNTERS = ("shards_repaired", "shard_reads_hedged", "shard_reads_timed_out
                  "digest_mismatches_recovered", "shards_forged", "digest_mismatches_unrecovered")
 
 log = logging.getLogger("kvmesh.kvstore")
-class KvStore(AdminOps):
+class KvStore(AdminOps, CompactOps):
     def __init__(self, cfg: KvstoreConfig, clock: Callable[[], float] = time.time):
         self.cfg = cfg
         self.clock = clock
         data = Path(cfg.data_dir)
-        self.meta = MetaStore(data / "meta.sqlite", now=clock())
+        self.meta, self.lease = open_index(cfg, clock())  # index.py: sqlite or shared
         self.mem = MemoryTier(cfg.mem_bytes)
         self.disk = DiskTier(data / "blocks", cfg.disk_bytes)
         self.shards = ShardStore.from_config(cfg)
         self.durable = DurableStore(cfg.layout, self.shards, cfg.write_quorum)
         self.runs = RunReader(cfg.layout, self.shards, self.durable)
+        # S3 reads in flight (config.s3_reads_in_flight says why they are bounded); the
+        # late deadlines of a read start when it holds a permit, not while it waits.
+        self._s3_reads = asyncio.Semaphore(cfg.s3_reads_in_flight)
         self._readers: Counter[str] = Counter()
         self._run_readers: Counter[str] = Counter()  # a run being read is never reclaimed
         self.counters: Counter[str] = Counter()
@@ -207,9 +212,9 @@ class KvStore(AdminOps):
 
     async def _reclaim_runs(self) -> int:
         """Delete the shards of runs whose last block is gone (not while one is read)."""
-        dead = [r for r in self.meta.dead_runs if r not in self._run_readers]
-        for run in dead:
-            self.meta.drop_run(run)
+        # drop_run is True for exactly one caller (replicas sharing the index race here)
+        dead = [r for r in list(self.meta.dead_runs)
+                if r not in self._run_readers and self.meta.drop_run(r)]
         await asyncio.gather(*(self.durable.delete(r, prefix=RUN_PREFIX) for r in dead))
         self.counters["runs_reclaimed"] += len(dead)
         return len(dead)
@@ -217,7 +222,7 @@ class KvStore(AdminOps):
     async def get(self, key_list: list[str]) -> list[bytes | None]:
         """Hot tiers first; the rest from S3, blocks of one run in one run read."""
         keys.check_keys(key_list)
-        recs = {k: r for k in dict.fromkeys(key_list) if (r := self.meta.current(k)) is not None}
+        recs = self.meta.current_many(list(dict.fromkeys(key_list)))
         found: dict[str, bytes | None] = {}
         with contextlib.ExitStack() as leases:
             for k, r in recs.items():  # no await since meta.current: GC cannot have struck
@@ -251,15 +256,26 @@ class KvStore(AdminOps):
         return data
 
     async def _fill(self, key: str, gen: int, data: bytes) -> None:
-        self.counters["hits_s3"] += 1
-        if self._is_current(key, gen):
-            self.mem.put(key, gen, data)
-            await self.disk.put(key, gen, data)
+        await self._fill_many([(key, gen, data)])
+
+    async def _fill_many(self, got: list[tuple[str, int, bytes]]) -> None:
+        """Hot-tier copies of what S3 served, for the blocks still current (one index
+        read for all: a round trip each would add up on the shared index)."""
+        self.counters["hits_s3"] += len(got)
+        if not got or (self.mem.capacity == 0 and self.disk.capacity == 0):
+            return
+        cur = self.meta.current_many([k for k, _, _ in got])
+        for key, gen, data in got:
+            if (rec := cur.get(key)) is not None and rec.generation == gen:
+                self.mem.put(key, gen, data)
+                await self.disk.put(key, gen, data)
 
     async def _get_cold(self, key: str, rec: Record, found: dict[str, bytes | None]) -> None:
         gen = rec.generation
-        res = await self.durable.get(key, gen, still_current=lambda: self._is_current(key, gen),
-                                     expect=rec.digest)
+        async with self._s3_reads:
+            res = await self.durable.get(key, gen,
+                                         still_current=lambda: self._is_current(key, gen),
+                                         expect=rec.digest)
         self._count(res)
         found[key] = res.data
         if res.data is not None:
@@ -270,17 +286,18 @@ class KvStore(AdminOps):
         info = self.meta.runs.get(run)
         if info is None:  # cannot happen while its blocks are leased; a miss if it did
             return
-        got = await self.runs.read(run, info, group, lambda: run in self.meta.runs)
+        async with self._s3_reads:
+            got = await self.runs.read(run, info, group, lambda: run in self.meta.runs)
         self.counters["run_reads"] += 1
         self.counters["run_blocks_ranged"] += len(group) - got.fast_failed
         self.counters["run_ranged_late"] += got.late
         if got.slow is not None:
             self._count(got.slow)
             self.counters["run_reads_decoded"] += 1
-        for key, rec in group:
-            found[key] = data = got.blocks.get(key)
-            if data is not None:
-                await self._fill(key, rec.generation, data)
+        for key, _ in group:
+            found[key] = got.blocks.get(key)
+        await self._fill_many([(k, rec.generation, d) for k, rec in group
+                               if (d := got.blocks.get(k)) is not None])
 
     def _count(self, res: ReadResult) -> None:
         """Integrity and hedging counters (Stats.counters, `kvmesh admin gc stats`)."""
@@ -303,8 +320,9 @@ class KvStore(AdminOps):
         durable_ok = self.shards.up_count() >= self.cfg.layout.k
         now = self.clock()
         n = 0
+        recs = self.meta.current_many(list(dict.fromkeys(key_list)))  # one round trip
         for key in key_list:
-            rec = self.meta.current(key)
+            rec = recs.get(key)
             if rec is None:
                 break
             hot = self.mem.get(key, rec.generation) is not None or key in self.disk._index

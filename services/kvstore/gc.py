@@ -90,3 +90,32 @@ def find_orphans(listed: dict[str, float], known: set[str], now: float, grace_s:
         key for key, modified in listed.items()
         if key not in known and now - modified > grace_s and modified >= db_created - 1.0
     )
+
+
+def compactable(records: list[tuple[str, Record]], runs: dict[str, tuple[float, int]],
+                now: float, min_age_s: float, max_live: float) -> dict[str, list[str]]:
+    """Mostly-dead runs worth rewriting -> their live keys (sorted).
+
+    `runs` maps run id -> (created, payload bytes). A run qualifies when it is older than
+    `min_age_s`, all its blocks are committed (none being written) and its live blocks
+    hold less than `max_live` of its payload. Blocks being read do not hold it back: a
+    move changes neither their bytes nor their generation. A run with no live block is
+    not compacted: it is reclaimed whole.
+    """
+    live: dict[str, list[tuple[str, int]]] = {}
+    unsettled: set[str] = set()
+    for key, rec in records:
+        if not rec.run:
+            continue
+        if not rec.complete:
+            unsettled.add(rec.run)
+        else:
+            live.setdefault(rec.run, []).append((key, rec.size))
+    out: dict[str, list[str]] = {}
+    for run, (created, size) in runs.items():
+        blocks = live.get(run)
+        if not blocks or run in unsettled or now - created < min_age_s:
+            continue
+        if sum(n for _, n in blocks) < max_live * size:
+            out[run] = sorted(k for k, _ in blocks)
+    return out

@@ -28,6 +28,7 @@ transaction per `flush()` (the service calls it every `access_flush_s`).
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,10 @@ class MetaStore:
         rec = self._records.get(key)
         return rec if rec is not None and rec.complete else None
 
+    def current_many(self, keys: list[str]) -> dict[str, Record]:
+        """Committed records of `keys` (one round trip in the shared index)."""
+        return {k: r for k in keys if (r := self.current(k)) is not None}
+
     def items(self) -> list[tuple[str, Record]]:
         return list(self._records.items())
 
@@ -197,14 +202,16 @@ class MetaStore:
         """Insert a record as found on the locations (reindex); replaces any other."""
         self._insert(key, rec)
 
-    def drop_run(self, run: str) -> None:
-        """Forget a run with no live block left (its shards are deleted or about to be)."""
-        if self._live.get(run, 0) > 0:
-            raise ValueError(f"run {run} still has {self._live[run]} live blocks")
+    def drop_run(self, run: str) -> bool:
+        """Forget a run with no live block left (its shards are deleted or about to be);
+        True if this call dropped it (False: blocks left, or dropped already)."""
+        if self._live.get(run, 0) > 0 or run not in self.runs:
+            return False
         self.runs.pop(run, None)
         self._live.pop(run, None)
         self.dead_runs.discard(run)
         self._db.execute("DELETE FROM runs WHERE run=?", (run,))
+        return True
 
     def find_dead_runs(self) -> set[str]:
         """Recount runs with no live block (after `restore`, which may add runs whose
@@ -239,6 +246,29 @@ class MetaStore:
             done.append(key)
         self._db.execute("COMMIT")
         return done
+
+    def relocate(self, old: str, new: str, info: RunRecord,
+                 moves: list[tuple[str, Record, int]]) -> int:
+        """Compaction: record the new run and move each (key, record as read, new offset)
+        to it if still that generation, committed, in `old`; one transaction."""
+        self._db.execute("BEGIN")
+        self.add_run(new, info)
+        moved = 0
+        for key, rec, off in moves:
+            cur = self._records.get(key)
+            if cur is None or cur.generation != rec.generation or cur.run != old or not cur.complete:
+                continue
+            self._insert(key, dataclasses.replace(cur, run=new, offset=off))
+            moved += 1
+        if moved == 0:
+            self.dead_runs.add(new)
+        self._db.execute("COMMIT")
+        return moved
+
+    def sweep_pending(self, cutoff: float) -> int:
+        """Pending overwrites live in this process's memory only and die with it: nothing
+        to sweep (the shared index keeps them in Redis, meta_redis.py)."""
+        return 0
 
     def _release(self, run: str) -> None:
         self._live[run] -= 1

@@ -23,7 +23,9 @@ def ports_in(text: str) -> set[int]:
 
 
 def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
-    out = subprocess.run([*UP, "--demo", "--log-dir", str(tmp_path / "logs")], env=ENV,
+    # two kvstore replicas on the shared index in the mesh's Valkey, engines over both
+    out = subprocess.run([*UP, "--demo", "--kvstores", "2", "--log-dir", str(tmp_path / "logs")],
+                         env=ENV,
                          capture_output=True, text=True, timeout=180)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
@@ -37,8 +39,9 @@ def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
     heads = re.findall(r"demo \d/2: GenerateStream via \S+ \(temperature ([\d.]+), seed (\d+), "
                        r"(\d+) tokens, (\d+)-byte prompt\)", text)
     assert heads == [("0.8", "1", "32", "309"), ("0.8", "1", "32", "410")], text[-3000:]
-    for name in ("kvstore", "directory", "engine-a", "engine-b", "gateway"):
+    for name in ("kvstore", "kvstore-b", "directory", "engine-a", "engine-b", "gateway"):
         assert (tmp_path / "logs" / f"{name}.log").exists()
+    assert list((tmp_path / "logs" / "valkey").glob("appendonly*")), "index not persisted"
     ports = ports_in(text)
     assert len(ports) >= 5
     assert not [p for p in ports if port_open("127.0.0.1", p)], "a service outlived kvmesh up"

@@ -83,6 +83,22 @@ def _wait_writable(cluster, server: int, timeout: float = 30.0) -> None:
             time.sleep(0.2)
 
 
+@pytest.fixture(scope="session")
+def valkey(tmp_path_factory):
+    """One real Valkey for the shared-index tests (each test has its own key prefix)."""
+    from kvmesh.backing.valkey import ValkeyProcess
+
+    v = ValkeyProcess(work_dir=tmp_path_factory.mktemp("valkey")).start()
+    yield v
+    v.close()
+
+
+@pytest.fixture
+def shared_index(valkey):
+    """Config overrides for a kvstore on the shared index, under a prefix of this test."""
+    return {"index": valkey.url, "index_prefix": f"kvmesh:kv:t{os.getpid() % 10000}x{next(_ids)}"}
+
+
 @pytest.fixture
 def clock():
     return FakeClock()

@@ -102,7 +102,7 @@ def test_three_locations_down_is_a_clean_miss(run16, killer):
         return any(s.shard in dead for s in runs.locate(rec.offset, rec.size, info.frag_data, 10))
 
     want = [None if needs_dead(k) else d for k, d in items]
-    assert sum(w is None for w in want) >= 5
+    assert sum(w is None for w in want) >= 5 and any(w is not None for w in want)
     assert call(kv.address, lambda c: c.get([k for k, _ in items])) == want
     for (key, _), expect in zip(items, want, strict=True):
         assert call(kv.address, lambda c, key=key: c.get([key])) == [expect]

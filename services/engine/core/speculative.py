@@ -122,22 +122,26 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def draft_probs(drafts: list[int], q: torch.Tensor | None, vocab: int,
-                params: SamplingParams) -> torch.Tensor:
+                params: SamplingParams, device: str | torch.device = "cpu") -> torch.Tensor:
     """[k, V] draft distributions, truncated like the target: a deterministic drafter
     (q None, e.g. n-gram) proposes with probability one; a sampling drafter's logits
     go through the request's temperature/top_k/top_p."""
     if q is None:
-        out = torch.zeros(len(drafts), vocab, dtype=torch.float64)
-        out[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)] = 1.0
+        out = torch.zeros(len(drafts), vocab, dtype=torch.float64, device=device)
+        out[torch.arange(len(drafts), device=device),
+            torch.tensor(drafts, dtype=torch.long, device=device)] = 1.0
         return out
     return torch.stack([target_probs(row, params) for row in q])
 
 
 def accept_one(p: torch.Tensor, q: torch.Tensor, d: int, gen_u: torch.Generator,
                gen_r: torch.Generator) -> int | None:
-    """One rejection-sampling step: None if draft d is accepted, else the replacement."""
-    u = float(torch.rand((), generator=gen_u, dtype=torch.float64))
-    if q[d] > 0 and u * float(q[d]) < float(p[d]):          # u < min(1, p/q)
+    """One rejection-sampling step: None if draft d is accepted, else the replacement.
+    Draws on p's device (the generators are made there); the test u < min(1, p/q) is done
+    in float64 on the device and read once (the same comparison, bit for bit, as on the
+    host: fp32 and fp64 values convert exactly)."""
+    u = torch.rand((), generator=gen_u, dtype=torch.float64, device=p.device)
+    if bool((q[d] > 0) & (u * q[d] < p[d])):
         return None
     return int(torch.multinomial(residual(p, q), 1, generator=gen_r))
 
@@ -155,17 +159,21 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, step
                 return out + [best[j]]
             out.append(d)
         return out + [best[k]]
-    qs = draft_probs(drafts, q, logits.shape[-1], params)
+    # every draw on the logits' device, from generators made there (same seeds as ever; a
+    # CUDA generator draws other numbers than a CPU one, so tokens are reproducible per device)
+    dev = logits.device
+    qs = draft_probs(drafts, q, logits.shape[-1], params, dev)
     out = []
     for j, d in enumerate(drafts):
         p = target_probs(logits[j], params)
-        tok = accept_one(p, qs[j], d, generator(params, step + j, seed, ACCEPT_STREAM),
-                         generator(params, step + j, seed, RESIDUAL_STREAM))
+        tok = accept_one(p, qs[j], d, generator(params, step + j, seed, ACCEPT_STREAM, dev),
+                         generator(params, step + j, seed, RESIDUAL_STREAM, dev))
         if tok is not None:
             return out + [tok]
         out.append(d)
     p = target_probs(logits[k], params)
-    return out + [int(torch.multinomial(p, 1, generator=generator(params, step + k, seed)))]
+    return out + [int(torch.multinomial(p, 1, generator=generator(params, step + k, seed,
+                                                                  device=dev)))]
 
 
 # --- the engine's side ----------------------------------------------------------------

@@ -166,8 +166,9 @@ class ModelRunner:
         self.mirror.write(layer, plan.put_slots, plan.put_pos, kv[put])
         if plan.ring is not None:
             rows = plan.ring.rows
-            groups.append((rows, RingKeys(self.mirror.values[layer], plan.ring.where, plan.ring.ok),
-                           True, "ring"))
+            # the ring bytes too: a Triton kernel dequantizes them in registers (kernels/ragged.py)
+            groups.append((rows, RingKeys(self.mirror.values[layer], plan.ring.where, plan.ring.ok,
+                                          ring), True, "ring"))
 
         if m is not None:
             compressor.feed(cfg, w, self.states, self.blocks, layer, step, step.enc,
@@ -237,7 +238,7 @@ class ModelRunner:
 def _visible_entries(seg: Segments, step: StepBatch, m: int, per: int, rows, per_row: bool):
     """(flat block-store rows of the candidate entries, visible mask): [t, K] each per row,
     or one pool [L] of the rows' works' entries with a [t, L] mask."""
-    count = int((step.ends // m).max())
+    count = max(step.end_ids) // m                                       # host ints: no sync
     index = step.entry_index(per, count)                                 # [N, K]
     wid = seg.wid if rows is None else seg.wid[rows]
     n_vis = ((seg.pos if rows is None else seg.pos[rows]) + 1) // m

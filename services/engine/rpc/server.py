@@ -75,8 +75,8 @@ async def _remote(engine, port, engine_id, advertise, directory, kvstore, fetch_
 
         dir_client = DirectoryClient(directory)
     if kvstore:
-        from services.kvstore.client import KvstoreClient
+        from services.kvstore.client import connect
 
-        kv_client = KvstoreClient(kvstore)
+        kv_client = connect(kvstore)  # "a,b": replicas sharing one index, spread by key
     return RemoteTiers(engine, engine_id or f"engine-{port}", address, dir_client, kv_client,
                        FetchPolicy(fetch_mode), fetch_deadline_s=deadline)
