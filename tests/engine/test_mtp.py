@@ -180,3 +180,32 @@ def test_sampled_requests_draw_drafts_from_the_mtp_softmax_reproducibly():
         outs.append(seqs[0].output)
         assert engine.stats()["spec_drafted_tokens"] > 0 and not engine.spec.mtp.q
     assert outs[0] == outs[1] and len(outs[0]) == 24
+
+
+@pytest.mark.parametrize("r", [1, 3, 6])
+def test_drafts_after_engine_rollback_equal_the_reference(r):
+    """EngineCore.rollback(r) mid-generation: the MTP rows of the taken-back tokens are
+    rewritten, so every later proposal's logits equal the reference chain again."""
+    engine = make_engine(CFG, weights=W64, num_slots=1, speculative="mtp:2")
+    seq = engine.add_request(random_prompt(45, 1), SamplingParams(temperature=0, max_tokens=24,
+                                                                   ignore_eos=True))
+    while len(seq.output) < 10:
+        engine.step()
+    engine.rollback(seq.request_id, r)
+    drafter, seen = engine.spec.mtp, []
+    propose = drafter.propose
+
+    def spy(wanted):
+        out = propose(wanted)
+        for s, _ in wanted:
+            if s.request_id in out:
+                seen.append((s.num_computed, list(s.tokens), out[s.request_id],
+                             drafter.q[s.request_id].clone()))
+        return out
+
+    drafter.propose = spy
+    run_to_completion(engine)
+    assert len(seq.output) == 24 and seen
+    for c, tokens, drafts, q in seen:
+        want, _ = reference_chain(tokens, c, drafts)
+        assert float((q - want).abs().max()) <= EXACT, c
