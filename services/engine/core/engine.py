@@ -33,11 +33,14 @@ from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.cache.prefix import Prefetched, PrefixReuse
 from services.engine.config import EngineConfig, ModelConfig
 from services.engine.core.handoff import Handoff, HandoffStore, export_handoff, handoff_problem
+from services.engine.core.mtp_draft import MtpDrafter
 from services.engine.core.output import OutputState
 from services.engine.core.sampling import SamplingParams, sample, sample_ids
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Finish, Sequence
 from services.engine.core.speculative import Speculator, engine_setting
+from services.engine.model import mtp
+from services.engine.model.mtp_runner import MtpRunner
 from services.engine.model.runner import ForwardResult, ModelRunner, Work
 from services.engine.model.weights import Weights, init_weights
 
@@ -110,8 +113,10 @@ class EngineCore:
         # as the snapshot store may hold, for as long as a fetch may reasonably take
         self.handoffs = HandoffStore(ecfg.snapshot_bytes, ttl_s=60.0)
         # speculative decoding: K <= B, mtp only with MTP weights (InvalidArgument at start-up)
-        self.spec = Speculator(engine_setting(ecfg.speculative, self.layout.backtrack,
-                                              has_mtp=False), ecfg.ngram_min, ecfg.ngram_max)
+        setting = engine_setting(ecfg.speculative, self.layout.backtrack, mtp.has_mtp(self.weights))
+        drafter = MtpDrafter(MtpRunner(cfg, self.weights, self.cache.states), cfg.window) \
+            if setting.method == "mtp" else None
+        self.spec = Speculator(setting, ecfg.ngram_min, ecfg.ngram_max, drafter)
         # completed blocks on their way to hooks.block_done (pinned, non-blocking on CUDA)
         self.copies = device_mod.HostCopies(self.device)
 
@@ -206,6 +211,7 @@ class EngineCore:
                     verifying.append((seq, works[i], i, drafts[seq.request_id]))
                     continue
                 self._after_forward(seq, works[i], res, i)
+                self.spec.observe(seq, works[i].owner, res.hidden.get(i), works[i].end)
                 if not seq.prefilling and i in res.logits:
                     sampled.append((seq, res.logits[i]))
         self.counters["steps"] += 1
@@ -233,7 +239,8 @@ class EngineCore:
         work = Work(seq.slot, seq.table, tokens, start, end + len(drafts), enc_lo=seq.enc_lo,
                     dec_lo=seq.dec_lo, cmp_from=seq.cmp_from,
                     want_logits=end == len(seq.tokens), n_logits=1 + len(drafts),
-                    owner=(seq.request_id, seq.admitted_at))
+                    owner=(seq.request_id, seq.admitted_at),
+                    want_hidden=self.cfg.window if self.spec.wants_hidden(seq.request_id) else 0)
         if seq.prefilling:
             self.prefix.capture_for(seq, work)
         return work
@@ -295,7 +302,10 @@ class EngineCore:
         return Event(seq.request_id, emitted, text, None, seq)
 
     def _verify(self, seq: Sequence, work: Work, res, index: int, drafts: list[int]) -> Event:
-        return self._emit(seq, res.logits[index], drafts, work)
+        event = self._emit(seq, res.logits[index], drafts, work)
+        if event.finish is None:      # the MTP drafter continues from the kept positions
+            self.spec.observe(seq, work.owner, res.hidden.get(index), seq.num_computed)
+        return event
 
     def _commit_verified(self, seq: Sequence, work: Work) -> None:
         """After a verify step: commit the pending token and the accepted drafts only. The

@@ -62,6 +62,7 @@ class Work:
     want_logits: bool = True
     n_logits: int = 1          # logit rows of the chunk's last positions (verify: 1 + drafts)
     owner: object = None       # identifies one admission of a sequence (window mirror); None: no mirror
+    want_hidden: int = 0       # return the last residual rows of up to this many final positions (MTP)
 
 
 @dataclass
@@ -69,6 +70,9 @@ class ForwardResult:
     logits: dict[int, torch.Tensor] = field(default_factory=dict)     # work index -> [V] ([n, V]: n_logits > 1)
     captures: dict[int, torch.Tensor] = field(default_factory=dict)   # work index -> [E, R_inf, 528]
     rows: dict[str, int] = field(default_factory=dict)                # query rows computed per layer
+    # work index -> (first position, [n, hidden] last residual stream before the final norm)
+    # of positions >= dec_lo (the only ones whose decoder rows are the model's): MTP input
+    hidden: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -100,6 +104,11 @@ class ModelRunner:
         for layer in range(cfg.n_encoder_layers, cfg.n_layers):
             x = self._layer(layer, x, step, "dec", h_enc, works, result, stale)
         result.rows = {"encoder": step.enc.rows, "decoder": step.dec.rows}
+        for i, wk in enumerate(works):
+            first = max(wk.start, wk.dec_lo, wk.end - wk.want_hidden)
+            if wk.want_hidden and first < wk.end:
+                at = int(step.dec.cu[i]) + first - int(step.dec.first[i])
+                result.hidden[i] = (first, x[at : at + wk.end - first])
 
         want = [i for i, w in enumerate(works) if w.want_logits]
         if want:
