@@ -8,15 +8,21 @@
 
 Targets (issue 11): step(32) <= 2 x step(1); decode-only tokens/s at N = 32 >= 12 x N = 1.
 Only public EngineCore calls are used, so the same script measures an older checkout, and
-`--before DIR` does both in one run (DIR first, in a subprocess, then this checkout):
-    python bench/engine_throughput.py --before /old/checkout
+`--before DIR` does both in one run (DIR first, in a subprocess, then this checkout; with
+`--together` both at once, one per core, so a loaded machine's drift hits both alike):
+    python bench/engine_throughput.py --before /old/checkout [--together]
 (or by hand: PYTHONPATH=/old/checkout python bench/engine_throughput.py --label before, then
  python bench/engine_throughput.py --compare bench/out/engine_throughput_before.json).
 
-The floor: `attention floor` is what the window attention alone costs at each batch on this
-machine (per layer, one fp32 matmul of every row's query with its slot's W + B ring rows and
-one back, the ring path's only per-row work that grows with W), with no other model math and
-no per-step overhead. It bounds from below what step(b) - step(1) can reach on a CPU.
+The floor (`floors`): the work that grows with the batch, timed alone at each batch: every
+weight matmul of a decode step, and the window attention's two ring matmuls per layer (the
+only per-row work that reads W keys). rest = step - both: per-step overhead (Python, index
+tensors, small ops, sampling, bookkeeping) plus the smaller per-row pieces (gathers of
+compressed entries, indexer, compressor feeding, MXFP8). best x = (step(1) + what the
+matmuls and attention add from batch 1 to b) / step(1): the ratio if nothing else grew.
+End to end is bounded by the prefills (their compute is linear in tokens on a CPU): the
+table prints the share of the N-request run spent in steps with prefill work, and the e2e
+speedup that would leave if every decode-only step were free.
 Sequential throughput is measured on `--sequential` requests run one after another (a
 request alone costs the same whatever N is) and reported for every N.
 """
@@ -64,10 +70,10 @@ def prompt(n: int, seed: int) -> list[int]:
 CHUNK: dict = {}       # {"long_prefill_chunk": n} when --long-prefill-chunk is given (newer engines)
 
 
-def engine(slots: int, prompt_len: int, extra: int = 0) -> EngineCore:
+def engine(slots: int, prompt_len: int, extra: int = 0, budget: int = 512) -> EngineCore:
     blocks = slots * ((prompt_len + 600) // 128 + 2) + extra // 128 + 8
     return EngineCore(TINY, EngineConfig(num_slots=slots, max_running=slots, num_blocks=blocks,
-                                         max_batched_tokens=512, swa_policy="zero", **CHUNK))
+                                         max_batched_tokens=budget, swa_policy="zero", **CHUNK))
 
 
 def params(n: int) -> SamplingParams:
@@ -99,9 +105,11 @@ def step_times(prompt_len: int, steps: int) -> dict[int, float]:
     return out
 
 
-def run_requests(n: int, prompt_len: int, gen: int, seed: int) -> tuple[float, float, int]:
-    """N requests at once -> (end-to-end seconds, decode-only seconds, decode-only tokens)."""
-    core = engine(max(n, 1), prompt_len)
+def run_requests(n: int, prompt_len: int, gen: int, seed: int,
+                 budget: int = 512) -> tuple[float, float, int]:
+    """N requests at once -> (end-to-end seconds, decode-only seconds, decode-only tokens);
+    end to end minus decode-only is the steps with prefill work in them."""
+    core = engine(max(n, 1), prompt_len, budget=budget)
     for i in range(n):
         core.add_request(prompt(prompt_len, seed + i), params(gen))
     total = dec_s = 0.0
@@ -122,13 +130,26 @@ def throughput(prompt_len: int, gen: int, sequential: int) -> dict:
     seq = [run_requests(1, prompt_len, gen, 1000 + i) for i in range(sequential)]
     seq_s = statistics.mean(s[0] for s in seq)                 # one request alone, end to end
     seq_dec = sum(s[2] for s in seq) / sum(s[1] for s in seq)  # decode-only tokens/s alone
+    seq_prefill = 1.0 - sum(s[1] for s in seq) / sum(s[0] for s in seq)
     out = {}
     for n in BATCHES:
         total, dec_s, dec_tokens = run_requests(n, prompt_len, gen, 2000)
         out[n] = {"e2e_tok_s": n * gen / total, "seq_tok_s": gen / seq_s,
-                  "dec_tok_s": dec_tokens / dec_s if dec_s else 0.0, "seq_dec_tok_s": seq_dec}
+                  "dec_tok_s": dec_tokens / dec_s if dec_s else 0.0, "seq_dec_tok_s": seq_dec,
+                  "prefill_share": 1.0 - dec_s / total, "seq_prefill_share": seq_prefill}
         print(f"  N={n}: {out[n]['e2e_tok_s']:.1f} tok/s end to end "
               f"({out[n]['dec_tok_s']:.1f} decode-only); sequential {gen / seq_s:.1f}", flush=True)
+    return out
+
+
+def budgets(prompt_len: int, gen: int, n: int, values: list[int]) -> dict[int, dict]:
+    """The scheduler's mix at N concurrent requests: end to end under each token budget per
+    step (max_batched_tokens; decodes first, then prefill chunks)."""
+    out = {}
+    for b in values:
+        total, dec_s, _ = run_requests(n, prompt_len, gen, 2000, budget=b)
+        out[b] = {"e2e_tok_s": n * gen / total, "prefill_share": 1.0 - dec_s / total}
+        print(f"  budget {b}: N={n} {out[b]['e2e_tok_s']:.1f} tok/s end to end", flush=True)
     return out
 
 
@@ -161,25 +182,89 @@ def itl(prompt_len: int, long_len: int, steps: int) -> dict:
     return out
 
 
-def attention_floor(steps: int) -> dict[int, float]:
-    """Seconds per step of the window attention's matmuls alone (see the module docstring):
-    every layer's [b, H, D] x [b, D, R] and back over distinct rings (no cache reuse)."""
+MATMULS = ("wq", "wkv", "wo", "w1", "w3", "w2", "cmp_wv", "cmp_wz", "idx_wv", "idx_wz",
+           "idx_wq", "idx_ww")
+
+
+def _median_s(fn, steps: int) -> float:
+    fn()
+    times = []
+    for _ in range(steps):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return statistics.median(times)
+
+
+def floors(steps: int) -> dict[str, dict[int, float]]:
+    """Seconds per decode step at each batch of the work that grows with the batch, each
+    alone: `matmul`, every weight matmul a decode step does (b rows through each layer's
+    projections, FFN, compressor and indexer inputs, and the LM head); `attention`, the
+    window attention's two ring matmuls per layer ([b, H, D] x [b, D, R] and back over
+    distinct rings; the best of one pass and passes of ~1 MB of rings, kernels/ragged.py).
+    What a step costs beyond these (Python, index tensors, small ops, gathers, sampling,
+    bookkeeping) is the `rest`, from the measured step times."""
     cfg, ring = TINY, TINY.window + 6
+    g = torch.Generator().manual_seed(0)
+    from services.engine.model.weights import shapes
+    mats = [torch.randn(*shape, generator=g) for name, shape in shapes(cfg).items()
+            if name.rsplit(".", 1)[-1] in MATMULS or name == "lm_head"]
     rings = [torch.randn(max(BATCHES), ring, cfg.head_dim) for _ in range(cfg.n_layers)]
-    out = {}
+    per = max(1, (1 << 20) // (ring * cfg.head_dim * 4))
+    out: dict[str, dict[int, float]] = {"matmul": {}, "attention": {}}
     for b in BATCHES:
+        xs = {m.shape[0]: torch.randn(b, m.shape[0], generator=g) for m in mats}
         q = torch.randn(b, cfg.n_heads, cfg.head_dim)
-        p = torch.randn(b, cfg.n_heads, ring)
-        times = []
-        for _ in range(steps):
-            t0 = clock()
-            for keys in rings:
-                torch.bmm(q, keys[:b].transpose(1, 2))
-                torch.bmm(p, keys[:b])
-            times.append(clock() - t0)
-        out[b] = statistics.median(times)
-    print("  attention floor " + "  ".join(f"b{b} {v * 1e3:.1f} ms" for b, v in out.items()), flush=True)
+        out["matmul"][b] = _median_s(lambda xs=xs: _matmuls(xs, mats), steps)
+        out["attention"][b] = min(_median_s(lambda q=q, c=c: _ring_passes(q, rings, c), steps)
+                                  for c in (b, per))
+    print("  floor " + "  ".join(f"b{b} matmul {out['matmul'][b] * 1e3:.1f} ms attention "
+                                 f"{out['attention'][b] * 1e3:.1f} ms" for b in BATCHES), flush=True)
     return out
+
+
+def _matmuls(xs: dict, mats: list) -> None:
+    for m in mats:
+        xs[m.shape[0]] @ m
+
+
+def _ring_passes(q, rings: list, chunk: int) -> None:
+    """Every layer's ring scores and mix for q's rows, `chunk` slots per pass."""
+    b = q.shape[0]
+    for keys in rings:
+        for a in range(0, b, chunk):
+            k = keys[a : min(a + chunk, b)]
+            torch.bmm(torch.bmm(q[a : a + chunk], k.transpose(1, 2)), k)
+
+
+def floor_rows(res: dict) -> list[list]:
+    """[batch, step ms, matmul ms, attention ms, rest ms, best x]: best x is the ratio
+    step(b) / step(1) would have if only the matmuls and the attention grew with the batch
+    (the rest of step(1) paid once per step): (step(1) + d matmul + d attention) / step(1)."""
+    st = {int(k): v for k, v in res["step_s"].items()}
+    fl = {k: {int(b): v for b, v in d.items()} for k, d in res["floors"].items()}
+    rows = []
+    for b in BATCHES:
+        mm, at = fl["matmul"][b], fl["attention"][b]
+        grow = mm - fl["matmul"][1] + at - fl["attention"][1]
+        rows.append([b, st[b] * 1e3, mm * 1e3, at * 1e3, (st[b] - mm - at) * 1e3,
+                     (st[1] + grow) / st[1]])
+    return rows
+
+
+def prefill_rows(res: dict) -> list[list]:
+    """What bounds end to end: prefill share = seconds of the steps that carry prefill work /
+    all seconds of the N-request run (decode rows riding along included); if every
+    decode-only step were free, e2e vs seq could reach at most (e2e vs seq) / that share.
+    seq prefill share: the same share for one request alone."""
+    rows = []
+    for n in BATCHES:
+        t = res["tput"][str(n)] if str(n) in res["tput"] else res["tput"][n]
+        if "seq_prefill_share" not in t:
+            continue
+        e2e = t["e2e_tok_s"] / t["seq_tok_s"]
+        rows.append([n, e2e, t["prefill_share"], e2e / t["prefill_share"], t["seq_prefill_share"]])
+    return rows
 
 
 def report(res: dict, before: dict | None) -> None:
@@ -188,19 +273,16 @@ def report(res: dict, before: dict | None) -> None:
     st = lambda r, b: r["step_s"][str(b)] if str(b) in r["step_s"] else r["step_s"][b]  # noqa: E731
     tp = lambda r, b: r["tput"][str(b)] if str(b) in r["tput"] else r["tput"][b]  # noqa: E731
     rows = []
-    fl = res.get("floor_s", {})
     for b in BATCHES:
         row = [b]
         for _, r in cols:
             row += [st(r, b) * 1e3, st(r, b) / st(r, 1)]
-        f = fl.get(str(b), fl.get(b))
-        row += [f * 1e3 if f is not None else float("nan"),
-                (st(res, 1) + f) / st(res, 1) if f is not None else float("nan")]
         rows.append(row)
-    print("\ndecode step time (ms); floor = window attention matmuls alone; "
-          "floor x = (step(1) + floor(b)) / step(1), the best ratio this CPU allows")
-    print(table(["batch"] + [f"{n} {h}" for n, _ in cols for h in ("ms", "x batch1")]
-                + ["floor ms", "floor x"], rows))
+    print("\ndecode step time (ms)")
+    print(table(["batch"] + [f"{n} {h}" for n, _ in cols for h in ("ms", "x batch1")], rows))
+    print(f"\nfloor ({cols[-1][0]}): what grows with the batch, each alone; rest = step - matmul - "
+          "attention; best x = (step(1) + d matmul + d attention) / step(1)")
+    print(table(["batch", "step ms", "matmul ms", "attention ms", "rest ms", "best x"], floor_rows(res)))
     rows = []
     for n in BATCHES:
         row = [n]
@@ -212,10 +294,22 @@ def report(res: dict, before: dict | None) -> None:
     print("\ngenerated tokens/s (e2e = with prefills; vs seq = / same requests one after another)")
     print(table(["N"] + [f"{n} {h}" for n, _ in cols for h in ("e2e tok/s", "vs seq", "decode tok/s",
                                                                  "vs N=1")], rows))
+    if rows := prefill_rows(res):
+        print(f"\nend to end vs the prefill floor ({cols[-1][0]}): prefill share = seconds of steps "
+              "with prefill work / all; decode free = e2e vs seq / prefill share, the most end to "
+              "end reaches if decode-only steps cost nothing")
+        print(table(["N", "e2e vs seq", "prefill share", "decode free", "seq prefill share"], rows))
+    if res.get("budgets"):
+        seq = tp(res, 32)["seq_tok_s"]
+        print(f"\nscheduler mix ({cols[-1][0]}), N = 32 end to end by max_batched_tokens")
+        print(table(["budget", "e2e tok/s", "vs seq", "prefill share"],
+                    [[int(b), r["e2e_tok_s"], r["e2e_tok_s"] / seq, r["prefill_share"]]
+                     for b, r in res["budgets"].items()]))
     print("\ninter-token latency, 16 decoding streams (ms)")
     keys = ("alone_p50", "alone_p99", "prefill_p50", "prefill_p99")
     print(table(["run"] + list(keys), [[n] + [r["itl"][k] * 1e3 for k in keys] for n, r in cols]))
-    print("\ntargets: step(32) <= 2 x step(1); decode tok/s at N=32 >= 12 x N=1")
+    print("\ntargets: step(32) <= 2 x step(1); decode tok/s at N=32 >= 12 x N=1; e2e at N=32 >= 5 x "
+          "sequential; ITL p99 beside a 4K prefill <= 3 x p50 alone")
     series = {f"{n} step time": (list(BATCHES), [st(r, b) * 1e3 for b in BATCHES]) for n, r in cols}
     series.update({f"{n} decode tok/s": (list(BATCHES), [tp(r, b)["dec_tok_s"] for b in BATCHES])
                    for n, r in cols})
@@ -238,7 +332,12 @@ def main(argv=None) -> int:
     ap.add_argument("--long-prefill-chunk", type=int, default=0,
                     help="cap prefill chunks (engines with issue 11's scheduler); 0: budget only")
     ap.add_argument("--itl-only", action="store_true", help="only the inter-token latency part")
+    ap.add_argument("--budgets", default="",
+                    help="comma-separated max_batched_tokens values: N = 32 end to end under each")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    ap.add_argument("--together", action="store_true",
+                    help="with --before: run both checkouts at the same time (one per core), so "
+                         "the load of a shared machine hits both alike")
     args = ap.parse_args(argv)
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -250,25 +349,43 @@ def main(argv=None) -> int:
         rest = [a for a in (argv if argv is not None else sys.argv[1:])]
         i = rest.index("--before")
         rest = rest[:i] + rest[i + 2:]
+        if "--budgets" in rest:       # the scheduler-mix table is about this checkout only
+            i = rest.index("--budgets")
+            rest = rest[:i] + rest[i + 2:]
+        if "--together" in rest:
+            rest.remove("--together")
         print(f"== before: {args.before}", flush=True)
-        subprocess.run([sys.executable, __file__, "--label", "before", *rest], check=True,
-                       env={**os.environ, "PYTHONPATH": args.before}, cwd=args.before)
+        log = Path(args.before) / "bench" / "out" / "engine_throughput_before.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as out:
+            proc = subprocess.Popen([sys.executable, __file__, "--label", "before", *rest],
+                                      env={**os.environ, "PYTHONPATH": args.before},
+                                      cwd=args.before, stdout=out, stderr=subprocess.STDOUT)
+            if not args.together:
+                proc.wait()
         # the old checkout's bench/_common.py put it under its own bench/out
         args.compare = str(Path(args.before) / "bench" / "out" / "engine_throughput_before.json")
-        print("== after: this checkout", flush=True)
     if args.itl_only:
         itl(args.prompt, args.long, 20)
         return 0
+    if args.before:
+        print("== after: this checkout" + (" (at the same time)" if args.together else ""), flush=True)
     t0 = time.perf_counter()
     res = {"label": args.label, "load": os.getloadavg(), "args": vars(args)}
     res["step_s"] = step_times(args.prompt, args.steps)
     res["tput"] = throughput(args.prompt, args.gen, args.sequential)
     res["itl"] = itl(args.prompt, args.long, 20)
-    res["floor_s"] = attention_floor(args.steps)
+    if args.budgets:
+        res["budgets"] = budgets(args.prompt, args.gen, 32, [int(b) for b in args.budgets.split(",")])
+    res["floors"] = floors(max(args.steps, 9))
     res["wall_s"] = time.perf_counter() - t0
     res["load_end"] = os.getloadavg()
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"engine_throughput_{args.label}.json").write_text(json.dumps(res, indent=1))
+    if args.before:
+        if proc.wait():
+            raise SystemExit(f"the before run failed: see {log}")
+        print(f"-- before ({args.before}):\n{log.read_text()}-- end of before")
     before = json.loads(Path(args.compare).read_text()) if args.compare else None
     report(res, before)
     print(f"wall {res['wall_s']:.0f}s, load average {res['load']} -> {res['load_end']}")

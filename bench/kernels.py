@@ -2,6 +2,11 @@
 
     swa_decode   ring_attention, one decode row per sequence, v41-flash geometry per layer
                  (64 heads x 512, W 128, ring 134 rows of 528 B), batch 1..128
+    ragged_swa   the engine's op (kernels.ragged.ragged_union_attention): decode rows reading
+                 their slot's MXFP8 ring in place (Triton) vs the torch op on the fp32 mirror
+    ragged_csa   the same plus each row's 512 CSA picks (fp32 entries) in the one softmax
+    decode_stack end-to-end engine decode tokens/s, a v41-flash-shaped stack of 4 layers
+                 (bench/_decode_stack.py), Triton vs KVMESH_KERNELS=torch
     mxfp8_quant  quantize N tokens of 512 fp32 into 528-byte rows
     indexer_topk indexer scores (64 heads x 128) over Kc entries + top-k (512) per row
 
@@ -33,11 +38,13 @@ if not CUDA:                       # before triton is imported: Triton runs in i
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, table  # noqa: E402
-from kernels import attention, indexer, mxfp8  # noqa: E402
+from bench import _decode_stack  # noqa: E402
+from bench._common import OUT, plot, table  # noqa: E402
+from kernels import attention, indexer, mxfp8, ragged  # noqa: E402
 from kernels.triton import attention as tri_att  # noqa: E402
 from kernels.triton import indexer as tri_idx  # noqa: E402
 from kernels.triton import mxfp8 as tri_mx  # noqa: E402
+from kernels.triton import ragged as tri_rg  # noqa: E402
 
 # spec HBM bandwidth, GB/s (device name substring -> peak)
 PEAKS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0,
@@ -94,6 +101,36 @@ def swa_decode_case(batch: int, dev: str, heads: int, dim: int, window: int):
     return (lambda: tri_att.ring_attention(*args)), (lambda: attention.ring_attention_torch(*args)), nbytes
 
 
+def ragged_case(batch: int, dev: str, heads: int, dim: int, window: int, picks: int):
+    """Decode rows of `batch` slots attending to their 134-row rings in place (the window's
+    W rows visible), plus `picks` per-row CSA entries when > 0."""
+    ring_rows = window + 6
+    g = torch.Generator(device=dev).manual_seed(batch)
+    codes = mxfp8.quantize_torch(torch.randn(batch, ring_rows, dim, device=dev, generator=g))
+    ok = torch.zeros(batch, ring_rows, dtype=torch.bool, device=dev)
+    ok[:, :window] = True
+    ring = ragged.RingKeys(mxfp8.dequantize_torch(codes), ragged.SlotRows.build(list(range(batch)), dev),
+                           ok, codes)
+    groups = [ring]
+    tb = dim + dim // 32
+    nbytes = batch * (window * tb + 2 * heads * dim * 4 + ring_rows)
+    if picks:
+        groups.append((torch.randn(batch, picks, dim, device=dev, generator=g),
+                       torch.ones(batch, picks, dtype=torch.bool, device=dev)))
+        nbytes += batch * picks * (dim * 4 + 1)
+    q = torch.randn(batch, heads, dim, device=dev, generator=g)
+    sink = torch.zeros(heads, device=dev)
+
+    def torch_op():
+        os.environ["KVMESH_KERNELS"] = "torch"         # dispatch reads it on every call
+        try:
+            return ragged.ragged_union_attention(q, groups, sink, dim ** -0.5)
+        finally:
+            del os.environ["KVMESH_KERNELS"]
+
+    return (lambda: tri_rg.union_attention(q, groups, sink, dim ** -0.5)), torch_op, nbytes
+
+
 def quant_case(tokens: int, dev: str, dim: int):
     x = torch.randn(tokens, dim, device=dev)
     nbytes = tokens * (dim * 4 + dim + dim // 32)
@@ -118,20 +155,24 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (the CPU check)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--peak-gbs", type=float, default=None)
+    ap.add_argument("--no-stack", action="store_true", help="skip the end-to-end decode rows")
     args = ap.parse_args(argv)
     smoke = args.smoke or not CUDA
     dev = "cuda" if CUDA else "cpu"
     reps = args.repeats or (2 if smoke else 20)
     peak, peak_src = peak_gbs(dev, args.peak_gbs)
     if smoke:   # same code paths, shapes small enough for the interpreter
-        heads, dim, window, batches = 2, 64, 16, [1, 4]
+        heads, dim, window, batches, picks = 2, 64, 16, [1, 4], 8
         quant_tokens, idx = [64], dict(heads=2, dim=32, entries=64, topk=8, batches=[1, 2])
     else:
-        heads, dim, window, batches = 64, 512, 128, [1, 2, 4, 8, 16, 32, 64, 128]
+        heads, dim, window, batches, picks = 64, 512, 128, [1, 2, 4, 8, 16, 32, 64, 128], 512
         quant_tokens = [1024, 16384, 131072]
         idx = dict(heads=64, dim=128, entries=8192, topk=512, batches=[1, 8, 32, 128])
 
     cases = [(f"swa_decode b={b}", *swa_decode_case(b, dev, heads, dim, window)) for b in batches]
+    cases += [(f"ragged_swa b={b}", *ragged_case(b, dev, heads, dim, window, 0)) for b in batches]
+    cases += [(f"ragged_csa b={b}", *ragged_case(b, dev, heads, dim, window, picks))
+              for b in batches]
     cases += [(f"mxfp8_quant n={n}", *quant_case(n, dev, dim)) for n in quant_tokens]
     cases += [(f"indexer_topk b={b} kc={idx['entries']}",
                *indexer_case(b, dev, idx["heads"], idx["dim"], idx["entries"], idx["topk"]))
@@ -146,12 +187,29 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter: not a speed)"
     print(f"device: {device}; peak {peak:.1f} GB/s ({peak_src}); median of {reps}")
     print(table(["case", "bytes", "triton us", "GB/s", "of peak", "torch us", "torch/triton"], rows))
+    stack = [] if args.no_stack else _decode_stack.rows(smoke, torch.device(dev))
+    if stack:
+        print(table(["case", "triton tok/s", "torch tok/s", "triton/torch"],
+                    [[r["case"], r["triton_tok_s"], r["torch_tok_s"], r["speedup"]] for r in stack]))
     OUT.mkdir(parents=True, exist_ok=True)
-    out = OUT / ("kernels_smoke.json" if smoke else "kernels.json")
+    stem = "kernels_smoke" if smoke else "kernels"
+    out = OUT / f"{stem}.json"
     out.write_text(json.dumps(dict(device=device, peak_gbs=peak, peak_source=peak_src,
                                    date=time.strftime("%Y-%m-%d", time.gmtime()),
-                                   rows=records), indent=1))
-    print(f"wrote {out}")
+                                   rows=records, decode_stack=stack), indent=1))
+    print(f"wrote {out} and {_plot(records, OUT / f'{stem}_decode.png', device)}")
+
+
+def _plot(records: list[dict], path: Path, device: str) -> Path:
+    """GB/s of the decode attention rows against the batch, Triton and torch."""
+    series = {}
+    for kind in ("swa_decode", "ragged_swa", "ragged_csa"):
+        mine = [r for r in records if r["case"].startswith(kind + " b=")]
+        xs = [int(r["case"].split("b=")[1]) for r in mine]
+        series[f"{kind} triton"] = (xs, [r["gbs"] for r in mine])
+        series[f"{kind} torch"] = (xs, [r["bytes"] / r["torch_us"] / 1e3 for r in mine])
+    return plot(path, f"decode attention, v41-flash layer geometry ({device})", "batch",
+                "GB/s", series)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,24 @@ E4M3_MAX = 448.0
 BLOCK = 32
 
 
+_E4M3 = {torch.device("cpu"): torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()}
+
+
+def e4m3_table(device) -> torch.Tensor:
+    """The 256 E4M3 values as fp32 on `device` (one copy per device, made on first use)."""
+    if device not in _E4M3:
+        _E4M3[device] = _E4M3[torch.device("cpu")].to(device)
+    return _E4M3[device]
+
+
+def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E4M3 codes -> fp32, through the table: each code's value is exact in fp32, so
+    this is `codes.view(float8_e4m3fn).float()` bit for bit, ~3x faster on CPU (torch converts
+    float8 element by element there)."""
+    flat = codes.reshape(-1).to(torch.int32)
+    return e4m3_table(codes.device).index_select(0, flat).view(codes.shape)
+
+
 def token_bytes(dim: int) -> int:
     return dim + dim // BLOCK
 
@@ -77,6 +95,24 @@ def dequantize_torch(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     exp = q[..., d:].float() - 127.0
     blocks = values.reshape(*q.shape[:-1], d // BLOCK, BLOCK) * torch.exp2(exp).unsqueeze(-1)
     return blocks.reshape(*q.shape[:-1], d).to(dtype)
+
+
+def quantize_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quantize(x), dequantize(quantize(x), x.dtype)) in one pass: the values come from the
+    E4M3 codes before they are packed (the same numbers bit for bit; the cached forward
+    needs both for every new SWA row, and the round trip through bytes cost as much again)."""
+    assert x.is_floating_point() and x.shape[-1] % BLOCK == 0, x.shape
+    if dispatch.use_triton(x):
+        q = quantize(x)
+        return q, dequantize(q, x.dtype)
+    d = x.shape[-1]
+    blocks = x.float().reshape(*x.shape[:-1], d // BLOCK, BLOCK)
+    exp = rceil_exponent(blocks.abs().amax(-1, keepdim=True))
+    codes = (blocks / torch.exp2(exp)).to(torch.float8_e4m3fn).view(torch.uint8)
+    values = (e4m3_values(codes) * torch.exp2(exp)).reshape(x.shape).to(x.dtype)
+    q = torch.cat([codes.reshape(*x.shape[:-1], d),
+                   (exp.squeeze(-1) + 127).to(torch.uint8)], dim=-1)
+    return q, values
 
 
 def fake_quantize(x: torch.Tensor) -> torch.Tensor:

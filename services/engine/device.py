@@ -9,6 +9,8 @@ stays in host memory.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 
@@ -34,3 +36,47 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopies:
+    """Device bytes on their way to host memory without stalling the decode step.
+
+    On CUDA, `submit` copies into a pinned buffer with a non-blocking copy queued behind the
+    step's kernels, records an event, and returns at once; `poll` hands each finished copy's
+    bytes to its callback (events of one stream complete in order, so a FIFO suffices) and
+    never waits unless told to (`wait=True`: the engine is idle, or a caller needs them
+    now). The step's only sync stays the sampled ids (core/sampling.py sample_ids). On the
+    CPU the copy is the bytes themselves and the callback runs inside `submit`.
+
+    Stream order makes this safe: a later write to the source (a block or slot reused) is
+    queued after the copy. One owner each (EngineCore for block uploads, PrefixReuse for
+    snapshots); the callbacks run on the owner's (engine) thread."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._pending: deque = deque()
+
+    def submit(self, data: torch.Tensor, done) -> None:
+        """data: a uint8 tensor on the device; done(bytes) once it is in host memory."""
+        if not self.cuda:
+            done(data.contiguous().numpy().tobytes())
+            return
+        buf = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
+        buf.copy_(data.reshape(-1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(data.device))   # the stream the copy went on
+        self._pending.append((event, buf, done))
+
+    def poll(self, wait: bool = False) -> int:
+        """Deliver the finished copies (all of them with `wait`); returns how many."""
+        n = 0
+        while self._pending and (wait or self._pending[0][0].query()):
+            event, buf, done = self._pending.popleft()
+            event.synchronize()
+            done(buf.numpy().tobytes())
+            n += 1
+        return n
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)

@@ -24,13 +24,16 @@ def parse_bytes(text: str) -> int:
 
 
 def _regions(layout: RuntimeLayout) -> list[dict]:
-    """The slot's tensors grouped into its three contiguous regions, in layout order."""
+    """The slot's tensors grouped into its contiguous regions (encoder SWA, decoder SWA,
+    compression, and the MTP ring with --speculative mtp:K), in layout order."""
     cfg = layout.model
     groups: dict[str, dict] = {}
     for r in layout.block.regions():
         if r.name == "swa":
             stored = not is_dropped_swa_layer(cfg, r.layer)
             name = "encoder_swa" if stored else "decoder_swa"   # decoder = YOCO consumer
+        elif r.name == "mtp":
+            stored, name = False, "mtp_swa"                     # the MTP drafter's ring
         else:
             stored, name = False, "compression"
         g = groups.setdefault(name, {"name": name, "stored": stored, "offset": r.offset,
@@ -39,7 +42,8 @@ def _regions(layout: RuntimeLayout) -> list[dict]:
         g["bytes"] += r.nbytes
         if r.layer not in g["layers"]:
             g["layers"].append(r.layer)
-        t = g["tensors"].setdefault(f"{r.name}:{cfg.layers[r.layer]}",
+        kind = "swa" if r.name == "mtp" else cfg.layers[r.layer]
+        t = g["tensors"].setdefault(f"{r.name}:{kind}",
                                     {"shape": list(r.shape), "dtype": r.dtype, "count": 0})
         t["count"] += 1
     return list(groups.values())

@@ -16,9 +16,9 @@ class RecordingEngine(EngineCore):
         super().__init__(*a, **kw)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
-    def _emit(self, seq, logits, *args):
+    def _emit(self, seq, logits, *args, **kw):
         rows = logits.clone() if logits.dim() == 2 else logits.clone()[None]
-        event = super()._emit(seq, logits, *args)
+        event = super()._emit(seq, logits, *args, **kw)
         # a verify step's rows: one per emitted token (the rest judged rejected drafts)
         self.logits.setdefault(seq.request_id, []).extend(rows[: len(event.token_ids)])
         return event

@@ -5,6 +5,7 @@ against the same engine on the CPU."""
 import pytest
 import torch
 
+from services.engine import device as device_mod
 from services.engine.config import EngineConfig, small_test_config
 from services.engine.core.engine import EngineCore
 from services.engine.core.sampling import SamplingParams
@@ -34,7 +35,8 @@ def engine_tensors(engine: EngineCore):
 def test_every_engine_tensor_lives_on_the_configured_device():
     engine = make_engine(CFG, num_slots=2, num_blocks=64, device="cpu", truncation="compact",
                          keep_tokens=30)
-    seq = engine.add_request(random_prompt(70, 1), SamplingParams(temperature=0.7, max_tokens=5))
+    seq = engine.add_request(random_prompt(70, 1), SamplingParams(temperature=0.7, max_tokens=5,
+                                                                      ignore_eos=True))
     run_to_completion(engine)
     assert len(seq.output) == 5
     names = [name for name, t in engine_tensors(engine)]
@@ -78,3 +80,27 @@ def test_engine_on_cuda_matches_the_cpu_engine():
     for (tok_c, log_c), (tok_g, log_g) in zip(runs["cpu"], runs["cuda"], strict=True):
         assert tok_c == tok_g
         assert float((log_c - log_g).abs().max()) <= 1e-9
+
+
+def test_host_copies_deliver_in_order_and_do_not_wait_on_the_cpu():
+    got = []
+    copies = device_mod.HostCopies(torch.device("cpu"))
+    for i in range(3):
+        copies.submit(torch.full((5,), i, dtype=torch.uint8), got.append)
+    assert got == [bytes([i]) * 5 for i in range(3)] and copies.pending == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_copies_on_cuda_are_pinned_non_blocking_and_stream_ordered():
+    """submit returns before the bytes are read; a later write to the source (queued after
+    the copy) does not reach the copy; poll(wait=True) delivers everything, in order."""
+    got = []
+    copies = device_mod.HostCopies(torch.device("cuda"))
+    src = torch.zeros(1 << 24, dtype=torch.uint8, device="cuda")
+    for i in range(4):
+        src.fill_(i + 1)
+        copies.submit(src, got.append)
+    src.fill_(99)                                   # queued after the copies
+    assert copies.poll(wait=True) == 4 and copies.pending == 0
+    assert [set(b) for b in got] == [{1}, {2}, {3}, {4}]

@@ -110,3 +110,38 @@ def test_pool_views_cover_the_slot_bytes(clean_rings):
     assert raw[(3 * 2 + 1) * 512 + 4] == 1.5
     # the persisted prefix is exactly the encoder rings
     assert sb.state_size_to_disk == 4 * (16 + 6) * 528
+
+
+@pytest.mark.parametrize("cfg,without", [
+    # tiny: 4 x 134 x 528 encoder + 4 x 134 x 528 decoder SWA, compression 3 csa (10 rows,
+    # 2 x 512 + 2 x 32 fp32) + 3 hca (134 rows, 2 x 512 fp32)
+    (TINY, 8 * 134 * 528 + 3 * (10 * 2 * 512 * 4 + 10 * 2 * 32 * 4) + 3 * 134 * 2 * 512 * 4),
+    (V41_FLASH, 2_830_080 + 11_401_216),
+])
+def test_mtp_ring_adds_one_inference_ring_after_the_rest(clean_rings, cfg, without):
+    """--speculative mtp:K adds W + B rows of 528 B (70,752 B) at the end of the slot; the
+    persisted prefix, the replica and the regions before it do not move."""
+    off, on = layout(cfg).block, layout(cfg, speculative="mtp:3").block
+    assert off.slot_bytes == without and off.mtp_bytes == 0
+    assert on.mtp_bytes == 134 * 528 == 70_752
+    assert on.slot_bytes == without + 70_752
+    assert on.state_size_to_disk == off.state_size_to_disk == 4 * 134 * 528 * (
+        1 if cfg is TINY else 5)                      # 283,008 / 1,415,040
+    regions_on, regions_off = on.regions(), off.regions()       # finalize() agreed
+    assert regions_on[:-1] == regions_off
+    mtp = regions_on[-1]
+    assert (mtp.name, mtp.offset, mtp.nbytes, mtp.shape) == ("mtp", without, 70_752, (134, 528))
+    assert layout(cfg, speculative="ngram:4").block.slot_bytes == without
+    # a prefill engine's 396-row rings leave the MTP ring at W + B
+    pe = layout(cfg, speculative="mtp:3", extra_state=True, truncation="compact",
+                keep_tokens=134).block
+    assert pe.mtp_bytes == 70_752 and pe.regions()[-1].shape == (134, 528)
+
+
+def test_mtp_layout_drift_fails_loudly(clean_rings):
+    sb = layout(TINY, speculative="mtp:2").block
+    b = LayoutBuilder(sb)
+    for r in sb.regions()[:-1]:
+        b.add(r.name, r.layer, r.shape, r.dtype)
+    with pytest.raises(AssertionError, match="state layout drift"):
+        b.finalize()                                  # the MTP ring is missing

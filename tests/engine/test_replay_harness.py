@@ -34,11 +34,9 @@ class DecodeForcing(EngineCore):
         super().__init__(*a, **kw)
         self.want, self.rows = list(want), []
 
-    def _emit(self, seq, logits, *args):
+    def _emit(self, seq, logits, *args, token=None, **kw):
         self.rows.append(logits.clone())
-        onehot = torch.full_like(logits, -1e4)
-        onehot[self.want[len(seq.output)]] = 0.0
-        return super()._emit(seq, onehot, *args)
+        return super()._emit(seq, logits, *args, token=self.want[len(seq.output)], **kw)
 
 
 def decode_forced(prompt, cont, policy, warm_to=None):

@@ -58,3 +58,21 @@ def test_generate_local_default_model_writes_text():
     print(repr(text))
     assert text.isascii() and text.replace("\n", "").isprintable()
     assert sum(c.isalpha() for c in text) >= 8, text
+
+
+def test_shipped_mtp_module_reaches_its_recorded_held_out_accuracy():
+    """The checkpoint's MTP module (speculative drafts): trained, and as good as recorded on
+    a small held-out slice (loss within 2 %, agreement with the trunk's greedy tokens at
+    draft positions 1 and 2 within 0.02)."""
+    from services.engine.model import mtp
+    from services.engine.train.mtp import slice_metrics
+
+    w = weights_mod.load(MODEL / "model.safetensors", TINY)
+    assert mtp.has_mtp(w) and set(mtp.shapes(TINY)) <= set(w)
+    got, want = slice_metrics(w, TINY, evaluate.held_out_stream()), METRICS["mtp"]["slice"]
+    print(f"MTP slice: {got}")
+    assert abs(got["mtp_loss"] - want["mtp_loss_nats"]) <= 0.02 * want["mtp_loss_nats"]
+    for key in ("draft_agreement", "chain_agreement"):     # draft positions 1 and 2
+        assert abs(got[key] - want[key]) <= 0.02, key
+    held_out = METRICS["mtp"]["held_out"]
+    assert held_out["draft_agreement"] > 0.7 and held_out["chain_agreement"] > 0.7

@@ -1,5 +1,6 @@
-"""Speculative decoding is lossless (issue 12, "Must show"): greedy outputs with ngram:4
-and with a drafter that is wrong on purpose at every draft position 0..k equal those of
+"""Speculative decoding is lossless (issue 12, "Must show"): greedy outputs with ngram:4,
+with mtp:3 (a random MTP module: tests/engine/test_mtp.py pins its drafts and ring to the
+reference) and with a drafter that is wrong on purpose at every draft position 0..k equal those of
 `off` for 50 prompts whose generations cross block (16), CSA (4) and HCA (16) boundaries,
 in float64 with every emitted token's logits <= 1e-9 of the run without speculation,
 batched so that verify steps run beside other requests' prefill chunks. Truncation is on,
@@ -14,6 +15,7 @@ from kvmesh.errors import InvalidArgument
 from services.engine.config import EngineConfig, small_test_config
 from services.engine.core.engine import EngineCore, Hooks
 from services.engine.core.sampling import SamplingParams
+from services.engine.model import weights as weights_mod
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 from tests.engine.spec_helpers import OracleDrafter
 
@@ -47,8 +49,14 @@ class Recorder(Hooks):
         self.published[key] = snap.data
 
 
+# the seed-0 trunk plus a random MTP module (its own generator: the trunk's bytes are those of
+# the baseline's weights, so `off` is the same model)
+W_MTP = weights_mod.init_weights(CFG, seed=0, dtype=torch.float64, mtp=True)
+
+
 def run(speculative="off", drafter=None):
-    engine = make_engine(CFG, speculative=speculative, **SETTINGS)
+    weights = W_MTP if speculative.startswith("mtp") else None
+    engine = make_engine(CFG, speculative=speculative, weights=weights, **SETTINGS)
     if drafter is not None:
         engine.spec.drafter = drafter
     engine.hooks = Recorder()
@@ -104,6 +112,16 @@ def test_forced_rejection_at_every_position_equals_off(baseline):
     for j in range(1, 5):            # every position was both accepted and rejected
         assert 0 < s[f"spec_accepted_pos{j}"] < s[f"spec_drafted_pos{j}"], j
     assert s["spec_accepted_pos4"] > 0          # whole drafts accepted: the bonus token path
+    assert engine.mixed_steps >= 5
+
+
+def test_mtp_greedy_equals_off(baseline):
+    """mtp:3 with a random MTP module: drafts come from the batched MTP forward beside
+    prefill chunks, are rejected (and, rarely, accepted), and nothing changes."""
+    engine, seqs = run("mtp:3")
+    assert_same_as_baseline(engine, seqs, baseline)
+    s = engine.stats()
+    assert s["spec_drafted_tokens"] > 0 and s["spec_verify_steps"] > N_PROMPTS
     assert engine.mixed_steps >= 5
 
 

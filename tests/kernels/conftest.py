@@ -23,6 +23,7 @@ try:
     import kernels.triton.indexer  # noqa: F401,E402
     import kernels.triton.mxfp8  # noqa: F401,E402
     import kernels.triton.pooling  # noqa: F401,E402
+    import kernels.triton.ragged  # noqa: F401,E402
 finally:
     if not CUDA:
         if _before is None:

@@ -100,9 +100,17 @@ class BlockStore:
             t[dst] = t[src]
 
     def serialize(self, block: int) -> bytes:
+        return self.frame(self.raw(block).cpu().numpy().tobytes())
+
+    def raw(self, block: int) -> torch.Tensor:
+        """A block's rows as one uint8 tensor on the store's device (a copy: the block may be
+        rewritten later); `frame` of its bytes is `serialize`. The engine copies it to the
+        host off the decode step (device.HostCopies) and frames it there."""
         assert isinstance(block, int), f"block id must be an int, got {block!r}"
-        parts = [t[block].contiguous().view(torch.uint8).flatten() for t in self._tensors()]
-        payload = torch.cat(parts).cpu().numpy().tobytes()
+        return torch.cat([t[block].contiguous().view(torch.uint8).flatten() for t in self._tensors()])
+
+    def frame(self, payload: bytes) -> bytes:
+        """Header, payload and digest: a serialized block."""
         head = _HEAD.pack(BLOCK_MAGIC, BLOCK_VERSION, self.layout_fp(), len(payload))
         return b"".join((head, payload, blake3(head + payload).digest()))
 

@@ -30,7 +30,9 @@ from services.engine.cache.state_layout import StateBlock
 
 
 def handoff_block(src: StateBlock) -> StateBlock:
-    """The slot layout the handoff state is written in: the inference ring, same B."""
+    """The slot layout the handoff state is written in: the inference ring, same B, no MTP
+    ring (drafter state is rebuilt by the decode engine, state_layout.py): a prefix of a
+    decode engine's slot with or without one."""
     return StateBlock(src.cfg, src.inference_ring, src.inference_ring, src.backtrack)
 
 
@@ -63,7 +65,8 @@ def rearrange_slot(src: StateBlock, slot: torch.Tensor, end: int) -> torch.Tenso
         raise ValueError(f"slot must be uint8 [{src.slot_bytes}], got {slot.dtype} {tuple(slot.shape)}")
     dst = handoff_block(src)
     out = torch.empty(dst.slot_bytes, dtype=torch.uint8)
-    for a, b in zip(src.regions(), dst.regions(), strict=True):
+    kept = [r for r in src.regions() if r.name != "mtp"]
+    for a, b in zip(kept, dst.regions(), strict=True):
         if (a.name, a.layer, a.dtype) != (b.name, b.layer, b.dtype):
             raise AssertionError(f"region order differs: {a.name}[{a.layer}] vs {b.name}[{b.layer}]")
         raw = slot[a.offset : a.offset + a.nbytes]

@@ -7,6 +7,7 @@
                                                                   134 + 128 = 262
                         = inference                  (extra-state off)     134
     compression ring    = m + B                                   CSA 10, HCA 134
+    MTP ring            = W + B  (--speculative mtp:K only)       134
 
 This engine's slots use the kvstore ring (it equals the inference ring unless
 extra-state is on); snapshots are always cut in the inference layout.
@@ -66,7 +67,10 @@ class RuntimeLayout:
             # decoder over every token and no kept span has to be re-assembled.
             if engine.truncation != "off":
                 terms += (engine.keep_tokens,)
-        block = StateBlock(model, sum(terms), inference, engine.max_backtrack)
+        # the MTP drafter's ring exists only on an engine that drafts with it
+        # (the syntax and K are checked by core/speculative.py engine_setting)
+        mtp_rings = 1 if engine.speculative.strip().partition(":")[0] == "mtp" else 0
+        block = StateBlock(model, sum(terms), inference, engine.max_backtrack, mtp_rings)
         block.regions()   # walks the tensors once: a drift fails here, before any allocation
         return cls(model, engine, inference, terms, block)
 

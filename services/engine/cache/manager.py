@@ -249,7 +249,9 @@ class CacheManager:
         assert seq.slot is None and not seq.table, seq.request_id
         seq.slot = self.states.allocate()
         self.snapshots.admitted(seq.slot)
-        self.states.data[seq.slot] = torch.frombuffer(bytearray(h.state), dtype=torch.uint8)
+        # the handoff layout is this slot's up to its MTP ring (cache/handoff.py handoff_block)
+        self.states.data[seq.slot, : len(h.state)] = torch.frombuffer(bytearray(h.state),
+                                                                      dtype=torch.uint8)
         local = [self.pool.lookup(x) for x in h.hashes]
         for b in local:                        # shared first: installing cannot evict them
             if b is not None:

@@ -90,6 +90,9 @@ class PrefixReuse:
                                    self.cfg.swa_bytes_per_token, dtype=torch.uint8,
                                    device=states.data.device)
         self.replica_pos = [0] * states.num_slots     # 0 = empty
+        # replica bytes on their way to the host store (pinned, non-blocking on CUDA): a
+        # snapshot is put when its copy lands (EngineCore polls between steps)
+        self.copies = device_mod.HostCopies(states.data.device)
         self.enabled = ecfg.truncation != "off"
 
     # --- admission (called by CacheManager) ------------------------------------------
@@ -217,6 +220,6 @@ class PrefixReuse:
     def _store(self, seq: Sequence, position: int) -> None:
         if position // self.cfg.block_size > len(seq.hashes):
             return
-        key = self.key_at(seq.hashes, position)
-        self.store.put(Snapshot(key, position, self.layout_fp, self.model_fp,
-                                self.replica[seq.slot].cpu().numpy().tobytes(), self.store.clock()))
+        key, now = self.key_at(seq.hashes, position), self.store.clock()
+        self.copies.submit(self.replica[seq.slot], lambda data: self.store.put(
+            Snapshot(key, position, self.layout_fp, self.model_fp, data, now)))

@@ -10,10 +10,17 @@ extra-state), compression rings of m + B tokens:
     | dec SWA ring 0 | ... | dec SWA ring D-1 |                          dropped: consumer SWA
     | cmp state L_a | idx state L_a | cmp state L_b | ... |               dropped: compression state
        (m+B) x 2 x 512 fp32   (m+B) x 2 x Di fp32 (CSA only)              (v and gate z per token)
+    | MTP ring 0 |  (W + B) x 528 B, only with --speculative mtp:K        dropped: drafter state
 
 Each SWA ring row is one token, ring index = position % R:
 
     | 512 B E4M3 values | 16 B E8M0 scales |  = 528 B
+
+The MTP ring (model/mtp.py, the drafter's own SWA layer) always has the inference ring's
+W + B rows, whatever R is: drafts only need the last W positions plus B of rollback. It
+comes after everything else, so the stored prefix, the snapshots and the handoff state
+(cache/handoff.py) are the same with or without it; it is rebuilt from the hidden states
+the engine computes after an admission, never persisted or handed off.
 
 Persisting a slot is a prefix cut: the first `state_size_to_disk` bytes of the
 slot in the inference layout (R = 134), i.e. E * 134 * 528 B. For v41-flash:
@@ -58,6 +65,7 @@ class StateBlock:
     swa_ring: int                       # R of this pool
     inference_ring: int                 # 134 with the defaults
     backtrack: int
+    mtp_rings: int = 0                  # MTP drafter rings (1 with --speculative mtp:K)
 
     @property
     def swa_token_bytes(self) -> int:
@@ -93,8 +101,13 @@ class StateBlock:
         return total
 
     @property
+    def mtp_bytes(self) -> int:
+        """The MTP drafter's SWA ring(s): inference-ring rows of MXFP8, like any SWA ring."""
+        return self.mtp_rings * self.inference_ring * self.swa_token_bytes
+
+    @property
     def slot_bytes(self) -> int:
-        return self.stored_bytes + self.consumer_swa_bytes + self.compression_bytes
+        return self.stored_bytes + self.consumer_swa_bytes + self.compression_bytes + self.mtp_bytes
 
     def regions(self) -> list[Region]:
         """Every tensor of the slot, in layout order, via the builder (checked by finalize)."""
@@ -109,6 +122,8 @@ class StateBlock:
             b.add("cmp", layer, (r, 2, cfg.head_dim), "float32")
             if cfg.layers[layer] == "csa":
                 b.add("idx", layer, (r, 2, cfg.index_dim), "float32")
+        for ring in range(self.mtp_rings):
+            b.add("mtp", ring, (self.inference_ring, self.swa_token_bytes), "uint8")
         b.finalize()
         return b.regions
 

@@ -34,12 +34,13 @@ class StatePool:
         self.swa: dict[int, torch.Tensor] = {}   # layer -> [S, R, 528] uint8
         self.cmp: dict[int, torch.Tensor] = {}   # layer -> [S, m+B, 2, D] fp32
         self.idx: dict[int, torch.Tensor] = {}   # csa layer -> [S, m+B, 2, Di] fp32
+        self.mtp: dict[int, torch.Tensor] = {}   # MTP ring -> [S, W+B, 528] uint8 (mtp drafts only)
         for r in self.block.regions():  # regions() runs the start-up layout check
             raw = self.data[:, r.offset : r.offset + r.nbytes]
             if r.dtype == "float32":
                 raw = raw.view(torch.float32)
             view = raw.view(num_slots, *r.shape)
-            {"swa": self.swa, "cmp": self.cmp, "idx": self.idx}[r.name][r.layer] = view
+            {"swa": self.swa, "cmp": self.cmp, "idx": self.idx, "mtp": self.mtp}[r.name][r.layer] = view
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property

@@ -33,11 +33,14 @@ from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.cache.prefix import Prefetched, PrefixReuse
 from services.engine.config import EngineConfig, ModelConfig
 from services.engine.core.handoff import Handoff, HandoffStore, export_handoff, handoff_problem
+from services.engine.core.mtp_draft import MtpDrafter
 from services.engine.core.output import OutputState
-from services.engine.core.sampling import SamplingParams, sample
+from services.engine.core.sampling import SamplingParams, sample, sample_ids
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Finish, Sequence
 from services.engine.core.speculative import Speculator, engine_setting
+from services.engine.model import mtp
+from services.engine.model.mtp_runner import MtpRunner
 from services.engine.model.runner import ForwardResult, ModelRunner, Work
 from services.engine.model.weights import Weights, init_weights
 
@@ -110,8 +113,12 @@ class EngineCore:
         # as the snapshot store may hold, for as long as a fetch may reasonably take
         self.handoffs = HandoffStore(ecfg.snapshot_bytes, ttl_s=60.0)
         # speculative decoding: K <= B, mtp only with MTP weights (InvalidArgument at start-up)
-        self.spec = Speculator(engine_setting(ecfg.speculative, self.layout.backtrack,
-                                              has_mtp=False), ecfg.ngram_min, ecfg.ngram_max)
+        setting = engine_setting(ecfg.speculative, self.layout.backtrack, mtp.has_mtp(self.weights))
+        drafter = MtpDrafter(MtpRunner(cfg, self.weights, self.cache.states), cfg.window) \
+            if setting.method == "mtp" else None
+        self.spec = Speculator(setting, ecfg.ngram_min, ecfg.ngram_max, drafter)
+        # completed blocks on their way to hooks.block_done (pinned, non-blocking on CUDA)
+        self.copies = device_mod.HostCopies(self.device)
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
@@ -173,6 +180,7 @@ class EngineCore:
 
     # --- one step ------------------------------------------------------------------
     def step(self) -> list[Event]:
+        self._deliver_copies(wait=False)       # earlier steps' block and snapshot bytes
         proposed = self.spec.propose(self.scheduler.running)
         plan = self.scheduler.schedule({r: len(d) for r, d in proposed.items()})
         for _, match in plan.admitted:
@@ -203,23 +211,36 @@ class EngineCore:
                     verifying.append((seq, works[i], i, drafts[seq.request_id]))
                     continue
                 self._after_forward(seq, works[i], res, i)
+                self.spec.observe(seq, works[i].owner, res.hidden.get(i), works[i].end)
                 if not seq.prefilling and i in res.logits:
                     sampled.append((seq, res.logits[i]))
         self.counters["steps"] += 1
         if self.counters["steps"] % 256 == 0:      # reclaim expired snapshots even if unread
             self.prefix.expire()
-        for seq, logits in sampled:
-            events.append(self._emit(seq, logits))
+        # the step's one device sync: every sampled id in one host read (sampling.sample_ids)
+        ids = sample_ids([(logits, seq.params, len(seq.output), seq.seed)
+                          for seq, logits in sampled])
+        for (seq, logits), token in zip(sampled, ids, strict=True):
+            events.append(self._emit(seq, logits, token=token))
         for seq, work, i, d in verifying:
             events.append(self._verify(seq, work, res, i, d))
+        if not self.has_work:
+            self._deliver_copies(wait=True)    # idle: nothing left to overlap them with
         return events
+
+    def _deliver_copies(self, wait: bool) -> None:
+        """Device-to-host copies (blocks for upload, snapshots for the store) that have
+        landed, or all of them with `wait`; on the CPU there are never any pending."""
+        self.copies.poll(wait)
+        self.prefix.copies.poll(wait)
 
     def _work(self, seq: Sequence, start: int, end: int, drafts: list[int] = ()) -> Work:
         tokens = seq.tokens + list(drafts) if drafts else seq.tokens
         work = Work(seq.slot, seq.table, tokens, start, end + len(drafts), enc_lo=seq.enc_lo,
                     dec_lo=seq.dec_lo, cmp_from=seq.cmp_from,
                     want_logits=end == len(seq.tokens), n_logits=1 + len(drafts),
-                    owner=(seq.request_id, seq.admitted_at))
+                    owner=(seq.request_id, seq.admitted_at),
+                    want_hidden=self.cfg.window if self.spec.wants_hidden(seq.request_id) else 0)
         if seq.prefilling:
             self.prefix.capture_for(seq, work)
         return work
@@ -227,7 +248,9 @@ class EngineCore:
     def _after_forward(self, seq: Sequence, work: Work, res, index: int) -> None:
         for h, block in self.cache.commit(seq, work.end):
             if self.hooks.wants_blocks:
-                self.hooks.block_done(h, self.cache.store.serialize(block), seq.traffic_class)
+                cls = seq.traffic_class
+                self.copies.submit(self.cache.store.raw(block), lambda raw, h=h, cls=cls:
+                                   self.hooks.block_done(h, self.cache.store.frame(raw), cls))
         self.prefix.after_forward(seq, work, res, index)
         self.counters["computed_tokens"] += work.end - work.start
 
@@ -251,11 +274,13 @@ class EngineCore:
         self.hooks.snapshot_stored(snap.key, snap)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor, drafts: list[int] | None = None,
-              work: Work | None = None) -> Event:
-        """Sample from logits [V]; or, with drafts, judge them against logits [1 + k, V] and
-        emit what verification gives (speculative.verify), committing the accepted ones."""
+              work: Work | None = None, token: int | None = None) -> Event:
+        """Emit `token` (sampled from logits [V] by step, with the others of the step), or
+        sample it here; or, with drafts, judge them against logits [1 + k, V] and emit what
+        verification gives (speculative.verify), committing the accepted ones."""
         if drafts is None:
-            tokens = [sample(logits, seq.params, len(seq.output), seq.seed)]
+            tokens = [token if token is not None else
+                      sample(logits, seq.params, len(seq.output), seq.seed)]
         else:
             tokens = self.spec.verify(seq, logits, drafts)
         out = self.outputs[seq.request_id]
@@ -277,7 +302,10 @@ class EngineCore:
         return Event(seq.request_id, emitted, text, None, seq)
 
     def _verify(self, seq: Sequence, work: Work, res, index: int, drafts: list[int]) -> Event:
-        return self._emit(seq, res.logits[index], drafts, work)
+        event = self._emit(seq, res.logits[index], drafts, work)
+        if event.finish is None:      # the MTP drafter continues from the kept positions
+            self.spec.observe(seq, work.owner, res.hidden.get(index), seq.num_computed)
+        return event
 
     def _commit_verified(self, seq: Sequence, work: Work) -> None:
         """After a verify step: commit the pending token and the accepted drafts only. The

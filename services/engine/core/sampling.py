@@ -96,8 +96,24 @@ def generator(params: SamplingParams, step: int, request_seed: int, stream: int 
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int, request_seed: int) -> int:
     """logits: [V] -> token id. `step` = how many tokens this request has generated."""
+    return sample_ids([(logits, params, step, request_seed)])[0]
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, step: int,
+         request_seed: int) -> torch.Tensor:
+    """The token of one row as a 0-d long tensor on the logits' device (no host read)."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     probs = target_probs(logits, params)
     gen = generator(params, step, request_seed, device=probs.device)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return torch.multinomial(probs, 1, generator=gen)[0]
+
+
+def sample_ids(rows: list[tuple[torch.Tensor, SamplingParams, int, int]]) -> list[int]:
+    """Tokens of many rows (logits [V], params, step, request seed), each drawn on its logits'
+    device with its own generator; ONE host read for all of them. This is the engine's one
+    device sync per step (EngineCore.step): the sampled ids are the only numbers the host
+    must see to go on (stops, block hashes, the next step's tokens)."""
+    if not rows:
+        return []
+    return torch.stack([draw(*row) for row in rows]).tolist()

@@ -29,6 +29,7 @@ import torch
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.generation import parse_speculative
+from services.engine.core.mtp_draft import MtpDrafter
 from services.engine.core.sampling import SamplingParams, generator, target_probs
 
 
@@ -61,17 +62,19 @@ def engine_setting(text: str, backtrack: int, has_mtp: bool) -> SpecSetting:
 
 def request_setting(params: SamplingParams, engine: SpecSetting) -> SpecSetting:
     """A request's own setting, bounded by the engine's: off, or the engine's method with
-    K no larger than the engine's. Empty = the engine's setting."""
+    K no larger than the engine's; an mtp engine also serves ngram (it needs no state).
+    Empty = the engine's setting."""
     if not params.speculative:
         return engine
     s = parse(params.speculative)
     if not s.on:
         return s
-    if s.method != engine.method or s.k > engine.k:
+    methods = ("ngram", "mtp") if engine.method == "mtp" else (engine.method,)
+    if s.method not in methods or s.k > engine.k:
         have = f"{engine.method}:{engine.k}" if engine.on else "off"
         raise InvalidArgument(f"speculative: {params.speculative!r} is not allowed on this engine "
-                              f"(it runs {have}; a request may ask for off or the same method "
-                              f"with K up to {engine.k})")
+                              f"(it runs {have}; a request may ask for off or "
+                              f"{' or '.join(methods)} with K up to {engine.k})")
     return s
 
 
@@ -119,22 +122,26 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def draft_probs(drafts: list[int], q: torch.Tensor | None, vocab: int,
-                params: SamplingParams) -> torch.Tensor:
+                params: SamplingParams, device: str | torch.device = "cpu") -> torch.Tensor:
     """[k, V] draft distributions, truncated like the target: a deterministic drafter
     (q None, e.g. n-gram) proposes with probability one; a sampling drafter's logits
     go through the request's temperature/top_k/top_p."""
     if q is None:
-        out = torch.zeros(len(drafts), vocab, dtype=torch.float64)
-        out[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)] = 1.0
+        out = torch.zeros(len(drafts), vocab, dtype=torch.float64, device=device)
+        out[torch.arange(len(drafts), device=device),
+            torch.tensor(drafts, dtype=torch.long, device=device)] = 1.0
         return out
     return torch.stack([target_probs(row, params) for row in q])
 
 
 def accept_one(p: torch.Tensor, q: torch.Tensor, d: int, gen_u: torch.Generator,
                gen_r: torch.Generator) -> int | None:
-    """One rejection-sampling step: None if draft d is accepted, else the replacement."""
-    u = float(torch.rand((), generator=gen_u, dtype=torch.float64))
-    if q[d] > 0 and u * float(q[d]) < float(p[d]):          # u < min(1, p/q)
+    """One rejection-sampling step: None if draft d is accepted, else the replacement.
+    Draws on p's device (the generators are made there); the test u < min(1, p/q) is done
+    in float64 on the device and read once (the same comparison, bit for bit, as on the
+    host: fp32 and fp64 values convert exactly)."""
+    u = torch.rand((), generator=gen_u, dtype=torch.float64, device=p.device)
+    if bool((q[d] > 0) & (u * q[d] < p[d])):
         return None
     return int(torch.multinomial(residual(p, q), 1, generator=gen_r))
 
@@ -152,17 +159,21 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, step
                 return out + [best[j]]
             out.append(d)
         return out + [best[k]]
-    qs = draft_probs(drafts, q, logits.shape[-1], params)
+    # every draw on the logits' device, from generators made there (same seeds as ever; a
+    # CUDA generator draws other numbers than a CPU one, so tokens are reproducible per device)
+    dev = logits.device
+    qs = draft_probs(drafts, q, logits.shape[-1], params, dev)
     out = []
     for j, d in enumerate(drafts):
         p = target_probs(logits[j], params)
-        tok = accept_one(p, qs[j], d, generator(params, step + j, seed, ACCEPT_STREAM),
-                         generator(params, step + j, seed, RESIDUAL_STREAM))
+        tok = accept_one(p, qs[j], d, generator(params, step + j, seed, ACCEPT_STREAM, dev),
+                         generator(params, step + j, seed, RESIDUAL_STREAM, dev))
         if tok is not None:
             return out + [tok]
         out.append(d)
     p = target_probs(logits[k], params)
-    return out + [int(torch.multinomial(p, 1, generator=generator(params, step + k, seed)))]
+    return out + [int(torch.multinomial(p, 1, generator=generator(params, step + k, seed,
+                                                                  device=dev)))]
 
 
 # --- the engine's side ----------------------------------------------------------------
@@ -173,10 +184,13 @@ class Speculator:
     """Owned by EngineCore (engine thread only): the engine's setting, its drafter, each
     running request's own setting and draft counts, and the draft counters of GetStats."""
 
-    def __init__(self, setting: SpecSetting, ngram_min: int = 1, ngram_max: int = 4):
+    def __init__(self, setting: SpecSetting, ngram_min: int = 1, ngram_max: int = 4,
+                 mtp: MtpDrafter | None = None):
         self.setting = setting
         # tests may replace the drafter (any object with propose(tokens, k) -> drafts)
-        self.drafter = NgramDrafter(ngram_min, ngram_max) if setting.method == "ngram" else None
+        self.drafter = NgramDrafter(ngram_min, ngram_max) if setting.on else None
+        # mtp:K: drafts from the MTP module, batched over the step's requests (core/mtp_draft.py)
+        self.mtp = mtp if setting.method == "mtp" else None
         self.requests: dict[str, SpecSetting] = {}
         self.usage: dict[str, list[int]] = {}          # request id -> [drafted, accepted]
         # request id -> (output length at which it drafts again, wholly rejected drafts in
@@ -194,7 +208,22 @@ class Speculator:
             self.requests[request_id] = s
         self.usage[request_id] = [0, 0]
 
+    def wants_hidden(self, request_id: str) -> bool:
+        """Does this request's forward hand its hidden states to the MTP drafter?"""
+        s = self.requests.get(request_id)
+        return s is not None and s.method == "mtp"
+
+    def observe(self, seq, owner, hidden: tuple[int, torch.Tensor] | None, end: int) -> None:
+        """After a forward: the hidden states of seq's positions committed up to `end`."""
+        if hidden is None or not self.wants_hidden(seq.request_id):
+            return
+        first, h = hidden
+        if end > first:
+            self.mtp.observe(seq.request_id, owner, first, h[: end - first])
+
     def forget(self, request_id: str) -> None:
+        if self.mtp is not None:
+            self.mtp.forget(request_id)
         self.requests.pop(request_id, None)
         self.usage.pop(request_id, None)
         self.backoff.pop(request_id, None)
@@ -205,6 +234,7 @@ class Speculator:
         out: dict[str, list[int]] = {}
         if not self.requests:            # nothing speculates: no walk over the running list
             return out
+        wanted, by_mtp = [], []
         for seq in running:
             s = self.requests.get(seq.request_id)
             if s is None or seq.prefilling or seq.slot is None:
@@ -213,13 +243,20 @@ class Speculator:
                 continue
             k = min(s.k, seq.params.max_tokens - len(seq.output) - 1)
             if k > 0:
-                drafts = self.drafter.propose(seq.tokens, k)[:k]
-                if drafts:
-                    out[seq.request_id] = drafts
+                (by_mtp if s.method == "mtp" else wanted).append((seq, k))
+        if by_mtp:
+            out = self.mtp.propose(by_mtp)            # one batched call per draft depth
+        for seq, k in wanted:
+            drafts = self.drafter.propose(seq.tokens, k)[:k]
+            if drafts:
+                out[seq.request_id] = drafts
         return out
 
     def verify(self, seq, logits: torch.Tensor, drafts: list[int]) -> list[int]:
-        tokens = verify(logits, drafts, seq.params, len(seq.output), seq.seed)
+        q = None
+        if self.wants_hidden(seq.request_id):
+            q = self.mtp.q.pop(seq.request_id)[: len(drafts)]     # the drafter's distribution
+        tokens = verify(logits, drafts, seq.params, len(seq.output), seq.seed, q)
         accepted = len(tokens) - 1
         c = self.counters
         c["spec_verify_steps"] += 1

@@ -29,6 +29,7 @@ class Segments:
     pos: torch.Tensor          # [T] position of each row
     lo: torch.Tensor           # [N] window lower bound (keys at positions < lo are masked)
     counts: tuple[int, ...] = ()   # n as host ints (decisions without a device sync)
+    first_ids: tuple[int, ...] = ()  # first as host ints
 
     @staticmethod
     def build(firsts: list[int], ends: list[int], los: list[int], device=None) -> Segments:
@@ -41,11 +42,11 @@ class Segments:
                                       output_size=sum(counts))
         pos = first[wid] + torch.arange(sum(counts), device=device) - cu[wid]
         return Segments(first, n, cu, wid, pos, torch.tensor(los, dtype=torch.long, device=device),
-                        counts)
+                        counts, tuple(firsts))
 
     @property
     def rows(self) -> int:
-        return int(self.cu[-1])
+        return sum(self.counts)      # from the host ints: every layer asks, none may sync
 
     @property
     def end(self) -> torch.Tensor:
@@ -69,6 +70,8 @@ class StepBatch:
     dec: Segments
     dec_rows: torch.Tensor | None   # [Td] rows of enc that the decoder runs (None: all of them)
     slot_ids: tuple[int, ...] = ()  # slots as host ints
+    end_ids: tuple[int, ...] = ()   # ends as host ints
+    cmp_ids: tuple[int, ...] = ()   # cmp_from as host ints
     memo: dict = field(default_factory=dict)
 
     def once(self, key: tuple, make: Callable[[], Any]) -> Any:
@@ -96,12 +99,13 @@ class StepBatch:
         else:
             dec = Segments(enc.first, enc.n, enc.cu, enc.wid, enc.pos,
                            torch.tensor(dec_lo, dtype=torch.long, device=device),
-                           enc.counts)
+                           enc.counts, enc.first_ids)
             dec_rows = None
         as_t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
         return StepBatch(as_t([w.slot for w in works]), tables, as_t(ends),
                          as_t([w.cmp_from for w in works]),
-                         enc, dec, dec_rows, tuple(w.slot for w in works))
+                         enc, dec, dec_rows, tuple(w.slot for w in works), tuple(ends),
+                         tuple(w.cmp_from for w in works))
 
     def entry_index(self, per_block: int, count: int) -> torch.Tensor:
         """[N, count] flat row (block * per_block + row) of entries 0..count-1 of each work;

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.ragged import ring_put, ring_rows
+from services.engine import device as device_mod
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
@@ -73,17 +74,37 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
         ring_put(ring, plan.put_slots, plan.put_pos, vz if plan.put is None else vz[plan.put])
 
 
+def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
+    """From the host ints of the works, what the plan would otherwise read back from the
+    device (on CUDA a nonzero, a bincount or a boolean index is a sync each): the fed rows
+    (None: all), fed rows per work, the stream length, and whether every fed row is kept in
+    the tail ring."""
+    rows, per_work, total, all_put, cu = [], [], 0, True, 0
+    for first, n, cmp in zip(seg.first_ids, seg.counts, step.cmp_ids, strict=True):
+        end, s0 = first + n, max(first, cmp)
+        fed = max(0, end - s0)
+        per_work.append(fed)
+        if fed:
+            rows.extend(range(cu + n - fed, cu + n))
+            total += max(0, end // m * m - s0 // m * m)
+            all_put &= fed <= ring_len
+        cu += n
+    return None if len(rows) == cu else rows, per_work, total, all_put
+
+
 def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | None:
-    keep = seg.pos >= step.cmp_from[seg.wid]          # rows whose entries must not be rewritten
-    if not bool(keep.any()):
+    host_rows, per_work, total, all_put = _host_facts(step, seg, m, ring_len)
+    if not sum(per_work):
         return None
-    every = bool(keep.all())
-    rows = torch.nonzero(keep).squeeze(1)
+    dev = seg.pos.device
+    # built mid-forward (first compressed layer): host ints go up through pinned memory, a
+    # non-blocking copy (a pageable one would wait for the layers queued before it)
+    rows = torch.arange(seg.rows, device=dev) if host_rows is None else \
+        device_mod.upload(torch.tensor(host_rows, dtype=torch.long), dev)
     wid, pos = seg.wid[rows], seg.pos[rows]
-    n_new = torch.bincount(wid, minlength=len(seg.n))
+    n_new = device_mod.upload(torch.tensor(per_work, dtype=torch.long), dev)
     s0 = torch.maximum(seg.first, step.cmp_from)      # first fed position per work
     end = seg.end
-    dev = seg.pos.device
     new_cu = torch.zeros(len(n_new) + 1, dtype=torch.long, device=dev)
     new_cu[1:] = torch.cumsum(n_new, 0)
 
@@ -93,17 +114,16 @@ def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | N
     glen = torch.where(n_new > 0, torch.clamp(gend - g0, min=0), torch.zeros_like(g0))
     g_cu = torch.zeros(len(glen) + 1, dtype=torch.long, device=dev)
     g_cu[1:] = torch.cumsum(glen, 0)
-    total = int(g_cu[-1])
     swid = torch.repeat_interleave(torch.arange(len(glen), device=dev), glen, output_size=total)
     spos = g0[swid] + torch.arange(total, device=dev) - g_cu[swid]
     from_ring = spos < s0[swid]
     new_idx = torch.clamp(new_cu[swid] + spos - s0[swid], min=0, max=max(len(rows) - 1, 0))
 
     # ring rows to write: the last R fed rows of each work (older ones would be overwritten)
-    last = pos >= end[wid] - ring_len
-    put = None if bool(last.all()) else torch.nonzero(last).squeeze(1)
-    return FeedPlan(None if every else rows, put, step.slots[wid[last]], pos[last], len(spos) // m,
-                    step.slots[swid], spos, from_ring.view(-1, 1, 1), new_idx,
+    put = None if all_put else torch.nonzero(pos >= end[wid] - ring_len).squeeze(1)
+    put_wid, put_pos = (wid, pos) if put is None else (wid[put], pos[put])
+    return FeedPlan(None if host_rows is None else rows, put, step.slots[put_wid], put_pos,
+                    total // m, step.slots[swid], spos, from_ring.view(-1, 1, 1), new_idx,
                     swid[::m], torch.div(spos[::m], m, rounding_mode="floor"))
 
 

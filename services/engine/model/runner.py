@@ -62,6 +62,7 @@ class Work:
     want_logits: bool = True
     n_logits: int = 1          # logit rows of the chunk's last positions (verify: 1 + drafts)
     owner: object = None       # identifies one admission of a sequence (window mirror); None: no mirror
+    want_hidden: int = 0       # return the last residual rows of up to this many final positions (MTP)
 
 
 @dataclass
@@ -69,6 +70,9 @@ class ForwardResult:
     logits: dict[int, torch.Tensor] = field(default_factory=dict)     # work index -> [V] ([n, V]: n_logits > 1)
     captures: dict[int, torch.Tensor] = field(default_factory=dict)   # work index -> [E, R_inf, 528]
     rows: dict[str, int] = field(default_factory=dict)                # query rows computed per layer
+    # work index -> (first position, [n, hidden] last residual stream before the final norm)
+    # of positions >= dec_lo (the only ones whose decoder rows are the model's): MTP input
+    hidden: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -100,6 +104,11 @@ class ModelRunner:
         for layer in range(cfg.n_encoder_layers, cfg.n_layers):
             x = self._layer(layer, x, step, "dec", h_enc, works, result, stale)
         result.rows = {"encoder": step.enc.rows, "decoder": step.dec.rows}
+        for i, wk in enumerate(works):
+            first = max(wk.start, wk.dec_lo, wk.end - wk.want_hidden)
+            if wk.want_hidden and first < wk.end:
+                at = int(step.dec.cu[i]) + first - int(step.dec.first[i])
+                result.hidden[i] = (first, x[at : at + wk.end - first])
 
         want = [i for i, w in enumerate(works) if w.want_logits]
         if want:
@@ -142,12 +151,13 @@ class ModelRunner:
                                                                     in_place, stale))
         # read every older key this layer needs before it writes the ring
         groups = []
-        for pool, per_row in ((plan.gather, True), (plan.pool, False)):
-            if pool is not None:
-                old = self.mirror.read(layer, pool.old_slots, pool.old_pos, kv.dtype)
-                keys = torch.cat([old, kv[pool.rows]])
-                groups.append((pool.rows, (keys if pool.idx is None else keys[pool.idx], pool.ok),
-                               per_row, "gather" if per_row else "pool"))
+        pools = [(plan.gather, "gather")] if plan.gather is not None else []
+        pools += [(pool, ("pool", i)) for i, pool in enumerate(plan.pools)]
+        for pool, path in pools:
+            old = self.mirror.read(layer, pool.old_slots, pool.old_pos, kv.dtype)
+            keys = torch.cat([old, kv[pool.rows]])
+            groups.append((pool.rows, (keys if pool.idx is None else keys[pool.idx], pool.ok),
+                           path == "gather", path))
         if plan.ring is not None and plan.ring.fill_slots is not None:
             self.mirror.fill(layer, plan.ring.fill_slots, plan.ring.fill_pos)
         if cfg.is_encoder(layer):
@@ -157,8 +167,9 @@ class ModelRunner:
         self.mirror.write(layer, plan.put_slots, plan.put_pos, kv[put])
         if plan.ring is not None:
             rows = plan.ring.rows
-            groups.append((rows, RingKeys(self.mirror.values[layer], plan.ring.where, plan.ring.ok),
-                           True, "ring"))
+            # the ring bytes too: a Triton kernel dequantizes them in registers (kernels/ragged.py)
+            groups.append((rows, RingKeys(self.mirror.values[layer], plan.ring.where, plan.ring.ok,
+                                          ring), True, "ring"))
 
         if m is not None:
             compressor.feed(cfg, w, self.states, self.blocks, layer, step, step.enc,
@@ -210,7 +221,7 @@ class ModelRunner:
         flat, visible = step.once(("entries", key, m, entries.shape[1]),
                                   lambda: _visible_entries(seg, step, m, entries.shape[1], rows, per_row))
         table = entries.view(-1, entries.shape[-1])
-        if cfg.layers[layer] != "csa":
+        if cfg.layers[layer] != "csa" or self._all_visible(step, m):
             return table[flat].to(h.dtype), visible
         ikeys = self.blocks.index_keys[layer]
         ikeys = ikeys.view(-1, ikeys.shape[-1])[flat].to(h.dtype)           # [t, K, Di] / [L, Di]
@@ -224,11 +235,16 @@ class ModelRunner:
         picked = flat.gather(1, idx) if per_row else flat[idx]
         return table[picked].to(h.dtype), ok
 
+    def _all_visible(self, step: StepBatch, m: int) -> bool:
+        """No row of the step sees more than top-k entries: the indexer would keep every
+        visible one (select_topk's rule), so it is not run at all."""
+        return max(step.end_ids) // m <= self.cfg.csa_topk                  # host ints: no sync
+
 
 def _visible_entries(seg: Segments, step: StepBatch, m: int, per: int, rows, per_row: bool):
     """(flat block-store rows of the candidate entries, visible mask): [t, K] each per row,
     or one pool [L] of the rows' works' entries with a [t, L] mask."""
-    count = int((step.ends // m).max())
+    count = max(step.end_ids) // m                                       # host ints: no sync
     index = step.entry_index(per, count)                                 # [N, K]
     wid = seg.wid if rows is None else seg.wid[rows]
     n_vis = ((seg.pos if rows is None else seg.pos[rows]) + 1) // m

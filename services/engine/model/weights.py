@@ -11,6 +11,9 @@ Names (per layer i):
     layers.i.idx_wv/idx_wz [hidden, Di]    layers.i.idx_bias [m, Di]
     layers.i.idx_wq [hidden, Hi*Di]        layers.i.idx_ww [hidden, Hi]
   global: embed [V, hidden], enc_norm [hidden] (gives H_enc), final_norm [hidden], lm_head [hidden, V]
+  optional MTP module (model/mtp.py), all or none:
+    mtp.hnorm/enorm/norm [hidden]  mtp.eh_proj [2*hidden, hidden]  and one SWA block's tensors
+    as mtp.<leaf> (attn_norm, wq, wkv, kv_norm, sink, wo, ffn_norm, w1, w3, w2)
 """
 
 from __future__ import annotations
@@ -52,11 +55,30 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def init_weights(cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> Weights:
-    """Deterministic for a given (config, seed): same seed, same bytes."""
-    gen = torch.Generator().manual_seed(seed)
+def mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP module's tensors: its input projection and norms, one SWA block (model/mtp.py)."""
+    h, d, f = cfg.hidden, cfg.head_dim, cfg.ffn_hidden
+    return {
+        "mtp.hnorm": (h,), "mtp.enorm": (h,), "mtp.eh_proj": (2 * h, h), "mtp.norm": (h,),
+        "mtp.attn_norm": (h,), "mtp.ffn_norm": (h,),
+        "mtp.wq": (h, cfg.n_heads * d), "mtp.wkv": (h, d), "mtp.kv_norm": (d,),
+        "mtp.sink": (cfg.n_heads,), "mtp.wo": (cfg.n_heads * d, h),
+        "mtp.w1": (h, f), "mtp.w3": (h, f), "mtp.w2": (f, h),
+    }
+
+
+def init_weights(cfg: ModelConfig, seed: int = 0, dtype=torch.float32, mtp: bool = False) -> Weights:
+    """Deterministic for a given (config, seed): same seed, same bytes. `mtp` adds the MTP
+    module, drawn from its own generator so the trunk's bytes do not depend on it."""
+    w = _init(shapes(cfg), torch.Generator().manual_seed(seed), dtype)
+    if mtp:
+        w.update(_init(mtp_shapes(cfg), torch.Generator().manual_seed(seed + 0x5EED), dtype))
+    return w
+
+
+def _init(named: dict[str, tuple[int, ...]], gen: torch.Generator, dtype) -> Weights:
     w: Weights = {}
-    for name, shape in shapes(cfg).items():
+    for name, shape in named.items():
         leaf = name.rsplit(".", 1)[-1]
         if leaf.endswith("norm"):
             t = torch.ones(shape)
@@ -92,6 +114,8 @@ def load(path: str | Path, cfg: ModelConfig) -> Weights:
             raise ValueError(f"checkpoint {path} does not match the model config ({detail})")
     weights = load_file(str(path))
     want = shapes(cfg)
+    if any(k.startswith("mtp.") for k in weights):      # an MTP module: all of it or refuse
+        want.update(mtp_shapes(cfg))
     missing = sorted(set(want) - set(weights))
     extra = sorted(set(weights) - set(want))
     if missing or extra:

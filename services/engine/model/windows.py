@@ -17,8 +17,10 @@ by the rows n a work has in this step (R: ring rows = W + B, B >= 0):
             No key is copied: the torch kernel multiplies a slot's queries with its ring.
     gather  n <= GATHER_MAX_ROWS: each row gathers its own W keys from a pool of the
             work's W - 1 older ring rows and its chunk rows.
-    pool    longer chunks: the rows share one pool of their works' older ring rows and
-            chunk rows, masked per row (cheaper than W keys per row).
+    pool    longer chunks: a chunk's rows share one pool of its W - 1 older ring rows and
+            its rows, masked per row (cheaper than W keys per row). One pool per chunk: a
+            pool of several chunks would make every row score every chunk's keys, which grows
+            with the square of the prefill rows in a step (4x the work with 4 chunks of 64).
 
 Older keys of gather/pool works are read through the mirror before this layer writes the
 ring; a ring-path work whose mirror was dropped (new owner, restore, rollback) has its
@@ -62,7 +64,7 @@ class PoolPlan:
 class WindowPlan:
     ring: RingPlan | None
     gather: PoolPlan | None
-    pool: PoolPlan | None
+    pools: tuple[PoolPlan, ...]    # one per long chunk: a row never scores another work's keys
     put_rows: torch.Tensor | None  # rows written to the ring (the last R of each work; None: all)
     put_slots: torch.Tensor
     put_pos: torch.Tensor
@@ -94,7 +96,7 @@ def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: 
     return WindowPlan(
         _ring(step, seg, by["ring"], rows_of(by["ring"]), ring_rows, window, stale) if by["ring"] else None,
         _pool(step, seg, rows_of(by["gather"]), window, gather=True) if by["gather"] else None,
-        _pool(step, seg, rows_of(by["pool"]), window, gather=False) if by["pool"] else None,
+        tuple(_pool(step, seg, rows_of([i]), window, gather=False) for i in by["pool"]),
         put_rows, step.slots[put_wid], put_pos)
 
 

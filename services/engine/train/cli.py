@@ -1,4 +1,5 @@
-"""`kvmesh train` (train V4-mini on the stdlib) and `kvmesh train-eval` (measure a checkpoint)."""
+"""`kvmesh train` (train V4-mini on the stdlib), `kvmesh train-mtp` (its MTP module on the frozen
+trunk) and `kvmesh train-eval` (measure a checkpoint)."""
 
 from __future__ import annotations
 
@@ -32,13 +33,20 @@ HELP = {
 }
 
 
-def register(sub) -> None:
-    from services.engine.train.loop import TrainArgs
+MTP_HELP = {
+    **HELP,
+    "base": "checkpoint whose trunk is frozen (its tensors are written out unchanged)",
+    "out": "run directory: state.pt, model.safetensors (trunk + mtp.*), train.log",
+    "minutes": "stop and save after this many minutes (the cosine follows it); 0 = no limit",
+    "eval_windows": "held-out windows per evaluation (MTP loss, top-1, draft agreement)",
+    "depth": "1: the first draft's row; 2: also the chained row of the second draft",
+}
 
-    p = sub.add_parser("train", help="train the tiny preset on the Python standard library (CPU)")
-    for f in fields(TrainArgs):
+
+def _add_fields(p, cls, helps) -> None:
+    for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        text = HELP[f.name] + " (default: %(default)s)"
+        text = helps[f.name] + " (default: %(default)s)"
         if f.type in ("bool", bool):
             if f.default:
                 p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,
@@ -48,7 +56,19 @@ def register(sub) -> None:
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
             p.add_argument(flag, type=kind, default=f.default, help=text)
+
+
+def register(sub) -> None:
+    from services.engine.train.loop import TrainArgs
+    from services.engine.train.mtp import MtpArgs
+
+    p = sub.add_parser("train", help="train the tiny preset on the Python standard library (CPU)")
+    _add_fields(p, TrainArgs, HELP)
     p.set_defaults(func=_train)
+
+    m = sub.add_parser("train-mtp", help="train the MTP module (speculative drafts) on a frozen trunk")
+    _add_fields(m, MtpArgs, MTP_HELP)
+    m.set_defaults(func=_train_mtp)
 
     e = sub.add_parser("train-eval", help="held-out bits/byte, unigram baseline, context beyond the window")
     e.add_argument("checkpoint", help="model.safetensors")
@@ -73,6 +93,19 @@ def _train(args) -> int:
         result = train(a)
     except ValueError as exc:
         print(f"kvmesh train: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+def _train_mtp(args) -> int:
+    from services.engine.train.mtp import MtpArgs, train_mtp
+
+    a = MtpArgs(**{f.name: getattr(args, f.name) for f in fields(MtpArgs)})
+    try:
+        result = train_mtp(a)
+    except ValueError as exc:
+        print(f"kvmesh train-mtp: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result))
     return 0

@@ -15,7 +15,8 @@ the work is laid out, so that a training step is affordable on one CPU core:
 - SWA KV is not MXFP8-quantized unless `quantize=True` (serving quantizes; the
   flag exists so tests can compare with the reference exactly).
 
-`forward` returns logits for every position plus the summed indexer KL.
+`forward` returns logits for every position plus the summed indexer KL; `hidden_states`
+the residual stream before the final norm (what the MTP module reads, train/mtp.py).
 """
 
 from __future__ import annotations
@@ -127,7 +128,14 @@ def layer_forward(w, cfg: ModelConfig, layer: int, x, src, chunk: int, quantize:
 
 
 def forward(w, cfg: ModelConfig, tokens, chunk: int = 64, quantize: bool = False):
-    """tokens [N, T] (long) -> (logits [N, T, V], indexer KL summed over layers and queries).
+    """tokens [N, T] (long) -> (logits [N, T, V], indexer KL summed over layers and queries)."""
+    x, kl = hidden_states(w, cfg, tokens, chunk, quantize)
+    return ops.logits(w, x, cfg), kl
+
+
+def hidden_states(w, cfg: ModelConfig, tokens, chunk: int = 64, quantize: bool = False):
+    """tokens [N, T] (long) -> (last residual stream [N, T, hidden] before the final norm,
+    indexer KL summed over layers and queries); the MTP module reads the former.
 
     T need not be a multiple of `chunk`: the batch is padded at the end and the padding
     cut off again (attention is causal, so padding never reaches a real position)."""
@@ -149,4 +157,4 @@ def forward(w, cfg: ModelConfig, tokens, chunk: int = 64, quantize: bool = False
     for layer in range(cfg.n_encoder_layers, cfg.n_layers):
         x, k = layer_forward(w, cfg, layer, x, enc, chunk, quantize)
         kl = kl + k
-    return ops.logits(w, x[:, :t], cfg), kl
+    return x[:, :t], kl

@@ -1,0 +1,219 @@
+"""`kvmesh train-mtp`: train only the MTP module (model/mtp.py) on a frozen trunk.
+
+Loss: cross-entropy of token i+2 from MTP(h_i, embed[t_{i+1}]), h_i the frozen trunk's last
+residual stream (computed without gradient, bf16 autocast like `kvmesh train`). Depth 1
+only: chained drafts (K > 1) reuse the same module at serving time (core/speculative.py).
+The trunk's tensors are written out bit-identical to the base checkpoint's, plus `mtp.*`.
+
+Run directory (as train/loop.py): state.pt (MTP weights, optimizer, step, data RNG, elapsed:
+`--resume`), model.safetensors (trunk + mtp.*), train.log. Deterministic for a seed: the
+MTP init comes from `init_weights(..., mtp=True)` and the batches from a generator seeded
+`seed + 1` whose state is checkpointed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.config import preset
+from services.engine.model import mtp, ops
+from services.engine.model import weights as weights_mod
+from services.engine.train import data
+from services.engine.train.loop import TrainArgs, _Log, lr_at
+from services.engine.train.model import hidden_states
+from services.engine.train.mtp_chain import chained, depth1
+
+RESUME_KEYS = ("base", "preset", "seed", "batch", "seq_len", "steps", "lr", "warmup", "chunk", "depth")
+
+
+@dataclass
+class MtpArgs:
+    base: str = "models/v4-mini-tiny"     # a model directory or a .safetensors file
+    out: str = "runs/mtp"
+    preset: str = "tiny"
+    steps: int = 4000
+    batch: int = 1
+    seq_len: int = 1024
+    lr: float = 3e-3
+    min_lr_frac: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    chunk: int = 64
+    bf16: bool = True
+    threads: int = 1
+    log_every: int = 10
+    eval_every: int = 200
+    eval_windows: int = 4
+    ckpt_minutes: float = 5.0
+    minutes: float = 0.0              # time budget; 0 = none. The cosine follows it too
+    depth: int = 1                    # 2: also train the chained row (the second draft)
+    resume: bool = False
+
+
+def trunk_states(w, cfg, tokens, chunk: int, bf16: bool):
+    """Frozen trunk: tokens [N, T] -> h [N, T, hidden] fp32, no gradient."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        h, _ = hidden_states(w, cfg, tokens, chunk=chunk)
+    return h.float()
+
+
+def mtp_logits(w, cfg, h, next_tokens, chunk: int, bf16: bool = False):
+    """h [N, T, hidden] at positions 0..T-1, next_tokens [N, T] (t_{i+1}) -> [N, T, V] logits
+    of t_{i+2}. T must be a multiple of `chunk` (the training layer's window tiling)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        y, _ = depth1(w, cfg, h, next_tokens, chunk)
+        return mtp.logits(w, cfg, y).float()
+
+
+def mtp_loss(w, cfg, batch, chunk: int, bf16: bool, depth: int = 1):
+    """batch [N, S + 1 + depth] -> mean over depths of the CE (nats/token) of token i+1+d at
+    depth d, over S MTP positions (depth 2: the chained row, train/mtp_chain.py)."""
+    s = batch.shape[1] - 1 - depth
+    h = trunk_states(w, cfg, batch[:, : s + 1], chunk, bf16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        y1, kv1 = depth1(w, cfg, h[:, :s], batch[:, 1 : s + 1], chunk)
+        logits = [mtp.logits(w, cfg, y1).float()]
+        if depth == 2:
+            logits.append(chained(w, cfg, y1, kv1, batch[:, 2 : s + 2], chunk).float())
+    losses = [F.cross_entropy(lg.reshape(-1, lg.shape[-1]), batch[:, 2 + d : s + 2 + d].reshape(-1))
+              for d, lg in enumerate(logits)]
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def evaluate(w, cfg, windows, chunk: int) -> dict:
+    """Held-out windows [n, S + 2], fp32, teacher forced: MTP loss, top-1 accuracy against the
+    true token i+2, and agreement of its argmax with the trunk's greedy token at i+1 given the
+    true prefix (a proxy of greedy acceptance at draft position 1); `chain_agreement`: the
+    same for the chained row (position 2) fed the true token i+2."""
+    s = windows.shape[1] - 2
+    loss = correct = agree = chain = 0.0
+    for row in windows:
+        h = trunk_states(w, cfg, row[None, : s + 2], chunk, False)
+        greedy = ops.logits(w, h[0], cfg).argmax(-1)                   # trunk's pick after i
+        y1, kv1 = depth1(w, cfg, h[:, :s], row[None, 1 : s + 1], chunk)
+        lg = mtp.logits(w, cfg, y1)[0]
+        loss += float(F.cross_entropy(lg, row[2:], reduction="sum"))
+        pick = lg.argmax(-1)
+        correct += float((pick == row[2:]).sum())
+        agree += float((pick == greedy[1 : s + 1]).sum())
+        pick2 = chained(w, cfg, y1, kv1, row[None, 2 : s + 2], chunk)[0].argmax(-1)
+        chain += float((pick2[: s - 1] == greedy[2 : s + 1]).sum())
+    n = s * len(windows)
+    return {"mtp_loss": loss / n, "mtp_top1": correct / n, "draft_agreement": agree / n,
+            "chain_agreement": chain / (n - len(windows))}
+
+
+def _save(run: Path, w, trunk_names, opt, step, gen, elapsed, a: MtpArgs, cfg, history):
+    state = {"mtp": {k: w[k].detach().clone() for k in w if k.startswith(mtp.PREFIX)},
+             "opt": opt.state_dict(), "step": step, "gen": gen.get_state(), "elapsed": elapsed,
+             "args": asdict(a), "history": history}
+    tmp = run / "state.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, run / "state.pt")
+    tmp = run / "model.safetensors.tmp"
+    weights_mod.save({k: t.detach() for k, t in w.items()}, cfg, tmp)
+    os.replace(tmp, run / "model.safetensors")
+
+
+def train_mtp(a: MtpArgs) -> dict:
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    cfg = preset(a.preset)
+    if a.seq_len % a.chunk:
+        raise ValueError(f"seq_len {a.seq_len} must be a multiple of chunk {a.chunk}")
+    run = Path(a.out)
+    run.mkdir(parents=True, exist_ok=True)
+    log = _Log(run / "train.log")
+    base_path = Path(a.base) / "model.safetensors" if Path(a.base).is_dir() else Path(a.base)
+    base = weights_mod.load(base_path, cfg)
+    trunk = {k: t for k, t in base.items() if not k.startswith(mtp.PREFIX)}
+    # a base that has an MTP module already is trained further from it (e.g. --depth 2)
+    fresh = base if mtp.has_mtp(base) else weights_mod.init_weights(cfg, a.seed, mtp=True)
+    if a.depth not in (1, 2):
+        raise ValueError(f"depth must be 1 or 2, got {a.depth}")
+    w = dict(trunk)
+    for k in mtp.shapes(cfg):
+        w[k] = fresh[k].clone().requires_grad_(True)
+    params = [w[k] for k in mtp.shapes(cfg)]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() == 2], "weight_decay": a.weight_decay},
+                             {"params": [p for p in params if p.dim() != 2], "weight_decay": 0.0}],
+                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    step, elapsed, history = 0, 0.0, []
+    state_path = run / "state.pt"
+    if a.resume and state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        diffs = [k for k in RESUME_KEYS if st["args"].get(k) != getattr(a, k)]
+        if diffs:
+            raise ValueError(f"cannot resume {state_path}: " + ", ".join(
+                f"{k} {st['args'].get(k)!r} vs {getattr(a, k)!r}" for k in diffs))
+        with torch.no_grad():
+            for k, t in st["mtp"].items():
+                w[k].copy_(t)
+        opt.load_state_dict(st["opt"])
+        gen.set_state(st["gen"])
+        step, elapsed, history = st["step"], st["elapsed"], st["history"]
+        log(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min trained)")
+    corpus = data.load_corpus()
+    log(f"corpus {corpus.describe()}")
+    val = data.eval_windows(corpus.val, a.eval_windows, a.seq_len + 1)
+    n_params = sum(p.numel() for p in params)
+    log(f"MTP module on frozen {cfg.name} trunk ({a.base}): {n_params:,} trained parameters; "
+        f"{json.dumps(asdict(a), sort_keys=True)}")
+    sched = TrainArgs(steps=a.steps, lr=a.lr, min_lr_frac=a.min_lr_frac, warmup=a.warmup,
+                      time_budget_min=a.minutes, decay_by_time=bool(a.minutes))
+    t_start = last_ckpt = win_t = time.monotonic()
+    base_elapsed, win_tokens, tokens_per_step = elapsed, 0, a.batch * a.seq_len
+    while step < a.steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, sched, elapsed)
+        loss = mtp_loss(w, cfg, data.sample_batch(corpus.train, a.batch, a.seq_len + a.depth, gen),
+                        a.chunk, a.bf16, a.depth)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, a.clip)
+        opt.step()
+        step += 1
+        win_tokens += tokens_per_step
+        elapsed = base_elapsed + time.monotonic() - t_start
+        if step % a.log_every == 0 or step == a.steps:
+            now = time.monotonic()
+            tps, win_tokens, win_t = win_tokens / max(1e-9, now - win_t), 0, now
+            pct = 100 * step / a.steps
+            bar = "#" * int(pct / 5) + "." * (20 - int(pct / 5))
+            log(f"[{bar}] step {step}/{a.steps} mtp loss {loss.item():.4f} "
+                f"lr {opt.param_groups[0]['lr']:.2e} {tps:.0f} tok/s {elapsed / 60:.1f} min")
+            history.append({"step": step, "loss": round(loss.item(), 5),
+                            "tokens": step * tokens_per_step, "minutes": round(elapsed / 60, 2)})
+        over = bool(a.minutes) and elapsed >= a.minutes * 60
+        if step % a.eval_every == 0 or step == a.steps or over:
+            ev = evaluate(w, cfg, val, a.chunk)
+            log(f"eval step {step}: held-out " + " ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+            history.append({"step": step, **{k: round(v, 5) for k, v in ev.items()}})
+        if time.monotonic() - last_ckpt >= a.ckpt_minutes * 60 or step == a.steps or over:
+            _save(run, w, trunk, opt, step, gen, elapsed, a, cfg, history)
+            last_ckpt = time.monotonic()
+            log(f"checkpoint step {step} -> {run / 'model.safetensors'}")
+        if over:
+            log(f"time budget of {a.minutes} min reached at step {step}: stopping")
+            break
+    return {"step": step, "tokens": step * tokens_per_step, "minutes": elapsed / 60}
+
+
+SLICE = (2, 512)      # (windows, MTP positions) of the shipped checkpoint's quick check
+
+
+def slice_metrics(w, cfg, val_stream) -> dict:
+    """`evaluate` on the fixed small held-out slice the shipped-checkpoint test re-measures."""
+    n, s = SLICE
+    return evaluate(w, cfg, data.eval_windows(val_stream, n, s + 1), chunk=64)
