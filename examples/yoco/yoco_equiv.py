@@ -50,14 +50,17 @@ def run_mode(cfg, w, prompt, cont, mode, keep):
     ecfg = EngineConfig(truncation=mode, keep_tokens=keep if mode != "off" else 0,
                         dtype=str(w["embed"].dtype).replace("torch.", ""), num_blocks=256)
     core = ForcingEngine(cfg, ecfg, weights=w)
+    # the continuation is scored from one prefill of prompt + continuation whose
+    # truncation point is pinned to the prompt's (bench/_replay_engine.py); different
+    # salts: neither request reuses the other's blocks or snapshots
+    core.forced["forced"] = len(cont)
+    core.add_request(prompt + cont, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                     request_id="forced", salt="forced")
     params = SamplingParams(temperature=0, max_tokens=len(cont), ignore_eos=True)
-    core.forced["forced"] = cont
-    # different salts: neither request reuses the other's blocks or snapshots
-    core.add_request(prompt, params, request_id="forced", salt="forced")
     greedy = core.add_request(prompt, params, request_id="greedy", salt="greedy")
     while core.has_work:
         core.step()
-    return torch.stack(core.logits["forced"]), greedy.output
+    return torch.cat(core.logits["forced"]), greedy.output
 
 
 def main(argv=None) -> int:
