@@ -122,6 +122,11 @@ def save_checkpoint(run: Path, w, opt, step: int, gen, elapsed: float, a: TrainA
                   "step": step, "gen": gen.get_state(), "torch_rng": torch.get_rng_state(),
                   "elapsed": elapsed, "args": asdict(a), "config": cfg.to_json(),
                   "history": history}, run / "state.pt")
+    save_model(run, w, cfg)
+
+
+def save_model(run: Path, w, cfg) -> None:
+    """run/model.safetensors, replaced whole (a crash leaves the previous one)."""
     tmp = run / "model.safetensors.tmp"
     weights_mod.save({k: t.detach() for k, t in w.items()}, cfg, tmp)
     os.replace(tmp, run / "model.safetensors")

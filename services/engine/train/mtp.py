@@ -14,7 +14,6 @@ MTP init comes from `init_weights(..., mtp=True)` and the batches from a generat
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,7 +25,14 @@ from services.engine.config import preset
 from services.engine.model import mtp, ops
 from services.engine.model import weights as weights_mod
 from services.engine.train import data
-from services.engine.train.loop import TrainArgs, _Log, lr_at
+from services.engine.train.loop import (
+    TrainArgs,
+    _atomic_save,
+    _Log,
+    lr_at,
+    make_optimizer,
+    save_model,
+)
 from services.engine.train.model import hidden_states
 from services.engine.train.mtp_chain import chained, depth1
 
@@ -117,12 +123,8 @@ def _save(run: Path, w, trunk_names, opt, step, gen, elapsed, a: MtpArgs, cfg, h
     state = {"mtp": {k: w[k].detach().clone() for k in w if k.startswith(mtp.PREFIX)},
              "opt": opt.state_dict(), "step": step, "gen": gen.get_state(), "elapsed": elapsed,
              "args": asdict(a), "history": history}
-    tmp = run / "state.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, run / "state.pt")
-    tmp = run / "model.safetensors.tmp"
-    weights_mod.save({k: t.detach() for k, t in w.items()}, cfg, tmp)
-    os.replace(tmp, run / "model.safetensors")
+    _atomic_save(state, run / "state.pt")
+    save_model(run, w, cfg)
 
 
 def train_mtp(a: MtpArgs) -> dict:
@@ -145,9 +147,7 @@ def train_mtp(a: MtpArgs) -> dict:
     for k in mtp.shapes(cfg):
         w[k] = fresh[k].clone().requires_grad_(True)
     params = [w[k] for k in mtp.shapes(cfg)]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() == 2], "weight_decay": a.weight_decay},
-                             {"params": [p for p in params if p.dim() != 2], "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = make_optimizer({k: w[k] for k in mtp.shapes(cfg)}, a)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(a.seed + 1)
     step, elapsed, history = 0, 0.0, []
     state_path = run / "state.pt"
