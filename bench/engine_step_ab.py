@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import OUT, plot, table  # noqa: E402
-from bench.engine_throughput import BATCHES, decoding_only, engine, params, prompt  # noqa: E402
+from bench.engine_throughput import BATCHES, shrinking_batches  # noqa: E402
 from kernels import mxfp8, ragged  # noqa: E402
 from services.engine.model import ops  # noqa: E402
 
@@ -50,15 +50,8 @@ def plain():
 
 
 def measure(prompt_len: int, steps: int) -> dict[int, dict[str, float]]:
-    core = engine(max(BATCHES), prompt_len)
-    ids = [core.add_request(prompt(prompt_len, i), params(10_000)).request_id for i in range(max(BATCHES))]
-    while not decoding_only(core):
-        core.step()
     out = {}
-    for b in sorted(BATCHES, reverse=True):
-        for rid in ids[b:]:
-            core.abort(rid)
-        core.step()
+    for core, b in shrinking_batches(prompt_len):
         times: dict[str, list[float]] = {"plain": [], "fast": []}
         for _ in range(steps):
             for side in ("plain", "fast"):

@@ -84,17 +84,24 @@ def decoding_only(core: EngineCore) -> bool:
     return not core.scheduler.waiting and all(not s.prefilling for s in core.scheduler.running)
 
 
-def step_times(prompt_len: int, steps: int) -> dict[int, float]:
-    """Median decode step time at each batch size: 64 sequences, then abort down to 32, 8, 1."""
+def shrinking_batches(prompt_len: int):
+    """Yields (engine, b) for b in BATCHES, largest first: max(BATCHES) sequences decoding,
+    then aborted down to each smaller batch."""
     core = engine(max(BATCHES), prompt_len)
     ids = [core.add_request(prompt(prompt_len, i), params(10_000)).request_id for i in range(max(BATCHES))]
     while not decoding_only(core):
         core.step()
-    out = {}
     for b in sorted(BATCHES, reverse=True):
         for rid in ids[b:]:
             core.abort(rid)
         core.step()                                   # frees the aborted slots
+        yield core, b
+
+
+def step_times(prompt_len: int, steps: int) -> dict[int, float]:
+    """Median decode step time at each batch size: 64 sequences, then abort down to 32, 8, 1."""
+    out = {}
+    for core, b in shrinking_batches(prompt_len):
         times = []
         for _ in range(steps):
             t0 = clock()
