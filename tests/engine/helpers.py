@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.config import EngineConfig
-from services.engine.core.engine import EngineCore
+from services.engine.core.engine import EngineCore, Hooks
 from services.engine.model import weights as weights_mod
 
 
@@ -43,3 +43,19 @@ def run_to_completion(engine: EngineCore, check=True, max_steps=100000) -> int:
 def random_prompt(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+class Recorder(Hooks):
+    """Every block payload and stored snapshot an engine hands out (a block hash never
+    changes its bytes)."""
+    wants_blocks = True
+
+    def __init__(self):
+        self.blocks: dict[bytes, bytes] = {}
+        self.published: dict[str, bytes] = {}
+
+    def block_done(self, block_hash, payload, traffic_class):
+        assert self.blocks.setdefault(block_hash, payload) == payload
+
+    def snapshot_stored(self, key, snap):
+        self.published[key] = snap.data

@@ -9,9 +9,8 @@ and some of them must really have waited."""
 
 from services.engine import device as device_mod
 from services.engine.config import small_test_config
-from services.engine.core.engine import Hooks
 from services.engine.core.sampling import SamplingParams
-from tests.engine.helpers import make_engine, random_prompt, run_to_completion
+from tests.engine.helpers import Recorder, make_engine, random_prompt, run_to_completion
 
 CFG = small_test_config()
 
@@ -31,20 +30,6 @@ class LateCopies(device_mod.HostCopies):
         for item in self._pending:
             item[2] = True
         return n
-
-
-class Recorder(Hooks):
-    wants_blocks = True
-
-    def __init__(self):
-        self.blocks: dict[bytes, bytes] = {}
-        self.published: dict[str, bytes] = {}
-
-    def block_done(self, block_hash, payload, traffic_class):
-        assert self.blocks.setdefault(block_hash, payload) == payload
-
-    def snapshot_stored(self, key, snap):
-        self.published[key] = snap.data
 
 
 def run(late: bool, monkeypatch):

@@ -13,10 +13,10 @@ import torch
 
 from kvmesh.errors import InvalidArgument
 from services.engine.config import EngineConfig, small_test_config
-from services.engine.core.engine import EngineCore, Hooks
+from services.engine.core.engine import EngineCore
 from services.engine.core.sampling import SamplingParams
 from services.engine.model import weights as weights_mod
-from tests.engine.helpers import make_engine, random_prompt, run_to_completion
+from tests.engine.helpers import Recorder, make_engine, random_prompt, run_to_completion
 from tests.engine.spec_helpers import OracleDrafter
 
 CFG = small_test_config()          # W 16, CSA m 4, HCA m 16, block 16, B 6
@@ -33,20 +33,6 @@ def prompts() -> list[list[int]]:
         n = 10 + i
         out.append((motif * 20)[: n - 4] + random_prompt(4, 500 + i))
     return out
-
-
-class Recorder(Hooks):
-    wants_blocks = True
-
-    def __init__(self):
-        self.blocks: dict[bytes, bytes] = {}
-        self.published: dict[str, bytes] = {}
-
-    def block_done(self, block_hash, payload, traffic_class):
-        assert self.blocks.setdefault(block_hash, payload) == payload
-
-    def snapshot_stored(self, key, snap):
-        self.published[key] = snap.data
 
 
 # the seed-0 trunk plus a random MTP module (its own generator: the trunk's bytes are those of
