@@ -16,8 +16,8 @@ import time
 import redis
 
 from kvmesh.backing.proc import ManagedProcess, free_port, wait_port
-from services.kvstore.client import KvstoreClient, connect
-from tests.kvstore.test_restart_load import BATCH, Ledger, content
+from services.kvstore.client import KvstoreClient
+from tests.kvstore.test_restart_load import BATCH, Ledger, content, writer
 
 WRITERS = 3
 GRACE_S = 4.0
@@ -36,29 +36,6 @@ def serve(name: str, port: int, locations, tmp_path, shared_index) -> ManagedPro
         tmp_path, env=env).start()
     wait_port("127.0.0.1", port, timeout=60, proc=proc.proc)
     return proc
-
-
-async def writer(pool_addr: str, w: int, ledger: Ledger, stop: asyncio.Event) -> None:
-    rng = random.Random(w)
-    mine: list[str] = []
-    n = 0
-    async with connect(pool_addr, timeout=10) as c:
-        while not stop.is_set():
-            fresh = [f"{w:02x}{n + i:06x}".ljust(64, "b") for i in range(BATCH // 2)]
-            n += BATCH // 2
-            batch = [(k, ledger.acked.get(k, -1) + 1)
-                     for k in fresh + rng.sample(mine, min(len(mine), BATCH // 2))]
-            for k, v in batch:
-                ledger.tried.setdefault(k, set()).add(v)
-            try:
-                await c.put([(k, content(k, v)) for k, v in batch])
-            except Exception:  # noqa: BLE001 - both replicas failed: not acknowledged
-                await asyncio.sleep(0.1)
-                continue
-            for k, v in batch:
-                ledger.acked[k] = v
-            mine += fresh
-            await asyncio.sleep(0.05)  # a steady load, not a flood: fewer keys to check
 
 
 async def reader(addrs: list[str], ledger: Ledger, stop: asyncio.Event) -> None:
@@ -100,7 +77,7 @@ def test_two_replicas_one_killed_under_load(locations, tmp_path, shared_index, v
     async def load() -> None:
         nonlocal restarted_at
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(writer(",".join(addrs), w, ledger, stop))
+        tasks = [asyncio.create_task(writer(",".join(addrs), w, ledger, stop, fill="b", pause_s=0.05))
                  for w in range(WRITERS)]
         tasks += [asyncio.create_task(reader(addrs, ledger, stop)),
                   asyncio.create_task(watch(stop))]

@@ -9,7 +9,7 @@ import sys
 import time
 
 from kvmesh.backing.proc import ManagedProcess, free_port, wait_port
-from services.kvstore.client import KvstoreClient
+from services.kvstore.client import KvstoreClient, connect
 
 WRITERS = 3
 BATCH = 8
@@ -36,13 +36,16 @@ class Ledger:
             self.wrong.append(key)
 
 
-async def writer(address: str, w: int, ledger: Ledger, stop: asyncio.Event) -> None:
+async def writer(address: str, w: int, ledger: Ledger, stop: asyncio.Event,
+                 fill: str = "a", pause_s: float = 0.0) -> None:
+    """Puts batches of fresh keys and overwrites of its own until `stop`; `address` may name
+    several replicas (a client pool). `fill` pads the keys, `pause_s` spaces the batches."""
     rng = random.Random(w)
     mine: list[str] = []
     n = 0
-    async with KvstoreClient(address, timeout=10) as c:
+    async with connect(address, timeout=10) as c:
         while not stop.is_set():
-            fresh = [f"{w:02x}{n + i:06x}".ljust(64, "a") for i in range(BATCH // 2)]
+            fresh = [f"{w:02x}{n + i:06x}".ljust(64, fill) for i in range(BATCH // 2)]
             n += BATCH // 2
             again = rng.sample(mine, min(len(mine), BATCH // 2))
             batch = [(k, ledger.acked.get(k, -1) + 1) for k in fresh + again]
@@ -50,12 +53,13 @@ async def writer(address: str, w: int, ledger: Ledger, stop: asyncio.Event) -> N
                 ledger.tried.setdefault(k, set()).add(v)
             try:
                 await c.put([(k, content(k, v)) for k, v in batch])
-            except Exception:  # noqa: BLE001 - the kvstore is down: not acknowledged
+            except Exception:  # noqa: BLE001 - no kvstore answered: not acknowledged
                 await asyncio.sleep(0.1)
                 continue
             for k, v in batch:
                 ledger.acked[k] = v
             mine += fresh
+            await asyncio.sleep(pause_s)
 
 
 async def reader(address: str, ledger: Ledger, stop: asyncio.Event) -> None:
