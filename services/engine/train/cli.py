@@ -88,24 +88,21 @@ def register(sub) -> None:
 def _train(args) -> int:
     from services.engine.train.loop import TrainArgs, train
 
-    a = TrainArgs(**{f.name: getattr(args, f.name) for f in fields(TrainArgs)})
-    try:
-        result = train(a)
-    except ValueError as exc:
-        print(f"kvmesh train: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(result))
-    return 0
+    return _run("kvmesh train", TrainArgs, train, args)
 
 
 def _train_mtp(args) -> int:
     from services.engine.train.mtp import MtpArgs, train_mtp
 
-    a = MtpArgs(**{f.name: getattr(args, f.name) for f in fields(MtpArgs)})
+    return _run("kvmesh train-mtp", MtpArgs, train_mtp, args)
+
+
+def _run(command: str, args_cls, fn, args) -> int:
+    """Parsed flags -> the run's args dataclass -> fn; a bad setting is exit 2, not a trace."""
     try:
-        result = train_mtp(a)
+        result = fn(args_cls(**{f.name: getattr(args, f.name) for f in fields(args_cls)}))
     except ValueError as exc:
-        print(f"kvmesh train-mtp: {exc}", file=sys.stderr)
+        print(f"{command}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result))
     return 0
