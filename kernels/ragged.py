@@ -37,12 +37,10 @@ class SlotRows:
     """Where each query row's slot sits, for reading per-slot rings in place (rows of one
     sequence share its slot). Built once per step from host ints, shared by every layer.
 
-    The torch path multiplies the queries of a slot with that slot's whole ring in one
-    batched matmul over a slot range: a view of `values` when the rows' slots are dense
-    in [base, base + count) (no copy at all), else an index_select of the distinct slots.
-
-    `split(per)` cuts the rows into runs of at most `per` distinct slots (memoized: a step
-    builds its SlotRows once, every layer splits it the same way)."""
+    The torch path attends a slot's queries to that slot's whole ring over a slot range: a
+    view of `values` when the rows' slots are dense in [base, base + count) (no copy at
+    all), else an index_select of the distinct slots. `memo` keeps what every layer of the
+    step derives alike from the rows and their mask (the flash kernel's additive mask)."""
 
     slots: torch.Tensor            # [T] slot of each row
     base: int                      # first slot of the range (view), or -1 (pick)
@@ -52,8 +50,8 @@ class SlotRows:
     j: torch.Tensor                # [T] rank of the row among its slot's rows
     width: int                     # most rows of one slot
     direct: bool                   # rows are exactly the U slots in order, one each
-    host: tuple[int, ...] = ()     # slots as host ints (split without a device sync)
-    _parts: dict = field(default_factory=dict, compare=False, repr=False)
+    host: tuple[int, ...] = ()     # slots as host ints
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def build(row_slots: list[int], device=None) -> SlotRows:
@@ -73,22 +71,13 @@ class SlotRows:
                         None if dense else as_t(distinct), count, as_t(rel), as_t(j),
                         max(seen.values()), direct, tuple(row_slots))
 
-    def split(self, per: int) -> list[tuple[slice | torch.Tensor, SlotRows]]:
-        """[(rows, their SlotRows)] for runs of `per` distinct slots, ascending. A run's rows
-        are taken in slot order (so one row per slot makes its SlotRows `direct`); `rows` is
-        a slice when they are consecutive rows already (decodes in slot order), else an index."""
-        if per not in self._parts:
-            distinct = sorted(set(self.host))
-            parts = []
-            for a in range(0, len(distinct), per):
-                run = set(distinct[a : a + per])
-                rows = sorted((i for i, s in enumerate(self.host) if s in run),
-                              key=lambda i: (self.host[i], i))
-                at = (slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1))
-                      else torch.tensor(rows, dtype=torch.long, device=self.slots.device))
-                parts.append((at, SlotRows.build([self.host[i] for i in rows], self.slots.device)))
-            self._parts[per] = parts
-        return self._parts[per]
+    def memo(self, key, of: torch.Tensor, make):
+        """make() once per (key, tensor `of`) for these rows: `of` is held, so its id
+        cannot be reused by another tensor while the entry lives (the step's lifetime)."""
+        hit = self._memo.get((key, id(of)))
+        if hit is None or hit[0] is not of:
+            hit = self._memo[(key, id(of))] = (of, make())
+        return hit[1]
 
     def take(self, values):
         """values [S, ...] -> [U, ...] (a view when dense)."""
@@ -124,14 +113,13 @@ class RingKeys:
     codes: torch.Tensor | None = None   # [S, R, D + D / 32] uint8
 
 
-# The torch path reads a slot's ring twice (scores, then the weighted sum). Done for all
-# slots at once, the second read comes from memory again (32 slots x 134 rows x 2 KB ~ 9 MB
-# per layer, past L2); done for a few slots at a time it comes from L2. Measured on the
-# bench machine (1 thread, batch 32, 8 layers, the two matmuls alone, machine idle): 17.6 ms
-# at once, 6.7 ms in runs of ~1 MB of rings; in the whole step the gain is smaller and on a
-# machine whose L2 is busy with neighbours it vanishes (bench/engine_step_ab.py measures
-# both ways side by side). GPU kernels stream the ring once and never split.
-RING_PASS_BYTES = 1 << 20
+# torch's CPU flash attention (the kernel behind scaled_dot_product_attention on CPU) with
+# its log-sum-exp: it streams each slot's ring once in blocks, scores, softmax and weighted
+# sum together, where two batched matmuls read the ring twice and write a score tensor in
+# between (measured, 1 thread, 8 layers x 32 decode rows: 8.3 ms against 20.4 ms). A
+# private op, so it is looked up, not assumed: without it (another torch build) or off the
+# CPU (where it does not run) the ring group takes the plain math in _union.
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _ring_scores(q, keys, rows: SlotRows):
@@ -155,8 +143,9 @@ def ragged_union_attention(q, groups, sink, scale: float):
 
     Runs the Triton kernel (kernels/triton/ragged.py) when kernels/dispatch.py says so for
     q (CUDA, or KVMESH_KERNELS=triton) and there are at most two groups (window + entries,
-    all the engine asks for); this torch code is its reference. On CPU, a ring group over
-    more slots than RING_PASS_BYTES holds is done a few slots per pass (_union_in_passes)."""
+    all the engine asks for); this torch code is its reference. On CPU a ring group goes
+    through torch's flash attention and joins the other groups by its log-sum-exp
+    (_ring_flash)."""
     if len(groups) <= 2 and dispatch.use_triton(q):
         from kernels.triton import ragged as tri
 
@@ -165,64 +154,79 @@ def ragged_union_attention(q, groups, sink, scale: float):
     if not rings:
         batched = [(keys.unsqueeze(0), ok.unsqueeze(0)) for keys, ok in groups]
         return union_attention(q.unsqueeze(0), batched, sink, scale)[0]
-    ring = groups[rings[0]]
-    per = max(1, RING_PASS_BYTES // (ring.values[0].numel() * ring.values.element_size()))
-    if q.device.type != "cpu" or ring.rows.count <= per:
-        return _union(q, groups, sink, scale)
-    return _union_in_passes(q, rings[0], groups, sink, scale, per)
+    if _FLASH is not None and q.device.type == "cpu":
+        return _ring_flash(q, rings[0], groups, sink, scale)
+    return _union(q, groups, sink, scale)
 
 
-def _union_in_passes(q, at, groups, sink, scale: float, per: int):
-    """_union's numbers, with the ring group's two reads done a few slots at a time: the
-    other groups' scores and the sink for every row first (columns R.. of one score
-    buffer), then per run of slots its ring scores, the rows' softmax and their ring mix,
-    then the other groups' mix from the buffer (which by then holds every row's probs)."""
+def _ring_flash(q, at, groups, sink, scale: float):
+    """The ring group by the flash kernel, one batch entry per slot with the slot's rows'
+    heads as its query rows (q [U, 1, width * H, D], keys = values = the slot's ring
+    [U, 1, R, D], a view when dense), giving o_ring and lse_ring per row and head. The ring
+    then joins the other groups and the sink as one more softmax column: logit lse_ring,
+    value o_ring, which is exact (sum over the ring of e^s v = e^lse o_ring)."""
     t, h, d = q.shape
     ring = groups[at]
-    r = ring.ok.shape[-1]
-    rest = [_scores(q, g, scale) for i, g in enumerate(groups) if i != at]
-    s = torch.cat([q.new_empty(t, h, r), *rest, sink.view(1, h, 1).expand(t, h, 1).to(q.dtype)], -1)
-    bias = torch.zeros(t, 1, r, dtype=q.dtype, device=q.device).masked_fill_(
-        ~ring.ok.unsqueeze(1), float("-inf"))
-    out = torch.empty_like(q)
-    for rows, sub in ring.rows.split(per):
-        keys = sub.take(ring.values)                                   # [u, R, D], ~1 MB
-        if sub.direct:            # one row per slot: scale and mask inside the matmul
-            s[rows, :, :r] = torch.baddbmm(bias[rows], q[rows], keys.transpose(1, 2), alpha=scale)
-        else:
-            s[rows, :, :r] = (_ring_scores(q[rows], keys, sub) * scale).masked_fill(
-                bias[rows] != 0, float("-inf"))
-        p = torch.softmax(s[rows], dim=-1)
-        s[rows] = p
-        out[rows] = (torch.bmm(p[..., :r], keys) if sub.direct
-                     else _ring_mix(p[..., :r].contiguous(), keys, sub))
-    start = r
-    for i, g in enumerate(groups):
-        if i != at and g[0].shape[-2]:
-            k = g[0].shape[-2]
-            out += torch.einsum("thk,kd->thd" if g[0].dim() == 2 else "thk,tkd->thd",
-                                s[..., start : start + k], g[0])
-            start += k
+    rows = ring.rows
+    bias, dead = rows.memo(("flash", q.dtype, h), ring.ok, lambda: _ring_bias(ring.ok, rows, h, q.dtype))
+    keys = rows.take(ring.values).unsqueeze(1)                         # [U, 1, R, D]
+    qs = rows.spread(q).reshape(rows.count, 1, rows.width * h, d)
+    o, lse = _FLASH(qs, keys, keys, attn_mask=bias, scale=scale)[:2]
+    o = rows.gather(o.view(rows.count, rows.width, h, d))              # [T, H, D]
+    lse = rows.gather(lse.view(rows.count, rows.width, h, 1))          # [T, H, 1]
+    lse = lse.masked_fill(dead, float("-inf"))     # the kernel says 0 for a row seeing no key
+    rest = [g for i, g in enumerate(groups) if i != at]
+    s = torch.cat([*(_scores(q, g, scale) for g in rest),
+                   sink.view(1, h, 1).expand(t, h, 1).to(q.dtype), lse], -1)
+    p = torch.softmax(s, dim=-1)
+    out = o * p[..., -1:]
+    start = 0
+    for keys_g, _ in rest:
+        k = keys_g.shape[-2]
+        if k:
+            out += _mix(p[..., start : start + k], keys_g)
+        start += k
     return out
 
 
+def _ring_bias(ok, rows: SlotRows, h: int, dtype):
+    """(additive mask [U, 1, width * H or 1, R]: 0 where seen, -inf elsewhere; [T, 1, 1] rows
+    that see no ring key). One slot's rows lie one after another, each row's heads
+    together, like the queries; with one row per slot every head shares the row's mask."""
+    seen = rows.spread(ok)                          # [U, width, R]; a slot's missing rows: none
+    bias = torch.zeros(seen.shape, dtype=dtype, device=ok.device).masked_fill_(~seen, float("-inf"))
+    if rows.width > 1:
+        bias = bias.unsqueeze(2).expand(-1, -1, h, -1)
+    bias = bias.reshape(rows.count, 1, -1, ok.shape[-1])
+    # fixed on every row rather than asking whether any needs it: that question is a host
+    # read (a sync on a device; tests/engine/test_host_reads.py counts them)
+    return bias, ~ok.any(-1).view(-1, 1, 1)
+
+
 def _scores(q, g, scale: float):
+    """Per-row keys [T, K, D] or one pool [L, D] -> masked scaled scores [T, H, K]."""
     keys, ok = g
-    s = torch.einsum("thd,kd->thk" if keys.dim() == 2 else "thd,tkd->thk", q, keys)
+    s = torch.bmm(q, keys.transpose(1, 2)) if keys.dim() == 3 else q @ keys.t()
     return (s * scale).masked_fill(~ok.unsqueeze(1), float("-inf"))
 
 
+def _mix(p, keys):
+    """p [T, H, K] x keys [T, K, D] or [K, D] -> [T, H, D]."""
+    return torch.bmm(p, keys) if keys.dim() == 3 else p @ keys
+
+
 def _union(q, groups, sink, scale: float):
+    """The plain math of a ring group off the CPU: scores against each slot's ring, one
+    softmax over every group and the sink, then the weighted sums."""
     t, h, _ = q.shape
     parts, keys = [], {}
     for i, g in enumerate(groups):
         if isinstance(g, RingKeys):
             keys[i] = g.rows.take(g.values)                            # [U, R, D], once
             s, ok = _ring_scores(q, keys[i], g.rows), g.ok
+            parts.append((s * scale).masked_fill(~ok.unsqueeze(1), float("-inf")))
         else:
-            ok = g[1]
-            s = torch.einsum("thd,kd->thk" if g[0].dim() == 2 else "thd,tkd->thk", q, g[0])
-        parts.append((s * scale).masked_fill(~ok.unsqueeze(1), float("-inf")))
+            parts.append(_scores(q, g, scale))
     parts.append(sink.view(1, h, 1).expand(t, h, 1).to(q.dtype))
     probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
     out, start = None, 0
@@ -230,10 +234,7 @@ def _union(q, groups, sink, scale: float):
         k = g.ok.shape[-1] if isinstance(g, RingKeys) else g[0].shape[-2]
         if k:
             p = probs[..., start : start + k]
-            if isinstance(g, RingKeys):
-                o = _ring_mix(p, keys[i], g.rows)
-            else:
-                o = torch.einsum("thk,kd->thd" if g[0].dim() == 2 else "thk,tkd->thd", p, g[0])
+            o = _ring_mix(p, keys[i], g.rows) if isinstance(g, RingKeys) else _mix(p, g[0])
             out = o if out is None else out + o
         start += k
     return out if out is not None else torch.zeros_like(q)

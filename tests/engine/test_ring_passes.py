@@ -1,11 +1,13 @@
-"""The CPU throughput paths compute the same numbers as the plain ones: ring attention done a
-few slots at a time (kernels/ragged.py RING_PASS_BYTES), MXFP8 quantize + values in one pass,
-and CSA layers skipping the indexer when no row sees more than top-k entries."""
+"""The CPU throughput paths compute the same numbers as the plain ones: the ring group through
+torch's flash attention merged by log-sum-exp (kernels/ragged.py _ring_flash), MXFP8 quantize +
+values in one pass, and CSA layers skipping the indexer when no row sees more than top-k
+entries."""
 
 import pytest
 import torch
 
 from kernels import mxfp8, ragged
+from kernels.attention import union_attention
 from kernels.ragged import RingKeys, SlotRows, ragged_union_attention
 from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
@@ -14,37 +16,64 @@ from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 from tests.engine.test_equivalence import EXACT, max_logit_error
 
 S, R, D, H = 12, 9, 16, 2
+F32_BOUND = 2e-6      # of the output's largest magnitude: fp32 sums in another order
 
 
-def _case(row_slots, seed):
+def _case(row_slots, seed, dtype, n_row=5, n_shared=4):
     g = torch.Generator().manual_seed(seed)
     t = len(row_slots)
-    rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
-    ring = RingKeys(rnd(S, R, D), SlotRows.build(row_slots), torch.rand(t, R, generator=g) < 0.8)
-    per_row = (rnd(t, 5, D), torch.rand(t, 5, generator=g) < 0.7)
-    shared = (rnd(4, D), torch.rand(t, 4, generator=g) < 0.5)
+    rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)  # noqa: E731
+    ok = torch.rand(t, R, generator=g) < 0.8
+    ok[0] = False                             # a row that sees no ring key
+    ring = RingKeys(rnd(S, R, D), SlotRows.build(row_slots), ok)
+    per_row = (rnd(t, n_row, D), torch.rand(t, n_row, generator=g) < 0.7)
+    shared = (rnd(n_shared, D), torch.rand(t, n_shared, generator=g) < 0.5)
+    per_row[1][-1], shared[1][-1], ok[-1] = False, False, False   # a row that sees only the sink
     return rnd(t, H, D), [ring, per_row, shared], rnd(H)
 
 
+def _reference(q, groups, sink, row_slots):
+    """Per row, the batched union attention over the row's own keys (its slot's whole ring,
+    its per-row keys, the shared pool), the masks concatenated alike."""
+    ring, *rest = groups
+    ok = torch.cat([ring.ok, *(g[1] for g in rest)], 1)
+    out = []
+    for t, s in enumerate(row_slots):
+        keys = torch.cat([ring.values[s], *(g[0][t] if g[0].dim() == 3 else g[0] for g in rest)])
+        out.append(union_attention(q[None, t : t + 1], [(keys[None], ok[None, t : t + 1])], sink, 0.25)[0, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("row_slots", [
-    list(range(10)),                          # decodes in slot order: slices, direct runs
+    list(range(10)),                          # decodes in slot order: the ring is a view
     [7, 2, 9, 0, 11, 4, 5],                   # decodes in any order, slots with gaps
     [3, 3, 8, 1, 1, 1, 6, 10, 10, 0],         # verification chunks: several rows per slot
+    [11, 0, 0],                               # a range too sparse for a view: slots picked
 ])
-def test_ring_attention_in_passes_equals_one_pass(monkeypatch, row_slots):
-    q, groups, sink = _case(row_slots, len(row_slots))
-    whole = ragged_union_attention(q, groups, sink, 0.25)        # every slot in one pass
-    row_bytes = R * D * 8
-    monkeypatch.setattr(ragged, "RING_PASS_BYTES", 2 * row_bytes)  # two slots per pass
-    passes = ragged_union_attention(q, groups, sink, 0.25)
-    assert len(groups[0].rows.split(2)) > 1
-    assert torch.allclose(passes, whole, atol=1e-14, rtol=0)
-    # the shared reference: per row, the padded union attention over its own keys
-    ok_rows = torch.cat([groups[0].ok, groups[1][1], groups[2][1]], 1)
-    for t, s in enumerate(row_slots):
-        keys = torch.cat([groups[0].values[s], groups[1][0][t], groups[2][0]])
-        want = ragged.union_attention(q[None, t:t + 1], [(keys[None], ok_rows[None, t:t + 1])], sink, 0.25)
-        assert torch.allclose(passes[t], want[0, 0], atol=1e-13, rtol=0)
+@pytest.mark.parametrize("sizes", [(5, 4), (0, 4), (5, 0)], ids=["both", "no-row-keys", "no-pool"])
+def test_ring_flash_equals_union_attention(row_slots, dtype, sizes):
+    assert ragged._FLASH is not None           # this torch has the CPU flash kernel: it runs
+    q, groups, sink = _case(row_slots, len(row_slots), dtype, *sizes)
+    got = ragged_union_attention(q, groups, sink, 0.25)
+    want = _reference(q, groups, sink, row_slots)
+    plain = ragged._union(q, groups, sink, 0.25)   # the math off the CPU
+    assert torch.all(got[-1] == 0)            # sink only: attends to nothing
+    err = float((got - want).abs().max())
+    if dtype == torch.float64:
+        assert err <= 1e-12 and float((plain - want).abs().max()) <= 1e-12
+    else:
+        assert err <= F32_BOUND * float(want.abs().max()), err
+
+
+def test_ring_flash_ring_group_alone_and_every_row_masked():
+    q, groups, sink = _case([4, 4, 5, 7], 9, torch.float64)
+    ring = groups[0]
+    for ok in (ring.ok, torch.zeros_like(ring.ok)):
+        alone = RingKeys(ring.values, ring.rows, ok)
+        got = ragged_union_attention(q, [alone], sink, 0.25)
+        want = _reference(q, [alone], sink, [4, 4, 5, 7])
+        assert float((got - want).abs().max()) <= 1e-12
 
 
 def test_quantize_values_is_the_round_trip_bit_for_bit():
