@@ -261,6 +261,13 @@ def dequantize_rows(q, dtype=torch.float32):
     return blocks.reshape(*q.shape[:-1], d).to(dtype)
 
 
+def take_rows(table, idx):
+    """table [N, ...], idx long [...] -> table[idx] [*idx.shape, ...] through index_select,
+    which on CPU gathers rows of a few KB about twice as fast as advanced indexing (32 x 16
+    entry rows of 512 fp32: 331 -> 131 us, 1 thread)."""
+    return table.index_select(0, idx.reshape(-1)).view(*idx.shape, *table.shape[1:])
+
+
 def ring_rows(ring, slots, pos):
     """ring [S, R, ...]; slots, pos: same-shape long tensors -> rows [*shape, ...]."""
     return ring[slots, pos.remainder(ring.shape[1])]

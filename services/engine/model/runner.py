@@ -38,6 +38,7 @@ from kernels.ragged import (
     ragged_indexer_scores,
     ragged_union_attention,
     ring_put,
+    take_rows,
 )
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
@@ -222,9 +223,9 @@ class ModelRunner:
                                   lambda: _visible_entries(seg, step, m, entries.shape[1], rows, per_row))
         table = entries.view(-1, entries.shape[-1])
         if cfg.layers[layer] != "csa" or self._all_visible(step, m):
-            return table[flat].to(h.dtype), visible
+            return take_rows(table, flat).to(h.dtype), visible
         ikeys = self.blocks.index_keys[layer]
-        ikeys = ikeys.view(-1, ikeys.shape[-1])[flat].to(h.dtype)           # [t, K, Di] / [L, Di]
+        ikeys = take_rows(ikeys.view(-1, ikeys.shape[-1]), flat).to(h.dtype)           # [t, K, Di] / [L, Di]
         iq, iw = ops.index_query(self.w, layer, h if rows is None else h[rows], cfg)
         if per_row:
             scores = ragged_indexer_scores(iq, iw, ikeys)
@@ -233,7 +234,7 @@ class ModelRunner:
         chosen = select_topk(scores, visible, cfg.csa_topk)
         idx, ok = selected_indices(chosen, cfg.csa_topk)                     # [t, k]
         picked = flat.gather(1, idx) if per_row else flat[idx]
-        return table[picked].to(h.dtype), ok
+        return take_rows(table, picked).to(h.dtype), ok
 
     def _all_visible(self, step: StepBatch, m: int) -> bool:
         """No row of the step sees more than top-k entries: the indexer would keep every
