@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import dispatch
-from kernels.attention import union_attention
 from kernels.mxfp8 import e4m3_values
 
 
@@ -114,11 +113,11 @@ class RingKeys:
 
 
 # torch's CPU flash attention (the kernel behind scaled_dot_product_attention on CPU) with
-# its log-sum-exp: it streams each slot's ring once in blocks, scores, softmax and weighted
-# sum together, where two batched matmuls read the ring twice and write a score tensor in
-# between (measured, 1 thread, 8 layers x 32 decode rows: 8.3 ms against 20.4 ms). A
-# private op, so it is looked up, not assumed: without it (another torch build) or off the
-# CPU (where it does not run) the ring group takes the plain math in _union.
+# its log-sum-exp: it streams the keys once in blocks, scores, softmax and weighted sum
+# together, where two batched matmuls read them twice and write a score tensor in between
+# (measured, 1 thread, 8 layers x 32 decode rows over their rings: 8.3 ms against 20.4 ms).
+# A private op, so it is looked up, not assumed: without it (another torch build) or off the
+# CPU (where it does not run) every group takes the plain math in _union.
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -139,41 +138,42 @@ def _ring_mix(p, keys, rows: SlotRows):
 def ragged_union_attention(q, groups, sink, scale: float):
     """`attention.union_attention` for one flattened batch: q [T, H, D]; each group is
     (keys [L, D] shared by every row, or [T, K, D] per row; ok [T, L or K]) or a RingKeys
-    (at most one). Without a ring group it is the batched version's math with a batch of one.
+    (at most one).
 
     Runs the Triton kernel (kernels/triton/ragged.py) when kernels/dispatch.py says so for
     q (CUDA, or KVMESH_KERNELS=triton) and there are at most two groups (window + entries,
-    all the engine asks for); this torch code is its reference. On CPU a ring group goes
-    through torch's flash attention and joins the other groups by its log-sum-exp
-    (_ring_flash)."""
+    all the engine asks for); this torch code is its reference. On CPU the largest group
+    (the ring, else the one with most keys per row) goes through torch's flash attention and
+    joins the other groups and the sink by its log-sum-exp (_flash)."""
     if len(groups) <= 2 and dispatch.use_triton(q):
         from kernels.triton import ragged as tri
 
         return tri.union_attention(q, groups, sink, scale)
-    rings = [i for i, g in enumerate(groups) if isinstance(g, RingKeys)]
-    if not rings:
-        batched = [(keys.unsqueeze(0), ok.unsqueeze(0)) for keys, ok in groups]
-        return union_attention(q.unsqueeze(0), batched, sink, scale)[0]
     if _FLASH is not None and q.device.type == "cpu":
-        return _ring_flash(q, rings[0], groups, sink, scale)
+        # the ring, else the per-row group with most keys; a shared pool never: there the
+        # keys are one matrix every row multiplies, which one batched matmul does faster
+        # than the kernel's blocks (256 rows x 383 keys: 4.4 ms against 5.5 ms)
+        sizes = [(isinstance(g, RingKeys), _keys(g)) for g in groups]
+        at = max(range(len(groups)), key=lambda i: sizes[i], default=None)
+        if at is not None and sizes[at][1]:
+            return _flash(q, at, groups, sink, scale)
     return _union(q, groups, sink, scale)
 
 
-def _ring_flash(q, at, groups, sink, scale: float):
-    """The ring group by the flash kernel, one batch entry per slot with the slot's rows'
-    heads as its query rows (q [U, 1, width * H, D], keys = values = the slot's ring
-    [U, 1, R, D], a view when dense), giving o_ring and lse_ring per row and head. The ring
-    then joins the other groups and the sink as one more softmax column: logit lse_ring,
-    value o_ring, which is exact (sum over the ring of e^s v = e^lse o_ring)."""
+def _keys(g) -> int:
+    """Keys per row a flash group would have (0: not one for the flash kernel)."""
+    if isinstance(g, RingKeys):
+        return g.ok.shape[-1]
+    return g[0].shape[-2] if g[0].dim() == 3 else 0
+
+
+def _flash(q, at, groups, sink, scale: float):
+    """Group `at` by the flash kernel, giving o_g and lse_g per row and head; it then joins
+    the other groups and the sink as one more softmax column: logit lse_g, value o_g, which
+    is exact (the sum over the group of e^s v is e^lse_g o_g)."""
     t, h, d = q.shape
-    ring = groups[at]
-    rows = ring.rows
-    bias, dead = rows.memo(("flash", q.dtype, h), ring.ok, lambda: _ring_bias(ring.ok, rows, h, q.dtype))
-    keys = rows.take(ring.values).unsqueeze(1)                         # [U, 1, R, D]
-    qs = rows.spread(q).reshape(rows.count, 1, rows.width * h, d)
-    o, lse = _FLASH(qs, keys, keys, attn_mask=bias, scale=scale)[:2]
-    o = rows.gather(o.view(rows.count, rows.width, h, d))              # [T, H, D]
-    lse = rows.gather(lse.view(rows.count, rows.width, h, 1))          # [T, H, 1]
+    g = groups[at]
+    o, lse, dead = _flash_ring(q, g, scale) if isinstance(g, RingKeys) else _flash_keys(q, g, scale)
     lse = lse.masked_fill(dead, float("-inf"))     # the kernel says 0 for a row seeing no key
     rest = [g for i, g in enumerate(groups) if i != at]
     s = torch.cat([*(_scores(q, g, scale) for g in rest),
@@ -181,12 +181,36 @@ def _ring_flash(q, at, groups, sink, scale: float):
     p = torch.softmax(s, dim=-1)
     out = o * p[..., -1:]
     start = 0
-    for keys_g, _ in rest:
-        k = keys_g.shape[-2]
+    for keys, _ in rest:
+        k = keys.shape[-2]
         if k:
-            out += _mix(p[..., start : start + k], keys_g)
+            out += _mix(p[..., start : start + k], keys)
         start += k
     return out
+
+
+def _flash_ring(q, ring: RingKeys, scale: float):
+    """One batch entry per slot, the slot's rows' heads as its query rows (q [U, 1,
+    width * H, D]), keys = values = the slot's ring [U, 1, R, D] (a view when dense)."""
+    t, h, d = q.shape
+    rows = ring.rows
+    bias, dead = rows.memo(("flash", q.dtype, h), ring.ok, lambda: _ring_bias(ring.ok, rows, h, q.dtype))
+    keys = rows.take(ring.values).unsqueeze(1)
+    qs = rows.spread(q).reshape(rows.count, 1, rows.width * h, d)
+    o, lse = _FLASH(qs, keys, keys, attn_mask=bias, scale=scale)[:2]
+    return (rows.gather(o.view(rows.count, rows.width, h, d)),
+            rows.gather(lse.view(rows.count, rows.width, h, 1)), dead)
+
+
+def _flash_keys(q, g, scale: float):
+    """Per-row keys [T, K, D]: one batch entry per row (q [T, 1, H, D], keys [T, 1, K, D],
+    mask [T, 1, 1, K] shared by the heads)."""
+    t, h, d = q.shape
+    keys, ok = g
+    bias = torch.zeros(t, 1, 1, ok.shape[-1], dtype=q.dtype, device=q.device).masked_fill_(
+        ~ok.view(t, 1, 1, -1), float("-inf"))
+    o, lse = _FLASH(q.unsqueeze(1), keys.unsqueeze(1), keys.unsqueeze(1), attn_mask=bias, scale=scale)[:2]
+    return o.reshape(t, h, d), lse.reshape(t, h, 1), ~ok.any(-1).view(t, 1, 1)
 
 
 def _ring_bias(ok, rows: SlotRows, h: int, dtype):

@@ -66,6 +66,26 @@ def test_ring_flash_equals_union_attention(row_slots, dtype, sizes):
         assert err <= F32_BOUND * float(want.abs().max()), err
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("which", [(1,), (2,), (1, 2), (2, 1)], ids=["rows", "pool", "both", "pool-first"])
+def test_flash_without_a_ring_takes_the_largest_group(dtype, which):
+    # prefill windows: a shared pool (long chunk) or per-row gathered keys (short chunks),
+    # with or without compressed entries beside them; the group with most keys goes flash
+    row_slots = [1, 1, 1, 2, 5, 5]
+    q, groups, sink = _case(row_slots, 11, dtype, n_row=7, n_shared=11)
+    picked = [groups[i] for i in which]
+    got = ragged_union_attention(q, picked, sink, 0.25)
+    ok = torch.cat([g[1] for g in picked], 1)
+    want = []
+    for t in range(len(row_slots)):
+        keys = torch.cat([g[0][t] if g[0].dim() == 3 else g[0] for g in picked])
+        want.append(union_attention(q[None, t : t + 1], [(keys[None], ok[None, t : t + 1])], sink, 0.25)[0, 0])
+    want = torch.stack(want)
+    err = float((got - want).abs().max())
+    assert err <= (1e-12 if dtype == torch.float64 else F32_BOUND * float(want.abs().max())), err
+    assert torch.all(got[-1] == 0)            # the last row sees nothing: sink only
+
+
 def test_ring_flash_ring_group_alone_and_every_row_masked():
     q, groups, sink = _case([4, 4, 5, 7], 9, torch.float64)
     ring = groups[0]
