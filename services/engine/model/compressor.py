@@ -39,10 +39,9 @@ class FeedPlan:
     put_slots: torch.Tensor
     put_pos: torch.Tensor
     groups: int                    # completed groups (0: nothing to pool)
-    stream_slots: torch.Tensor     # [G * m] slot and position of each stream row
-    stream_pos: torch.Tensor
-    from_ring: torch.Tensor        # [G * m, 1, 1] row comes from the stored tail
-    new_idx: torch.Tensor          # [G * m] index into the fed rows otherwise
+    tail_slots: torch.Tensor | None  # [k] slot and position of the stream rows stored in the
+    tail_pos: torch.Tensor | None    # tail ring (an open group's first rows; None: none)
+    pick: torch.Tensor             # [G * m] stream row i = cat(fed rows, tail rows)[pick[i]]
     gwid: torch.Tensor             # [G] work and group index of each completed group
     gid: torch.Tensor
 
@@ -63,8 +62,11 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
     for ring, v, z, is_index in streams:
         vz = torch.stack([v, z], dim=1)                                 # [rows, 2, dim]
         if plan.groups:
-            tail = ring_rows(ring, plan.stream_slots, plan.stream_pos).to(vz.dtype)
-            vals = torch.where(plan.from_ring, tail, vz[plan.new_idx])
+            # the ring is read for the few stored rows only, then one row gather (index_select:
+            # about 4x faster on CPU than advanced indexing for 512 rows of 4 KB)
+            rows = vz if plan.tail_slots is None else torch.cat(
+                [vz, ring_rows(ring, plan.tail_slots, plan.tail_pos).to(vz.dtype)])
+            vals = rows.index_select(0, plan.pick)
             if is_index:
                 out = ops.pool_index_keys(w, layer, vals[:, 0], vals[:, 1], m)
             else:
@@ -77,10 +79,11 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
 def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
     """From the host ints of the works, what the plan would otherwise read back from the
     device (on CUDA a nonzero, a bincount or a boolean index is a sync each): the fed rows
-    (None: all), fed rows per work, the stream length, and whether every fed row is kept in
-    the tail ring."""
-    rows, per_work, total, all_put, cu = [], [], 0, True, 0
-    for first, n, cmp in zip(seg.first_ids, seg.counts, step.cmp_ids, strict=True):
+    (None: all), fed rows per work, the stream length, whether every fed row is kept in the
+    tail ring, and the (slot, position) of the stream rows that come from the tail ring
+    (positions g0 .. s0 - 1 of a work whose stream is not empty)."""
+    rows, per_work, total, all_put, cu, tail = [], [], 0, True, 0, []
+    for first, n, cmp, slot in zip(seg.first_ids, seg.counts, step.cmp_ids, step.slot_ids, strict=True):
         end, s0 = first + n, max(first, cmp)
         fed = max(0, end - s0)
         per_work.append(fed)
@@ -88,12 +91,14 @@ def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
             rows.extend(range(cu + n - fed, cu + n))
             total += max(0, end // m * m - s0 // m * m)
             all_put &= fed <= ring_len
+            if end // m * m > s0 // m * m:
+                tail.extend((slot, p) for p in range(s0 // m * m, s0))
         cu += n
-    return None if len(rows) == cu else rows, per_work, total, all_put
+    return None if len(rows) == cu else rows, per_work, total, all_put, tail
 
 
 def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | None:
-    host_rows, per_work, total, all_put = _host_facts(step, seg, m, ring_len)
+    host_rows, per_work, total, all_put, tail = _host_facts(step, seg, m, ring_len)
     if not sum(per_work):
         return None
     dev = seg.pos.device
@@ -117,14 +122,18 @@ def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | N
     swid = torch.repeat_interleave(torch.arange(len(glen), device=dev), glen, output_size=total)
     spos = g0[swid] + torch.arange(total, device=dev) - g_cu[swid]
     from_ring = spos < s0[swid]
-    new_idx = torch.clamp(new_cu[swid] + spos - s0[swid], min=0, max=max(len(rows) - 1, 0))
+    # a stored row's index among the tail rows: stream order is work order, then position,
+    # the order _host_facts listed them in
+    pick = torch.where(from_ring, len(rows) + torch.cumsum(from_ring, 0) - 1,
+                       new_cu[swid] + spos - s0[swid])
+    tail_t = device_mod.upload(torch.tensor(tail, dtype=torch.long).view(-1, 2), dev) if tail else None
 
     # ring rows to write: the last R fed rows of each work (older ones would be overwritten)
     put = None if all_put else torch.nonzero(pos >= end[wid] - ring_len).squeeze(1)
     put_wid, put_pos = (wid, pos) if put is None else (wid[put], pos[put])
     return FeedPlan(None if host_rows is None else rows, put, step.slots[put_wid], put_pos,
-                    total // m, step.slots[swid], spos, from_ring.view(-1, 1, 1), new_idx,
-                    swid[::m], torch.div(spos[::m], m, rounding_mode="floor"))
+                    total // m, None if tail_t is None else tail_t[:, 0],
+                    None if tail_t is None else tail_t[:, 1], pick, swid[::m], torch.div(spos[::m], m, rounding_mode="floor"))
 
 
 def _scatter(blocks: BlockStore, step: StepBatch, wid, layer: int, entry, rows, keys: bool) -> None:
