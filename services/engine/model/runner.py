@@ -48,6 +48,12 @@ from services.engine.model.batch import Segments, StepBatch
 from services.engine.model.weights import Weights
 from services.engine.model.window_mirror import WindowMirror
 
+# A long chunk's CSA picks attend as the chunk's pool of entries masked to each row's picks
+# while the pool has at most this many times top-k entries: scoring every row against a small
+# pool costs less than gathering top-k entry rows for each row (256 rows, top-k 16, a pool of
+# 69: 5.6 against 7.0 ms per layer; even at ~200, 1 thread); past it, the picks are gathered.
+POOL_PICKS = 8
+
 
 @dataclass
 class Work:
@@ -216,7 +222,8 @@ class ModelRunner:
         CSA: the indexer's top-k, so attention never touches the rest. Entry rows come
         straight from the block store through a per-step index. Per-row paths get their
         own candidates ([t, K]); long chunks' rows share one pool of their works' entries,
-        masked per row (a chunk's rows see nearly the same entries)."""
+        masked per row (a chunk's rows see nearly the same entries; CSA picks too, as that
+        pool masked to each row's top-k, while the pool is small: POOL_PICKS)."""
         cfg = self.cfg
         entries = self.blocks.entries[layer]
         flat, visible = step.once(("entries", key, m, entries.shape[1]),
@@ -232,6 +239,8 @@ class ModelRunner:
         else:
             scores = indexer_scores(iq[None], iw[None], ikeys[None])[0]
         chosen = select_topk(scores, visible, cfg.csa_topk)
+        if not per_row and flat.shape[0] <= POOL_PICKS * cfg.csa_topk:
+            return take_rows(table, flat).to(h.dtype), chosen                # [L, D], [t, L]
         idx, ok = selected_indices(chosen, cfg.csa_topk)                     # [t, k]
         picked = flat.gather(1, idx) if per_row else flat[idx]
         return take_rows(table, picked).to(h.dtype), ok
