@@ -15,8 +15,9 @@ Only public EngineCore calls are used, so the same script measures an older chec
  python bench/engine_throughput.py --compare bench/out/engine_throughput_before.json).
 
 The floor (`floors`): the work that grows with the batch, timed alone at each batch: every
-weight matmul of a decode step, and the window attention's two ring matmuls per layer (the
-only per-row work that reads W keys). rest = step - both: per-step overhead (Python, index
+weight matmul of a decode step, the window attention of every layer through the engine's
+own kernel (the only per-row work that reads W keys), and one plain read of those rings
+(the memory traffic fp32 rings cost whatever the kernel). rest = step - both: per-step overhead (Python, index
 tensors, small ops, sampling, bookkeeping) plus the smaller per-row pieces (gathers of
 compressed entries, indexer, compressor feeding, MXFP8). best x = (step(1) + what the
 matmuls and attention add from batch 1 to b) / step(1): the ratio if nothing else grew.
@@ -207,26 +208,27 @@ def floors(steps: int) -> dict[str, dict[int, float]]:
     """Seconds per decode step at each batch of the work that grows with the batch, each
     alone: `matmul`, every weight matmul a decode step does (b rows through each layer's
     projections, FFN, compressor and indexer inputs, and the LM head); `attention`, the
-    window attention's two ring matmuls per layer ([b, H, D] x [b, D, R] and back over
-    distinct rings; the best of one pass and passes of ~1 MB of rings, kernels/ragged.py).
-    What a step costs beyond these (Python, index tensors, small ops, gathers, sampling,
-    bookkeeping) is the `rest`, from the measured step times."""
+    window attention of every layer through the engine's own kernel
+    (kernels/ragged.ragged_union_attention with b decode rows on their slots' rings, as the
+    runner calls it); `read`, reading those rings once (a sum): the memory traffic the
+    attention cannot avoid with fp32 rings. What a step costs beyond matmul and attention
+    (Python, index tensors, small ops, gathers, sampling, bookkeeping) is the `rest`."""
     cfg, ring = TINY, TINY.window + 6
     g = torch.Generator().manual_seed(0)
     from services.engine.model.weights import shapes
     mats = [torch.randn(*shape, generator=g) for name, shape in shapes(cfg).items()
             if name.rsplit(".", 1)[-1] in MATMULS or name == "lm_head"]
     rings = [torch.randn(max(BATCHES), ring, cfg.head_dim) for _ in range(cfg.n_layers)]
-    per = max(1, (1 << 20) // (ring * cfg.head_dim * 4))
-    out: dict[str, dict[int, float]] = {"matmul": {}, "attention": {}}
+    out: dict[str, dict[int, float]] = {"matmul": {}, "attention": {}, "read": {}}
     for b in BATCHES:
         xs = {m.shape[0]: torch.randn(b, m.shape[0], generator=g) for m in mats}
         q = torch.randn(b, cfg.n_heads, cfg.head_dim)
         out["matmul"][b] = _median_s(lambda xs=xs: _matmuls(xs, mats), steps)
-        out["attention"][b] = min(_median_s(lambda q=q, c=c: _ring_passes(q, rings, c), steps)
-                                  for c in (b, per))
+        out["attention"][b] = _median_s(_ring_attention(q, rings), steps)
+        out["read"][b] = _median_s(lambda b=b: [r[:b].sum() for r in rings], steps)
     print("  floor " + "  ".join(f"b{b} matmul {out['matmul'][b] * 1e3:.1f} ms attention "
-                                 f"{out['attention'][b] * 1e3:.1f} ms" for b in BATCHES), flush=True)
+                                 f"{out['attention'][b] * 1e3:.1f} ms read {out['read'][b] * 1e3:.1f} ms"
+                                 for b in BATCHES), flush=True)
     return out
 
 
@@ -235,27 +237,33 @@ def _matmuls(xs: dict, mats: list) -> None:
         xs[m.shape[0]] @ m
 
 
-def _ring_passes(q, rings: list, chunk: int) -> None:
-    """Every layer's ring scores and mix for q's rows, `chunk` slots per pass."""
-    b = q.shape[0]
-    for keys in rings:
-        for a in range(0, b, chunk):
-            k = keys[a : min(a + chunk, b)]
-            torch.bmm(torch.bmm(q[a : a + chunk], k.transpose(1, 2)), k)
+def _ring_attention(q, rings: list):
+    """Every layer's window attention for q's decode rows, one row per slot, all 128 window
+    keys of the ring visible, through the engine's ragged op (whatever kernel it picks)."""
+    from kernels.ragged import RingKeys, SlotRows, ragged_union_attention
+    b, h, d = q.shape
+    rows = SlotRows.build(list(range(b)))
+    ok = torch.ones(b, rings[0].shape[1], dtype=torch.bool)
+    ok[:, : rings[0].shape[1] - TINY.window] = False
+    sink = torch.zeros(h)
+    return lambda: [ragged_union_attention(q, [RingKeys(r, rows, ok)], sink, d ** -0.5) for r in rings]
 
 
 def floor_rows(res: dict) -> list[list]:
-    """[batch, step ms, matmul ms, attention ms, rest ms, best x]: best x is the ratio
-    step(b) / step(1) would have if only the matmuls and the attention grew with the batch
-    (the rest of step(1) paid once per step): (step(1) + d matmul + d attention) / step(1)."""
+    """[batch, step ms, matmul ms, attention ms, ring read ms, rest ms, best x, read x]: best
+    x is the ratio step(b) / step(1) would have if only the matmuls and the attention grew
+    with the batch (the rest of step(1) paid once per step): (step(1) + d matmul + d
+    attention) / step(1); read x the same with the attention at the ring read's cost."""
     st = {int(k): v for k, v in res["step_s"].items()}
     fl = {k: {int(b): v for b, v in d.items()} for k, d in res["floors"].items()}
     rows = []
     for b in BATCHES:
         mm, at = fl["matmul"][b], fl["attention"][b]
-        grow = mm - fl["matmul"][1] + at - fl["attention"][1]
-        rows.append([b, st[b] * 1e3, mm * 1e3, at * 1e3, (st[b] - mm - at) * 1e3,
-                     (st[1] + grow) / st[1]])
+        rd = fl.get("read", fl["attention"])[b]
+        grow = mm - fl["matmul"][1]
+        rows.append([b, st[b] * 1e3, mm * 1e3, at * 1e3, rd * 1e3, (st[b] - mm - at) * 1e3,
+                     (st[1] + grow + at - fl["attention"][1]) / st[1],
+                     (st[1] + grow + rd - fl.get("read", fl["attention"])[1]) / st[1]])
     return rows
 
 
@@ -288,8 +296,10 @@ def report(res: dict, before: dict | None) -> None:
     print("\ndecode step time (ms)")
     print(table(["batch"] + [f"{n} {h}" for n, _ in cols for h in ("ms", "x batch1")], rows))
     print(f"\nfloor ({cols[-1][0]}): what grows with the batch, each alone; rest = step - matmul - "
-          "attention; best x = (step(1) + d matmul + d attention) / step(1)")
-    print(table(["batch", "step ms", "matmul ms", "attention ms", "rest ms", "best x"], floor_rows(res)))
+          "attention; best x = (step(1) + d matmul + d attention) / step(1); read x: the same "
+          "with the attention costing only one read of the fp32 rings")
+    print(table(["batch", "step ms", "matmul ms", "attention ms", "ring read ms", "rest ms", "best x",
+                 "read x"], floor_rows(res)))
     rows = []
     for n in BATCHES:
         row = [n]
