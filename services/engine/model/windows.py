@@ -53,7 +53,7 @@ class RingPlan:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    rows: torch.Tensor             # [t] rows of the segment on this path
+    rows: torch.Tensor | slice     # [t] rows of the segment on this path (pool: a slice)
     old_slots: torch.Tensor        # [u * (W - 1)] the works' older ring rows ...
     old_pos: torch.Tensor          # ... and their positions (negative ones are masked)
     idx: torch.Tensor | None       # gather: [t, W] index into cat(older rows, chunk rows)
@@ -96,7 +96,8 @@ def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: 
     return WindowPlan(
         _ring(step, seg, by["ring"], rows_of(by["ring"]), ring_rows, window, stale) if by["ring"] else None,
         _pool(step, seg, rows_of(by["gather"]), window, gather=True) if by["gather"] else None,
-        tuple(_pool(step, seg, rows_of([i]), window, gather=False) for i in by["pool"]),
+        # a chunk's rows are consecutive: a slice, so q, h and the output are views, not copies
+        tuple(_pool(step, seg, slice(cu[i], cu[i + 1]), window, gather=False) for i in by["pool"]),
         put_rows, step.slots[put_wid], put_pos)
 
 
