@@ -23,6 +23,7 @@ last R rows of each sequence), so the write order cannot matter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,9 +55,14 @@ class SlotRows:
     direct: bool                   # rows are exactly the U slots in order, one each
     host: tuple[int, ...] = ()     # slots as host ints (split without a device sync)
     _parts: dict = field(default_factory=dict, compare=False, repr=False)
+    # host int list -> long tensor on the device: the caller's upload path (an engine step
+    # sends every index tensor up before its first layer), used by split too
+    upload: Callable[[list[int]], torch.Tensor] | None = field(default=None, compare=False,
+                                                               repr=False)
 
     @staticmethod
-    def build(row_slots: list[int], device=None) -> SlotRows:
+    def build(row_slots: list[int], device=None,
+              upload: Callable[[list[int]], torch.Tensor] | None = None) -> SlotRows:
         distinct = sorted(set(row_slots))
         lo, hi = distinct[0], distinct[-1]
         dense = hi - lo + 1 <= 2 * len(distinct)           # at most half the range unused
@@ -68,10 +74,10 @@ class SlotRows:
             seen[s] = j[-1] + 1
         count = hi - lo + 1 if dense else len(distinct)
         direct = max(seen.values()) == 1 and rel == list(range(count))
-        as_t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        as_t = upload or (lambda v: torch.tensor(v, dtype=torch.long, device=device))
         return SlotRows(as_t(row_slots), lo if dense else -1,
                         None if dense else as_t(distinct), count, as_t(rel), as_t(j),
-                        max(seen.values()), direct, tuple(row_slots))
+                        max(seen.values()), direct, tuple(row_slots), upload=upload)
 
     def split(self, per: int) -> list[tuple[slice | torch.Tensor, SlotRows]]:
         """[(rows, their SlotRows)] for runs of `per` distinct slots, ascending. A run's rows
@@ -85,8 +91,10 @@ class SlotRows:
                 rows = sorted((i for i, s in enumerate(self.host) if s in run),
                               key=lambda i: (self.host[i], i))
                 at = (slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1))
+                      else self.upload(rows) if self.upload
                       else torch.tensor(rows, dtype=torch.long, device=self.slots.device))
-                parts.append((at, SlotRows.build([self.host[i] for i in rows], self.slots.device)))
+                parts.append((at, SlotRows.build([self.host[i] for i in rows], self.slots.device,
+                                                 self.upload)))
             self._parts[per] = parts
         return self._parts[per]
 
@@ -134,6 +142,12 @@ class RingKeys:
 RING_PASS_BYTES = 1 << 20
 
 
+def ring_pass_slots(values: torch.Tensor) -> int:
+    """Slots per pass of the CPU torch path over rings `values` [S, R, D] (at least one).
+    Index builders that know the ring split its SlotRows ahead (`split` memoizes)."""
+    return max(1, RING_PASS_BYTES // (values[0].numel() * values.element_size()))
+
+
 def _ring_scores(q, keys, rows: SlotRows):
     t, h, d = q.shape
     qs = rows.spread(q).reshape(rows.count, -1, d)                     # [U, width * H, D]
@@ -166,7 +180,7 @@ def ragged_union_attention(q, groups, sink, scale: float):
         batched = [(keys.unsqueeze(0), ok.unsqueeze(0)) for keys, ok in groups]
         return union_attention(q.unsqueeze(0), batched, sink, scale)[0]
     ring = groups[rings[0]]
-    per = max(1, RING_PASS_BYTES // (ring.values[0].numel() * ring.values.element_size()))
+    per = ring_pass_slots(ring.values)
     if q.device.type != "cpu" or ring.rows.count <= per:
         return _union(q, groups, sink, scale)
     return _union_in_passes(q, rings[0], groups, sink, scale, per)

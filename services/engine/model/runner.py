@@ -37,6 +37,7 @@ from kernels.ragged import (
     RingKeys,
     ragged_indexer_scores,
     ragged_union_attention,
+    ring_pass_slots,
     ring_put,
 )
 from services.engine.cache.block_store import BlockStore
@@ -93,9 +94,11 @@ class ModelRunner:
         if not works:
             return result
         step = StepBatch.build(works, compact=self.dec_mode == "compact", device=self.device)
-        stale = frozenset(self.mirror.begin(works))
+        stale = frozenset(self.mirror.begin(works, step.uploads))
         toks = [t for w in works for t in w.tokens[w.start : w.end]]
-        x = self.w["embed"][torch.tensor(toks, dtype=torch.long, device=self.device)]
+        x = self.w["embed"][step.uploads.longs(toks)]
+        logit_rows = self._prepare(step, works, stale)
+        step.uploads.seal()        # from here on an upload would wait behind queued layers
         for layer in range(cfg.n_encoder_layers):
             x = self._layer(layer, x, step, "enc", None, works, result, stale)
         h_enc = ops.encoder_output(self.w, x, cfg)
@@ -104,25 +107,52 @@ class ModelRunner:
         for layer in range(cfg.n_encoder_layers, cfg.n_layers):
             x = self._layer(layer, x, step, "dec", h_enc, works, result, stale)
         result.rows = {"encoder": step.enc.rows, "decoder": step.dec.rows}
+        dec_cu = step.dec.cu_ids
         for i, wk in enumerate(works):
             first = max(wk.start, wk.dec_lo, wk.end - wk.want_hidden)
             if wk.want_hidden and first < wk.end:
-                at = int(step.dec.cu[i]) + first - int(step.dec.first[i])
+                at = dec_cu[i] + first - step.dec.first_ids[i]          # host ints: no sync
                 result.hidden[i] = (first, x[at : at + wk.end - first])
 
-        want = [i for i, w in enumerate(works) if w.want_logits]
-        if want:
-            counts = [works[i].n_logits for i in want]
-            wi = torch.tensor([i for i, n in zip(want, counts, strict=True) for _ in range(n)],
-                              dtype=torch.long, device=self.device)
-            back = torch.tensor([b for n in counts for b in range(n - 1, -1, -1)],
-                                dtype=torch.long, device=self.device)
-            logits = ops.logits(self.w, x[step.dec.rows_at(wi, step.ends[wi] - 1 - back)], cfg)
+        if logit_rows is not None:
+            logits = ops.logits(self.w, x[logit_rows], cfg)
             at = 0
-            for i, n in zip(want, counts, strict=True):
-                result.logits[i] = logits[at] if n == 1 else logits[at : at + n]
-                at += n
+            for i, wk in enumerate(works):
+                if wk.want_logits:
+                    n = wk.n_logits
+                    result.logits[i] = logits[at] if n == 1 else logits[at : at + n]
+                    at += n
         return result
+
+    def _prepare(self, step: StepBatch, works: list[Work], stale) -> torch.Tensor | None:
+        """Every index tensor the step's layers will use, built (and uploaded) before the
+        first layer: on CUDA a copy of host ints waits for the stream, so one made after
+        layers were queued would stall behind them. The window plans and compressor plans
+        are memoized in the step (the layers find them built); returns the decoder rows the
+        logits are read from (the last n_logits positions of each work that wants them)."""
+        cfg = self.cfg
+        kinds = (("enc", step.enc, range(cfg.n_encoder_layers)),
+                 ("dec", step.dec, range(cfg.n_encoder_layers, cfg.n_layers)))
+        for kind, seg, layers in kinds:
+            for layer in layers if seg.rows else ():
+                self._window_plan(step, seg, kind, layer, stale)
+        for layer in range(cfg.n_layers):
+            if cfg.compress_ratio(layer) is not None:
+                compressor.feed_plan(step, step.enc, cfg.compress_ratio(layer),
+                                     self.states.cmp[layer].shape[1])
+        cu, firsts = step.dec.cu_ids, step.dec.first_ids
+        rows = [cu[i] + e - 1 - b - firsts[i] for i, w in enumerate(works) if w.want_logits
+                for e in (w.end,) for b in range(w.n_logits - 1, -1, -1)]
+        return step.uploads.longs(rows) if rows else None
+
+    def _window_plan(self, step: StepBatch, seg: Segments, kind: str, layer: int, stale):
+        """The window plan of `layer`'s ring length (memoized per step: kind, R)."""
+        r = self.states.swa[layer].shape[1]
+        # the mirror holds the weights' dtype, which the layer's keys have too
+        in_place = r >= self.cfg.window
+        per = ring_pass_slots(self.mirror.values[layer])
+        return step.once(("window", kind, r), lambda: windows.plan(
+            step, seg, r, self.cfg.window, in_place, stale, per))
 
     def rewind(self, slot: int, owner: object, end: int) -> None:
         """The slot's sequence continues at `end`, before the end of its last chunk (rejected
@@ -145,10 +175,7 @@ class ModelRunner:
         q, kv = ops.query_and_kv(w, layer, h, seg.pos, cfg, angles)
         kv_bytes, kv = ops.quantize_kv(kv)
         ring = self.states.swa[layer]
-        r = ring.shape[1]
-        in_place = kv.dtype == self.mirror.dtype and r >= cfg.window
-        plan = step.once(("window", kind, r), lambda: windows.plan(step, seg, r, cfg.window,
-                                                                    in_place, stale))
+        plan = self._window_plan(step, seg, kind, layer, stale)
         # read every older key this layer needs before it writes the ring
         groups = []
         pools = [(plan.gather, "gather")] if plan.gather is not None else []

@@ -41,9 +41,10 @@ class WindowMirror:
         self.dtype = dtype
         self._owner: dict[int, tuple[object, int]] = {}     # slot -> (owner, next position)
 
-    def begin(self, works) -> list[int]:
+    def begin(self, works, uploads=None) -> list[int]:
         """Before a forward: drop the mirror of every slot whose owner or continuity changed.
-        Returns the indices (into works) of the dropped ones."""
+        Returns the indices (into works) of the dropped ones. `uploads`: the step's
+        (device.Uploads), through which the dropped slots' index goes up."""
         stale, dropped = [], []
         for i, w in enumerate(works):
             owner = getattr(w, "owner", None)
@@ -55,7 +56,8 @@ class WindowMirror:
             else:
                 self._owner[w.slot] = (owner, w.end)
         if stale:
-            idx = torch.tensor(stale, dtype=torch.long, device=next(iter(self.pos.values())).device)
+            idx = uploads.longs(stale) if uploads is not None else torch.tensor(
+                stale, dtype=torch.long, device=next(iter(self.pos.values())).device)
             for p in self.pos.values():
                 p[idx] = NOWHERE
         return dropped
