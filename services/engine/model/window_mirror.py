@@ -81,12 +81,16 @@ class WindowMirror:
             return dequantize_rows(self.swa[layer][slots, pos.remainder(self.swa[layer].shape[1])], dtype)
         r = self.swa[layer].shape[1]
         ri = pos.remainder(r)
-        miss = self.pos[layer][slots, ri] != pos
-        if bool(miss.any()):
-            ms, mr = slots[miss], ri[miss]
-            self.values[layer][ms, mr] = dequantize_rows(self.swa[layer][ms, mr], dtype)
-            self.pos[layer][ms, mr] = pos[miss]
-        return self.values[layer][slots, ri]
+        # every asked row is dequantized and the mirror's kept where it holds the position:
+        # picking out only the missed rows would read their count back (a sync on a GPU).
+        # Only gather/pool works read this way (prefill chunks: W - 1 rows per work and
+        # layer, small beside the chunk's own attention); decodes read the mirror in place.
+        hit = (self.pos[layer][slots, ri] == pos).unsqueeze(-1)
+        rows = torch.where(hit, self.values[layer][slots, ri],
+                           dequantize_rows(self.swa[layer][slots, ri], dtype))
+        self.values[layer][slots, ri] = rows
+        self.pos[layer][slots, ri] = pos
+        return rows
 
     def write(self, layer: int, slots, pos, values) -> None:
         """Rows the runner just wrote to the ring (values = what a reader of them sees)."""
