@@ -140,13 +140,15 @@ class ModelRunner:
             if cfg.compress_ratio(layer) is not None:
                 compressor.feed_plan(step, step.enc, cfg.compress_ratio(layer),
                                      self.states.cmp[layer].shape[1])
+        enc_rings = {self.states.swa[layer].shape[1] for layer in range(cfg.n_encoder_layers)}
         for i, wk in enumerate(works):
-            for r in {self.states.swa[layer].shape[1] for layer in range(cfg.n_encoder_layers)}:
-                if wk.capture is not None:
-                    self._capture_index(step.enc, step, i, wk, r)
-        cu, firsts = step.dec.cu_ids, step.dec.first_ids
-        rows = [cu[i] + e - 1 - b - firsts[i] for i, w in enumerate(works) if w.want_logits
-                for e in (w.end,) for b in range(w.n_logits - 1, -1, -1)]
+            for r in enc_rings if wk.capture is not None else ():
+                self._capture_index(step.enc, step, i, wk, r)
+        cu, firsts, rows = step.dec.cu_ids, step.dec.first_ids, []
+        for i, wk in enumerate(works):
+            if wk.want_logits:         # the last n_logits positions, in order
+                last = cu[i] + wk.end - 1 - firsts[i]
+                rows.extend(range(last - wk.n_logits + 1, last + 1))
         return step.uploads.longs(rows) if rows else None
 
     def _window_plan(self, step: StepBatch, seg: Segments, kind: str, layer: int, stale):
