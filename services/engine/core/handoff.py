@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.engine.cache.handoff import SlotHandoff
 from services.engine.core.sampling import SamplingParams
@@ -114,24 +114,26 @@ class HandoffStore:
 class Exports:
     """HANDOFF events whose handoff is still on its way to host memory. A step's events go
     out through `ready`: one still waiting is held back, one that landed (now or since an
-    earlier step) goes out with its handoff. Engine thread only (EngineCore owns it)."""
+    earlier step) goes out as a copy carrying its handoff. Engine thread only (EngineCore
+    owns it)."""
 
     def __init__(self):
-        self._held: list = []
-        self._landed: list = []
+        self._held: list = []          # events returned by a step, waiting for their bytes
+        self._done: list = []          # ... landed: drop them from the step's own list
+        self._landed: list = []        # ... and send these copies with the handoff instead
 
     def hold(self, event) -> None:
         self._held.append(event)
 
     def land(self, event, handoff: Handoff) -> None:
-        event.handoff = handoff
         self._held = [e for e in self._held if e is not event]
-        self._landed.append(event)
+        self._done.append(event)
+        self._landed.append(replace(event, handoff=handoff))
 
     def ready(self, events: list) -> list:
-        waiting = self._held + self._landed
-        out = [e for e in events if all(e is not w for w in waiting)] + self._landed
-        self._landed = []
+        skip = self._held + self._done
+        out = [e for e in events if all(e is not s for s in skip)] + self._landed
+        self._done, self._landed = [], []
         return out
 
     @property
