@@ -18,8 +18,14 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/kvmesh up --demo
 
+# Test files run on PYTEST_WORKERS processes (pytest-xdist; 0: one process). A whole file goes
+# to one worker, so a module's shared mesh or cluster is started once; the suite waits on real
+# processes (SeaweedFS, Valkey, services starting) much of the time, so two workers on two
+# cores finish well before one.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not gpu and not interpreter" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not gpu and not interpreter" -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # the engine on Triton kernels under the CPU interpreter vs the torch kernels (minutes)
 test-interpreter: $(STAMP)

@@ -101,9 +101,11 @@ def swa_decode_case(batch: int, dev: str, heads: int, dim: int, window: int):
     return (lambda: tri_att.ring_attention(*args)), (lambda: attention.ring_attention_torch(*args)), nbytes
 
 
-def ragged_case(batch: int, dev: str, heads: int, dim: int, window: int, picks: int):
+def ragged_case(batch: int, dev: str, heads: int, dim: int, window: int, picks: int,
+                parts: int | None = None):
     """Decode rows of `batch` slots attending to their 134-row rings in place (the window's
-    W rows visible), plus `picks` per-row CSA entries when > 0."""
+    W rows visible), plus `picks` per-row CSA entries when > 0. `parts`: the Triton kernel's
+    split over keys (None: its own choice, which splits small batches; 1: never)."""
     ring_rows = window + 6
     g = torch.Generator(device=dev).manual_seed(batch)
     codes = mxfp8.quantize_torch(torch.randn(batch, ring_rows, dim, device=dev, generator=g))
@@ -128,7 +130,8 @@ def ragged_case(batch: int, dev: str, heads: int, dim: int, window: int, picks: 
         finally:
             del os.environ["KVMESH_KERNELS"]
 
-    return (lambda: tri_rg.union_attention(q, groups, sink, dim ** -0.5)), torch_op, nbytes
+    return (lambda: tri_rg.union_attention(q, groups, sink, dim ** -0.5, parts=parts)), \
+        torch_op, nbytes
 
 
 def quant_case(tokens: int, dev: str, dim: int):
@@ -173,6 +176,9 @@ def main(argv=None):
     cases += [(f"ragged_swa b={b}", *ragged_case(b, dev, heads, dim, window, 0)) for b in batches]
     cases += [(f"ragged_csa b={b}", *ragged_case(b, dev, heads, dim, window, picks))
               for b in batches]
+    # the same small batches with the keys not split: the split's gain side by side
+    cases += [(f"ragged_csa b={b} unsplit", *ragged_case(b, dev, heads, dim, window, picks, 1))
+              for b in batches if tri_rg.key_parts(b, heads, window + 6 + picks) > 1]
     cases += [(f"mxfp8_quant n={n}", *quant_case(n, dev, dim)) for n in quant_tokens]
     cases += [(f"indexer_topk b={b} kc={idx['entries']}",
                *indexer_case(b, dev, idx["heads"], idx["dim"], idx["entries"], idx["topk"]))
@@ -204,10 +210,15 @@ def _plot(records: list[dict], path: Path, device: str) -> Path:
     """GB/s of the decode attention rows against the batch, Triton and torch."""
     series = {}
     for kind in ("swa_decode", "ragged_swa", "ragged_csa"):
-        mine = [r for r in records if r["case"].startswith(kind + " b=")]
+        mine = [r for r in records if r["case"].startswith(kind + " b=")
+                and not r["case"].endswith("unsplit")]
         xs = [int(r["case"].split("b=")[1]) for r in mine]
         series[f"{kind} triton"] = (xs, [r["gbs"] for r in mine])
         series[f"{kind} torch"] = (xs, [r["bytes"] / r["torch_us"] / 1e3 for r in mine])
+    unsplit = [r for r in records if r["case"].endswith("unsplit")]
+    if unsplit:
+        series["ragged_csa triton, keys not split"] = (
+            [int(r["case"].split("b=")[1].split()[0]) for r in unsplit], [r["gbs"] for r in unsplit])
     return plot(path, f"decode attention, v41-flash layer geometry ({device})", "batch",
                 "GB/s", series)
 

@@ -23,6 +23,7 @@ last R rows of each sequence), so the write order cannot matter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,9 +52,14 @@ class SlotRows:
     direct: bool                   # rows are exactly the U slots in order, one each
     host: tuple[int, ...] = ()     # slots as host ints
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    # host int list -> long tensor on the device: the caller's upload path (an engine step
+    # sends every index tensor up before its first layer)
+    upload: Callable[[list[int]], torch.Tensor] | None = field(default=None, compare=False,
+                                                               repr=False)
 
     @staticmethod
-    def build(row_slots: list[int], device=None) -> SlotRows:
+    def build(row_slots: list[int], device=None,
+              upload: Callable[[list[int]], torch.Tensor] | None = None) -> SlotRows:
         distinct = sorted(set(row_slots))
         lo, hi = distinct[0], distinct[-1]
         dense = hi - lo + 1 <= 2 * len(distinct)           # at most half the range unused
@@ -65,10 +71,10 @@ class SlotRows:
             seen[s] = j[-1] + 1
         count = hi - lo + 1 if dense else len(distinct)
         direct = max(seen.values()) == 1 and rel == list(range(count))
-        as_t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        as_t = upload or (lambda v: torch.tensor(v, dtype=torch.long, device=device))
         return SlotRows(as_t(row_slots), lo if dense else -1,
                         None if dense else as_t(distinct), count, as_t(rel), as_t(j),
-                        max(seen.values()), direct, tuple(row_slots))
+                        max(seen.values()), direct, tuple(row_slots), upload=upload)
 
     def memo(self, key, of: torch.Tensor, make):
         """make() once per (key, tensor `of`) for these rows: `of` is held, so its id

@@ -100,9 +100,10 @@ def _update(q_hi, q_lo, k, kmask, m_i, l_i, acc, scale, EXACT_K: tl.constexpr,
 
 @triton.jit
 def _group(q_hi, q_lo, m_i, l_i, acc, t, scale, keys_ptr, slot_ptr, s0, s1, ok_ptr, ok0, ok1, K,
-           D: tl.constexpr, BK: tl.constexpr, KIND: tl.constexpr, MX: tl.constexpr,
-           SPLIT: tl.constexpr, BF16_DOT: tl.constexpr):
-    """Fold one key group of row t into the running softmax state."""
+           part, chunk, D: tl.constexpr, BK: tl.constexpr, KIND: tl.constexpr,
+           MX: tl.constexpr, SPLIT: tl.constexpr, BF16_DOT: tl.constexpr):
+    """Fold keys [part * chunk, (part + 1) * chunk) of one key group of row t (chunk: a
+    multiple of BK, or K when the keys are not split) into the running softmax state."""
     if KIND == 1:
         base = tl.load(slot_ptr + t).to(tl.int64) * s0
     elif KIND == 2:
@@ -110,9 +111,11 @@ def _group(q_hi, q_lo, m_i, l_i, acc, t, scale, keys_ptr, slot_ptr, s0, s1, ok_p
     else:
         base = t * 0
     d = tl.arange(0, D)
-    for kb in range(0, K, BK):
+    lo = part * chunk
+    hi = tl.minimum(lo + chunk, K)
+    for kb in range(lo, hi, BK):
         kk = (kb + tl.arange(0, BK)).to(tl.int64)
-        ok = tl.load(ok_ptr + t * ok0 + kk * ok1, mask=kk < K, other=0) != 0
+        ok = tl.load(ok_ptr + t * ok0 + kk * ok1, mask=kk < hi, other=0) != 0
         src = keys_ptr + base + kk * s1
         if MX:
             code = tl.load(src[:, None] + d[None, :], mask=ok[:, None], other=0)
@@ -125,32 +128,44 @@ def _group(q_hi, q_lo, m_i, l_i, acc, t, scale, keys_ptr, slot_ptr, s0, s1, ok_p
 
 
 @triton.jit
-def _ragged_kernel(q_ptr, out_ptr, sink_ptr, H, scale,
-                   a_keys, a_slot, a_s0, a_s1, a_ok, a_ok0, a_ok1, a_k,
-                   b_keys, b_slot, b_s0, b_s1, b_ok, b_ok0, b_ok1, b_k,
+def _ragged_kernel(q_ptr, out_ptr, ml_ptr, sink_ptr, T, H, scale,
+                   a_keys, a_slot, a_s0, a_s1, a_ok, a_ok0, a_ok1, a_k, a_chunk,
+                   b_keys, b_slot, b_s0, b_s1, b_ok, b_ok0, b_ok1, b_k, b_chunk,
                    D: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
                    A_KIND: tl.constexpr, A_MX: tl.constexpr,
                    B_KIND: tl.constexpr, B_MX: tl.constexpr, SPLIT: tl.constexpr,
-                   BF16_DOT: tl.constexpr):
+                   BF16_DOT: tl.constexpr, PARTIAL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    part = tl.program_id(2)
     hmask = heads < H
     d = tl.arange(0, D)
     at = (t * H + heads)[:, None] * D + d[None, :]
     q = tl.load(q_ptr + at, mask=hmask[:, None], other=0.0).to(tl.float32)
+    # every part starts from the sink's score (a finite running max, so a part whose keys
+    # are all masked stays exact); only part 0 counts the sink in the denominator
     m_i = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
-    l_i = tl.full([BH], 1.0, tl.float32)
+    l_i = tl.full([BH], 1.0, tl.float32) * (part == 0).to(tl.float32)
     acc = tl.zeros([BH, D], tl.float32)
     if SPLIT:                                           # split once, used by every key tile
         q_hi, q_lo = _split(q)
     else:
         q_hi, q_lo = q, q
     m_i, l_i, acc = _group(q_hi, q_lo, m_i, l_i, acc, t, scale, a_keys, a_slot, a_s0, a_s1,
-                           a_ok, a_ok0, a_ok1, a_k, D, BK, A_KIND, A_MX, SPLIT, BF16_DOT)
+                           a_ok, a_ok0, a_ok1, a_k, part, a_chunk, D, BK, A_KIND, A_MX, SPLIT,
+                           BF16_DOT)
     if B_KIND != 0:
         m_i, l_i, acc = _group(q_hi, q_lo, m_i, l_i, acc, t, scale, b_keys, b_slot, b_s0, b_s1,
-                               b_ok, b_ok0, b_ok1, b_k, D, BK, B_KIND, B_MX, SPLIT, BF16_DOT)
-    tl.store(out_ptr + at, acc / l_i[:, None], mask=hmask[:, None])
+                               b_ok, b_ok0, b_ok1, b_k, part, b_chunk, D, BK, B_KIND, B_MX,
+                               SPLIT, BF16_DOT)
+    if PARTIAL:       # this part's unnormalized state: [parts, T, H, D] and [parts, T, H, 2]
+        base = part.to(tl.int64) * T * H
+        tl.store(out_ptr + base * D + at, acc, mask=hmask[:, None])
+        ml = (base + t * H + heads) * 2
+        tl.store(ml_ptr + ml, m_i, mask=hmask)
+        tl.store(ml_ptr + ml + 1, l_i, mask=hmask)
+    else:
+        tl.store(out_ptr + at, acc / l_i[:, None], mask=hmask[:, None])
 
 
 def _describe(group, d: int, device):
@@ -180,11 +195,36 @@ def _describe(group, d: int, device):
             ok.stride(0), ok.stride(1), ok.shape[1], kind, mx)
 
 
-def union_attention(q, groups, sink, scale: float, precision: str | None = None):
+# Split over keys: a step of a few rows has a grid of rows x head blocks programs (a batch-1
+# decode with 64 heads: 4), far too few to fill a GPU, each streaming every key. When the grid
+# is smaller than FILL programs, each row's keys are cut into parts of at least MIN_PART keys
+# (at most MAX_PARTS), one program per part, and the parts' softmax states are combined by
+# their log-sum-exp (`_combine`).
+FILL, MIN_PART, MAX_PARTS = 256, 4 * BK, 32
+
+
+def key_parts(rows: int, heads: int, keys: int) -> int:
+    """How many parts the keys of a step of `rows` rows are split into (1: not split)."""
+    grid = rows * triton.cdiv(heads, BH)
+    return max(1, min(MAX_PARTS, FILL // max(grid, 1), keys // MIN_PART))
+
+
+def _combine(acc, ml):
+    """Parts' states (acc [P, T, H, D] unnormalized, ml [P, T, H, 2]: running max and sum,
+    each relative to its own max) -> the softmax-weighted output [T, H, D]."""
+    m, total = ml[..., 0], ml[..., 1]
+    w = torch.exp(m - m.max(0).values)                                  # [P, T, H]
+    return (acc * w.unsqueeze(-1)).sum(0) / (total * w).sum(0).unsqueeze(-1)
+
+
+def union_attention(q, groups, sink, scale: float, precision: str | None = None,
+                    parts: int | None = None):
     """q [T, H, D]; groups: one or two of RingKeys / (keys [T, K, D] or [L, D], ok) -> [T, H, D].
     Float keys are read as fp32; uint8 keys (and a RingKeys' `codes`) are MXFP8 rows.
     `precision`: "split" (bf16 tensor-core products of hi/lo halves) or "ieee" (fp32 FMA);
-    None: split when compiled, ieee under the interpreter."""
+    None: split when compiled, ieee under the interpreter. `parts`: how many parts each
+    row's keys are split into (None: `key_parts`, more than one only for small grids)."""
+    parts_wanted = parts
     if precision is None:
         precision = IEEE if INTERPRETED else SPLIT
     if precision not in (SPLIT, IEEE):
@@ -201,13 +241,21 @@ def union_attention(q, groups, sink, scale: float, precision: str | None = None)
         raise ValueError(f"MXFP8 rows need a head dim that is a multiple of 32, not {d}")
     a = parts[0]
     b = parts[1] if len(parts) > 1 else a
-    if t:
-        _ragged_kernel[(t, triton.cdiv(h, BH))](
-            qc, out, sink.float().contiguous(), h, scale,
-            *a[:8], *b[:8], D=d, BH=BH, BK=BK, A_KIND=a[8], A_MX=a[9],
-            B_KIND=b[8] if len(parts) > 1 else KIND_NONE, B_MX=b[9],
-            SPLIT=precision == SPLIT, BF16_DOT=not INTERPRETED)
-    return out.to(q.dtype)
+    if not t:
+        return out.to(q.dtype)
+    n = key_parts(t, h, max(p[7] for p in parts)) if parts_wanted is None else parts_wanted
+    if n < 1:
+        raise ValueError(f"parts must be >= 1, not {n}")
+    # keys per part of each group: whole tiles, so every part but the last is full
+    chunk = [triton.cdiv(triton.cdiv(p[7], n), BK) * BK if n > 1 else max(p[7], 1) for p in (a, b)]
+    partial = torch.empty(n, t, h, d, dtype=torch.float32, device=q.device) if n > 1 else out
+    ml = torch.empty(n, t, h, 2, dtype=torch.float32, device=q.device) if n > 1 else out
+    _ragged_kernel[(t, triton.cdiv(h, BH), n)](
+        qc, partial, ml, sink.float().contiguous(), t, h, scale,
+        *a[:8], chunk[0], *b[:8], chunk[1], D=d, BH=BH, BK=BK, A_KIND=a[8], A_MX=a[9],
+        B_KIND=b[8] if len(parts) > 1 else KIND_NONE, B_MX=b[9],
+        SPLIT=precision == SPLIT, BF16_DOT=not INTERPRETED, PARTIAL=n > 1)
+    return (_combine(partial, ml) if n > 1 else out).to(q.dtype)
 
 
 # whether this module's kernels were made for Triton's CPU interpreter (fixed at import)

@@ -38,6 +38,45 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class Uploads:
+    """The one way a step's host ints become index tensors on the device (StepBatch owns one
+    per forward).
+
+    On CUDA a copy from pageable memory waits for the stream to drain, so an index tensor
+    made from host ints mid-forward would stall behind the layers already queued. Every
+    index tensor of a step is therefore built here before its first layer (`seal` marks
+    that point): `many` packs several lists into one pinned buffer and makes one
+    non-blocking copy; `longs` is the one-list case. On the CPU they are plain tensors.
+    `late` counts uploads after `seal` (tests assert 0: each would be a stall on a GPU)."""
+
+    def __init__(self, device: torch.device | str | None):
+        self.device = torch.device(device if device is not None else "cpu")
+        self.count = 0
+        self.late = 0
+        self.sealed = False
+
+    def seal(self) -> None:
+        self.sealed = True
+
+    def longs(self, values) -> torch.Tensor:
+        return self.many(values)[0]
+
+    def many(self, *lists) -> tuple[torch.Tensor, ...]:
+        """Each list (of ints, or of equal-length int lists: a 2-D table) as a long tensor."""
+        self.count += 1
+        self.late += self.sealed
+        host = [torch.tensor(v, dtype=torch.long) for v in lists]
+        if self.device.type != "cuda":
+            return tuple(t.to(self.device) for t in host)
+        flat = torch.cat([t.reshape(-1) for t in host]).pin_memory()
+        dev = flat.to(self.device, non_blocking=True)
+        out, at = [], 0
+        for t in host:
+            out.append(dev[at : at + t.numel()].view(t.shape))
+            at += t.numel()
+        return tuple(out)
+
+
 class HostCopies:
     """Device bytes on their way to host memory without stalling the decode step.
 

@@ -104,3 +104,23 @@ def test_host_copies_on_cuda_are_pinned_non_blocking_and_stream_ordered():
     src.fill_(99)                                   # queued after the copies
     assert copies.poll(wait=True) == 4 and copies.pending == 0
     assert [set(b) for b in got] == [{1}, {2}, {3}, {4}]
+
+
+def test_step_uploads_make_long_tensors_and_count_late_ones():
+    up = device_mod.Uploads(torch.device("cpu"))
+    a, table, empty = up.many([3, 1, 2], [[1, 2], [3, 4]], [])
+    assert a.tolist() == [3, 1, 2] and table.tolist() == [[1, 2], [3, 4]] and empty.numel() == 0
+    assert a.dtype == table.dtype == torch.long and (up.count, up.late) == (1, 0)
+    up.seal()
+    assert up.longs([7]).tolist() == [7] and (up.count, up.late) == (2, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_step_uploads_on_cuda_go_up_in_one_pinned_copy():
+    up = device_mod.Uploads(torch.device("cuda"))
+    lists = ([5, 6, 7], [[1, 2, 3], [4, 5, 6]], [], list(range(1000)))
+    got = up.many(*lists)
+    assert all(t.device.type == "cuda" and t.dtype == torch.long for t in got)
+    assert got[0].data_ptr() + 3 * 8 == got[1].data_ptr()            # one buffer, one copy
+    assert [t.tolist() for t in got] == [list(x) for x in lists]

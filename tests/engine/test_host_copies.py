@@ -5,14 +5,20 @@ all of them once it is idle. This machine has no GPU, so the copies here are mad
 one poll late, as a CUDA copy still in flight would (the CUDA class itself is tested in
 tests/engine/test_device.py, gpu-marked); everything else is the real engine. The blocks and
 snapshots delivered must be byte-identical to those of the engine whose copies land at once,
-and some of them must really have waited."""
+and some of them must really have waited. The prefill/decode handoff export goes the same
+way (its HANDOFF event waits for its bytes)."""
+
+import torch
 
 from services.engine import device as device_mod
-from services.engine.config import small_test_config
+from services.engine.config import TINY, small_test_config
 from services.engine.core.sampling import SamplingParams
+from services.engine.core.sequence import Finish
+from services.engine.model import weights as weights_mod
 from tests.engine.helpers import Recorder, make_engine, random_prompt, run_to_completion
 
 CFG = small_test_config()
+TINY_W = weights_mod.init_weights(TINY, 0, torch.float64)
 
 
 class LateCopies(device_mod.HostCopies):
@@ -65,3 +71,46 @@ def test_late_copies_deliver_the_same_blocks_and_snapshots(monkeypatch):
             temperature=0, max_tokens=2))
         run_to_completion(engine)
         assert seq.cached_tokens > 0
+
+
+def handoffs(late: bool, monkeypatch):
+    """A prefill engine's handoffs of a few requests (each event with the step it came in)."""
+    if late:
+        monkeypatch.setattr(device_mod, "HostCopies", LateCopies)
+    pe = make_engine(TINY, weights=TINY_W, extra_state=True, truncation="compact",
+                     keep_tokens=134, num_blocks=64, num_slots=4, max_batched_tokens=256)
+    monkeypatch.undo()
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=5)
+    for i, n in enumerate((140, 200, 263)):
+        pe.add_request(random_prompt(n, 50 + i), params, request_id=f"r{i}", handoff=True)
+    got, steps, held = {}, 0, 0
+    while pe.has_work:
+        steps += 1
+        for ev in pe.step():
+            if ev.finish is Finish.HANDOFF:
+                assert ev.handoff is not None and ev.request_id not in got
+                got[ev.request_id] = (ev.handoff, steps)
+        held = max(held, pe.exports.pending)
+    assert pe.copies.pending == pe.exports.pending == 0             # idle: all delivered
+    return pe, got, held
+
+
+def test_late_handoff_exports_give_the_same_handoffs(monkeypatch):
+    """The prefill/decode handoff export goes through HostCopies like blocks and snapshots:
+    with copies that land late the HANDOFF events come later, with byte-identical handoffs,
+    and a decode engine adopts them."""
+    now, want, held_now = handoffs(False, monkeypatch)
+    late, got, held_late = handoffs(True, monkeypatch)
+    assert held_now == 0 and held_late > 0 and set(got) == set(want) == {"r0", "r1", "r2"}
+    assert any(got[r][1] > want[r][1] for r in want)                # some came a step later
+    for rid, (h, _) in want.items():
+        g = got[rid][0]
+        assert (g.slot.state, g.slot.blocks, g.slot.hashes, g.output) == \
+            (h.slot.state, h.slot.blocks, h.slot.hashes, h.output)
+        assert late.handoffs.get(rid) is g
+    assert late.stats()["handoffs_out"] == now.stats()["handoffs_out"] == 3
+    ce = make_engine(TINY, weights=TINY_W, truncation="compact", keep_tokens=134,
+                     num_blocks=64, num_slots=4)
+    seqs = [ce.adopt(got[r][0]) for r in sorted(got)]
+    run_to_completion(ce)
+    assert all(len(s.output) == 5 for s in seqs)

@@ -47,7 +47,7 @@ def _rows(works):
     return slots, torch.tensor(pos), torch.stack(oks)
 
 
-def _both(q, groups, sink, device, scale=0.125, precision=None):
+def _both(q, groups, sink, device, scale=0.125, precision=None, parts=None):
     want = rg.ragged_union_attention(q, groups, sink, scale)         # torch on CPU
     moved = []
     for grp in groups:
@@ -57,7 +57,8 @@ def _both(q, groups, sink, device, scale=0.125, precision=None):
                                      None if grp.codes is None else grp.codes.to(device)))
         else:
             moved.append(tuple(x.to(device) for x in grp))
-    return tri.union_attention(q.to(device), moved, sink.to(device), scale, precision), want
+    return tri.union_attention(q.to(device), moved, sink.to(device), scale, precision,
+                               parts), want
 
 
 # decode rows and short chunks of slots 7, 2, 5, 0 (a range too sparse for a view), wrapping

@@ -20,6 +20,7 @@ chained hash as soon as they are computed, so later prompts can share them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -206,13 +207,33 @@ class CacheManager:
     # --- prefill/decode handoff (cache/handoff.py) --------------------------------------
     def export_slot(self, seq: Sequence) -> SlotHandoff:
         """seq's slot rearranged for a 134-row engine, its block hashes and blocks (read only:
-        the caller releases seq afterwards as usual)."""
+        the caller releases seq afterwards as usual). Synchronous: the engine itself copies
+        `export_parts` off the step instead."""
+        data, build = self.export_parts(seq)
+        return build(data.cpu().numpy().tobytes())
+
+    def export_parts(self, seq: Sequence) -> tuple[torch.Tensor, Callable[[bytes], SlotHandoff]]:
+        """What export_slot copies, as one uint8 tensor on the device (a copy of the slot and
+        of its blocks' rows, so later writes cannot reach it), and the function that makes
+        the SlotHandoff from its bytes once they are in host memory (device.HostCopies:
+        non-blocking on CUDA). Everything else it needs is taken now."""
         n = seq.num_computed
-        # rearranged in host memory: the handoff leaves as bytes (a no-op copy on the CPU)
-        state = rearrange_slot(self.states.block, self.states.data[seq.slot].cpu(), n)
-        blocks = tuple(self.store.serialize(b) for b in seq.table[: self.blocks_for(n)])
-        return SlotHandoff(n, seq.enc_lo, seq.dec_lo, seq.cmp_from, tuple(seq.hashes), blocks,
-                           state.numpy().tobytes())
+        parts = [self.states.data[seq.slot].reshape(-1)] + \
+            [self.store.raw(b) for b in seq.table[: self.blocks_for(n)]]
+        sizes = [t.numel() for t in parts]                       # shapes: no device read
+        facts = (n, seq.enc_lo, seq.dec_lo, seq.cmp_from, tuple(seq.hashes))
+
+        def build(raw: bytes) -> SlotHandoff:
+            at = sizes[0]
+            slot = torch.frombuffer(bytearray(raw[:at]), dtype=torch.uint8)
+            blocks = []
+            for size in sizes[1:]:
+                blocks.append(self.store.frame(raw[at : at + size]))
+                at += size
+            # rearranged in host memory: the handoff leaves as bytes
+            state = rearrange_slot(self.states.block, slot, n)
+            return SlotHandoff(*facts, tuple(blocks), state.numpy().tobytes())
+        return torch.cat(parts), build
 
     def handoff_problem(self, h: SlotHandoff) -> str | None:
         """Why `h` can never be adopted here (ring, sizes, block coverage, damaged blocks)."""

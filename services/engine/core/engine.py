@@ -19,7 +19,7 @@ import random
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -32,10 +32,17 @@ from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.cache.prefix import Prefetched, PrefixReuse
 from services.engine.config import EngineConfig, ModelConfig
-from services.engine.core.handoff import Handoff, HandoffStore, export_handoff, handoff_problem
+from services.engine.core.events import COUNTERS, Event, Hooks  # noqa: F401  (importers)
+from services.engine.core.handoff import (
+    Exports,
+    Handoff,
+    HandoffStore,
+    export_handoff,
+    handoff_problem,
+)
 from services.engine.core.mtp_draft import MtpDrafter
 from services.engine.core.output import OutputState
-from services.engine.core.sampling import SamplingParams, sample, sample_ids
+from services.engine.core.sampling import SamplingParams, draw, read_ids, sample
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Finish, Sequence
 from services.engine.core.speculative import Speculator, engine_setting
@@ -43,41 +50,6 @@ from services.engine.model import mtp
 from services.engine.model.mtp_runner import MtpRunner
 from services.engine.model.runner import ForwardResult, ModelRunner, Work
 from services.engine.model.weights import Weights, init_weights
-
-# Counters EngineCore always reports, 0 until their event first happens, so GetStats and
-# /metrics (kvmesh_engine_<name>) show every one from the start. Only the engine thread
-# changes them; remote.py adds its own kvstore_*/peer_*/directory_* keys (through it too).
-COUNTERS = ("requests", "prompt_tokens", "cache_hit_tokens", "replayed_tokens",
-            "recomputed_tokens", "snapshot_hits", "snapshot_misses", "snapshot_stores",
-            "snapshot_refused", "block_hits_local", "block_hits_remote", "remote_blocks_refused",
-            "generated_tokens", "computed_tokens", "finished", "aborted", "steps",
-            "handoffs_out", "handoff_out_bytes", "handoffs_in", "handoff_in_bytes",
-            "handoff_blocks_local", "handoff_refused", "handoff_fetch_ms")
-
-
-class Hooks:
-    """What the engine thread tells the outside about cache contents (no-ops by default).
-    Implementations must only enqueue: they run on the engine thread."""
-
-    wants_blocks = False
-
-    def block_done(self, block_hash: bytes, payload: bytes, traffic_class: str) -> None: ...
-
-    def snapshot_stored(self, key: str, snap) -> None: ...
-
-    def snapshot_evicted(self, key: str) -> None: ...
-
-
-@dataclass
-class Event:
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish: Finish | None
-    seq: Sequence
-    handoff: Handoff | None = None      # finish HANDOFF: what a decode engine adopts
-    drafted: int = 0           # on the last event: draft tokens this request proposed
-    accepted: int = 0          # and how many of them verification accepted
 
 
 class EngineCore:
@@ -117,8 +89,10 @@ class EngineCore:
         drafter = MtpDrafter(MtpRunner(cfg, self.weights, self.cache.states), cfg.window) \
             if setting.method == "mtp" else None
         self.spec = Speculator(setting, ecfg.ngram_min, ecfg.ngram_max, drafter)
-        # completed blocks on their way to hooks.block_done (pinned, non-blocking on CUDA)
+        # completed blocks on their way to hooks.block_done and handoff exports on their way
+        # to self.handoffs (pinned, non-blocking on CUDA)
         self.copies = device_mod.HostCopies(self.device)
+        self.exports = Exports()
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
@@ -217,16 +191,18 @@ class EngineCore:
         self.counters["steps"] += 1
         if self.counters["steps"] % 256 == 0:      # reclaim expired snapshots even if unread
             self.prefix.expire()
-        # the step's one device sync: every sampled id in one host read (sampling.sample_ids)
-        ids = sample_ids([(logits, seq.params, len(seq.output), seq.seed)
-                          for seq, logits in sampled])
-        for (seq, logits), token in zip(sampled, ids, strict=True):
-            events.append(self._emit(seq, logits, token=token))
-        for seq, work, i, d in verifying:
-            events.append(self._verify(seq, work, res, i, d))
+        # the step's one device sync: every sampled id and every verification verdict
+        # (speculative.judge, drawn on the device) in one host read (sampling.read_ids)
+        read = read_ids([draw(logits, seq.params, len(seq.output), seq.seed)
+                         for seq, logits in sampled] +
+                        [self.spec.judge(seq, res.logits[i], d) for seq, _, i, d in verifying])
+        for (seq, logits), ids in zip(sampled, read, strict=False):
+            events.append(self._emit(seq, logits, token=ids[0]))
+        for (seq, work, i, d), verdict in zip(verifying, read[len(sampled):], strict=True):
+            events.append(self._verify(seq, work, res, i, d, verdict))
         if not self.has_work:
             self._deliver_copies(wait=True)    # idle: nothing left to overlap them with
-        return events
+        return self.exports.ready(events)      # handoff events once their bytes landed
 
     def _deliver_copies(self, wait: bool) -> None:
         """Device-to-host copies (blocks for upload, snapshots for the store) that have
@@ -274,13 +250,17 @@ class EngineCore:
         self.hooks.snapshot_stored(snap.key, snap)
 
     def _emit(self, seq: Sequence, logits: torch.Tensor, drafts: list[int] | None = None,
-              work: Work | None = None, token: int | None = None) -> Event:
+              work: Work | None = None, token: int | None = None,
+              verdict: list[int] | None = None) -> Event:
         """Emit `token` (sampled from logits [V] by step, with the others of the step), or
-        sample it here; or, with drafts, judge them against logits [1 + k, V] and emit what
-        verification gives (speculative.verify), committing the accepted ones."""
+        sample it here; or, with drafts, emit what verification gives (their `verdict`,
+        judged by step with the others, or judged here against logits [1 + k, V]),
+        committing the accepted ones."""
         if drafts is None:
             tokens = [token if token is not None else
                       sample(logits, seq.params, len(seq.output), seq.seed)]
+        elif verdict is not None:
+            tokens = self.spec.settle(seq, drafts, verdict)
         else:
             tokens = self.spec.verify(seq, logits, drafts)
         out = self.outputs[seq.request_id]
@@ -301,8 +281,9 @@ class EngineCore:
             return self._hand_off(seq, emitted, text)
         return Event(seq.request_id, emitted, text, None, seq)
 
-    def _verify(self, seq: Sequence, work: Work, res, index: int, drafts: list[int]) -> Event:
-        event = self._emit(seq, res.logits[index], drafts, work)
+    def _verify(self, seq: Sequence, work: Work, res, index: int, drafts: list[int],
+                verdict: list[int]) -> Event:
+        event = self._emit(seq, res.logits[index], drafts, work, verdict=verdict)
         if event.finish is None:      # the MTP drafter continues from the kept positions
             self.spec.observe(seq, work.owner, res.hidden.get(index), seq.num_computed)
         return event
@@ -322,13 +303,22 @@ class EngineCore:
 
     # --- prefill/decode handoff (core/handoff.py) ------------------------------------
     def _hand_off(self, seq: Sequence, tokens: list[int], text: str) -> Event:
-        """Prefill done and the first token sampled: keep the request for a decode engine."""
-        h = export_handoff(seq, self.cache.export_slot(seq), self.prefix.layout_fp,
-                           self.cfg.fingerprint())
-        self.handoffs.put(h)
-        self.counters["handoffs_out"] += 1
-        self.counters["handoff_out_bytes"] += h.nbytes
-        return self._finish(seq, tokens, text, Finish.HANDOFF, h)
+        """Prefill done and the first token sampled: keep the request for a decode engine.
+        Its slot and blocks are copied off the step (stream order keeps the copy ahead of
+        any reuse of the slot and blocks freed now); the event leaves once they landed."""
+        data, build = self.cache.export_parts(seq)
+        fps = (self.prefix.layout_fp, self.cfg.fingerprint())
+        event = self._finish(seq, tokens, text, Finish.HANDOFF)
+
+        def landed(raw: bytes) -> None:
+            h = export_handoff(seq, build(raw), *fps)
+            self.handoffs.put(h)
+            self.counters["handoffs_out"] += 1
+            self.counters["handoff_out_bytes"] += h.nbytes
+            self.exports.land(event, h)
+        self.exports.hold(event)
+        self.copies.submit(data, landed)
+        return event
 
     @property
     def handoff_state_bytes(self) -> int:

@@ -13,14 +13,18 @@ Sampling draws from (seed, token index) only (sampling.py), so the seed and the
 output so far are the whole sampling state; the CE rebuilds the stop-string state
 and what was sent from the output (OutputState.resume), as a mid-stream migration does.
 
-Owners: EngineCore owns its HandoffStore (engine thread only); a Handoff is immutable.
+The export's bytes leave the device off the step (device.HostCopies; on CUDA they land at
+a later step, or when the engine goes idle): the HANDOFF event waits for them (`Exports`).
+
+Owners: EngineCore owns its HandoffStore and Exports (engine thread only); a Handoff is
+immutable.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.engine.cache.handoff import SlotHandoff
 from services.engine.core.sampling import SamplingParams
@@ -105,3 +109,33 @@ class HandoffStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class Exports:
+    """HANDOFF events whose handoff is still on its way to host memory. A step's events go
+    out through `ready`: one still waiting is held back, one that landed (now or since an
+    earlier step) goes out as a copy carrying its handoff. Engine thread only (EngineCore
+    owns it)."""
+
+    def __init__(self):
+        self._held: list = []          # events returned by a step, waiting for their bytes
+        self._done: list = []          # ... landed: drop them from the step's own list
+        self._landed: list = []        # ... and send these copies with the handoff instead
+
+    def hold(self, event) -> None:
+        self._held.append(event)
+
+    def land(self, event, handoff: Handoff) -> None:
+        self._held = [e for e in self._held if e is not event]
+        self._done.append(event)
+        self._landed.append(replace(event, handoff=handoff))
+
+    def ready(self, events: list) -> list:
+        skip = self._held + self._done
+        out = [e for e in events if all(e is not s for s in skip)] + self._landed
+        self._done, self._landed = [], []
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self._held)

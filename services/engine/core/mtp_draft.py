@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.core.sampling import generator, target_probs
+from services.engine.core.sampling import draw_one, generator, read_ids, target_probs
+from services.engine.device import Uploads
 from services.engine.model.mtp_runner import MtpRows, MtpRunner
 
 DRAFT_STREAM = 3
@@ -90,32 +91,40 @@ class MtpDrafter:
         if not items:
             return out
         y, logits = self.runner.forward(items)
-        last = torch.cumsum(torch.tensor([len(it.next_tokens) for it in items]), 0) - 1
-        y = y[last.to(y.device)]                 # row j: the last row of item j
+        ends, n = [], 0
+        for it in items:
+            n += len(it.next_tokens)
+            ends.append(n - 1)
+        y = y[Uploads(y.device).longs(ends)]      # row j: the last row of item j
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        picked: list[list[torch.Tensor]] = [[] for _ in seqs]    # drafts, on the device
         active = list(range(len(seqs)))          # row j of y / logits is seqs[active[j]]
         for depth in range(max(k for _, k, _ in seqs)):
             for j, i in enumerate(active):
-                seq = seqs[i][0]
                 qs[i].append(logits[j])
-                out.setdefault(seq.request_id, []).append(self._pick(seq, logits[j], depth))
+                picked[i].append(self._pick(seqs[i][0], logits[j], depth))
             more = [j for j, i in enumerate(active) if seqs[i][1] > depth + 1]
             if not more:
                 break
-            # chained: the row after the last one, from the previous depth's output
+            # chained: the row after the last one, from the previous depth's output and its
+            # draft, which stays on the device (read once, with every other draft, below)
             chained = [MtpRows(seqs[active[j]][0].slot, seqs[active[j]][2].lo,
                                seqs[active[j]][0].num_computed + depth, y[j : j + 1],
-                               [out[seqs[active[j]][0].request_id][-1]]) for j in more]
+                               picked[active[j]][-1].view(1)) for j in more]
             active = [active[j] for j in more]
             y, logits = self.runner.forward(chained)
-        for (seq, _, _), q in zip(seqs, qs, strict=True):
+        # the drafting's one host read: every draft of every sequence
+        drafts = read_ids([torch.stack(p) for p in picked])
+        for (seq, _, _), q, d in zip(seqs, qs, drafts, strict=True):
             self.q[seq.request_id] = torch.stack(q)
+            out[seq.request_id] = d
         return out
 
     @staticmethod
-    def _pick(seq, logits: torch.Tensor, depth: int) -> int:
+    def _pick(seq, logits: torch.Tensor, depth: int) -> torch.Tensor:
+        """The draft at this depth as a 0-d long tensor on the logits' device."""
         if seq.params.greedy:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits)
         p = target_probs(logits, seq.params)
         g = generator(seq.params, len(seq.output) + depth, seq.seed, DRAFT_STREAM, p.device)
-        return int(torch.multinomial(p, 1, generator=g))
+        return draw_one(p, g)[0]

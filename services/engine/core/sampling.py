@@ -75,8 +75,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p   # always keeps the top token
-        mask = torch.zeros_like(probs, dtype=torch.bool)
-        mask[order[keep]] = True
+        # scattered, not mask[order[keep]]: a boolean index would read its size back
+        mask = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep)
         probs = torch.where(mask, probs, torch.zeros_like(probs))
         probs = probs / probs.sum()
     return probs
@@ -94,6 +94,15 @@ def generator(params: SamplingParams, step: int, request_seed: int, stream: int 
         (seed * 1_000_003 + step + stream * 7_919_777) % (2**63))
 
 
+def draw_one(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One index drawn from `probs` ([V] or [n, V]), as torch.multinomial(probs, 1) draws it:
+    the index of the largest probs / E with E ~ Exp(1) from `gen` (the same numbers, tested
+    in tests/engine/test_host_reads.py). Not multinomial itself: before drawing it checks its
+    input with a flag that it reads back to the host, a sync per draw on a GPU."""
+    e = torch.empty_like(probs).exponential_(1, generator=gen)
+    return torch.argmax(probs / e, dim=-1, keepdim=True)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, step: int, request_seed: int) -> int:
     """logits: [V] -> token id. `step` = how many tokens this request has generated."""
     return sample_ids([(logits, params, step, request_seed)])[0]
@@ -106,14 +115,25 @@ def draw(logits: torch.Tensor, params: SamplingParams, step: int,
         return torch.argmax(logits)
     probs = target_probs(logits, params)
     gen = generator(params, step, request_seed, device=probs.device)
-    return torch.multinomial(probs, 1, generator=gen)[0]
+    return draw_one(probs, gen)[0]
+
+
+def read_ids(parts: list[torch.Tensor]) -> list[list[int]]:
+    """Long tensors on the device (0-d or 1-D) -> their values, in ONE host read. This is
+    the engine's one device sync per step (EngineCore.step): the sampled ids and the
+    speculative verdicts are the only numbers the host must see to go on (stops, block
+    hashes, the next step's tokens)."""
+    if not parts:
+        return []
+    flat = torch.cat([t.reshape(-1) for t in parts]).tolist()
+    out, at = [], 0
+    for t in parts:
+        out.append(flat[at : at + t.numel()])
+        at += t.numel()
+    return out
 
 
 def sample_ids(rows: list[tuple[torch.Tensor, SamplingParams, int, int]]) -> list[int]:
     """Tokens of many rows (logits [V], params, step, request seed), each drawn on its logits'
-    device with its own generator; ONE host read for all of them. This is the engine's one
-    device sync per step (EngineCore.step): the sampled ids are the only numbers the host
-    must see to go on (stops, block hashes, the next step's tokens)."""
-    if not rows:
-        return []
-    return torch.stack([draw(*row) for row in rows]).tolist()
+    device with its own generator; ONE host read for all of them (read_ids)."""
+    return [ids[0] for ids in read_ids([draw(*row) for row in rows])]

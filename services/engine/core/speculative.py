@@ -30,7 +30,8 @@ import torch
 from kvmesh.errors import InvalidArgument
 from kvmesh.generation import parse_speculative
 from services.engine.core.mtp_draft import MtpDrafter
-from services.engine.core.sampling import SamplingParams, generator, target_probs
+from services.engine.core.sampling import SamplingParams, draw_one, generator, target_probs
+from services.engine.device import Uploads
 
 
 @dataclass(frozen=True)
@@ -115,65 +116,91 @@ ACCEPT_STREAM, RESIDUAL_STREAM = 1, 2
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The distribution of the replacement after a rejection: max(0, p - q), normalized."""
+    """The distribution of the replacement after a rejection: max(0, p - q), normalized
+    (p itself where nothing is left). Chosen on the device: no read of the total."""
     r = torch.clamp(p - q, min=0)
-    total = r.sum()
-    return r / total if total > 0 else p
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total, p)
 
 
-def draft_probs(drafts: list[int], q: torch.Tensor | None, vocab: int,
+def draft_probs(drafts: list[int] | torch.Tensor, q: torch.Tensor | None, vocab: int,
                 params: SamplingParams, device: str | torch.device = "cpu") -> torch.Tensor:
     """[k, V] draft distributions, truncated like the target: a deterministic drafter
     (q None, e.g. n-gram) proposes with probability one; a sampling drafter's logits
     go through the request's temperature/top_k/top_p."""
     if q is None:
+        d = drafts if isinstance(drafts, torch.Tensor) else \
+            torch.tensor(drafts, dtype=torch.long, device=device)
         out = torch.zeros(len(drafts), vocab, dtype=torch.float64, device=device)
-        out[torch.arange(len(drafts), device=device),
-            torch.tensor(drafts, dtype=torch.long, device=device)] = 1.0
+        out[torch.arange(len(drafts), device=device), d] = 1.0
         return out
     return torch.stack([target_probs(row, params) for row in q])
 
 
 def accept_one(p: torch.Tensor, q: torch.Tensor, d: int, gen_u: torch.Generator,
                gen_r: torch.Generator) -> int | None:
-    """One rejection-sampling step: None if draft d is accepted, else the replacement.
-    Draws on p's device (the generators are made there); the test u < min(1, p/q) is done
-    in float64 on the device and read once (the same comparison, bit for bit, as on the
-    host: fp32 and fp64 values convert exactly)."""
+    """One rejection-sampling step on its own: None if draft d is accepted, else the
+    replacement (`judge` makes the same draws for all of a work's drafts at once)."""
     u = torch.rand((), generator=gen_u, dtype=torch.float64, device=p.device)
     if bool((q[d] > 0) & (u * q[d] < p[d])):
         return None
-    return int(torch.multinomial(residual(p, q), 1, generator=gen_r))
+    return int(draw_one(residual(p, q), gen_r))
+
+
+def judge(logits: torch.Tensor, drafts: list[int], params: SamplingParams, step: int,
+          seed: int, q: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [k + 1, V] of one verify work -> [2] long on the logits' device: a, the number
+    of drafts accepted, and the token emitted after them (a replacement, or the bonus when
+    a = k). Nothing is read back: the caller reads every work's verdict of the step at once
+    (EngineCore.step), and the work emits drafts[:a] + [token].
+
+    Every draft is judged at once. Greedy: a = the length of the prefix of drafts equal to
+    their row's argmax, the token the argmax of row a. Sampled: the acceptance draws u_j of
+    all k drafts (each from its own generator, seeded by (seed, step + j, ACCEPT_STREAM),
+    as one-at-a-time judging drew them), the accept mask u_j q_j(d_j) < p_j(d_j) in float64,
+    a = its first False; the replacement of EVERY position j is drawn (from its residual
+    with its own RESIDUAL_STREAM generator) and the bonus from p_k, and position a's is
+    picked on the device. The numbers are those of judging one at a time: each draw
+    depends on its own generator and distribution only, so the extra draws change nothing."""
+    k, dev = len(drafts), logits.device
+    d = Uploads(dev).longs(drafts)                   # pinned and non-blocking on CUDA
+    if params.greedy:
+        best = torch.argmax(logits, dim=-1)                                    # [k + 1]
+        a = torch.cumprod((best[:k] == d).long(), 0).sum()
+        return torch.cat([a.view(1), best.gather(0, a.view(1))])    # (t[a] would read a)
+    # every draw on the logits' device, from generators made there (same seeds as ever; a
+    # CUDA generator draws other numbers than a CPU one, so tokens are reproducible per device)
+    p = torch.stack([target_probs(row, params) for row in logits])             # [k + 1, V]
+    picks = []
+    a = torch.zeros((), dtype=torch.long, device=dev)
+    if k:
+        qs = draft_probs(d, q, logits.shape[-1], params, dev)                  # [k, V]
+        u = torch.stack([torch.rand((), generator=generator(params, step + j, seed, ACCEPT_STREAM,
+                                                            dev), dtype=torch.float64, device=dev)
+                         for j in range(k)])
+        qd, pd = qs.gather(1, d[:, None])[:, 0], p[:k].gather(1, d[:, None])[:, 0]
+        a = torch.cumprod(((qd > 0) & (u * qd < pd)).long(), 0).sum()
+        # row by row, as one-at-a-time judging did (a batched row sum may order its adds
+        # differently, and the draws must be the same numbers)
+        picks = [draw_one(residual(p[j], qs[j]), generator(params, step + j, seed,
+                                                           RESIDUAL_STREAM, dev))
+                 for j in range(k)]
+    picks.append(draw_one(p[k], generator(params, step + k, seed, device=dev)))
+    return torch.cat([a.view(1), torch.cat(picks).gather(0, a.view(1))])
+
+
+def emitted(drafts: list[int], verdict: list[int]) -> list[int]:
+    """A judged work's tokens from its verdict [a, token] (read from `judge`'s tensor)."""
+    a, token = verdict
+    return list(drafts[:a]) + [token]
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, step: int,
            seed: int, q: torch.Tensor | None = None) -> list[int]:
     """logits [k + 1, V] of one verify work -> the tokens it emits (accepted drafts, then
-    one replacement or bonus token). `step` = tokens the request generated before."""
-    k = len(drafts)
-    if params.greedy:
-        best = torch.argmax(logits, dim=-1).tolist()
-        out = []
-        for j, d in enumerate(drafts):
-            if best[j] != d:
-                return out + [best[j]]
-            out.append(d)
-        return out + [best[k]]
-    # every draw on the logits' device, from generators made there (same seeds as ever; a
-    # CUDA generator draws other numbers than a CPU one, so tokens are reproducible per device)
-    dev = logits.device
-    qs = draft_probs(drafts, q, logits.shape[-1], params, dev)
-    out = []
-    for j, d in enumerate(drafts):
-        p = target_probs(logits[j], params)
-        tok = accept_one(p, qs[j], d, generator(params, step + j, seed, ACCEPT_STREAM, dev),
-                         generator(params, step + j, seed, RESIDUAL_STREAM, dev))
-        if tok is not None:
-            return out + [tok]
-        out.append(d)
-    p = target_probs(logits[k], params)
-    return out + [int(torch.multinomial(p, 1, generator=generator(params, step + k, seed,
-                                                                  device=dev)))]
+    one replacement or bonus token). `step` = tokens the request generated before. One
+    work judged and read on its own (the engine reads a step's verdicts together)."""
+    return emitted(drafts, judge(logits, drafts, params, step, seed, q).tolist())
 
 
 # --- the engine's side ----------------------------------------------------------------
@@ -252,11 +279,20 @@ class Speculator:
                 out[seq.request_id] = drafts
         return out
 
-    def verify(self, seq, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    def judge(self, seq, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """The verdict of seq's drafts on the device ([2]: see `judge`); `settle` it once read."""
         q = None
         if self.wants_hidden(seq.request_id):
             q = self.mtp.q.pop(seq.request_id)[: len(drafts)]     # the drafter's distribution
-        tokens = verify(logits, drafts, seq.params, len(seq.output), seq.seed, q)
+        return judge(logits, drafts, seq.params, len(seq.output), seq.seed, q)
+
+    def verify(self, seq, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+        """judge + read + settle for one sequence."""
+        return self.settle(seq, drafts, self.judge(seq, logits, drafts).tolist())
+
+    def settle(self, seq, drafts: list[int], verdict: list[int]) -> list[int]:
+        """The tokens of a read verdict; counts them (acceptance, backoff, usage)."""
+        tokens = emitted(drafts, verdict)
         accepted = len(tokens) - 1
         c = self.counters
         c["spec_verify_steps"] += 1

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from services.engine.device import Uploads
+
 
 @dataclass
 class Segments:
@@ -32,17 +34,27 @@ class Segments:
     first_ids: tuple[int, ...] = ()  # first as host ints
 
     @staticmethod
-    def build(firsts: list[int], ends: list[int], los: list[int], device=None) -> Segments:
+    def build(firsts: list[int], ends: list[int], los: list[int], device=None,
+              uploads: Uploads | None = None) -> Segments:
+        """`uploads`: the step's (StepBatch.build); a fresh one for a lone build."""
+        up = uploads if uploads is not None else Uploads(device)
         counts = tuple(max(0, e - f) for f, e in zip(firsts, ends, strict=True))
-        first = torch.tensor(firsts, dtype=torch.long, device=device)
-        n = torch.tensor(counts, dtype=torch.long, device=device)
-        cu = torch.zeros(len(firsts) + 1, dtype=torch.long, device=device)
+        first, n, lo = up.many(firsts, counts, los)
+        dev = first.device
+        cu = torch.zeros(len(firsts) + 1, dtype=torch.long, device=dev)
         cu[1:] = torch.cumsum(n, 0)
-        wid = torch.repeat_interleave(torch.arange(len(firsts), device=device), n,
+        wid = torch.repeat_interleave(torch.arange(len(firsts), device=dev), n,
                                       output_size=sum(counts))
-        pos = first[wid] + torch.arange(sum(counts), device=device) - cu[wid]
-        return Segments(first, n, cu, wid, pos, torch.tensor(los, dtype=torch.long, device=device),
-                        counts, tuple(firsts))
+        pos = first[wid] + torch.arange(sum(counts), device=dev) - cu[wid]
+        return Segments(first, n, cu, wid, pos, lo, counts, tuple(firsts))
+
+    @property
+    def cu_ids(self) -> tuple[int, ...]:
+        """cu as host ints."""
+        out = [0]
+        for n in self.counts:
+            out.append(out[-1] + n)
+        return tuple(out)
 
     @property
     def rows(self) -> int:
@@ -73,6 +85,8 @@ class StepBatch:
     end_ids: tuple[int, ...] = ()   # ends as host ints
     cmp_ids: tuple[int, ...] = ()   # cmp_from as host ints
     memo: dict = field(default_factory=dict)
+    # every index tensor of the step goes up through this, before the first layer (runner.py)
+    uploads: Uploads = field(default_factory=lambda: Uploads(None))
 
     def once(self, key: tuple, make: Callable[[], Any]) -> Any:
         """make() the first time `key` is asked for in this step, the same object after."""
@@ -83,29 +97,28 @@ class StepBatch:
     @staticmethod
     def build(works, compact: bool, device=None) -> StepBatch:
         """`device`: where the index tensors live (the runner's: that of its weights)."""
+        up = Uploads(device)
         starts = [w.start for w in works]
         ends = [w.end for w in works]
         width = max(1, max(len(w.table) for w in works))
-        tables = torch.tensor([w.table + [0] * (width - len(w.table)) for w in works],
-                              dtype=torch.long, device=device)
-        enc = Segments.build(starts, ends, [w.enc_lo for w in works], device)
+        tables, slots, ends_t, cmp_t, dec_lo_t = up.many(
+            [w.table + [0] * (width - len(w.table)) for w in works], [w.slot for w in works],
+            ends, [w.cmp_from for w in works], [w.dec_lo for w in works])
+        enc = Segments.build(starts, ends, [w.enc_lo for w in works], device, up)
         dec_lo = [w.dec_lo for w in works]
         if compact:
             dec = Segments.build([max(s, lo) for s, lo in zip(starts, dec_lo, strict=True)], ends,
-                                 dec_lo, device)
+                                 dec_lo, device, up)
             dec_rows = enc.rows_at(dec.wid, dec.pos)
             if len(dec_rows) == enc.rows:
                 dec_rows = None
         else:
-            dec = Segments(enc.first, enc.n, enc.cu, enc.wid, enc.pos,
-                           torch.tensor(dec_lo, dtype=torch.long, device=device),
+            dec = Segments(enc.first, enc.n, enc.cu, enc.wid, enc.pos, dec_lo_t,
                            enc.counts, enc.first_ids)
             dec_rows = None
-        as_t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-        return StepBatch(as_t([w.slot for w in works]), tables, as_t(ends),
-                         as_t([w.cmp_from for w in works]),
-                         enc, dec, dec_rows, tuple(w.slot for w in works), tuple(ends),
-                         tuple(w.cmp_from for w in works))
+        return StepBatch(slots, tables, ends_t, cmp_t, enc, dec, dec_rows,
+                         tuple(w.slot for w in works), tuple(ends),
+                         tuple(w.cmp_from for w in works), uploads=up)
 
     def entry_index(self, per_block: int, count: int) -> torch.Tensor:
         """[N, count] flat row (block * per_block + row) of entries 0..count-1 of each work;

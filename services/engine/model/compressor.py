@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels.ragged import ring_put, ring_rows
-from services.engine import device as device_mod
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
@@ -51,7 +50,7 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
     """u: [seg.rows, hidden] compressor input of the rows `seg` describes."""
     m = cfg.compress_ratio(layer)
     r = states.cmp[layer].shape[1]
-    plan = step.once(("feed", m, r), lambda: _plan(step, seg, m, r))
+    plan = feed_plan(step, seg, m, r)
     if plan is None:
         return
     uk = u if plan.rows is None else u[plan.rows]
@@ -79,35 +78,48 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
 def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
     """From the host ints of the works, what the plan would otherwise read back from the
     device (on CUDA a nonzero, a bincount or a boolean index is a sync each): the fed rows
-    (None: all), fed rows per work, the stream length, whether every fed row is kept in the
-    tail ring, and the (slot, position) of the stream rows that come from the tail ring
-    (positions g0 .. s0 - 1 of a work whose stream is not empty)."""
-    rows, per_work, total, all_put, cu, tail = [], [], 0, True, 0, []
-    for first, n, cmp, slot in zip(seg.first_ids, seg.counts, step.cmp_ids, step.slot_ids, strict=True):
+    (None: all), fed rows per work, the stream length, which fed rows are kept in the tail
+    ring (the last R of each work; None: all of them), and the slots and positions of the
+    stream rows that come from the tail ring (positions g0 .. s0 - 1 of a work whose stream
+    is not empty, in stream order)."""
+    rows, per_work, put, total, cu, tail_slots, tail_pos = [], [], [], 0, 0, [], []
+    for first, n, cmp, slot in zip(seg.first_ids, seg.counts, step.cmp_ids, step.slot_ids,
+                                   strict=True):
         end, s0 = first + n, max(first, cmp)
         fed = max(0, end - s0)
         per_work.append(fed)
         if fed:
+            put.extend(range(len(rows) + max(0, fed - ring_len), len(rows) + fed))
             rows.extend(range(cu + n - fed, cu + n))
             total += max(0, end // m * m - s0 // m * m)
-            all_put &= fed <= ring_len
             if end // m * m > s0 // m * m:
-                tail.extend((slot, p) for p in range(s0 // m * m, s0))
+                tail_pos.extend(range(s0 // m * m, s0))
+                tail_slots.extend([slot] * (s0 - s0 // m * m))
         cu += n
-    return None if len(rows) == cu else rows, per_work, total, all_put, tail
+    return (None if len(rows) == cu else rows, per_work, total,
+            None if len(put) == len(rows) else put, (tail_slots, tail_pos) if tail_pos else None)
+
+
+def feed_plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | None:
+    """The step's FeedPlan for this m and tail ring (memoized in the step: runner.py builds
+    them all before the first layer, so their index uploads never wait behind a layer)."""
+    return step.once(("feed", m, ring_len), lambda: _plan(step, seg, m, ring_len))
 
 
 def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | None:
-    host_rows, per_work, total, all_put, tail = _host_facts(step, seg, m, ring_len)
+    host_rows, per_work, total, host_put, tail = _host_facts(step, seg, m, ring_len)
     if not sum(per_work):
         return None
     dev = seg.pos.device
-    # built mid-forward (first compressed layer): host ints go up through pinned memory, a
-    # non-blocking copy (a pageable one would wait for the layers queued before it)
-    rows = torch.arange(seg.rows, device=dev) if host_rows is None else \
-        device_mod.upload(torch.tensor(host_rows, dtype=torch.long), dev)
+    # host ints go up with the step's other index tensors (StepBatch.uploads)
+    lists = [per_work] + ([] if host_rows is None else [host_rows]) + \
+        ([] if host_put is None else [host_put]) + ([] if tail is None else list(tail))
+    up = step.uploads.many(*lists)
+    n_new = up[0]
+    rows = torch.arange(seg.rows, device=dev) if host_rows is None else up[1]
+    put = None if host_put is None else up[1 + (host_rows is not None)]
+    tail_slots, tail_pos = (None, None) if tail is None else up[-2:]
     wid, pos = seg.wid[rows], seg.pos[rows]
-    n_new = device_mod.upload(torch.tensor(per_work, dtype=torch.long), dev)
     s0 = torch.maximum(seg.first, step.cmp_from)      # first fed position per work
     end = seg.end
     new_cu = torch.zeros(len(n_new) + 1, dtype=torch.long, device=dev)
@@ -126,14 +138,12 @@ def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | N
     # the order _host_facts listed them in
     pick = torch.where(from_ring, len(rows) + torch.cumsum(from_ring, 0) - 1,
                        new_cu[swid] + spos - s0[swid])
-    tail_t = device_mod.upload(torch.tensor(tail, dtype=torch.long).view(-1, 2), dev) if tail else None
 
     # ring rows to write: the last R fed rows of each work (older ones would be overwritten)
-    put = None if all_put else torch.nonzero(pos >= end[wid] - ring_len).squeeze(1)
     put_wid, put_pos = (wid, pos) if put is None else (wid[put], pos[put])
     return FeedPlan(None if host_rows is None else rows, put, step.slots[put_wid], put_pos,
-                    total // m, None if tail_t is None else tail_t[:, 0],
-                    None if tail_t is None else tail_t[:, 1], pick, swid[::m], torch.div(spos[::m], m, rounding_mode="floor"))
+                    total // m, tail_slots, tail_pos, pick, swid[::m],
+                    torch.div(spos[::m], m, rounding_mode="floor"))
 
 
 def _scatter(blocks: BlockStore, step: StepBatch, wid, layer: int, entry, rows, keys: bool) -> None:

@@ -28,6 +28,7 @@ import torch
 from kernels.ragged import ragged_union_attention, ring_put
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
+from services.engine.device import Uploads
 from services.engine.model import mtp, ops
 from services.engine.model.batch import Segments
 
@@ -38,7 +39,8 @@ class MtpRows:
     lo: int                    # ring rows of positions < lo are not this sequence's: masked
     first: int                 # position of the first row
     h: torch.Tensor            # [n, hidden] hidden states of positions first .. first + n - 1
-    next_tokens: list[int]     # [n] token p + 1 of each row
+    next_tokens: list[int] | torch.Tensor  # [n] token p + 1 of each row (a device tensor:
+                                           # a chained draft, never read back)
 
 
 class MtpRunner:
@@ -62,11 +64,15 @@ class MtpRunner:
         last row). Writes the MTP ring rows of every row."""
         cfg, w, dev, win = self.cfg, self.w, self.device, self.cfg.window
         dtype = w["embed"].dtype
+        up = Uploads(dev)          # host ints go up pinned and non-blocking on CUDA
         firsts = [it.first for it in items]
         seg = Segments.build(firsts, [it.first + len(it.next_tokens) for it in items],
-                             [it.lo for it in items], dev)
+                             [it.lo for it in items], dev, up)
         h = torch.cat([it.h for it in items]).to(device=dev, dtype=dtype)
-        toks = torch.tensor([t for it in items for t in it.next_tokens], dtype=torch.long, device=dev)
+        toks = torch.cat([it.next_tokens if isinstance(it.next_tokens, torch.Tensor)
+                          else up.longs(it.next_tokens) for it in items]) \
+            if any(isinstance(it.next_tokens, torch.Tensor) for it in items) \
+            else up.longs([t for it in items for t in it.next_tokens])
         x = mtp.project(w, cfg, h, toks)
         hn = ops.rms_norm(x, self.view["layers.0.attn_norm"], cfg.norm_eps)
         q, kv = ops.query_and_kv(self.view, 0, hn, seg.pos, self.block_cfg)
@@ -74,9 +80,10 @@ class MtpRunner:
 
         # older keys: positions [max(lo, first - W + 1), first) of each item, from the ring
         olds = [(i, it.slot, max(it.lo, it.first - win + 1, 0), it.first) for i, it in enumerate(items)]
-        old_wid = torch.tensor([i for i, _, a, b in olds for _ in range(a, b)], dtype=torch.long, device=dev)
-        old_pos = torch.tensor([p for _, _, a, b in olds for p in range(a, b)], dtype=torch.long, device=dev)
-        old_slot = torch.tensor([s for _, s, a, b in olds for _ in range(a, b)], dtype=torch.long, device=dev)
+        old_wid, old_pos, old_slot, item_slots = up.many(
+            [i for i, _, a, b in olds for _ in range(a, b)],
+            [p for _, _, a, b in olds for p in range(a, b)],
+            [s for _, s, a, b in olds for _ in range(a, b)], [it.slot for it in items])
         old = self.values[old_slot, old_pos.remainder(self.ring.shape[1])]
         keys = torch.cat([old, kv])                                          # [Lo + T, D]
         kwid, kpos = torch.cat([old_wid, seg.wid]), torch.cat([old_pos, seg.pos])
@@ -87,7 +94,7 @@ class MtpRunner:
         x = x + ops.attn_output(self.view, 0, o)
         y = x + ops.ffn(self.view, 0, x, self.block_cfg)
 
-        slots = torch.tensor([it.slot for it in items], dtype=torch.long, device=dev)[seg.wid]
+        slots = item_slots[seg.wid]
         ring_put(self.ring, slots, seg.pos, kv_bytes)
         ring_put(self.values, slots, seg.pos, kv)
         return y, mtp.logits(w, cfg, y[seg.cu[1:] - 1])

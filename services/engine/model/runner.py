@@ -100,9 +100,11 @@ class ModelRunner:
         if not works:
             return result
         step = StepBatch.build(works, compact=self.dec_mode == "compact", device=self.device)
-        stale = frozenset(self.mirror.begin(works))
+        stale = frozenset(self.mirror.begin(works, step.uploads))
         toks = [t for w in works for t in w.tokens[w.start : w.end]]
-        x = self.w["embed"][torch.tensor(toks, dtype=torch.long, device=self.device)]
+        x = self.w["embed"][step.uploads.longs(toks)]
+        logit_rows = self._prepare(step, works, stale)
+        step.uploads.seal()        # from here on an upload would wait behind queued layers
         for layer in range(cfg.n_encoder_layers):
             x = self._layer(layer, x, step, "enc", None, works, result, stale)
         h_enc = ops.encoder_output(self.w, x, cfg)
@@ -111,25 +113,57 @@ class ModelRunner:
         for layer in range(cfg.n_encoder_layers, cfg.n_layers):
             x = self._layer(layer, x, step, "dec", h_enc, works, result, stale)
         result.rows = {"encoder": step.enc.rows, "decoder": step.dec.rows}
+        dec_cu = step.dec.cu_ids
         for i, wk in enumerate(works):
             first = max(wk.start, wk.dec_lo, wk.end - wk.want_hidden)
             if wk.want_hidden and first < wk.end:
-                at = int(step.dec.cu[i]) + first - int(step.dec.first[i])
+                at = dec_cu[i] + first - step.dec.first_ids[i]          # host ints: no sync
                 result.hidden[i] = (first, x[at : at + wk.end - first])
 
-        want = [i for i, w in enumerate(works) if w.want_logits]
-        if want:
-            counts = [works[i].n_logits for i in want]
-            wi = torch.tensor([i for i, n in zip(want, counts, strict=True) for _ in range(n)],
-                              dtype=torch.long, device=self.device)
-            back = torch.tensor([b for n in counts for b in range(n - 1, -1, -1)],
-                                dtype=torch.long, device=self.device)
-            logits = ops.logits(self.w, x[step.dec.rows_at(wi, step.ends[wi] - 1 - back)], cfg)
+        if logit_rows is not None:
+            logits = ops.logits(self.w, x[logit_rows], cfg)
             at = 0
-            for i, n in zip(want, counts, strict=True):
-                result.logits[i] = logits[at] if n == 1 else logits[at : at + n]
-                at += n
+            for i, wk in enumerate(works):
+                if wk.want_logits:
+                    n = wk.n_logits
+                    result.logits[i] = logits[at] if n == 1 else logits[at : at + n]
+                    at += n
         return result
+
+    def _prepare(self, step: StepBatch, works: list[Work], stale) -> torch.Tensor | None:
+        """Every index tensor the step's layers will use, built (and uploaded) before the
+        first layer: on CUDA a copy of host ints waits for the stream, so one made after
+        layers were queued would stall behind them. The window plans and compressor plans
+        are memoized in the step (the layers find them built); returns the decoder rows the
+        logits are read from (the last n_logits positions of each work that wants them)."""
+        cfg = self.cfg
+        kinds = (("enc", step.enc, range(cfg.n_encoder_layers)),
+                 ("dec", step.dec, range(cfg.n_encoder_layers, cfg.n_layers)))
+        for kind, seg, layers in kinds:
+            for layer in layers if seg.rows else ():
+                self._window_plan(step, seg, kind, layer, stale)
+        for layer in range(cfg.n_layers):
+            if cfg.compress_ratio(layer) is not None:
+                compressor.feed_plan(step, step.enc, cfg.compress_ratio(layer),
+                                     self.states.cmp[layer].shape[1])
+        enc_rings = {self.states.swa[layer].shape[1] for layer in range(cfg.n_encoder_layers)}
+        for i, wk in enumerate(works):
+            for r in enc_rings if wk.capture is not None else ():
+                self._capture_index(step.enc, step, i, wk, r)
+        cu, firsts, rows = step.dec.cu_ids, step.dec.first_ids, []
+        for i, wk in enumerate(works):
+            if wk.want_logits:         # the last n_logits positions, in order
+                last = cu[i] + wk.end - 1 - firsts[i]
+                rows.extend(range(last - wk.n_logits + 1, last + 1))
+        return step.uploads.longs(rows) if rows else None
+
+    def _window_plan(self, step: StepBatch, seg: Segments, kind: str, layer: int, stale):
+        """The window plan of `layer`'s ring length (memoized per step: kind, R)."""
+        r = self.states.swa[layer].shape[1]
+        # the mirror holds the weights' dtype, which the layer's keys have too
+        in_place = r >= self.cfg.window
+        return step.once(("window", kind, r), lambda: windows.plan(
+            step, seg, r, self.cfg.window, in_place, stale))
 
     def rewind(self, slot: int, owner: object, end: int) -> None:
         """The slot's sequence continues at `end`, before the end of its last chunk (rejected
@@ -152,10 +186,7 @@ class ModelRunner:
         q, kv = ops.query_and_kv(w, layer, h, seg.pos, cfg, angles)
         kv_bytes, kv = ops.quantize_kv(kv)
         ring = self.states.swa[layer]
-        r = ring.shape[1]
-        in_place = kv.dtype == self.mirror.dtype and r >= cfg.window
-        plan = step.once(("window", kind, r), lambda: windows.plan(step, seg, r, cfg.window,
-                                                                    in_place, stale))
+        plan = self._window_plan(step, seg, kind, layer, stale)
         # read every older key this layer needs before it writes the ring
         groups = []
         pools = [(plan.gather, "gather")] if plan.gather is not None else []
@@ -164,7 +195,7 @@ class ModelRunner:
             old = self.mirror.read(layer, pool.old_slots, pool.old_pos, kv.dtype)
             keys = torch.cat([old, kv[pool.rows]])
             groups.append((pool.rows, (keys if pool.idx is None else keys[pool.idx], pool.ok),
-                           path == "gather", path))
+                           path == "gather", path, pool))
         if plan.ring is not None and plan.ring.fill_slots is not None:
             self.mirror.fill(layer, plan.ring.fill_slots, plan.ring.fill_pos)
         if cfg.is_encoder(layer):
@@ -176,7 +207,7 @@ class ModelRunner:
             rows = plan.ring.rows
             # the ring bytes too: a Triton kernel dequantizes them in registers (kernels/ragged.py)
             groups.append((rows, RingKeys(self.mirror.values[layer], plan.ring.where, plan.ring.ok,
-                                          ring), True, "ring"))
+                                          ring), True, "ring", None))
 
         if m is not None:
             compressor.feed(cfg, w, self.states, self.blocks, layer, step, step.enc,
@@ -184,10 +215,11 @@ class ModelRunner:
 
         sink = w[p + "sink"]
         o = torch.empty_like(q) if len(groups) > 1 or groups[0][0] is not None else None
-        for rows, win, per_row, path in groups:
+        for rows, win, per_row, path, pool in groups:
             parts = [win]
             if m is not None:
-                parts.append(self._compressed(layer, seg, step, h, m, rows, per_row, (kind, path)))
+                parts.append(self._compressed(layer, seg, step, h, m, rows, per_row, (kind, path),
+                                              pool))
             out = ragged_union_attention(q if rows is None else q[rows], parts, sink, self.scale)
             if o is None:
                 o = out
@@ -199,25 +231,33 @@ class ModelRunner:
     def _capture(self, layer, seg: Segments, step: StepBatch, kv_bytes, works, result):
         """Copy the window ending at `capture` into canonical inference-ring order
         (row p % R_inf holds position p), before this chunk overwrites the ring."""
-        e = self.cfg.n_encoder_layers
-        r_inf = self.inference_ring
         ring = self.states.swa[layer]
         for i, wk in enumerate(works):
             if wk.capture is None:
                 continue
-            out = result.captures.setdefault(
-                i, torch.zeros(e, r_inf, ring.shape[2], dtype=torch.uint8, device=self.device))
-            first = int(seg.first[i])
-            positions = torch.arange(wk.capture - r_inf, wk.capture, device=self.device)
-            positions = positions[positions >= 0]
-            new = positions >= first
-            src = torch.empty(len(positions), ring.shape[2], dtype=torch.uint8, device=self.device)
-            src[new] = kv_bytes[int(seg.cu[i]) + positions[new] - first]
-            src[~new] = ring[wk.slot, positions[~new].remainder(ring.shape[1])]
-            out[layer, positions.remainder(r_inf)] = src
+            out = result.captures.setdefault(i, torch.zeros(
+                self.cfg.n_encoder_layers, self.inference_ring, ring.shape[2], dtype=torch.uint8,
+                device=self.device))
+            new_dst, new_src, old_dst, old_src = self._capture_index(seg, step, i, wk, ring.shape[1])
+            out[layer, new_dst] = kv_bytes[new_src]
+            out[layer, old_dst] = ring[wk.slot, old_src]
+
+    def _capture_index(self, seg: Segments, step: StepBatch, i: int, wk: Work, r: int):
+        """Where work i's captured positions come from (this chunk's rows, or ring rows of
+        an R-row ring) and go (p % R_inf): from host ints, memoized per step (`_prepare`
+        builds it before the first layer)."""
+        def make():
+            first, cu, r_inf = seg.first_ids[i], seg.cu_ids[i], self.inference_ring
+            positions = range(max(0, wk.capture - r_inf), wk.capture)
+            new = [p for p in positions if p >= first]
+            old = [p for p in positions if p < first]
+            return step.uploads.many([p % r_inf for p in new], [cu + p - first for p in new],
+                                     [p % r_inf for p in old], [p % r for p in old])
+        return step.once(("capture", i, r), make)
 
     # --- compressed entries ------------------------------------------------------
-    def _compressed(self, layer, seg: Segments, step: StepBatch, h, m, rows, per_row: bool, key):
+    def _compressed(self, layer, seg: Segments, step: StepBatch, h, m, rows, per_row: bool, key,
+                    pool=None):
         """(keys, ok) of the entries visible to `rows` (j < (p + 1) // m). HCA: all of them;
         CSA: the indexer's top-k, so attention never touches the rest. Entry rows come
         straight from the block store through a per-step index. Per-row paths get their
@@ -227,7 +267,8 @@ class ModelRunner:
         cfg = self.cfg
         entries = self.blocks.entries[layer]
         flat, visible = step.once(("entries", key, m, entries.shape[1]),
-                                  lambda: _visible_entries(seg, step, m, entries.shape[1], rows, per_row))
+                                  lambda: _visible_entries(seg, step, m, entries.shape[1], rows,
+                                                           per_row, pool))
         table = entries.view(-1, entries.shape[-1])
         if cfg.layers[layer] != "csa" or self._all_visible(step, m):
             return take_rows(table, flat).to(h.dtype), visible
@@ -251,19 +292,21 @@ class ModelRunner:
         return max(step.end_ids) // m <= self.cfg.csa_topk                  # host ints: no sync
 
 
-def _visible_entries(seg: Segments, step: StepBatch, m: int, per: int, rows, per_row: bool):
+def _visible_entries(seg: Segments, step: StepBatch, m: int, per: int, rows, per_row: bool,
+                     pool=None):
     """(flat block-store rows of the candidate entries, visible mask): [t, K] each per row,
-    or one pool [L] of the rows' works' entries with a [t, L] mask."""
+    or one pool [L] of the rows' works' entries (`pool`: their PoolPlan, which knows the
+    works as host ints, so L needs no read) with a [t, L] mask."""
     count = max(step.end_ids) // m                                       # host ints: no sync
     index = step.entry_index(per, count)                                 # [N, K]
     wid = seg.wid if rows is None else seg.wid[rows]
     n_vis = ((seg.pos if rows is None else seg.pos[rows]) + 1) // m
     if per_row:
         return index[wid], torch.arange(count, device=wid.device).unsqueeze(0) < n_vis.unsqueeze(1)
-    works = torch.unique(wid)
-    counts = step.ends[works] // m
-    pwid = torch.repeat_interleave(works, counts)
-    pj = torch.arange(len(pwid), device=wid.device) - \
-        torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    total = sum(step.end_ids[i] // m for i in pool.work_ids)
+    counts = step.ends[pool.works] // m
+    pwid = torch.repeat_interleave(pool.works, counts, output_size=total)
+    pj = torch.arange(total, device=wid.device) - \
+        torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts, output_size=total)
     visible = (pwid.unsqueeze(0) == wid.unsqueeze(1)) & (pj.unsqueeze(0) < n_vis.unsqueeze(1))
     return index[pwid, pj], visible

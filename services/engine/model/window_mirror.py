@@ -41,9 +41,10 @@ class WindowMirror:
         self.dtype = dtype
         self._owner: dict[int, tuple[object, int]] = {}     # slot -> (owner, next position)
 
-    def begin(self, works) -> list[int]:
+    def begin(self, works, uploads=None) -> list[int]:
         """Before a forward: drop the mirror of every slot whose owner or continuity changed.
-        Returns the indices (into works) of the dropped ones."""
+        Returns the indices (into works) of the dropped ones. `uploads`: the step's
+        (device.Uploads), through which the dropped slots' index goes up."""
         stale, dropped = [], []
         for i, w in enumerate(works):
             owner = getattr(w, "owner", None)
@@ -55,7 +56,8 @@ class WindowMirror:
             else:
                 self._owner[w.slot] = (owner, w.end)
         if stale:
-            idx = torch.tensor(stale, dtype=torch.long, device=next(iter(self.pos.values())).device)
+            idx = uploads.longs(stale) if uploads is not None else torch.tensor(
+                stale, dtype=torch.long, device=next(iter(self.pos.values())).device)
             for p in self.pos.values():
                 p[idx] = NOWHERE
         return dropped
@@ -79,12 +81,16 @@ class WindowMirror:
             return dequantize_rows(self.swa[layer][slots, pos.remainder(self.swa[layer].shape[1])], dtype)
         r = self.swa[layer].shape[1]
         ri = pos.remainder(r)
-        miss = self.pos[layer][slots, ri] != pos
-        if bool(miss.any()):
-            ms, mr = slots[miss], ri[miss]
-            self.values[layer][ms, mr] = dequantize_rows(self.swa[layer][ms, mr], dtype)
-            self.pos[layer][ms, mr] = pos[miss]
-        return self.values[layer][slots, ri]
+        # every asked row is dequantized and the mirror's kept where it holds the position:
+        # picking out only the missed rows would read their count back (a sync on a GPU).
+        # Only gather/pool works read this way (prefill chunks: W - 1 rows per work and
+        # layer, small beside the chunk's own attention); decodes read the mirror in place.
+        hit = (self.pos[layer][slots, ri] == pos).unsqueeze(-1)
+        rows = torch.where(hit, self.values[layer][slots, ri],
+                           dequantize_rows(self.swa[layer][slots, ri], dtype))
+        self.values[layer][slots, ri] = rows
+        self.pos[layer][slots, ri] = pos
+        return rows
 
     def write(self, layer: int, slots, pos, values) -> None:
         """Rows the runner just wrote to the ring (values = what a reader of them sees)."""

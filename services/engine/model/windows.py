@@ -54,6 +54,8 @@ class RingPlan:
 @dataclass(frozen=True)
 class PoolPlan:
     rows: torch.Tensor | slice     # [t] rows of the segment on this path (pool: a slice)
+    work_ids: tuple[int, ...]      # the works of those rows, ascending (host ints) ...
+    works: torch.Tensor            # ... and on the device
     old_slots: torch.Tensor        # [u * (W - 1)] the works' older ring rows ...
     old_pos: torch.Tensor          # ... and their positions (negative ones are masked)
     idx: torch.Tensor | None       # gather: [t, W] index into cat(older rows, chunk rows)
@@ -73,11 +75,12 @@ class WindowPlan:
 def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: bool,
          stale: frozenset[int]) -> WindowPlan:
     """`in_place`: the mirror can serve ring-path rows (same dtype, R >= W); `stale`: works
-    whose mirror was dropped at the start of this forward."""
-    counts = seg.counts
-    cu = [0]
-    for n in counts:
-        cu.append(cu[-1] + n)
+    whose mirror was dropped at the start of this forward.
+
+    Built before the step's first layer (runner.py) from the works' host ints: every index
+    tensor goes up through step.uploads, and nothing here reads the device (no nonzero or
+    unique, whose result sizes a GPU would have to send back)."""
+    counts, cu, up = seg.counts, seg.cu_ids, step.uploads
     short = ring_rows - window + 1 if in_place else 0
     kind = ["ring" if 0 < n <= short else "gather" if n <= GATHER_MAX_ROWS else "pool"
             for n in counts]
@@ -86,18 +89,21 @@ def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: 
     def rows_of(ws: list[int]) -> torch.Tensor | None:
         if sum(counts[i] for i in ws) == cu[-1]:
             return None
-        return torch.tensor([r for i in ws for r in range(cu[i], cu[i + 1])], dtype=torch.long,
-                            device=seg.pos.device)
+        return up.longs([r for i in ws for r in range(cu[i], cu[i + 1])])
 
-    last = seg.pos >= seg.end[seg.wid] - ring_rows      # older rows would be overwritten
-    put_rows = None if all(n <= ring_rows for n in counts) else torch.nonzero(last).squeeze(1)
+    # rows written to the ring: the last R of each work (older ones would be overwritten)
+    put_rows = None if all(n <= ring_rows for n in counts) else up.longs(
+        [r for i, n in enumerate(counts) for r in range(cu[i] + max(0, n - ring_rows), cu[i + 1])])
     put_wid = seg.wid if put_rows is None else seg.wid[put_rows]
     put_pos = seg.pos if put_rows is None else seg.pos[put_rows]
     return WindowPlan(
-        _ring(step, seg, by["ring"], rows_of(by["ring"]), ring_rows, window, stale) if by["ring"] else None,
-        _pool(step, seg, rows_of(by["gather"]), window, gather=True) if by["gather"] else None,
+        _ring(step, seg, by["ring"], rows_of(by["ring"]), ring_rows, window, stale)
+        if by["ring"] else None,
+        _pool(step, seg, rows_of(by["gather"]), by["gather"], window, gather=True)
+        if by["gather"] else None,
         # a chunk's rows are consecutive: a slice, so q, h and the output are views, not copies
-        tuple(_pool(step, seg, slice(cu[i], cu[i + 1]), window, gather=False) for i in by["pool"]),
+        tuple(_pool(step, seg, slice(cu[i], cu[i + 1]), [i], window, gather=False)
+              for i in by["pool"]),
         put_rows, step.slots[put_wid], put_pos)
 
 
@@ -109,24 +115,26 @@ def _ring(step, seg, works, rows, ring_rows, window, stale) -> RingPlan:
     held = last - torch.remainder(last - torch.arange(ring_rows, device=dev), ring_rows)  # [t, R]
     low = torch.maximum(torch.clamp(seg.lo[wid], min=0), pos - window + 1).unsqueeze(1)
     ok = (held >= low) & (held <= pos.unsqueeze(1))
-    where = SlotRows.build([step.slot_ids[i] for i in works for _ in range(seg.counts[i])], dev)
+    where = SlotRows.build([step.slot_ids[i] for i in works for _ in range(seg.counts[i])], dev,
+                           step.uploads.longs)
     dropped = [i for i in works if i in stale]
     fill_slots = fill_pos = None
     if dropped:
-        d = torch.tensor(dropped, dtype=torch.long, device=dev)
+        d = step.uploads.longs(dropped)
         fill_pos = (seg.first[d].unsqueeze(1) - window + 1
                     + torch.arange(window - 1, device=dev)).flatten()
         fill_slots = step.slots[d].repeat_interleave(window - 1)
     return RingPlan(rows, where, ok, fill_slots, fill_pos)
 
 
-def _pool(step, seg, rows, window, gather: bool) -> PoolPlan:
+def _pool(step, seg, rows, ws: list[int], window, gather: bool) -> PoolPlan:
     dev = seg.pos.device
     if rows is None:
         rows = torch.arange(seg.rows, device=dev)
     wid, pos = seg.wid[rows], seg.pos[rows]
     lo = torch.clamp(seg.lo[wid], min=0)
-    works, local = torch.unique(wid, return_inverse=True)
+    # the rows' works (ascending, as rows_of lists them) and each row's index among them
+    works, local = step.uploads.many(ws, [j for j, i in enumerate(ws) for _ in range(seg.counts[i])])
     opos = seg.first[works].unsqueeze(1) - window + 1 + torch.arange(window - 1, device=dev)  # [u, W-1]
     owid = works.unsqueeze(1).expand_as(opos)
     old_slots, old_pos = step.slots[owid.flatten()], opos.flatten()
@@ -137,10 +145,10 @@ def _pool(step, seg, rows, window, gather: bool) -> PoolPlan:
         ring_i = local.unsqueeze(1) * (window - 1) + kpos - first + window - 1
         row_i = len(old_pos) + torch.arange(len(rows), device=dev).unsqueeze(1) + kpos - pos.unsqueeze(1)
         idx = torch.where(kpos >= first, row_i, torch.clamp(ring_i, min=0))
-        return PoolPlan(rows, old_slots, old_pos, idx, kpos >= lo.unsqueeze(1))
+        return PoolPlan(rows, tuple(ws), works, old_slots, old_pos, idx, kpos >= lo.unsqueeze(1))
     kpos = torch.cat([old_pos, pos])
     kwid = torch.cat([owid.flatten(), wid])
     qp = pos.unsqueeze(1)
     ok = (kwid.unsqueeze(0) == wid.unsqueeze(1)) & (kpos <= qp) & \
         (kpos >= torch.maximum(qp - window + 1, lo.unsqueeze(1)))
-    return PoolPlan(rows, old_slots, old_pos, None, ok)
+    return PoolPlan(rows, tuple(ws), works, old_slots, old_pos, None, ok)
