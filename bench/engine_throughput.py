@@ -58,6 +58,7 @@ except ImportError:            # a checkout from before the engine layout of iss
     from services.engine.sampling import SamplingParams
 
 BATCHES = (1, 8, 32, 64)
+PREFILL_ROWS = 512     # a prefill step's rows at the default token budget
 # The bench machine is shared and loaded (load average >> cores), so wall time mostly
 # measures the neighbours; with one torch thread, process CPU seconds are the engine's own
 # cost. --clock wall switches back to wall time.
@@ -219,13 +220,21 @@ def floors(steps: int) -> dict[str, dict[int, float]]:
     mats = [torch.randn(*shape, generator=g) for name, shape in shapes(cfg).items()
             if name.rsplit(".", 1)[-1] in MATMULS or name == "lm_head"]
     rings = [torch.randn(max(BATCHES), ring, cfg.head_dim) for _ in range(cfg.n_layers)]
-    out: dict[str, dict[int, float]] = {"matmul": {}, "attention": {}, "read": {}}
+    out: dict[str, dict] = {"matmul": {}, "attention": {}, "read": {}}
     for b in BATCHES:
         xs = {m.shape[0]: torch.randn(b, m.shape[0], generator=g) for m in mats}
         q = torch.randn(b, cfg.n_heads, cfg.head_dim)
         out["matmul"][b] = _median_s(lambda xs=xs: _matmuls(xs, mats), steps)
         out["attention"][b] = _median_s(_ring_attention(q, rings), steps)
         out["read"][b] = _median_s(lambda b=b: [r[:b].sum() for r in rings], steps)
+    # The same matmuls for a prefill step's rows, fp32 (what the engine serves) and bf16 (what
+    # this design change would serve: CPUs with AMX/AVX512-BF16 run it several times faster;
+    # the MXFP8 ring values are exact in bf16, the activations would not be).
+    xs = {m.shape[0]: torch.randn(PREFILL_ROWS, m.shape[0], generator=g) for m in mats}
+    out["prefill_matmul"] = {}
+    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        xd, md = {k: x.to(dt) for k, x in xs.items()}, [m.to(dt) for m in mats]
+        out["prefill_matmul"][name] = _median_s(lambda xd=xd, md=md: _matmuls(xd, md), steps)
     print("  floor " + "  ".join(f"b{b} matmul {out['matmul'][b] * 1e3:.1f} ms attention "
                                  f"{out['attention'][b] * 1e3:.1f} ms read {out['read'][b] * 1e3:.1f} ms"
                                  for b in BATCHES), flush=True)
@@ -255,7 +264,7 @@ def floor_rows(res: dict) -> list[list]:
     with the batch (the rest of step(1) paid once per step): (step(1) + d matmul + d
     attention) / step(1); read x the same with the attention at the ring read's cost."""
     st = {int(k): v for k, v in res["step_s"].items()}
-    fl = {k: {int(b): v for b, v in d.items()} for k, d in res["floors"].items()}
+    fl = {k: {int(b): v for b, v in d.items()} for k, d in res["floors"].items() if k != "prefill_matmul"}
     rows = []
     for b in BATCHES:
         mm, at = fl["matmul"][b], fl["attention"][b]
@@ -316,6 +325,11 @@ def report(res: dict, before: dict | None) -> None:
               "with prefill work / all; decode free = e2e vs seq / prefill share, the most end to "
               "end reaches if decode-only steps cost nothing")
         print(table(["N", "e2e vs seq", "prefill share", "decode free", "seq prefill share"], rows))
+    if pm := res["floors"].get("prefill_matmul"):
+        f32, b16 = pm["float32"], pm["bfloat16"]
+        print(f"prefill floor: the weight matmuls of one {PREFILL_ROWS}-row step take {f32 * 1e3:.1f} ms "
+              f"in fp32, {b16 * 1e3:.1f} ms in bf16 on this CPU ({f32 / b16:.1f}x): the design change "
+              "that would move the prefill bound (bf16 serving; the targets are fp32)")
     if res.get("budgets"):
         seq = tp(res, 32)["seq_tok_s"]
         print(f"\nscheduler mix ({cols[-1][0]}), N = 32 end to end by max_batched_tokens")
