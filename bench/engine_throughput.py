@@ -292,7 +292,7 @@ def prefill_rows(res: dict) -> list[list]:
 
 
 def report(res: dict, before: dict | None) -> None:
-    print(f"\nclock: {res['args']['clock']} seconds (1 torch thread)")
+    print(f"\nclock: {res['args']['clock']} seconds ({res['args'].get('threads', 1)} torch thread(s))")
     cols = [("before", before), ("after", res)] if before else [(res["label"], res)]
     st = lambda r, b: r["step_s"][str(b)] if str(b) in r["step_s"] else r["step_s"][b]  # noqa: E731
     tp = lambda r, b: r["tput"][str(b)] if str(b) in r["tput"] else r["tput"][b]  # noqa: E731
@@ -366,13 +366,18 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="",
                     help="comma-separated max_batched_tokens values: N = 32 end to end under each")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (the machine's cores: what a deployment uses); more than "
+                         "one needs --clock wall and a quiet machine (CPU seconds add the threads up)")
     ap.add_argument("--together", action="store_true",
                     help="with --before: run both checkouts at the same time (one per core), so "
                          "the load of a shared machine hits both alike")
     args = ap.parse_args(argv)
+    if args.threads > 1 and (args.clock != "wall" or args.together):
+        ap.error("--threads > 1 needs --clock wall and no --together (each run wants every core)")
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if args.long_prefill_chunk:
         CHUNK["long_prefill_chunk"] = args.long_prefill_chunk
     print(f"load average {os.getloadavg()}", flush=True)
