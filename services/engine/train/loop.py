@@ -143,7 +143,9 @@ class _Log:
         self.f.write(line + "\n")
 
 
-def train(a: TrainArgs) -> dict:
+def start_run(a):
+    """What both trainers do first: threads, the seed, the preset, the chunk check, the run
+    directory and its log. -> (cfg, run, log)."""
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     cfg = preset(a.preset)
@@ -151,7 +153,68 @@ def train(a: TrainArgs) -> dict:
         raise ValueError(f"seq_len {a.seq_len} must be a multiple of chunk {a.chunk}")
     run = Path(a.out)
     run.mkdir(parents=True, exist_ok=True)
-    log = _Log(run / "train.log")
+    return cfg, run, _Log(run / "train.log")
+
+
+def check_resume(saved_args: dict, a, keys, path: Path) -> None:
+    """A run resumes only the state of a run with the same `keys` (a key the saved run did not
+    have counts as False: flags added later default to off)."""
+    diffs = [k for k in keys if saved_args.get(k, False) != getattr(a, k)]
+    if diffs:
+        detail = ", ".join(f"{k} {saved_args.get(k)!r} vs {getattr(a, k)!r}" for k in diffs)
+        raise ValueError(f"cannot resume {path}: {detail}")
+
+
+def run_steps(a, opt, params, resumed: tuple, step_loss, evaluate, save, log) -> dict:
+    """The step loop both trainers share: the learning rate of `lr_at`, backward with the
+    gradient clipped, progress lines (bar, tok/s, eta) every `log_every` steps, a held-out
+    evaluation every `eval_every`, a checkpoint every `ckpt_minutes`, and the time budget,
+    which stops the run after one last evaluation and checkpoint.
+
+    `resumed`: (step, elapsed seconds, history) to go on from; `step_loss()` -> (loss to
+    backward, report), report() -> (progress text, history fields), called only on the steps
+    that log; `evaluate()` -> (text, history fields); `save(step, elapsed, history)`."""
+    step, elapsed, history = resumed
+    t_start = last_ckpt = win_t = time.monotonic()
+    base_elapsed, win_tokens, tokens_per_step = elapsed, 0, a.batch * a.seq_len
+    while step < a.steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, a, elapsed)
+        loss, report = step_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, a.clip)
+        opt.step()
+        step += 1
+        win_tokens += tokens_per_step
+        elapsed = base_elapsed + time.monotonic() - t_start
+        if step % a.log_every == 0 or step == a.steps:
+            now = time.monotonic()
+            tps, win_tokens, win_t = win_tokens / max(1e-9, now - win_t), 0, now
+            eta = (a.steps - step) * tokens_per_step / max(tps, 1e-9) / 60
+            bar = "#" * (20 * step // a.steps) + "." * (20 - 20 * step // a.steps)
+            text, fields = report()
+            log(f"[{bar}] step {step}/{a.steps} {text} lr {opt.param_groups[0]['lr']:.2e} "
+                f"{tps:.0f} tok/s {elapsed / 60:.1f} min, eta {eta:.1f} min")
+            history.append({"step": step, **fields, "tokens": step * tokens_per_step,
+                            "minutes": round(elapsed / 60, 2)})
+        over = bool(a.time_budget_min) and elapsed >= a.time_budget_min * 60
+        if step % a.eval_every == 0 or step == a.steps or over:
+            text, fields = evaluate()
+            log(f"eval step {step}: held-out {text}")
+            history.append({"step": step, **fields})
+        if time.monotonic() - last_ckpt >= a.ckpt_minutes * 60 or step == a.steps or over:
+            save(step, elapsed, history)
+            last_ckpt = time.monotonic()
+            log(f"checkpoint step {step} -> {Path(a.out) / 'model.safetensors'}")
+        if over:
+            log(f"time budget of {a.time_budget_min} min reached at step {step}: stopping")
+            break
+    return {"step": step, "tokens": step * tokens_per_step, "minutes": elapsed / 60}
+
+
+def train(a: TrainArgs) -> dict:
+    cfg, run, log = start_run(a)
     corpus = data.load_corpus()
     log(f"corpus {corpus.describe()}")
     val = data.eval_windows(corpus.val, a.eval_windows, a.seq_len)
@@ -159,62 +222,32 @@ def train(a: TrainArgs) -> dict:
     w = {k: t.requires_grad_(True) for k, t in initial_weights(cfg, a.seed).items()}
     opt = make_optimizer(w, a)
     gen = torch.Generator().manual_seed(a.seed + 1)
-    step, elapsed, history = 0, 0.0, []
+    resumed: tuple = (0, 0.0, [])
     state_path = run / "state.pt"
     if a.resume and state_path.exists():
         st = torch.load(state_path, weights_only=False)
-        diffs = [k for k in RESUME_KEYS if st["args"].get(k, False) != getattr(a, k)]
-        if diffs:
-            detail = ", ".join(f"{k} {st['args'].get(k)!r} vs {getattr(a, k)!r}" for k in diffs)
-            raise ValueError(f"cannot resume {state_path}: {detail}")
+        check_resume(st["args"], a, RESUME_KEYS, state_path)
         with torch.no_grad():
             for k, t in w.items():
                 t.copy_(st["weights"][k])
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         torch.set_rng_state(st["torch_rng"])
-        step, elapsed, history = st["step"], st["elapsed"], st["history"]
-        log(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min trained)")
+        resumed = (st["step"], st["elapsed"], st["history"])
+        log(f"resumed from {state_path} at step {resumed[0]} ({resumed[1] / 60:.1f} min trained)")
     n_params = sum(t.numel() for t in w.values())
     log(f"model {cfg.name}: {n_params:,} parameters; {json.dumps(asdict(a), sort_keys=True)}")
 
-    t_start, last_ckpt = time.monotonic(), time.monotonic()
-    base_elapsed, win_tokens, win_t = elapsed, 0, time.monotonic()
-    tokens_per_step = a.batch * a.seq_len
-    while step < a.steps:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, a, elapsed)
-        batch = data.sample_batch(corpus.train, a.batch, a.seq_len, gen)
-        loss, lm, kl = batch_loss(w, cfg, batch, a)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(w.values()), a.clip)
-        opt.step()
-        step += 1
-        win_tokens += tokens_per_step
-        elapsed = base_elapsed + time.monotonic() - t_start
-        if step % a.log_every == 0 or step == a.steps:
-            now = time.monotonic()
-            tps = win_tokens / max(1e-9, now - win_t)
-            win_tokens, win_t = 0, now
-            eta = (a.steps - step) * tokens_per_step / max(tps, 1e-9) / 60
-            pct = 100 * step / a.steps
-            bar = "#" * int(pct / 5) + "." * (20 - int(pct / 5))
-            log(f"[{bar}] step {step}/{a.steps} loss {lm.item():.4f} ({lm.item() / math.log(2):.3f} bits/byte) "
-                f"kl {kl.item():.3f} lr {opt.param_groups[0]['lr']:.2e} {tps:.0f} tok/s "
-                f"{elapsed / 60:.1f} min, eta {eta:.1f} min")
-            history.append({"step": step, "loss": round(lm.item(), 5), "kl": round(kl.item(), 5),
-                            "tokens": step * tokens_per_step, "minutes": round(elapsed / 60, 2)})
-        if step % a.eval_every == 0 or step == a.steps:
-            vl = eval_loss(w, cfg, val, a.chunk, bf16=a.bf16)
-            log(f"eval step {step}: held-out loss {vl:.4f} nats/byte ({vl / math.log(2):.3f} bits/byte)")
-            history.append({"step": step, "val_loss": round(vl, 5)})
-        over_budget = a.time_budget_min and elapsed >= a.time_budget_min * 60
-        if time.monotonic() - last_ckpt >= a.ckpt_minutes * 60 or step == a.steps or over_budget:
-            save_checkpoint(run, w, opt, step, gen, elapsed, a, cfg, history)
-            last_ckpt = time.monotonic()
-            log(f"checkpoint step {step} -> {run / 'model.safetensors'}")
-        if over_budget:
-            log(f"time budget of {a.time_budget_min} min reached at step {step}: stopping")
-            break
-    return {"step": step, "tokens": step * tokens_per_step, "minutes": elapsed / 60}
+    def step_loss():
+        loss, lm, kl = batch_loss(w, cfg, data.sample_batch(corpus.train, a.batch, a.seq_len, gen), a)
+        return loss, lambda: (
+            f"loss {lm.item():.4f} ({lm.item() / math.log(2):.3f} bits/byte) kl {kl.item():.3f}",
+            {"loss": round(lm.item(), 5), "kl": round(kl.item(), 5)})
+
+    def evaluate():
+        vl = eval_loss(w, cfg, val, a.chunk, bf16=a.bf16)
+        return f"loss {vl:.4f} nats/byte ({vl / math.log(2):.3f} bits/byte)", {"val_loss": round(vl, 5)}
+
+    return run_steps(a, opt, list(w.values()), resumed, step_loss, evaluate,
+                     lambda step, elapsed, history: save_checkpoint(run, w, opt, step, gen, elapsed,
+                                                                    a, cfg, history), log)

@@ -14,24 +14,22 @@ MTP init comes from `init_weights(..., mtp=True)` and the batches from a generat
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from services.engine.config import preset
 from services.engine.model import mtp, ops
 from services.engine.model import weights as weights_mod
 from services.engine.train import data
 from services.engine.train.loop import (
-    TrainArgs,
     _atomic_save,
-    _Log,
-    lr_at,
+    check_resume,
     make_optimizer,
+    run_steps,
     save_model,
+    start_run,
 )
 from services.engine.train.model import hidden_states
 from services.engine.train.mtp_chain import chained, depth1
@@ -63,6 +61,15 @@ class MtpArgs:
     minutes: float = 0.0              # time budget; 0 = none. The cosine follows it too
     depth: int = 1                    # 2: also train the chained row (the second draft)
     resume: bool = False
+
+    # the names run_steps and lr_at read: a budgeted MTP run always anneals by time
+    @property
+    def time_budget_min(self) -> float:
+        return self.minutes
+
+    @property
+    def decay_by_time(self) -> bool:
+        return bool(self.minutes)
 
 
 def trunk_states(w, cfg, tokens, chunk: int, bf16: bool):
@@ -128,14 +135,7 @@ def _save(run: Path, w, trunk_names, opt, step, gen, elapsed, a: MtpArgs, cfg, h
 
 
 def train_mtp(a: MtpArgs) -> dict:
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
-    cfg = preset(a.preset)
-    if a.seq_len % a.chunk:
-        raise ValueError(f"seq_len {a.seq_len} must be a multiple of chunk {a.chunk}")
-    run = Path(a.out)
-    run.mkdir(parents=True, exist_ok=True)
-    log = _Log(run / "train.log")
+    cfg, run, log = start_run(a)
     base_path = Path(a.base) / "model.safetensors" if Path(a.base).is_dir() else Path(a.base)
     base = weights_mod.load(base_path, cfg)
     trunk = {k: t for k, t in base.items() if not k.startswith(mtp.PREFIX)}
@@ -149,65 +149,37 @@ def train_mtp(a: MtpArgs) -> dict:
     params = [w[k] for k in mtp.shapes(cfg)]
     opt = make_optimizer({k: w[k] for k in mtp.shapes(cfg)}, a)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(a.seed + 1)
-    step, elapsed, history = 0, 0.0, []
+    resumed: tuple = (0, 0.0, [])
     state_path = run / "state.pt"
     if a.resume and state_path.exists():
         st = torch.load(state_path, weights_only=False)
-        diffs = [k for k in RESUME_KEYS if st["args"].get(k) != getattr(a, k)]
-        if diffs:
-            raise ValueError(f"cannot resume {state_path}: " + ", ".join(
-                f"{k} {st['args'].get(k)!r} vs {getattr(a, k)!r}" for k in diffs))
+        check_resume(st["args"], a, RESUME_KEYS, state_path)
         with torch.no_grad():
             for k, t in st["mtp"].items():
                 w[k].copy_(t)
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
-        step, elapsed, history = st["step"], st["elapsed"], st["history"]
-        log(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min trained)")
+        resumed = (st["step"], st["elapsed"], st["history"])
+        log(f"resumed from {state_path} at step {resumed[0]} ({resumed[1] / 60:.1f} min trained)")
     corpus = data.load_corpus()
     log(f"corpus {corpus.describe()}")
     val = data.eval_windows(corpus.val, a.eval_windows, a.seq_len + 1)
     n_params = sum(p.numel() for p in params)
     log(f"MTP module on frozen {cfg.name} trunk ({a.base}): {n_params:,} trained parameters; "
         f"{json.dumps(asdict(a), sort_keys=True)}")
-    sched = TrainArgs(steps=a.steps, lr=a.lr, min_lr_frac=a.min_lr_frac, warmup=a.warmup,
-                      time_budget_min=a.minutes, decay_by_time=bool(a.minutes))
-    t_start = last_ckpt = win_t = time.monotonic()
-    base_elapsed, win_tokens, tokens_per_step = elapsed, 0, a.batch * a.seq_len
-    while step < a.steps:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, sched, elapsed)
+
+    def step_loss():
         loss = mtp_loss(w, cfg, data.sample_batch(corpus.train, a.batch, a.seq_len + a.depth, gen),
                         a.chunk, a.bf16, a.depth)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, a.clip)
-        opt.step()
-        step += 1
-        win_tokens += tokens_per_step
-        elapsed = base_elapsed + time.monotonic() - t_start
-        if step % a.log_every == 0 or step == a.steps:
-            now = time.monotonic()
-            tps, win_tokens, win_t = win_tokens / max(1e-9, now - win_t), 0, now
-            pct = 100 * step / a.steps
-            bar = "#" * int(pct / 5) + "." * (20 - int(pct / 5))
-            log(f"[{bar}] step {step}/{a.steps} mtp loss {loss.item():.4f} "
-                f"lr {opt.param_groups[0]['lr']:.2e} {tps:.0f} tok/s {elapsed / 60:.1f} min")
-            history.append({"step": step, "loss": round(loss.item(), 5),
-                            "tokens": step * tokens_per_step, "minutes": round(elapsed / 60, 2)})
-        over = bool(a.minutes) and elapsed >= a.minutes * 60
-        if step % a.eval_every == 0 or step == a.steps or over:
-            ev = evaluate(w, cfg, val, a.chunk)
-            log(f"eval step {step}: held-out " + " ".join(f"{k} {v:.4f}" for k, v in ev.items()))
-            history.append({"step": step, **{k: round(v, 5) for k, v in ev.items()}})
-        if time.monotonic() - last_ckpt >= a.ckpt_minutes * 60 or step == a.steps or over:
-            _save(run, w, trunk, opt, step, gen, elapsed, a, cfg, history)
-            last_ckpt = time.monotonic()
-            log(f"checkpoint step {step} -> {run / 'model.safetensors'}")
-        if over:
-            log(f"time budget of {a.minutes} min reached at step {step}: stopping")
-            break
-    return {"step": step, "tokens": step * tokens_per_step, "minutes": elapsed / 60}
+        return loss, lambda: (f"mtp loss {loss.item():.4f}", {"loss": round(loss.item(), 5)})
+
+    def held_out():
+        ev = evaluate(w, cfg, val, a.chunk)
+        return " ".join(f"{k} {v:.4f}" for k, v in ev.items()), {k: round(v, 5) for k, v in ev.items()}
+
+    return run_steps(a, opt, params, resumed, step_loss, held_out,
+                     lambda step, elapsed, history: _save(run, w, trunk, opt, step, gen, elapsed, a,
+                                                          cfg, history), log)
 
 
 SLICE = (2, 512)      # (windows, MTP positions) of the shipped checkpoint's quick check
