@@ -17,7 +17,7 @@ import redis
 
 from kvmesh.backing.proc import ManagedProcess, free_port, wait_port
 from services.kvstore.client import KvstoreClient
-from tests.kvstore.test_restart_load import BATCH, Ledger, content, writer
+from tests.kvstore.test_restart_load import BATCH, Ledger, content, kill_under_load, writer
 
 WRITERS = 3
 GRACE_S = 4.0
@@ -75,21 +75,18 @@ def test_two_replicas_one_killed_under_load(locations, tmp_path, shared_index, v
             await asyncio.sleep(0.02)
 
     async def load() -> None:
-        nonlocal restarted_at
         stop = asyncio.Event()
         tasks = [asyncio.create_task(writer(",".join(addrs), w, ledger, stop, fill="b", pause_s=0.05))
                  for w in range(WRITERS)]
         tasks += [asyncio.create_task(reader(addrs, ledger, stop)),
                   asyncio.create_task(watch(stop))]
-        await asyncio.sleep(2.5)
-        procs["a"].kill()  # SIGKILL: mid-put, mid-get, maybe mid-GC holding the lease
-        await asyncio.sleep(1.0)
-        procs["a"] = await asyncio.to_thread(serve, "a", ports["a"], locations, tmp_path,
-                                             shared_index)
-        restarted_at = time.time()
-        await asyncio.sleep(2.5)
-        stop.set()
-        await asyncio.gather(*tasks)
+
+        def restart() -> None:
+            nonlocal restarted_at
+            procs["a"] = serve("a", ports["a"], locations, tmp_path, shared_index)
+            restarted_at = time.time()
+
+        await kill_under_load(tasks, stop, lambda: procs["a"].kill(), restart, 2.5, 1.0, 2.5)
 
     t0 = time.monotonic()
     try:

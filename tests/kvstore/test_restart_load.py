@@ -89,6 +89,19 @@ def serve(locations, tmp_path, port: int) -> ManagedProcess:
     return proc
 
 
+async def kill_under_load(tasks, stop: asyncio.Event, kill, restart, up_s: float, down_s: float,
+                          after_s: float) -> None:
+    """Let `tasks` run for up_s, kill (SIGKILL: mid-put, mid-get, maybe mid-GC), wait down_s,
+    `restart()` (blocking, run in a thread), run after_s more, then stop the tasks and wait."""
+    await asyncio.sleep(up_s)
+    kill()
+    await asyncio.sleep(down_s)
+    await asyncio.to_thread(restart)
+    await asyncio.sleep(after_s)
+    stop.set()
+    await asyncio.gather(*tasks)
+
+
 def test_kill_and_restart_under_load_no_wrong_bytes_no_lost_puts(locations, tmp_path):
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -99,14 +112,12 @@ def test_kill_and_restart_under_load_no_wrong_bytes_no_lost_puts(locations, tmp_
         stop = asyncio.Event()
         tasks = [asyncio.create_task(writer(address, w, ledger, stop)) for w in range(WRITERS)]
         tasks.append(asyncio.create_task(reader(address, ledger, stop)))
-        nonlocal proc
-        await asyncio.sleep(3.0)
-        proc.kill()  # SIGKILL: mid-put, mid-get, mid-GC
-        await asyncio.sleep(0.5)
-        proc = await asyncio.to_thread(serve, locations, tmp_path, port)
-        await asyncio.sleep(3.0)
-        stop.set()
-        await asyncio.gather(*tasks)
+
+        def restart() -> None:
+            nonlocal proc
+            proc = serve(locations, tmp_path, port)
+
+        await kill_under_load(tasks, stop, lambda: proc.kill(), restart, 3.0, 0.5, 3.0)
 
     t0 = time.monotonic()
     try:
