@@ -12,7 +12,7 @@ import torch
 from kernels import mxfp8
 from kernels import ragged as rg
 from kernels.triton import ragged as tri
-from tests.kernels.test_ragged_triton import _both, _close
+from tests.kernels.test_ragged_triton import _both, _close, shared_pool
 
 D, H = 64, 3
 W, R = 48, 54            # a ring of R rows holding a window of W: 3 or 4 tiles of 16 keys
@@ -64,11 +64,8 @@ def test_window_truncated_at_every_offset_split_over_keys(device):
 
 def test_shared_pool_with_hca_entries_split_over_keys(device):
     g = torch.Generator().manual_seed(11)
-    t, old = 3, W - 1
-    pool = torch.randn(old + t, D, generator=g) * 3
-    kpos = torch.arange(-old, t)
-    pos = torch.arange(t).unsqueeze(1)
-    ok = (kpos.unsqueeze(0) <= pos) & (kpos.unsqueeze(0) >= torch.clamp(pos - W + 1, min=-20))
+    t = 3
+    pool, ok = shared_pool(g, t, W, D, lo=-20)
     entries = torch.randn(37, D, generator=g) * 3
     vis = torch.arange(37).unsqueeze(0) < torch.tensor([0, 20, 37]).unsqueeze(1)
     q = torch.randn(t, H, D, generator=g)

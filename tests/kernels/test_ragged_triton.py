@@ -129,14 +129,21 @@ def test_gathered_window_with_shared_hca_entries(device):
     _close(got, want)
 
 
+def shared_pool(g, t: int, window: int, d: int, lo: int):
+    """A long chunk's window pool: the W - 1 older rows (positions -W+1..-1) then the chunk's t
+    rows (0..t-1); row p sees positions max(lo, p - W + 1)..p. -> (pool [W - 1 + t, d], ok)."""
+    old = window - 1
+    pool = torch.randn(old + t, d, generator=g) * 3
+    kpos = torch.arange(-old, t)
+    p = torch.arange(t).unsqueeze(1)
+    return pool, (kpos.unsqueeze(0) <= p) & (kpos.unsqueeze(0) >= torch.clamp(p - window + 1, min=lo))
+
+
 def test_shared_pool_window_with_csa_picks(device):
     # the pool path: a long chunk's rows share one key pool (older rows + chunk rows)
     g = torch.Generator().manual_seed(5)
-    t, old = 20, W - 1
-    pool = torch.randn(old + t, D, generator=g) * 3
-    kpos = torch.arange(-old, t)
-    p = torch.arange(t).unsqueeze(1)
-    ok = (kpos.unsqueeze(0) <= p) & (kpos.unsqueeze(0) >= torch.clamp(p - W + 1, min=3))
+    t = 20
+    pool, ok = shared_pool(g, t, W, D, lo=3)
     picks = torch.randn(t, 4, D, generator=g) * 3
     pick_ok = torch.rand(t, 4, generator=g) > 0.5
     q = torch.randn(t, H, D, generator=g)
