@@ -32,7 +32,8 @@ RESUME_KEYS = ("preset", "seed", "batch", "seq_len", "steps", "lr", "warmup", "c
 
 
 @dataclass
-class TrainArgs:
+class RunArgs:
+    """What every training run has (`kvmesh train`, `kvmesh train-mtp`; each its own defaults)."""
     out: str = "runs/tiny"
     preset: str = "tiny"
     steps: int = 1000
@@ -43,7 +44,6 @@ class TrainArgs:
     warmup: int = 30
     weight_decay: float = 0.1
     clip: float = 1.0
-    kl_weight: float = 1.0
     seed: int = 0
     chunk: int = 64                   # measured fastest on CPU (W + 64 keys per query chunk)
     bf16: bool = True
@@ -52,9 +52,14 @@ class TrainArgs:
     eval_every: int = 100
     eval_windows: int = 4
     ckpt_minutes: float = 5.0
+    resume: bool = False
+
+
+@dataclass
+class TrainArgs(RunArgs):
+    kl_weight: float = 1.0
     time_budget_min: float = 0.0      # 0 = no limit; otherwise stop and save when reached
     decay_by_time: bool = False       # cosine progress = max(step, elapsed time) fraction
-    resume: bool = False
 
 
 def initial_weights(cfg: ModelConfig, seed: int):
@@ -156,13 +161,23 @@ def start_run(a):
     return cfg, run, _Log(run / "train.log")
 
 
-def check_resume(saved_args: dict, a, keys, path: Path) -> None:
-    """A run resumes only the state of a run with the same `keys` (a key the saved run did not
-    have counts as False: flags added later default to off)."""
-    diffs = [k for k in keys if saved_args.get(k, False) != getattr(a, k)]
+def resume_from(a, run: Path, keys, opt, gen, log) -> tuple[dict | None, tuple]:
+    """With --resume and a run/state.pt: check that it is this run's (the same `keys`; a key
+    the saved run did not have counts as False, flags added later default to off), load the
+    optimizer and data-RNG state. -> (the state, for the caller's weights, or None;
+    (step, elapsed seconds, history) to go on from)."""
+    path = run / "state.pt"
+    if not (a.resume and path.exists()):
+        return None, (0, 0.0, [])
+    st = torch.load(path, weights_only=False)
+    diffs = [k for k in keys if st["args"].get(k, False) != getattr(a, k)]
     if diffs:
-        detail = ", ".join(f"{k} {saved_args.get(k)!r} vs {getattr(a, k)!r}" for k in diffs)
+        detail = ", ".join(f"{k} {st['args'].get(k)!r} vs {getattr(a, k)!r}" for k in diffs)
         raise ValueError(f"cannot resume {path}: {detail}")
+    opt.load_state_dict(st["opt"])
+    gen.set_state(st["gen"])
+    log(f"resumed from {path} at step {st['step']} ({st['elapsed'] / 60:.1f} min trained)")
+    return st, (st["step"], st["elapsed"], st["history"])
 
 
 def run_steps(a, opt, params, resumed: tuple, step_loss, evaluate, save, log) -> dict:
@@ -222,19 +237,12 @@ def train(a: TrainArgs) -> dict:
     w = {k: t.requires_grad_(True) for k, t in initial_weights(cfg, a.seed).items()}
     opt = make_optimizer(w, a)
     gen = torch.Generator().manual_seed(a.seed + 1)
-    resumed: tuple = (0, 0.0, [])
-    state_path = run / "state.pt"
-    if a.resume and state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        check_resume(st["args"], a, RESUME_KEYS, state_path)
+    st, resumed = resume_from(a, run, RESUME_KEYS, opt, gen, log)
+    if st is not None:
         with torch.no_grad():
             for k, t in w.items():
                 t.copy_(st["weights"][k])
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["gen"])
         torch.set_rng_state(st["torch_rng"])
-        resumed = (st["step"], st["elapsed"], st["history"])
-        log(f"resumed from {state_path} at step {resumed[0]} ({resumed[1] / 60:.1f} min trained)")
     n_params = sum(t.numel() for t in w.values())
     log(f"model {cfg.name}: {n_params:,} parameters; {json.dumps(asdict(a), sort_keys=True)}")
 

@@ -24,9 +24,10 @@ from services.engine.model import mtp, ops
 from services.engine.model import weights as weights_mod
 from services.engine.train import data
 from services.engine.train.loop import (
+    RunArgs,
     _atomic_save,
-    check_resume,
     make_optimizer,
+    resume_from,
     run_steps,
     save_model,
     start_run,
@@ -38,29 +39,16 @@ RESUME_KEYS = ("base", "preset", "seed", "batch", "seq_len", "steps", "lr", "war
 
 
 @dataclass
-class MtpArgs:
-    base: str = "models/v4-mini-tiny"     # a model directory or a .safetensors file
+class MtpArgs(RunArgs):
     out: str = "runs/mtp"
-    preset: str = "tiny"
     steps: int = 4000
     batch: int = 1
-    seq_len: int = 1024
-    lr: float = 3e-3
-    min_lr_frac: float = 0.1
     warmup: int = 50
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    seed: int = 0
-    chunk: int = 64
-    bf16: bool = True
-    threads: int = 1
     log_every: int = 10
     eval_every: int = 200
-    eval_windows: int = 4
-    ckpt_minutes: float = 5.0
+    base: str = "models/v4-mini-tiny"     # a model directory or a .safetensors file
     minutes: float = 0.0              # time budget; 0 = none. The cosine follows it too
     depth: int = 1                    # 2: also train the chained row (the second draft)
-    resume: bool = False
 
     # the names run_steps and lr_at read: a budgeted MTP run always anneals by time
     @property
@@ -149,18 +137,11 @@ def train_mtp(a: MtpArgs) -> dict:
     params = [w[k] for k in mtp.shapes(cfg)]
     opt = make_optimizer({k: w[k] for k in mtp.shapes(cfg)}, a)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(a.seed + 1)
-    resumed: tuple = (0, 0.0, [])
-    state_path = run / "state.pt"
-    if a.resume and state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        check_resume(st["args"], a, RESUME_KEYS, state_path)
+    st, resumed = resume_from(a, run, RESUME_KEYS, opt, gen, log)
+    if st is not None:
         with torch.no_grad():
             for k, t in st["mtp"].items():
                 w[k].copy_(t)
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["gen"])
-        resumed = (st["step"], st["elapsed"], st["history"])
-        log(f"resumed from {state_path} at step {resumed[0]} ({resumed[1] / 60:.1f} min trained)")
     corpus = data.load_corpus()
     log(f"corpus {corpus.describe()}")
     val = data.eval_windows(corpus.val, a.eval_windows, a.seq_len + 1)
