@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ragged import ring_put, ring_rows
+from kernels.ragged import RingAt, put_at, take_at
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
@@ -35,11 +35,10 @@ class FeedPlan:
 
     rows: torch.Tensor | None      # fed rows of the segment (None: all)
     put: torch.Tensor | None       # fed rows kept in the tail ring (the last R; None: all fed)
-    put_slots: torch.Tensor
-    put_pos: torch.Tensor
+    put_at: RingAt                 # ... and where they go in it
     groups: int                    # completed groups (0: nothing to pool)
-    tail_slots: torch.Tensor | None  # [k] slot and position of the stream rows stored in the
-    tail_pos: torch.Tensor | None    # tail ring (an open group's first rows; None: none)
+    tail_at: RingAt | None         # [k] the stream rows stored in the tail ring (an open
+                                   # group's first rows; None: none)
     pick: torch.Tensor             # [G * m] stream row i = cat(fed rows, tail rows)[pick[i]]
     gwid: torch.Tensor             # [G] work and group index of each completed group
     gid: torch.Tensor
@@ -63,16 +62,16 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
         if plan.groups:
             # the ring is read for the few stored rows only, then one row gather (index_select:
             # about 4x faster on CPU than advanced indexing for 512 rows of 4 KB)
-            rows = vz if plan.tail_slots is None else torch.cat(
-                [vz, ring_rows(ring, plan.tail_slots, plan.tail_pos).to(vz.dtype)])
+            rows = vz if plan.tail_at is None else torch.cat(
+                [vz, take_at(ring, plan.tail_at).to(vz.dtype)])
             vals = rows.index_select(0, plan.pick)
             if is_index:
                 out = ops.pool_index_keys(w, layer, vals[:, 0], vals[:, 1], m)
             else:
                 angles = step.once(("feed-rope", m, r), lambda: ops.rope_angles(plan.gid * m, cfg, dtype))
                 out = ops.pool_entries_at(w, layer, vals[:, 0], vals[:, 1], plan.gid, m, cfg, angles)
-            _scatter(blocks, step, plan.gwid, layer, plan.gid, out, is_index)
-        ring_put(ring, plan.put_slots, plan.put_pos, vz if plan.put is None else vz[plan.put])
+            _scatter(blocks, step, plan, (m, r), layer, out, is_index)
+        put_at(ring, plan.put_at, vz if plan.put is None else vz[plan.put])
 
 
 def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
@@ -141,14 +140,20 @@ def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | N
 
     # ring rows to write: the last R fed rows of each work (older ones would be overwritten)
     put_wid, put_pos = (wid, pos) if put is None else (wid[put], pos[put])
-    return FeedPlan(None if host_rows is None else rows, put, step.slots[put_wid], put_pos,
-                    total // m, tail_slots, tail_pos, pick, swid[::m],
-                    torch.div(spos[::m], m, rounding_mode="floor"))
+    return FeedPlan(None if host_rows is None else rows, put,
+                    RingAt.of(step.slots[put_wid], put_pos, ring_len), total // m,
+                    None if tail is None else RingAt.of(tail_slots, tail_pos, ring_len), pick,
+                    swid[::m], torch.div(spos[::m], m, rounding_mode="floor"))
 
 
-def _scatter(blocks: BlockStore, step: StepBatch, wid, layer: int, entry, rows, keys: bool) -> None:
+def _scatter(blocks: BlockStore, step: StepBatch, plan: FeedPlan, key: tuple, layer: int, rows,
+             keys: bool) -> None:
     """Write entry rows of many works at once: entry j of work i lives in block
-    tables[i, j // per] at row j % per (block_store.py)."""
+    tables[i, j // per] at row j % per (block_store.py), as if each block were a ring of
+    `per` rows: where, once per step for every layer with this plan (key: its m and tail
+    ring length) and per."""
     dst = (blocks.index_keys if keys else blocks.entries)[layer]
     per = dst.shape[1]
-    dst[step.tables[wid, torch.div(entry, per, rounding_mode="floor")], entry % per] = rows.to(dst.dtype)
+    at = step.once(("scatter", *key, per), lambda: RingAt.of(
+        step.tables[plan.gwid, torch.div(plan.gid, per, rounding_mode="floor")], plan.gid, per))
+    put_at(dst, at, rows)

@@ -35,9 +35,9 @@ import torch
 from kernels.indexer import indexer_scores, select_topk, selected_indices
 from kernels.ragged import (
     RingKeys,
+    put_at,
     ragged_indexer_scores,
     ragged_union_attention,
-    ring_put,
     take_rows,
 )
 from services.engine.cache.block_store import BlockStore
@@ -201,8 +201,8 @@ class ModelRunner:
         if cfg.is_encoder(layer):
             self._capture(layer, seg, step, kv_bytes, works, result)
         put = slice(None) if plan.put_rows is None else plan.put_rows
-        ring_put(ring, plan.put_slots, plan.put_pos, kv_bytes[put])
-        self.mirror.write(layer, plan.put_slots, plan.put_pos, kv[put])
+        put_at(ring, plan.put_at, kv_bytes[put])
+        self.mirror.write(layer, plan.put_at, plan.put_pos, kv[put])
         if plan.ring is not None:
             rows = plan.ring.rows
             # the ring bytes too: a Triton kernel dequantizes them in registers (kernels/ragged.py)

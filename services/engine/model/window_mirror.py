@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ragged import dequantize_rows
+from kernels.ragged import RingAt, dequantize_rows, put_at
 
 NOWHERE = -(1 << 62)     # no real or masked (negative) position ever equals this
 
@@ -92,10 +92,10 @@ class WindowMirror:
         self.pos[layer][slots, ri] = pos
         return rows
 
-    def write(self, layer: int, slots, pos, values) -> None:
-        """Rows the runner just wrote to the ring (values = what a reader of them sees)."""
+    def write(self, layer: int, at: RingAt, pos, values) -> None:
+        """Rows the runner just wrote to the ring at `at` (the step's places for this ring
+        length; values = what a reader of them sees)."""
         if values.dtype != self.dtype:
             return
-        ri = pos.remainder(self.swa[layer].shape[1])
-        self.values[layer][slots, ri] = values
-        self.pos[layer][slots, ri] = pos
+        put_at(self.values[layer], at, values)
+        put_at(self.pos[layer], at, pos)

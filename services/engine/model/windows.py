@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ragged import SlotRows
+from kernels.ragged import RingAt, SlotRows
 from services.engine.model.batch import Segments, StepBatch
 
 # Works with at most this many rows gather each row's W window keys by index; longer
@@ -68,8 +68,8 @@ class WindowPlan:
     gather: PoolPlan | None
     pools: tuple[PoolPlan, ...]    # one per long chunk: a row never scores another work's keys
     put_rows: torch.Tensor | None  # rows written to the ring (the last R of each work; None: all)
-    put_slots: torch.Tensor
-    put_pos: torch.Tensor
+    put_at: RingAt                 # where they go: every layer of this ring length writes there
+    put_pos: torch.Tensor          # their positions
 
 
 def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: bool,
@@ -104,7 +104,7 @@ def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: 
         # a chunk's rows are consecutive: a slice, so q, h and the output are views, not copies
         tuple(_pool(step, seg, slice(cu[i], cu[i + 1]), [i], window, gather=False)
               for i in by["pool"]),
-        put_rows, step.slots[put_wid], put_pos)
+        put_rows, RingAt.of(step.slots[put_wid], put_pos, ring_rows), put_pos)
 
 
 def _ring(step, seg, works, rows, ring_rows, window, stale) -> RingPlan:

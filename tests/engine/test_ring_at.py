@@ -1,0 +1,68 @@
+"""kernels/ragged RingAt / put_at / take_at: a step's ring places built once, then every layer
+writes and reads rows there. Checked bit for bit against plain indexing at (slot, pos % R) on
+every kind of ring the engine has: contiguous (window mirror values and positions, block
+store entries), a view into per-slot slabs (the state pool's rings), MXFP8 bytes seen as int64
+and rows whose width or offset forbids that view."""
+
+import pytest
+import torch
+
+from kernels.ragged import RingAt, put_at, take_at
+
+S, R = 5, 7
+
+
+def _places():
+    # distinct (slot, pos % R) pairs, positions past the wrap and one negative (masked rows)
+    slots = torch.tensor([0, 3, 3, 4, 1, 2])
+    pos = torch.tensor([6, 7, 12, 30, -3, 0])
+    return slots, pos
+
+
+def _rings():
+    g = torch.Generator().manual_seed(0)
+    yield "fp32", torch.randn(S, R, 12, generator=g)
+    yield "fp64 pairs", torch.randn(S, R, 2, 8, generator=g, dtype=torch.float64)
+    yield "positions", torch.randint(-50, 50, (S, R), generator=g)
+    yield "mxfp8 bytes", torch.randint(0, 256, (S, R, 528), generator=g, dtype=torch.uint8)
+    yield "odd bytes", torch.randint(0, 256, (S, R, 12), generator=g, dtype=torch.uint8)
+    # the state pool's layout: each slot's rings lie in one slab row, so a ring is strided
+    slab = torch.randint(0, 256, (S, 3 * R * 528 + 16), generator=g, dtype=torch.uint8)
+    yield "slab bytes", slab[:, 8 : 8 + R * 528].view(S, R, 528)
+    yield "slab bytes, odd offset", slab[:, 3 : 3 + R * 528].view(S, R, 528)
+    fslab = torch.randn(S, 3 * R * 16 + 4, generator=g)
+    yield "slab fp32", fslab[:, 4 : 4 + R * 16].view(S, R, 2, 8)
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _rings()])
+def test_put_and_take_match_plain_indexing(name):
+    ring = dict(_rings())[name]
+    slots, pos = _places()
+    at = RingAt.of(slots, pos, R)
+    assert torch.equal(at.rows, pos % R) and torch.equal(at.flat, slots * R + pos % R)
+    assert torch.equal(take_at(ring, at), ring[slots, pos % R])
+
+    rows = torch.randint(0, 200, (len(slots), *ring.shape[2:])).to(ring.dtype)
+    want = ring.clone()
+    want[slots, pos % R] = rows
+    put_at(ring, at, rows)
+    assert torch.equal(ring, want)
+
+
+def test_put_converts_rows_to_the_ring_dtype():
+    ring = torch.zeros(S, R, 4, dtype=torch.float64)
+    slots, pos = _places()
+    rows = torch.randn(len(slots), 4, dtype=torch.float32)
+    put_at(ring, RingAt.of(slots, pos, R), rows)
+    assert torch.equal(ring[slots, pos % R], rows.double())
+
+
+def test_put_leaves_every_other_row_alone():
+    ring = torch.randint(0, 256, (S, R, 528), dtype=torch.uint8)
+    before = ring.clone()
+    slots, pos = _places()
+    put_at(ring, RingAt.of(slots, pos, R), torch.zeros(len(slots), 528, dtype=torch.uint8))
+    touched = torch.zeros(S, R, dtype=torch.bool)
+    touched[slots, pos % R] = True
+    assert torch.equal(ring[~touched], before[~touched])
+    assert not ring[touched].any()
