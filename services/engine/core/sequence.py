@@ -56,7 +56,11 @@ class Finish(enum.Enum):
     HANDOFF = "handoff"     # prefill done and first token sent: a decode engine continues
 
 
-@dataclass
+# eq=False: a Sequence is one request's record, equal only to itself. The scheduler's
+# membership tests (`seq in decoding`, list.remove) then compare identities instead of
+# building and comparing every field (a dataclass __eq__): at 32 decoding sequences that was
+# ~500 field-tuple comparisons per step (0.7 ms of a 35 ms step), growing with the square.
+@dataclass(eq=False)
 class Sequence:
     request_id: str
     prompt: list[int]
