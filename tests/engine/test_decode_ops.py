@@ -1,8 +1,13 @@
-"""kernels/ragged RingAt / put_at / take_at: a step's ring places built once, then every layer
+"""The decode step's row operations against their plain math.
+
+kernels/ragged RingAt / put_at / take_at: a step's ring places built once, then every layer
 writes and reads rows there. Checked bit for bit against plain indexing at (slot, pos % R) on
 every kind of ring the engine has: contiguous (window mirror values and positions, block
 store entries), a view into per-slot slabs (the state pool's rings), MXFP8 bytes seen as int64
-and rows whose width or offset forbids that view."""
+and rows whose width or offset forbids that view.
+
+kernels/indexer.topk_indices: a decode row's CSA picks in one sort, element for element what
+select_topk then selected_indices give."""
 
 import pytest
 import torch
@@ -66,3 +71,24 @@ def test_put_leaves_every_other_row_alone():
     touched[slots, pos % R] = True
     assert torch.equal(ring[~touched], before[~touched])
     assert not ring[touched].any()
+
+
+# --- kernels/indexer.topk_indices: the decode rows' CSA picks in one sort ---------------
+
+@pytest.mark.parametrize("rows,kc,k", [(32, 80, 16), (5, 12, 16), (7, 16, 16), (3, 0, 4),
+                                       (9, 40, 1)])
+def test_topk_indices_is_select_then_selected_indices(rows, kc, k):
+    from kernels.indexer import select_topk, selected_indices, topk_indices
+
+    g = torch.Generator().manual_seed(rows * 100 + kc)
+    for trial in range(20):
+        # small integer scores: many ties, and ReLU's exact zeros
+        scores = torch.randint(0, 4 if trial % 2 else 50, (rows, kc), generator=g).float()
+        scores = scores.relu() * (torch.rand(rows, kc, generator=g) > 0.3)
+        n_vis = torch.randint(0, kc + 1, (rows, 1), generator=g)
+        visible = torch.arange(kc) < n_vis                # a prefix, as _visible_entries makes
+        if trial % 3 == 0:
+            visible &= torch.rand(rows, kc, generator=g) > 0.2        # any pattern too
+        idx, ok = topk_indices(scores, visible, k)
+        want_idx, want_ok = selected_indices(select_topk(scores, visible, k), k)
+        assert torch.equal(idx, want_idx) and torch.equal(ok, want_ok), trial
