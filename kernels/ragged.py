@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import dispatch
+from kernels import cpu_ring, dispatch
 from kernels.mxfp8 import e4m3_values
 
 
@@ -150,11 +150,20 @@ def ragged_union_attention(q, groups, sink, scale: float):
     q (CUDA, or KVMESH_KERNELS=triton) and there are at most two groups (window + entries,
     all the engine asks for); this torch code is its reference. On CPU the largest group
     (the ring, else the one with most keys per row) goes through torch's flash attention and
-    joins the other groups and the sink by its log-sum-exp (_flash)."""
+    joins the other groups and the sink by its log-sum-exp (_flash). A ring group that brings
+    its MXFP8 bytes (decode rows) goes through the compiled CPU kernel instead when it is
+    built (kernels/cpu_ring.py: it reads the 528-byte rows, not the fp32 mirror)."""
     if len(groups) <= 2 and dispatch.use_triton(q):
         from kernels.triton import ragged as tri
 
         return tri.union_attention(q, groups, sink, scale)
+    ring = next((i for i, g in enumerate(groups) if isinstance(g, RingKeys)), None)
+    if ring is not None and groups[ring].codes is not None and cpu_ring.available(q):
+        g = groups[ring]
+        if max(g.rows.host, default=-1) >= g.codes.shape[0]:
+            raise IndexError(f"a row's slot is outside the ring's {g.codes.shape[0]} slots")
+        o, lse = cpu_ring.ring_attention(q, g.codes, g.rows.slots, g.ok, scale)
+        return _join(q, ring, groups, sink, scale, o, lse.unsqueeze(-1))
     if _FLASH is not None and q.device.type == "cpu":
         # the ring, else the per-row group with most keys; a shared pool never: there the
         # keys are one matrix every row multiplies, which one batched matmul does faster
@@ -177,10 +186,16 @@ def _flash(q, at, groups, sink, scale: float):
     """Group `at` by the flash kernel, giving o_g and lse_g per row and head; it then joins
     the other groups and the sink as one more softmax column: logit lse_g, value o_g, which
     is exact (the sum over the group of e^s v is e^lse_g o_g)."""
-    t, h, d = q.shape
     g = groups[at]
     o, lse, dead = _flash_ring(q, g, scale) if isinstance(g, RingKeys) else _flash_keys(q, g, scale)
     lse = lse.masked_fill(dead, float("-inf"))     # the kernel says 0 for a row seeing no key
+    return _join(q, at, groups, sink, scale, o, lse)
+
+
+def _join(q, at, groups, sink, scale: float, o, lse):
+    """Group `at` done by a kernel as (o [T, H, D], lse [T, H, 1], -inf for a row that saw
+    none of its keys): join the other groups and the sink to it by one softmax."""
+    t, h, d = q.shape
     rest = [g for i, g in enumerate(groups) if i != at]
     s = torch.cat([*(_scores(q, g, scale) for g in rest),
                    sink.view(1, h, 1).expand(t, h, 1).to(q.dtype), lse], -1)

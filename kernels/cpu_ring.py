@@ -1,0 +1,162 @@
+"""Decode attention over MXFP8 ring bytes on the CPU: kernels/cpu/ring_attention.c, built on
+first use with the machine's C compiler and called through ctypes.
+
+Why a compiled kernel: a decode row reads its slot's whole window (R ring rows) every layer,
+so a batched decode step is bound by reading rings. torch has no CPU op that reads the
+528-byte MXFP8 rows and dequantizes them on the way (its float8 conversion is slower than
+the fp32 read it would save), so the torch path reads the fp32 mirror, 2,048 bytes a row.
+The C kernel reads the bytes and expands each row in L1.
+
+The library is built once per source, compiler and CPU into the cache directory
+($KVMESH_CACHE_DIR, else $XDG_CACHE_HOME/kvmesh, else ~/.cache/kvmesh) and reused by every
+process. No compiler, a failed build or KVMESH_KERNELS=torch: `available()` is False and
+callers take the torch path (the same numbers up to summation order; tested). Only a plain
+`cc`-style compiler is needed: no Python headers, no torch headers, no build tool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu") / "ring_attention.c"
+# No -ffast-math or -fassociative-math: the kernel's sums are split into lanes by hand, and
+# reassociating x * 2^120 * scale into x * (2^120 * scale) overflows. -march=native: the
+# library is cached per CPU (the cache key has the CPU's flags).
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-pthread",
+         "-shared", "-fPIC"]
+
+MAX_D = 1024              # the C file's MAX_D: its per-thread row buffers are sized by it
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    if os.environ.get("KVMESH_CACHE_DIR"):
+        return Path(os.environ["KVMESH_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvmesh"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"ring_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # another process may build the same library at the same time: each writes its own
+    # file and renames it into place (atomic), so a reader never loads half a library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:2000]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        cc = _compiler()
+        if cc is None:
+            log.info("no C compiler: decode attention reads the fp32 ring mirror (torch)")
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("the CPU ring-attention kernel did not build (%s); using torch", e)
+            return None
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        for name in ("ring_attention_f32", "ring_attention_f64"):
+            fn = getattr(lib, name)
+            fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_double,
+                           ctypes.c_int]
+            fn.restype = ctypes.c_int
+        _lib = lib
+        return lib
+
+
+def available(q: torch.Tensor) -> bool:
+    """True when q's ring attention can run here: a CPU float32/float64 tensor [.., D] with a
+    D the kernel takes, the kernel built, and KVMESH_KERNELS not forcing the torch path."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        return False
+    if not takes(q.shape[-1]):
+        return False
+    if os.environ.get("KVMESH_KERNELS", "").strip().lower() == "torch":
+        return False
+    return _load() is not None
+
+
+def ring_attention(q: torch.Tensor, codes: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] (float32 or float64); codes [S, R, D + D / 32] uint8, each slot's rows
+    contiguous (a strided slot dimension is fine); slots [T] long; ok [T, R] bool ->
+    (out [T, H, D], lse [T, H]) over each row's seen ring rows; a row that sees none gets
+    out 0 and lse -inf. Call only when available(q)."""
+    lib = _load()
+    assert lib is not None
+    t, h, d = q.shape
+    s, r, width = codes.shape
+    if not takes(d):
+        raise ValueError(f"head_dim {d}: the kernel takes multiples of 32 up to {MAX_D}")
+    if codes.dtype != torch.uint8 or width != d + d // 32:
+        raise ValueError(f"codes must be uint8 [S, R, {d + d // 32}] for head_dim {d}, "
+                         f"got {codes.dtype} {tuple(codes.shape)}")
+    if codes.stride(2) != 1:
+        raise ValueError("a ring row's bytes must be contiguous")
+    q = q.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    ok = ok.to(torch.bool).contiguous()
+    if tuple(ok.shape) != (t, r) or slots.shape[0] != t:
+        raise ValueError(f"ok must be [{t}, {r}] and slots [{t}]")
+    out = torch.empty_like(q)
+    lse = torch.empty(t, h, dtype=q.dtype)
+    fn = lib.ring_attention_f32 if q.dtype == torch.float32 else lib.ring_attention_f64
+    fn(q.data_ptr(), codes.data_ptr(), slots.data_ptr(), ok.data_ptr(), out.data_ptr(),
+       lse.data_ptr(), t, h, d, r, codes.stride(1), codes.stride(0), scale,
+       torch.get_num_threads())
+    return out, lse
+
+
+def takes(head_dim: int) -> bool:
+    """The head sizes the kernel is built for (MXFP8 blocks of 32; MAX_D in the C file)."""
+    return head_dim % 32 == 0 and 0 < head_dim <= MAX_D
