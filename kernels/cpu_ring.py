@@ -35,7 +35,7 @@ SOURCE = Path(__file__).with_name("cpu") / "ring_attention.c"
 # No -ffast-math or -fassociative-math: the kernel's sums are split into lanes by hand, and
 # reassociating x * 2^120 * scale into x * (2^120 * scale) overflows. -march=native: the
 # library is cached per CPU (the cache key has the CPU's flags).
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-pthread",
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp",
          "-shared", "-fPIC"]
 
 MAX_D = 1024              # the C file's MAX_D: its per-thread row buffers are sized by it

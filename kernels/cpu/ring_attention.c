@@ -17,17 +17,15 @@
    ring_attention_f32 is the fast path (fp32 q, out, lse; GCC/Clang vector extensions, so
    the compiler emits the machine's widest SIMD); ring_attention_f64 is the same math in
    float64 with plain loops, for the engine's float64 exactness tests. Rows are split over
-   POSIX threads started per call (tens of microseconds against a millisecond of work), not
-   OpenMP: a second OpenMP runtime beside torch's would spin on the same cores. Built without
-   -ffast-math: every sum is split into lanes by hand, and nothing may be reassociated. */
+   torch's own OpenMP threads (see run). Built without -ffast-math: every sum is split into
+   lanes by hand, and nothing may be reassociated. */
 
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { VL = 16, MAX_D = 1024, BLOCK = 16, MAX_THREADS = 64 };
+enum { VL = 16, MAX_D = 1024, BLOCK = 16 };
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VL * 4), aligned(4)));
@@ -236,37 +234,25 @@ static void part_f64(const Part *a)
     }
 }
 
-static void *run_f32(void *p) { part_f32(p); return NULL; }
-static void *run_f64(void *p) { part_f64(p); return NULL; }
-
-/* All `rows`, in `threads` contiguous parts (this thread runs the first; a thread that
-   cannot be started has its part run here). Returns 0, or -1 for a d the kernel does not
-   take (d % 32 != 0 or d > MAX_D). */
-static int run(void *(*fn)(void *), Part base, int64_t rows, int threads)
+/* All `rows`, split over `threads` OpenMP threads. The library is loaded into a process that
+   already has torch's OpenMP runtime (libgomp.so.1, shipped in torch/lib), and the dynamic
+   loader gives this library that same one: the threads here are torch's intra-op pool, not
+   a second pool whose idle workers would spin against torch's on the same cores. Returns 0,
+   or -1 for a d the kernel does not take (d % 32 != 0 or d > MAX_D). */
+static int run(void (*fn)(const Part *), Part base, int64_t rows, int threads)
 {
-    pthread_t tid[MAX_THREADS];
-    Part parts[MAX_THREADS];
-    int started[MAX_THREADS];
     if (base.d % 32 || base.d > MAX_D || base.d <= 0)
         return -1;
-    if (threads > MAX_THREADS)
-        threads = MAX_THREADS;
     if (threads > rows)
         threads = (int)rows;
     if (threads < 1)
         threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int i = 0; i < threads; i++) {
-        parts[i] = base;
-        parts[i].first = rows * i / threads;
-        parts[i].last = rows * (i + 1) / threads;
-        started[i] = i > 0 && pthread_create(&tid[i], NULL, fn, &parts[i]) == 0;
-    }
-    fn(&parts[0]);
-    for (int i = 1; i < threads; i++) {
-        if (started[i])
-            pthread_join(tid[i], NULL);
-        else
-            fn(&parts[i]);
+        Part part = base;
+        part.first = rows * i / threads;
+        part.last = rows * (i + 1) / threads;
+        fn(&part);
     }
     return 0;
 }
@@ -278,7 +264,7 @@ int ring_attention_f32(const float *q, const uint8_t *codes, const int64_t *slot
 {
     Part base = {q, codes, slots, ok, out, lse, 0, 0, heads, d, ring, row_bytes, slot_stride,
                  scale};
-    return run(run_f32, base, rows, threads);
+    return run(part_f32, base, rows, threads);
 }
 
 int ring_attention_f64(const double *q, const uint8_t *codes, const int64_t *slots,
@@ -288,5 +274,5 @@ int ring_attention_f64(const double *q, const uint8_t *codes, const int64_t *slo
 {
     Part base = {q, codes, slots, ok, out, lse, 0, 0, heads, d, ring, row_bytes, slot_stride,
                  scale};
-    return run(run_f64, base, rows, threads);
+    return run(part_f64, base, rows, threads);
 }
