@@ -66,27 +66,32 @@ def _cpu_flags() -> str:
 
 
 def _build(cc: str) -> Path:
+    """The cached library, compiled first if needed: with OpenMP, else (a compiler without
+    it) single-threaded: the pragma is then ignored and the result the same."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
-    out = cache_dir() / "kernels" / f"ring_attention-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # another process may build the same library at the same time: each writes its own
-    # file and renames it into place (atomic), so a reader never loads half a library
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
-                              text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:2000]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    errors = []
+    for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version,
+                                        _cpu_flags()]).encode()).hexdigest()[:16]
+        out = cache_dir() / "kernels" / f"ring_attention-{key}.so"
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # another process may build the same library at the same time: each writes its own
+        # file and renames it into place (atomic), so a reader never loads half a library
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+            if done.returncode == 0:
+                os.replace(tmp, out)
+                return out
+            errors.append(done.stderr.strip()[:1000])
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError(f"{cc} failed: {errors[-1]}")
 
 
 def _load() -> ctypes.CDLL | None:
