@@ -11,7 +11,7 @@ from kernels import cpu_ring, mxfp8, ragged
 from kernels.attention import union_attention
 from kernels.ragged import RingKeys, SlotRows, ragged_union_attention
 
-pytestmark = pytest.mark.skipif(
+needs_cc = pytest.mark.skipif(
     cpu_ring._compiler() is None, reason="no C compiler on this machine: the kernel is not built "
     "and the engine takes the torch path (covered by tests/engine/test_ring_passes.py)")
 
@@ -40,6 +40,7 @@ def _reference(q, values, row_slots, ok, scale):
     return torch.einsum("thr,trd->thd", p, values[row_slots]), lse
 
 
+@needs_cc
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("row_slots", [[0, 1, 2, 3, 4], [7, 2, 9, 0, 4], [3, 3, 8, 1, 1, 1, 6]])
 @pytest.mark.parametrize("subnormals", [False, True])
@@ -68,6 +69,7 @@ def test_kernel_equals_float64_reference(row_slots, dtype, subnormals):
                 / want_lse[seen].abs().clamp(min=1)).max() <= F32_BOUND
 
 
+@needs_cc
 def test_threads_split_rows_alike():
     """Rows are split over threads: 1, 2 and 5 threads give the same bits."""
     codes, _ = _ring(3)
@@ -87,6 +89,7 @@ def test_threads_split_rows_alike():
         assert torch.equal(o, outs[0][0]) and torch.equal(lse, outs[0][1])
 
 
+@needs_cc
 def test_strided_slot_view():
     """The engine's rings are views into a larger per-slot state (a slot stride beyond R rows)."""
     codes, values = _ring(4)
@@ -102,6 +105,7 @@ def test_strided_slot_view():
     assert (got - want).abs().max() <= 1e-12 * want.abs().max()
 
 
+@needs_cc
 def test_bad_codes_shape_is_refused():
     q = torch.randn(2, H, D)
     with pytest.raises(ValueError, match="uint8"):
@@ -109,6 +113,7 @@ def test_bad_codes_shape_is_refused():
                                 torch.ones(2, R, dtype=torch.bool), 0.1)
 
 
+@needs_cc
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_joined_groups_equal_flash_and_plain(dtype, monkeypatch):
     """Through ragged_union_attention with a per-row group and a shared pool beside the ring:
@@ -142,9 +147,32 @@ def test_joined_groups_equal_flash_and_plain(dtype, monkeypatch):
         assert (got.double() - other.double()).abs().max() <= bound
 
 
+@needs_cc
 def test_slot_outside_the_ring_is_refused():
     codes, values = _ring(2)
     ok = torch.ones(1, R, dtype=torch.bool)
     ring = RingKeys(values, SlotRows.build([S]), ok, codes)
     with pytest.raises(IndexError, match="outside"):
         ragged_union_attention(torch.randn(1, H, D, dtype=torch.float64), [ring], torch.zeros(H), 0.1)
+
+
+def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path, caplog):
+    """A compiler that fails (or none): available() is False, the reason is logged once, and
+    the ring group takes the flash path with the same result."""
+    codes, values = _ring(7)
+    q = torch.randn(3, H, D, dtype=torch.float64)
+    ok = torch.ones(3, R, dtype=torch.bool)
+    groups = [RingKeys(values, SlotRows.build([1, 4, 4]), ok, codes)]
+    sink = torch.zeros(H, dtype=torch.float64)
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_ring, "_compiler", lambda: "/bin/false")
+    monkeypatch.setattr(cpu_ring, "_tried", False)
+    monkeypatch.setattr(cpu_ring, "_lib", None)
+    with caplog.at_level("WARNING"):
+        assert not cpu_ring.available(q)
+        assert not cpu_ring.available(q)
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "did not build" in caplog.records[0].message
+    got = ragged_union_attention(q, groups, sink, 0.1)
+    want = ragged._union(q, groups, sink, 0.1)
+    assert (got - want).abs().max() <= 1e-12
