@@ -1,5 +1,6 @@
-"""Decode attention over MXFP8 ring bytes on the CPU: kernels/cpu/ring_attention.c, built on
-first use with the machine's C compiler and called through ctypes.
+"""Decode attention on the CPU over MXFP8 ring bytes and compressed entries read in place:
+kernels/cpu/union_attention.c, built on first use with the machine's C compiler and called
+through ctypes.
 
 Why a compiled kernel: a decode row reads its slot's whole window (R ring rows) every layer,
 so a batched decode step is bound by reading rings. torch has no CPU op that reads the
@@ -31,7 +32,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu") / "ring_attention.c"
+SOURCE = Path(__file__).with_name("cpu") / "union_attention.c"
 # No -ffast-math or -fassociative-math: the kernel's sums are split into lanes by hand, and
 # reassociating x * 2^120 * scale into x * (2^120 * scale) overflows. -march=native: the
 # library is cached per CPU (the cache key has the CPU's flags).
@@ -73,7 +74,7 @@ def _build(cc: str) -> Path:
     for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):
         key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version,
                                         _cpu_flags()]).encode()).hexdigest()[:16]
-        out = cache_dir() / "kernels" / f"ring_attention-{key}.so"
+        out = cache_dir() / "kernels" / f"union_attention-{key}.so"
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,10 +111,10 @@ def _load() -> ctypes.CDLL | None:
             log.warning("the CPU ring-attention kernel did not build (%s); using torch", e)
             return None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        for name in ("ring_attention_f32", "ring_attention_f64"):
+        for name in ("union_attention_f32", "union_attention_f64"):
             fn = getattr(lib, name)
-            fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_double,
-                           ctypes.c_int]
+            fn.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i64, i64, p, p, i64, i64, i64,
+                           ctypes.c_double, ctypes.c_int]
             fn.restype = ctypes.c_int
         _lib = lib
         return lib
@@ -131,35 +132,63 @@ def available(q: torch.Tensor) -> bool:
     return _load() is not None
 
 
-def ring_attention(q: torch.Tensor, codes: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D] (float32 or float64); codes [S, R, D + D / 32] uint8, each slot's rows
-    contiguous (a strided slot dimension is fine); slots [T] long; ok [T, R] bool ->
-    (out [T, H, D], lse [T, H]) over each row's seen ring rows; a row that sees none gets
-    out 0 and lse -inf. Call only when available(q)."""
+def union_attention(q: torch.Tensor, scale: float, ring=None, table=None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] (float32 or float64) over one or both key groups, one softmax:
+        ring  = (codes [S, R, D + D / 32] uint8, slots [T] long, ok [T, R] bool): row t sees
+                ring row r of slot slots[t] where ok; each ring row's bytes contiguous (a
+                strided slot dimension is fine);
+        table = (rows [N, D] float32, idx [T, K] long, ok [T, K] bool): row t sees
+                rows[idx[t, k]] where ok (a decode row's compressed entries, read in place;
+                the block store keeps them in fp32 whatever the engine's dtype).
+    -> (out [T, H, D], lse [T, H]); a row that sees nothing gets out 0 and lse -inf.
+    Call only when available(q); indices must be in range (the caller's)."""
     lib = _load()
     assert lib is not None
     t, h, d = q.shape
-    s, r, width = codes.shape
     if not takes(d):
         raise ValueError(f"head_dim {d}: the kernel takes multiples of 32 up to {MAX_D}")
-    if codes.dtype != torch.uint8 or width != d + d // 32:
-        raise ValueError(f"codes must be uint8 [S, R, {d + d // 32}] for head_dim {d}, "
-                         f"got {codes.dtype} {tuple(codes.shape)}")
-    if codes.stride(2) != 1:
-        raise ValueError("a ring row's bytes must be contiguous")
     q = q.contiguous()
-    slots = slots.to(torch.int64).contiguous()
-    ok = ok.to(torch.bool).contiguous()
-    if tuple(ok.shape) != (t, r) or slots.shape[0] != t:
-        raise ValueError(f"ok must be [{t}, {r}] and slots [{t}]")
+    keep = [q]                     # what the pointers below point into, alive past the call
+    ring_args: list = [None, None, None, 0, 0, 0]
+    if ring is not None:
+        codes, slots, ok = ring
+        s, r, width = codes.shape
+        if codes.dtype != torch.uint8 or width != d + d // 32 or codes.stride(2) != 1:
+            raise ValueError(f"codes must be uint8 [S, R, {d + d // 32}] with contiguous rows "
+                             f"for head_dim {d}, got {codes.dtype} {tuple(codes.shape)}")
+        slots, ok = slots.to(torch.int64).contiguous(), ok.to(torch.bool).contiguous()
+        if tuple(ok.shape) != (t, r) or tuple(slots.shape) != (t,):
+            raise ValueError(f"ring ok must be [{t}, {r}] and slots [{t}]")
+        keep += [codes, slots, ok]
+        ring_args = [codes.data_ptr(), slots.data_ptr(), ok.data_ptr(), r, codes.stride(1),
+                     codes.stride(0)]
+    table_args: list = [None, None, None, 0, 0]
+    if table is not None:
+        rows, idx, ok = table
+        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != d or rows.stride(1) != 1:
+            raise ValueError(f"table rows must be [N, {d}] float32 with contiguous rows, got "
+                             f"{rows.dtype} {tuple(rows.shape)}")
+        idx, ok = idx.to(torch.int64).contiguous(), ok.to(torch.bool).contiguous()
+        if idx.dim() != 2 or idx.shape[0] != t or ok.shape != idx.shape:
+            raise ValueError(f"table idx and ok must be [{t}, K], got {tuple(idx.shape)} "
+                             f"and {tuple(ok.shape)}")
+        keep += [rows, idx, ok]
+        table_args = [rows.data_ptr(), idx.data_ptr(), ok.data_ptr(), idx.shape[1],
+                      rows.stride(0)]
     out = torch.empty_like(q)
     lse = torch.empty(t, h, dtype=q.dtype)
-    fn = lib.ring_attention_f32 if q.dtype == torch.float32 else lib.ring_attention_f64
-    fn(q.data_ptr(), codes.data_ptr(), slots.data_ptr(), ok.data_ptr(), out.data_ptr(),
-       lse.data_ptr(), t, h, d, r, codes.stride(1), codes.stride(0), scale,
+    fn = lib.union_attention_f32 if q.dtype == torch.float32 else lib.union_attention_f64
+    fn(q.data_ptr(), *ring_args, *table_args, out.data_ptr(), lse.data_ptr(), t, h, d, scale,
        torch.get_num_threads())
+    del keep
     return out, lse
+
+
+def ring_attention(q: torch.Tensor, codes: torch.Tensor, slots: torch.Tensor, ok: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """union_attention over the ring group alone."""
+    return union_attention(q, scale, ring=(codes, slots, ok))
 
 
 def takes(head_dim: int) -> bool:

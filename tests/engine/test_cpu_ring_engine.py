@@ -26,11 +26,14 @@ def _run(dtype, n=4, tokens=12):
 
 
 def test_decodes_take_the_kernel_and_match_the_reference(monkeypatch):
-    rows = []
-    real = cpu_ring.ring_attention
-    monkeypatch.setattr(cpu_ring, "ring_attention", lambda q, *a: rows.append(q.shape[0]) or real(q, *a))
+    calls = []
+    real = cpu_ring.union_attention
+    monkeypatch.setattr(cpu_ring, "union_attention", lambda q, scale, ring=None, table=None: calls.append(
+        (q.shape[0], ring is not None, table is not None)) or real(q, scale, ring, table))
     engine, cfg, seqs = _run("float64")
-    assert rows and max(rows) == 4            # batched decode steps of all four went through it
+    # batched decode steps of all four went through it: ring alone (SWA layers) and ring plus
+    # the compressed entries read in place (CSA, HCA layers)
+    assert (4, True, False) in calls and (4, True, True) in calls, sorted(set(calls))
     for seq in seqs:
         assert max_logit_error(engine, cfg, seq) <= EXACT
 

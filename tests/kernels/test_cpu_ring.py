@@ -176,3 +176,62 @@ def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     got = ragged_union_attention(q, groups, sink, 0.1)
     want = ragged._union(q, groups, sink, 0.1)
     assert (got - want).abs().max() <= 1e-12
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("groups", ["ring+table", "table"])
+def test_table_rows_read_in_place(dtype, groups):
+    """A decode row's compressed entries: fp32 table rows named per row by index (repeats and
+    masked picks included), in one softmax with the ring; = the float64 reference over the
+    row's ring rows and its gathered table rows, and = the torch path over TableKeys gathered."""
+    codes, values = _ring(8)
+    g = torch.Generator().manual_seed(8)
+    row_slots = [2, 2, 7, 0, 5]
+    t, n, k = len(row_slots), 30, 9
+    table = torch.randn(n, D, generator=g)                       # fp32, as the block store
+    idx = torch.randint(0, n, (t, k), generator=g)
+    idx[0, 1] = idx[0, 0]                                         # a repeated pick counts twice
+    tok = torch.rand(t, k, generator=g) < 0.6
+    tok[2] = False                                                # a row with no entries
+    ok = torch.rand(t, R, generator=g) < 0.7
+    ok[3] = False                                                 # a row with no ring keys
+    q = torch.randn(t, H, D, generator=g, dtype=dtype)
+    ring = (codes, torch.tensor(row_slots), ok) if groups == "ring+table" else None
+    got, lse = cpu_ring.union_attention(q, 0.125, ring=ring, table=(table, idx, tok))
+    keys, seen = table.double()[idx], tok
+    if ring is not None:
+        keys = torch.cat([values[row_slots], keys], 1)
+        seen = torch.cat([ok, tok], 1)
+    s = torch.einsum("thd,tkd->thk", q.double(), keys) * 0.125
+    s = s.masked_fill(~seen.unsqueeze(1), float("-inf"))
+    want_lse = torch.logsumexp(s, -1)
+    want = torch.einsum("thk,tkd->thd", torch.exp(s - want_lse.unsqueeze(-1)).nan_to_num(0.0), keys)
+    bound = 1e-12 if dtype == torch.float64 else F32_BOUND
+    assert (got.double() - want).abs().max() <= bound * want.abs().max()
+    live = seen.any(-1)
+    assert ((lse[live].double() - want_lse[live]).abs() / want_lse[live].abs().clamp(min=1)).max() <= bound
+    if ring is None:
+        assert torch.equal(got[2], torch.zeros(H, D, dtype=dtype))
+        assert torch.isinf(lse[2]).all()
+
+
+@needs_cc
+def test_table_keys_through_ragged_equal_the_gathered_path(monkeypatch):
+    """ragged_union_attention with [RingKeys, TableKeys] (what the engine passes for decode
+    rows of CSA/HCA layers): the kernel = the flash path over the gathered entries."""
+    codes, values = _ring(9)
+    g = torch.Generator().manual_seed(9)
+    row_slots = [1, 6, 6, 3]
+    t = len(row_slots)
+    q = torch.randn(t, H, D, generator=g, dtype=torch.float64)
+    ok = torch.rand(t, R, generator=g) < 0.8
+    table = torch.randn(20, D, generator=g)
+    keys = ragged.TableKeys(table, torch.randint(0, 20, (t, 6), generator=g),
+                            torch.rand(t, 6, generator=g) < 0.7)
+    groups = [RingKeys(values, SlotRows.build(row_slots), ok, codes), keys]
+    sink = torch.randn(H, generator=g, dtype=torch.float64)
+    got = ragged_union_attention(q, groups, sink, 0.125)
+    monkeypatch.setenv("KVMESH_KERNELS", "torch")
+    want = ragged_union_attention(q, groups, sink, 0.125)
+    assert (got - want).abs().max() <= 1e-12 * want.abs().max()
