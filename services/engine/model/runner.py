@@ -35,6 +35,7 @@ import torch
 from kernels.indexer import indexer_scores, select_topk, selected_indices, topk_indices
 from kernels.ragged import (
     RingKeys,
+    TableKeys,
     put_at,
     ragged_indexer_scores,
     ragged_union_attention,
@@ -271,13 +272,15 @@ class ModelRunner:
                                                            per_row, pool))
         table = entries.view(-1, entries.shape[-1])
         if cfg.layers[layer] != "csa" or self._all_visible(step, m):
+            if per_row:                 # read in place where a kernel can, else gathered
+                return TableKeys(table, flat, visible)
             return take_rows(table, flat).to(h.dtype), visible
         ikeys = self.blocks.index_keys[layer]
         ikeys = take_rows(ikeys.view(-1, ikeys.shape[-1]), flat).to(h.dtype)           # [t, K, Di] / [L, Di]
         iq, iw = ops.index_query(self.w, layer, h if rows is None else h[rows], cfg)
         if per_row:
             idx, ok = topk_indices(ragged_indexer_scores(iq, iw, ikeys), visible, cfg.csa_topk)
-            return take_rows(table, flat.gather(1, idx)).to(h.dtype), ok        # [t, k]
+            return TableKeys(table, flat.gather(1, idx), ok)                 # [t, k]
         scores = indexer_scores(iq[None], iw[None], ikeys[None])[0]
         chosen = select_topk(scores, visible, cfg.csa_topk)
         if flat.shape[0] <= POOL_PICKS * cfg.csa_topk:
