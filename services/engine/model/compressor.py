@@ -40,7 +40,8 @@ class FeedPlan:
     groups: int                    # completed groups (0: nothing to pool)
     tail_slots: torch.Tensor | None  # [k] slot and position of the stream rows stored in the
     tail_pos: torch.Tensor | None    # tail ring (an open group's first rows; None: none)
-    pick: torch.Tensor             # [G * m] stream row i = cat(fed rows, tail rows)[pick[i]]
+    pick: torch.Tensor | None      # [G * m] stream row i = cat(fed rows, tail rows)[pick[i]]
+                                   # (None: the stream is the fed rows, in order)
     gwid: torch.Tensor             # [G] work and group index of each completed group
     gid: torch.Tensor
 
@@ -59,20 +60,32 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
         streams.append((states.idx[layer], *ops.indexer_inputs(w, layer, uk), True))
     dtype = streams[0][1].dtype
     for ring, v, z, is_index in streams:
-        vz = torch.stack([v, z], dim=1)                                 # [rows, 2, dim]
         if plan.groups:
-            # the ring is read for the few stored rows only, then one row gather (index_select:
-            # about 4x faster on CPU than advanced indexing for 512 rows of 4 KB)
-            rows = vz if plan.tail_slots is None else torch.cat(
-                [vz, ring_rows(ring, plan.tail_slots, plan.tail_pos).to(vz.dtype)])
-            vals = rows.index_select(0, plan.pick)
+            sv, sz = _stream(plan, ring, v, z)
             if is_index:
-                out = ops.pool_index_keys(w, layer, vals[:, 0], vals[:, 1], m)
+                out = ops.pool_index_keys(w, layer, sv, sz, m)
             else:
                 angles = step.once(("feed-rope", m, r), lambda: ops.rope_angles(plan.gid * m, cfg, dtype))
-                out = ops.pool_entries_at(w, layer, vals[:, 0], vals[:, 1], plan.gid, m, cfg, angles)
+                out = ops.pool_entries_at(w, layer, sv, sz, plan.gid, m, cfg, angles)
             _scatter(blocks, step, plan.gwid, layer, plan.gid, out, is_index)
-        ring_put(ring, plan.put_slots, plan.put_pos, vz if plan.put is None else vz[plan.put])
+        # only the kept rows are paired up for the ring (the last R of each work: a few per
+        # work against a long chunk's every row)
+        kv, kz = (v, z) if plan.put is None else (v[plan.put], z[plan.put])
+        ring_put(ring, plan.put_slots, plan.put_pos, torch.stack([kv, kz], dim=1))
+
+
+def _stream(plan: FeedPlan, ring, v, z):
+    """The completed groups' rows (v, z) [G * m, dim] each: the fed rows themselves when the
+    stream is exactly them in order (FeedPlan.pick is None: chunks that end on a group
+    boundary with no stored tail, e.g. prefill-only steps), else gathered by one index from
+    the fed rows and the few stored tail rows. The ring is read before it is written."""
+    if plan.pick is None:
+        return v, z
+    if plan.tail_slots is not None:
+        tail = ring_rows(ring, plan.tail_slots, plan.tail_pos).to(v.dtype)     # [k, 2, dim]
+        v, z = torch.cat([v, tail[:, 0]]), torch.cat([z, tail[:, 1]])
+    # index_select: about 4x faster on CPU than advanced indexing for 512 rows of 4 KB
+    return v.index_select(0, plan.pick), z.index_select(0, plan.pick)
 
 
 def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
@@ -141,8 +154,11 @@ def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | N
 
     # ring rows to write: the last R fed rows of each work (older ones would be overwritten)
     put_wid, put_pos = (wid, pos) if put is None else (wid[put], pos[put])
+    # no stored tail and as many stream rows as fed rows: the stream (a subsequence of the
+    # fed rows in order when nothing comes from the ring) is every fed row
+    identity = tail is None and total == sum(per_work)
     return FeedPlan(None if host_rows is None else rows, put, step.slots[put_wid], put_pos,
-                    total // m, tail_slots, tail_pos, pick, swid[::m],
+                    total // m, tail_slots, tail_pos, None if identity else pick, swid[::m],
                     torch.div(spos[::m], m, rounding_mode="floor"))
 
 
