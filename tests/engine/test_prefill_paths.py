@@ -2,6 +2,7 @@
 that continues in the window mirror is taken from it as it is (no dequantize, no hit test),
 long chunks' pools split into row blocks, compressor feeding without a stream copy."""
 
+import pytest
 import torch
 
 from kernels.ragged import dequantize_rows
@@ -89,3 +90,30 @@ def test_pool_blocks_cover_every_key_a_row_may_see():
             assert torch.equal(b.ok, rule[b.rows, b.keys])
             assert int(rule[b.rows].sum()) == int(b.ok.sum())               # nothing outside
         assert covered == n
+
+
+@pytest.mark.parametrize("on_cpu", [False, True], ids=["pool", "gather"])
+def test_short_chunks_take_a_pool_on_the_cpu_and_both_paths_are_exact(monkeypatch, on_cpu):
+    """Chunks of 8-16 rows beside decodes: their own pool on the CPU (GATHER_ON_CPU off), the
+    per-row gathered keys when pinned; exact against the reference either way."""
+    from services.engine.model import windows
+
+    monkeypatch.setattr(windows, "GATHER_ON_CPU", on_cpu)
+    paths = []
+    plan = windows.plan
+
+    def record(step, seg, *a):
+        out = plan(step, seg, *a)
+        paths.append((out.gather is not None, len(out.pools)))
+        return out
+
+    monkeypatch.setattr(windows, "plan", record)
+    engine = make_engine(CFG, num_slots=4, max_batched_tokens=64, long_prefill_chunk=12)
+    decoder = engine.add_request(random_prompt(30, 1), SamplingParams(temperature=0, max_tokens=20))
+    engine.step()
+    seq = engine.add_request(random_prompt(70, 2), SamplingParams(temperature=0, max_tokens=4))
+    run_to_completion(engine)
+    assert any(g for g, _ in paths) == on_cpu          # the 12-row chunks gathered only if pinned
+    assert on_cpu or any(p for _, p in paths)           # else they took pools
+    for s in (decoder, seq):
+        assert max_logit_error(engine, CFG, s) <= EXACT

@@ -16,7 +16,9 @@ by the rows n a work has in this step (R: ring rows = W + B, B >= 0):
 
             No key is copied: the torch kernel multiplies a slot's queries with its ring.
     gather  n <= GATHER_MAX_ROWS: each row gathers its own W keys from a pool of the
-            work's W - 1 older ring rows and its chunk rows.
+            work's W - 1 older ring rows and its chunk rows. Off the CPU, or where the ring
+            cannot serve in place; on the CPU a chunk's own pool costs less even at 8 rows
+            (GATHER_ON_CPU).
     pool    longer chunks: a chunk's rows share one pool of its W - 1 older ring rows and
             its rows, masked per row (cheaper than W keys per row). One pool per chunk: a
             pool of several chunks would make every row score every chunk's keys, which grows
@@ -46,6 +48,12 @@ from services.engine.model.batch import Segments, StepBatch
 # chunks share one key pool (their ring rows + chunk rows) with a mask, which is cheaper
 # than W keys per row once a chunk is longer than a few rows.
 GATHER_MAX_ROWS = 16
+# On the CPU (torch's kernels) W gathered keys per row cost more than a chunk's own pool of
+# W - 1 + n keys for every n the gather path would take: 16 decodes and an 8-row chunk of a
+# 4K prompt cost 18 ms over the decodes alone with gathered keys, 11 ms with a pool (16 rows:
+# 25 -> 12 ms; 1 thread). Those chunks take a pool there, unless the ring cannot serve in
+# place (then decodes gather too). Tests set it to pin the gather path on the CPU.
+GATHER_ON_CPU = False
 
 # A pool chunk's rows attend in blocks of this many rows, each to the W - 1 + block keys of
 # the pool it can see: per row W - 1 + 64 keys whatever the chunk's length (a 512-row chunk
@@ -104,7 +112,8 @@ def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: 
     unique, whose result sizes a GPU would have to send back)."""
     counts, cu, up = seg.counts, seg.cu_ids, step.uploads
     short = ring_rows - window + 1 if in_place else 0
-    kind = ["ring" if 0 < n <= short else "gather" if n <= GATHER_MAX_ROWS else "pool"
+    gather = GATHER_MAX_ROWS if GATHER_ON_CPU or not in_place or seg.pos.device.type != "cpu" else 0
+    kind = ["ring" if 0 < n <= short else "gather" if n <= gather else "pool"
             for n in counts]
     by = {k: [i for i, c in enumerate(kind) if c == k and counts[i]] for k in ("ring", "gather", "pool")}
 
