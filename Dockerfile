@@ -5,6 +5,11 @@ FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 OMP_NUM_THREADS=2
 WORKDIR /app
 
+# A C compiler for the engine's CPU decode-attention kernel (kernels/cpu_ring.py builds it
+# for the machine it runs on, at first use; without one the engine takes the slower torch path).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # CPU torch first, from PyTorch's CPU index: the default wheel would pull CUDA (GBs).
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 

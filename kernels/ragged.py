@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import dispatch
+from kernels import cpu_ring, dispatch
 from kernels.mxfp8 import e4m3_values
 
 
@@ -118,6 +118,21 @@ class RingKeys:
     codes: torch.Tensor | None = None   # [S, R, D + D / 32] uint8
 
 
+@dataclass(frozen=True)
+class TableKeys:
+    """Per-row keys named by index into a table (a decode row's compressed entries in the
+    block store): row t sees rows[idx[t, k]] where ok[t, k]. The compiled CPU kernel reads
+    them in place; every other path gathers them first (`gathered`)."""
+
+    rows: torch.Tensor             # [N, D]
+    idx: torch.Tensor              # [T, K] long
+    ok: torch.Tensor               # [T, K] bool
+
+    def gathered(self, dtype=None):
+        keys = take_rows(self.rows, self.idx)
+        return (keys if dtype is None else keys.to(dtype)), self.ok
+
+
 # torch's CPU flash attention (the kernel behind scaled_dot_product_attention on CPU) with
 # its log-sum-exp: it streams the keys once in blocks, scores, softmax and weighted sum
 # together, where two batched matmuls read them twice and write a score tensor in between
@@ -150,7 +165,17 @@ def ragged_union_attention(q, groups, sink, scale: float):
     q (CUDA, or KVMESH_KERNELS=triton) and there are at most two groups (window + entries,
     all the engine asks for); this torch code is its reference. On CPU the largest group
     (the ring, else the one with most keys per row) goes through torch's flash attention and
-    joins the other groups and the sink by its log-sum-exp (_flash)."""
+    joins the other groups and the sink by its log-sum-exp (_flash). When the compiled CPU
+    kernel is built (kernels/cpu_ring.py), a ring group that brings its MXFP8 bytes (decode
+    rows: it reads the 528-byte rows, not the fp32 mirror) and a TableKeys group (entries read
+    in place, not gathered) go through it instead. A TableKeys group is gathered for every
+    other path."""
+    if cpu_ring.available(q):
+        picked = [i for i, g in enumerate(groups) if _c_group(g, q)]
+        if picked:
+            return _c_kernel(q, [groups[i] for i in picked],
+                             [g for i, g in enumerate(groups) if i not in picked], sink, scale)
+    groups = [g.gathered(q.dtype) if isinstance(g, TableKeys) else g for g in groups]
     if len(groups) <= 2 and dispatch.use_triton(q):
         from kernels.triton import ragged as tri
 
@@ -166,6 +191,30 @@ def ragged_union_attention(q, groups, sink, scale: float):
     return _union(q, groups, sink, scale)
 
 
+def _c_group(g, q) -> bool:
+    """A group the compiled CPU kernel reads in place: a ring with its MXFP8 bytes, or fp32
+    table rows (at most one of each is asked for; the engine never passes more)."""
+    if isinstance(g, RingKeys):
+        return g.codes is not None
+    return isinstance(g, TableKeys) and g.rows.dtype == torch.float32
+
+
+def _c_kernel(q, mine, rest, sink, scale: float):
+    """The ring and table groups by kernels/cpu_ring.py in one softmax; the rest of the
+    groups (if any) and the sink joined to it by its log-sum-exp."""
+    ring = next((g for g in mine if isinstance(g, RingKeys)), None)
+    table = next((g for g in mine if isinstance(g, TableKeys)), None)
+    if len(mine) > (ring is not None) + (table is not None):
+        raise ValueError("the CPU kernel takes one ring and one table group")
+    if ring is not None and max(ring.rows.host, default=-1) >= ring.codes.shape[0]:
+        raise IndexError(f"a row's slot is outside the ring's {ring.codes.shape[0]} slots")
+    o, lse = cpu_ring.union_attention(
+        q, scale, ring=None if ring is None else (ring.codes, ring.rows.slots, ring.ok),
+        table=None if table is None else (table.rows, table.idx, table.ok))
+    return _join(q, [g.gathered(q.dtype) if isinstance(g, TableKeys) else g for g in rest], sink,
+                 scale, o, lse.unsqueeze(-1))
+
+
 def _keys(g) -> int:
     """Keys per row a flash group would have (0: not one for the flash kernel)."""
     if isinstance(g, RingKeys):
@@ -177,11 +226,16 @@ def _flash(q, at, groups, sink, scale: float):
     """Group `at` by the flash kernel, giving o_g and lse_g per row and head; it then joins
     the other groups and the sink as one more softmax column: logit lse_g, value o_g, which
     is exact (the sum over the group of e^s v is e^lse_g o_g)."""
-    t, h, d = q.shape
     g = groups[at]
     o, lse, dead = _flash_ring(q, g, scale) if isinstance(g, RingKeys) else _flash_keys(q, g, scale)
     lse = lse.masked_fill(dead, float("-inf"))     # the kernel says 0 for a row seeing no key
-    rest = [g for i, g in enumerate(groups) if i != at]
+    return _join(q, [g for i, g in enumerate(groups) if i != at], sink, scale, o, lse)
+
+
+def _join(q, rest, sink, scale: float, o, lse):
+    """Groups done by a kernel as (o [T, H, D], lse [T, H, 1], -inf for a row that saw none
+    of their keys): join the `rest` of the groups and the sink to them by one softmax."""
+    t, h, d = q.shape
     s = torch.cat([*(_scores(q, g, scale) for g in rest),
                    sink.view(1, h, 1).expand(t, h, 1).to(q.dtype), lse], -1)
     p = torch.softmax(s, dim=-1)

@@ -134,6 +134,9 @@ def runtime_layout(args, env=None) -> tuple[ModelConfig, EngineConfig, RuntimeLa
 def build_core(args):
     """-> EngineCore. torch is imported here, not at module import: `kvmesh --help` and the
     remote `kvmesh generate` stay fast."""
+    import torch
+
+    from kernels import cpu_ring
     from kvmesh.tokenizer import load_tokenizer
     from services.engine.core.engine import EngineCore
     from services.engine.model import weights as weights_mod
@@ -141,7 +144,11 @@ def build_core(args):
     cfg, ecfg, layout = runtime_layout(args)
     path = checkpoint_path(args)
     w = weights_mod.load(path, cfg) if path else None
-    return EngineCore(cfg, ecfg, weights=w, tokenizer=load_tokenizer(args.tokenizer), layout=layout)
+    core = EngineCore(cfg, ecfg, weights=w, tokenizer=load_tokenizer(args.tokenizer), layout=layout)
+    # build (or find) the CPU decode-attention kernel now, not in the first request's step
+    cpu_ring.available(torch.empty(0, cfg.head_dim, dtype=getattr(torch, ecfg.dtype),
+                                   device=core.device))
+    return core
 
 
 def checkpoint_path(args) -> Path | None:

@@ -35,6 +35,7 @@ import torch
 from kernels.indexer import indexer_scores, select_topk, selected_indices
 from kernels.ragged import (
     RingKeys,
+    TableKeys,
     ragged_indexer_scores,
     ragged_union_attention,
     ring_put,
@@ -279,6 +280,8 @@ class ModelRunner:
                                                            per_row, pool))
         table = entries.view(-1, entries.shape[-1])
         if cfg.layers[layer] != "csa" or self._all_visible(step, m):
+            if per_row:                 # read in place where a kernel can, else gathered
+                return TableKeys(table, flat, visible)
             return take_rows(table, flat).to(h.dtype), visible
         ikeys = self.blocks.index_keys[layer]
         ikeys = take_rows(ikeys.view(-1, ikeys.shape[-1]), flat).to(h.dtype)           # [t, K, Di] / [L, Di]
@@ -292,6 +295,8 @@ class ModelRunner:
             return take_rows(table, flat).to(h.dtype), chosen                # [L, D], [t, L]
         idx, ok = selected_indices(chosen, cfg.csa_topk)                     # [t, k]
         picked = flat.gather(1, idx) if per_row else flat[idx]
+        if per_row:
+            return TableKeys(table, picked, ok)
         return take_rows(table, picked).to(h.dtype), ok
 
     def _all_visible(self, step: StepBatch, m: int) -> bool:
