@@ -357,9 +357,11 @@ def report(res: dict, before: dict | None) -> None:
                     [[int(b), r["e2e_tok_s"], r["e2e_tok_s"] / seq, r["prefill_share"]]
                      for b, r in res["budgets"].items()]))
     it = cols[-1][1]["itl"]
-    print(f"\ninter-token latency, 16 decoding streams (ms): {it.get('rounds', 1)} round(s) of "
-          f"{it.get('alone_steps', 20)} decode-only steps, then a {res['args']['long']}-token prompt "
-          f"prefilled beside them ({it['prefill_steps']} such steps in all); x = / alone p50")
+    rounds = it.get("rounds", 1)
+    print(f"\ninter-token latency, 16 decoding streams (ms): {rounds} round(s) of "
+          f"{it.get('alone_steps', 20) // rounds} decode-only steps, then a {res['args']['long']}-token "
+          f"prompt prefilled beside them; steps = decode-only + beside, all rounds; p99 x = "
+          f"prefill_p99 / alone_p50")
     keys = ("alone_p50", "alone_p99", "prefill_p50", "prefill_p90", "prefill_p99", "prefill_max")
     print(table(["run"] + list(keys) + ["p99 x", "steps"],
                 [[n] + [r["itl"].get(k, float("nan")) * 1e3 for k in keys] +
