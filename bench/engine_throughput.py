@@ -4,7 +4,10 @@
     2. generated tokens/s for N = 1, 8, 32, 64 concurrent requests vs the same requests one
        after another (decode-only: steps without prefill work; end to end: everything);
     3. inter-token latency p50/p99 of 16 decoding streams alone, and while a 4K-token prompt
-       is prefilled beside them.
+       is prefilled beside them (--itl-rounds rounds, each a new prompt; the percentiles are
+       over every round's steps, their counts and the max printed with them). --itl-ratio X
+       runs the engine's latency-sized prefill (core/step_costs.py) instead of, or under,
+       --long-prefill-chunk.
 
 Targets (issue 11): step(32) <= 2 x step(1); decode-only tokens/s at N = 32 >= 12 x N = 1.
 Only public EngineCore calls are used, so the same script measures an older checkout, and
@@ -73,13 +76,21 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-CHUNK: dict = {}       # {"long_prefill_chunk": n} when --long-prefill-chunk is given (newer engines)
+CHUNK: dict = {}       # long_prefill_chunk / itl_ratio when given (newer engines)
 
 
 def engine(slots: int, prompt_len: int, extra: int = 0, budget: int = 512) -> EngineCore:
     blocks = slots * ((prompt_len + 600) // 128 + 2) + extra // 128 + 8
-    return EngineCore(TINY, EngineConfig(num_slots=slots, max_running=slots, num_blocks=blocks,
-                                         max_batched_tokens=budget, swa_policy="zero", **CHUNK))
+    kw = dict(num_slots=slots, max_running=slots, num_blocks=blocks, max_batched_tokens=budget,
+              swa_policy="zero", **CHUNK)
+    try:
+        ecfg = EngineConfig(**kw)
+    except TypeError:          # an engine from before --itl-ratio: measured without it
+        if not CHUNK.pop("itl_ratio", None):
+            raise
+        print("  (this engine has no itl_ratio: measured without it)", flush=True)
+        return engine(slots, prompt_len, extra, budget)
+    return EngineCore(TINY, ecfg)
 
 
 def params(n: int) -> SamplingParams:
@@ -166,32 +177,41 @@ def budgets(prompt_len: int, gen: int, n: int, values: list[int]) -> dict[int, d
     return out
 
 
-def itl(prompt_len: int, long_len: int, steps: int) -> dict:
-    """Inter-token gaps of 16 decoding streams, alone and beside a long prefill."""
+def pct(xs: list[float], p: float) -> float:
+    """Nearest-rank percentile: of 64 gaps p99 is the second largest, of 192 the third."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def itl(prompt_len: int, long_len: int, steps: int, repeat: int = 1) -> dict:
+    """Inter-token gaps of 16 decoding streams, alone and beside a long prefill: `repeat`
+    rounds of `steps` decode-only steps then one long prompt (a new one each round, so no
+    prefix hit) prefilled beside the streams. Every step gives each stream one token, so a
+    step's time is one gap of every stream; the rounds alternate, so a drifting machine load
+    hits both sides alike, and the p99 is taken over every round's steps (their counts are
+    reported: p99 of 64 gaps is the second largest, of 192 the third) with the max beside it."""
     core = engine(17, prompt_len, extra=long_len)
     for i in range(16):
         core.add_request(prompt(prompt_len, 3000 + i), params(10_000))
     while not decoding_only(core):
         core.step()
-    alone = []
-    for _ in range(steps):
-        t0 = clock()
-        core.step()
-        alone.append(clock() - t0)
-    long_req = core.add_request(prompt(long_len, 7), params(1))
-    beside = []
-    while not long_req.finished:
-        t0 = clock()
-        core.step()
-        beside.append(clock() - t0)    # every stream got one token this step
-
-    def pct(xs, p):
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-    out = {"alone_p50": pct(alone, 50), "alone_p99": pct(alone, 99),
-           "prefill_p50": pct(beside, 50), "prefill_p99": pct(beside, 99), "prefill_steps": len(beside)}
-    print("  ITL " + "  ".join(f"{k} {v * 1e3 if k != 'prefill_steps' else v:.1f}" for k, v in out.items()),
-          flush=True)
+    alone, beside = [], []
+    for r in range(repeat):
+        for _ in range(steps):
+            t0 = clock()
+            core.step()
+            alone.append(clock() - t0)
+        long_req = core.add_request(prompt(long_len, 7 + r), params(1))
+        while not long_req.finished:
+            t0 = clock()
+            core.step()
+            beside.append(clock() - t0)    # every stream got one token this step
+    out = {"alone_p50": pct(alone, 50), "alone_p99": pct(alone, 99), "alone_max": max(alone),
+           "prefill_p50": pct(beside, 50), "prefill_p90": pct(beside, 90),
+           "prefill_p99": pct(beside, 99), "prefill_max": max(beside),
+           "alone_steps": len(alone), "prefill_steps": len(beside), "rounds": repeat}
+    print("  ITL " + "  ".join(f"{k} {v * 1e3:.1f}" if isinstance(v, float) else f"{k} {v}"
+                               for k, v in out.items()), flush=True)
     return out
 
 
@@ -340,9 +360,18 @@ def report(res: dict, before: dict | None) -> None:
         print(table(["budget", "e2e tok/s", "vs seq", "prefill share"],
                     [[int(b), r["e2e_tok_s"], r["e2e_tok_s"] / seq, r["prefill_share"]]
                      for b, r in res["budgets"].items()]))
-    print("\ninter-token latency, 16 decoding streams (ms)")
-    keys = ("alone_p50", "alone_p99", "prefill_p50", "prefill_p99")
-    print(table(["run"] + list(keys), [[n] + [r["itl"][k] * 1e3 for k in keys] for n, r in cols]))
+    it = cols[-1][1]["itl"]
+    rounds = it.get("rounds", 1)
+    print(f"\ninter-token latency, 16 decoding streams (ms): {rounds} round(s) of "
+          f"{it.get('alone_steps', 20) // rounds} decode-only steps, then a {res['args']['long']}-token "
+          f"prompt prefilled beside them; steps = decode-only + beside, all rounds; p99 x = "
+          f"prefill_p99 / alone_p50")
+    keys = ("alone_p50", "alone_p99", "prefill_p50", "prefill_p90", "prefill_p99", "prefill_max")
+    print(table(["run"] + list(keys) + ["p99 x", "steps"],
+                [[n] + [r["itl"].get(k, float("nan")) * 1e3 for k in keys] +
+                 [r["itl"]["prefill_p99"] / r["itl"]["alone_p50"],
+                  f"{r['itl'].get('alone_steps', 20)}+{r['itl']['prefill_steps']}"]
+                 for n, r in cols]))
     print("\ntargets: step(32) <= 2 x step(1); decode tok/s at N=32 >= 12 x N=1; e2e at N=32 >= 5 x "
           "sequential; ITL p99 beside a 4K prefill <= 3 x p50 alone")
     series = {f"{n} step time": (list(BATCHES), [st(r, b) * 1e3 for b in BATCHES]) for n, r in cols}
@@ -366,6 +395,13 @@ def main(argv=None) -> int:
                                      "subprocess with PYTHONPATH=DIR) and print it side by side")
     ap.add_argument("--long-prefill-chunk", type=int, default=0,
                     help="cap prefill chunks (engines with issue 11's scheduler); 0: budget only")
+    ap.add_argument("--itl-ratio", type=float, default=0.0,
+                    help="size prefill work beside decodes to this x a decode-only step (engines "
+                         "with core/step_costs.py; an older one runs without); 0: off")
+    ap.add_argument("--itl-rounds", type=int, default=3,
+                    help="rounds of decode-only steps + one long prompt beside the streams (the "
+                         "ITL percentiles are over all rounds)")
+    ap.add_argument("--itl-steps", type=int, default=40, help="decode-only steps per ITL round")
     ap.add_argument("--itl-only", action="store_true", help="only the inter-token latency part")
     ap.add_argument("--budgets", default="",
                     help="comma-separated max_batched_tokens values: N = 32 end to end under each")
@@ -384,6 +420,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.long_prefill_chunk:
         CHUNK["long_prefill_chunk"] = args.long_prefill_chunk
+    if args.itl_ratio:
+        CHUNK["itl_ratio"] = args.itl_ratio
     print(f"load average {os.getloadavg()}", flush=True)
     if args.before:
         rest = [a for a in (argv if argv is not None else sys.argv[1:])]
@@ -406,7 +444,11 @@ def main(argv=None) -> int:
         # the old checkout's bench/_common.py put it under its own bench/out
         args.compare = str(Path(args.before) / "bench" / "out" / "engine_throughput_before.json")
     if args.itl_only:
-        itl(args.prompt, args.long, 20)
+        itl(args.prompt, args.long, args.itl_steps, args.itl_rounds)
+        if args.before:
+            if proc.wait():
+                raise SystemExit(f"the before run failed: see {log}")
+            print(f"-- before ({args.before}):\n{log.read_text()}-- end of before")
         return 0
     if args.before:
         print("== after: this checkout" + (" (at the same time)" if args.together else ""), flush=True)
@@ -414,7 +456,7 @@ def main(argv=None) -> int:
     res = {"label": args.label, "load": os.getloadavg(), "args": vars(args)}
     res["step_s"] = step_times(args.prompt, args.steps)
     res["tput"] = throughput(args.prompt, args.gen, args.sequential)
-    res["itl"] = itl(args.prompt, args.long, 20)
+    res["itl"] = itl(args.prompt, args.long, args.itl_steps, args.itl_rounds)
     if args.budgets:
         res["budgets"] = budgets(args.prompt, args.gen, 32, [int(b) for b in args.budgets.split(",")])
     res["floors"] = floors(max(args.steps, 9))

@@ -23,6 +23,11 @@ from services.engine.config import (
 # The trained checkpoint shipped in the repository (models/v4-mini-tiny/MODEL_CARD.md): the
 # default weights of the `tiny` preset. Seeded random weights only with --random-weights.
 DEFAULT_CHECKPOINTS = {"tiny": Path(__file__).resolve().parents[2] / "models" / "v4-mini-tiny" / "model.safetensors"}
+# --itl-ratio's default: a step carrying prefill work beside decodes is sized to about this
+# many decode-only steps (core/step_costs.py). The target is a p99 gap <= 3x the p50 without
+# prefill work; sizing the typical step to 2x leaves the tail (a late chunk, the machine's
+# noise) half a decode step of room.
+ITL_RATIO = 2.0
 
 
 def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
@@ -50,6 +55,11 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     g.add_argument("--long-prefill-chunk", type=int, default=256,
                    help="most prompt tokens one sequence prefills per step (0: up to the "
                         "budget); bounds the inter-token latency of decodes beside a long prompt")
+    g.add_argument("--itl-ratio", type=float, default=ITL_RATIO,
+                   help="size the prefill work of a step that has decodes so that it is "
+                        "predicted (from measured step times) to take at most this many times "
+                        "a decode-only step; 0: off (only --long-prefill-chunk and the budget); "
+                        "ignored with --deterministic")
     g.add_argument("--max-running", type=int, default=16,
                    help="sequences scheduled in one step")
     g.add_argument("--truncation", choices=TRUNCATION_MODES, default=None,
@@ -103,7 +113,7 @@ def engine_config(args, env=None) -> EngineConfig:
         env,
         num_slots=args.num_slots, num_blocks=args.num_blocks,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running,
-        long_prefill_chunk=args.long_prefill_chunk,
+        long_prefill_chunk=args.long_prefill_chunk, itl_ratio=args.itl_ratio,
         truncation=args.truncation, keep_tokens=args.keep_tokens, extra_state=extra, role=role,
         extra_state_size=args.extra_state_size, max_backtrack=args.max_backtrack,
         speculative=args.speculative, ngram_min=args.ngram_min, ngram_max=args.ngram_max,

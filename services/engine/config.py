@@ -192,6 +192,8 @@ class EngineConfig:
     max_batched_tokens: int = 512       # prefill chunk budget per step (decode tokens count too)
     max_running: int = 16
     long_prefill_chunk: int = 0         # most prompt tokens per sequence per step (0: budget only)
+    itl_ratio: float = 0.0              # a step with decodes sized to <= this x a decode-only step
+                                        # (measured, core/step_costs.py); 0: off
     truncation: str = "off"             # YOCO prefill truncation: off | mask | compact
     keep_tokens: int = 0                # KEEP; must be explicit when truncation is on
     extra_state: bool = False           # prefill-engine SWA ring of 396
@@ -229,6 +231,8 @@ class EngineConfig:
         for name in ("keep_tokens", "extra_state_size", "max_backtrack", "long_prefill_chunk"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if self.itl_ratio < 0 or 0 < self.itl_ratio <= 1:
+            raise ValueError(f"itl_ratio must be 0 (off) or above 1, not {self.itl_ratio}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError("dtype must be float32 or float64")
         dev = self.device

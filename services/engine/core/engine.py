@@ -154,6 +154,7 @@ class EngineCore:
 
     # --- one step ------------------------------------------------------------------
     def step(self) -> list[Event]:
+        t_step = time.perf_counter()
         self._deliver_copies(wait=False)       # earlier steps' block and snapshot bytes
         proposed = self.spec.propose(self.scheduler.running)
         plan = self.scheduler.schedule({r: len(d) for r, d in proposed.items()})
@@ -200,6 +201,11 @@ class EngineCore:
             events.append(self._emit(seq, logits, token=ids[0]))
         for (seq, work, i, d), verdict in zip(verifying, read[len(sampled):], strict=True):
             events.append(self._verify(seq, work, res, i, d, verdict))
+        # the step's time, its one device sync included, sizes the prefill work of later
+        # steps beside decodes (scheduler.costs: StepCosts, --itl-ratio)
+        self.scheduler.costs.observe(
+            len(plan.decode) + sum(len(d) for d in drafts.values()),
+            sum(end - start for _, start, end in plan.prefill), time.perf_counter() - t_step)
         if not self.has_work:
             self._deliver_copies(wait=True)    # idle: nothing left to overlap them with
         return self.exports.ready(events)      # handoff events once their bytes landed

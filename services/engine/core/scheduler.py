@@ -8,7 +8,9 @@ Owns the waiting queue, the running list and each sequence's scheduling fields
     2. running sequences still in prefill get chunks, oldest first, within the
        token budget `max_batched_tokens` (decode tokens count against it), each chunk at
        most `long_prefill_chunk` tokens when that is set, so one long prompt cannot make
-       a step (and the inter-token latency of every decode in it) arbitrarily long;
+       a step (and the inter-token latency of every decode in it) arbitrarily long; with
+       `itl_ratio`, a step that has decodes carries at most the prefill tokens its measured
+       costs say keep it within that many decode-only steps (StepCosts, step_costs.py);
     3. waiting sequences are admitted while a slot, blocks for their first chunk,
        and budget remain: the cache manager plans the prefix hit (match_prefix) and
        fills the slot from it (admit); the plan goes back to the engine in the StepPlan.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.config import EngineConfig
 from services.engine.core.sequence import Finish, Sequence, Status
+from services.engine.core.step_costs import StepCosts
 
 
 @dataclass
@@ -50,6 +53,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = 0
+        # timing-sized steps would change chunk boundaries (and fp32 bits) between runs
+        self.costs = StepCosts(0.0 if ecfg.deterministic else ecfg.itl_ratio)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -98,6 +103,11 @@ class Scheduler:
                 if k:
                     plan.drafts[seq.request_id] = k
                     budget -= k
+        rows = sum(len(s.tokens) - s.num_computed + plan.drafts.get(s.request_id, 0)
+                   for s in plan.decode)
+        cap = self.costs.prefill_cap(rows)
+        if cap is not None:            # the rest of the budget is prefill work: keep the step short
+            budget = min(budget, cap)
         for seq in list(self.running):
             if budget <= 0:
                 break

@@ -39,7 +39,8 @@ class FeedPlan:
     groups: int                    # completed groups (0: nothing to pool)
     tail_at: RingAt | None         # [k] the stream rows stored in the tail ring (an open
                                    # group's first rows; None: none)
-    pick: torch.Tensor             # [G * m] stream row i = cat(fed rows, tail rows)[pick[i]]
+    pick: torch.Tensor | None      # [G * m] stream row i = cat(fed rows, tail rows)[pick[i]]
+                                   # (None: the stream is the fed rows, in order)
     gwid: torch.Tensor             # [G] work and group index of each completed group
     gid: torch.Tensor
 
@@ -58,20 +59,32 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
         streams.append((states.idx[layer], *ops.indexer_inputs(w, layer, uk), True))
     dtype = streams[0][1].dtype
     for ring, v, z, is_index in streams:
-        vz = torch.stack([v, z], dim=1)                                 # [rows, 2, dim]
         if plan.groups:
-            # the ring is read for the few stored rows only, then one row gather (index_select:
-            # about 4x faster on CPU than advanced indexing for 512 rows of 4 KB)
-            rows = vz if plan.tail_at is None else torch.cat(
-                [vz, take_at(ring, plan.tail_at).to(vz.dtype)])
-            vals = rows.index_select(0, plan.pick)
+            sv, sz = _stream(plan, ring, v, z)
             if is_index:
-                out = ops.pool_index_keys(w, layer, vals[:, 0], vals[:, 1], m)
+                out = ops.pool_index_keys(w, layer, sv, sz, m)
             else:
                 angles = step.once(("feed-rope", m, r), lambda: ops.rope_angles(plan.gid * m, cfg, dtype))
-                out = ops.pool_entries_at(w, layer, vals[:, 0], vals[:, 1], plan.gid, m, cfg, angles)
+                out = ops.pool_entries_at(w, layer, sv, sz, plan.gid, m, cfg, angles)
             _scatter(blocks, step, plan, (m, r), layer, out, is_index)
-        put_at(ring, plan.put_at, vz if plan.put is None else vz[plan.put])
+        # only the kept rows are paired up for the ring (the last R of each work: a few per
+        # work against a long chunk's every row)
+        kv, kz = (v, z) if plan.put is None else (v[plan.put], z[plan.put])
+        put_at(ring, plan.put_at, torch.stack([kv, kz], dim=1))
+
+
+def _stream(plan: FeedPlan, ring, v, z):
+    """The completed groups' rows (v, z) [G * m, dim] each: the fed rows themselves when the
+    stream is exactly them in order (FeedPlan.pick is None: chunks that end on a group
+    boundary with no stored tail, e.g. prefill-only steps), else gathered by one index from
+    the fed rows and the few stored tail rows. The ring is read before it is written."""
+    if plan.pick is None:
+        return v, z
+    if plan.tail_at is not None:
+        tail = take_at(ring, plan.tail_at).to(v.dtype)                         # [k, 2, dim]
+        v, z = torch.cat([v, tail[:, 0]]), torch.cat([z, tail[:, 1]])
+    # index_select: about 4x faster on CPU than advanced indexing for 512 rows of 4 KB
+    return v.index_select(0, plan.pick), z.index_select(0, plan.pick)
 
 
 def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
@@ -140,10 +153,14 @@ def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | N
 
     # ring rows to write: the last R fed rows of each work (older ones would be overwritten)
     put_wid, put_pos = (wid, pos) if put is None else (wid[put], pos[put])
+    # no stored tail and as many stream rows as fed rows: the stream (a subsequence of the
+    # fed rows in order when nothing comes from the ring) is every fed row
+    identity = tail is None and total == sum(per_work)
     return FeedPlan(None if host_rows is None else rows, put,
                     RingAt.of(step.slots[put_wid], put_pos, ring_len), total // m,
-                    None if tail is None else RingAt.of(tail_slots, tail_pos, ring_len), pick,
-                    swid[::m], torch.div(spos[::m], m, rounding_mode="floor"))
+                    None if tail is None else RingAt.of(tail_slots, tail_pos, ring_len),
+                    None if identity else pick, swid[::m],
+                    torch.div(spos[::m], m, rounding_mode="floor"))
 
 
 def _scatter(blocks: BlockStore, step: StepBatch, plan: FeedPlan, key: tuple, layer: int, rows,

@@ -193,10 +193,11 @@ class ModelRunner:
         pools = [(plan.gather, "gather")] if plan.gather is not None else []
         pools += [(pool, ("pool", i)) for i, pool in enumerate(plan.pools)]
         for pool, path in pools:
-            old = self.mirror.read(layer, pool.old_slots, pool.old_pos, kv.dtype)
+            old = (self.mirror.take(layer, pool.old_slots, pool.old_pos) if pool.in_mirror
+                   else self.mirror.read(layer, pool.old_slots, pool.old_pos, kv.dtype))
             keys = torch.cat([old, kv[pool.rows]])
             groups.append((pool.rows, (keys if pool.idx is None else keys[pool.idx], pool.ok),
-                           path == "gather", path, pool))
+                           path == "gather", path, pool))     # pool: ok per block
         if plan.ring is not None and plan.ring.fill_slots is not None:
             self.mirror.fill(layer, plan.ring.fill_slots, plan.ring.fill_pos)
         if cfg.is_encoder(layer):
@@ -217,10 +218,17 @@ class ModelRunner:
         sink = w[p + "sink"]
         o = torch.empty_like(q) if len(groups) > 1 or groups[0][0] is not None else None
         for rows, win, per_row, path, pool in groups:
-            parts = [win]
-            if m is not None:
-                parts.append(self._compressed(layer, seg, step, h, m, rows, per_row, (kind, path),
-                                              pool))
+            cmp = None if m is None else self._compressed(layer, seg, step, h, m, rows, per_row,
+                                                          (kind, path), pool)
+            if pool is not None and pool.blocks:
+                # a pool chunk's rows block by block, each to the keys it can see; the
+                # compressed part was chosen for the whole chunk and is cut to the block's rows
+                for b in pool.blocks:
+                    at = slice(rows.start + b.rows.start, rows.start + b.rows.stop)
+                    parts = [(win[0][b.keys], b.ok)] + ([] if cmp is None else [_block_rows(cmp, b.rows)])
+                    o[at] = ragged_union_attention(q[at], parts, sink, self.scale)
+                continue
+            parts = [win] + ([] if cmp is None else [cmp])
             out = ragged_union_attention(q if rows is None else q[rows], parts, sink, self.scale)
             if o is None:
                 o = out
@@ -292,6 +300,13 @@ class ModelRunner:
         """No row of the step sees more than top-k entries: the indexer would keep every
         visible one (select_topk's rule), so it is not run at all."""
         return max(step.end_ids) // m <= self.cfg.csa_topk                  # host ints: no sync
+
+
+def _block_rows(group, rows: slice):
+    """A compressed (keys, ok) group of a chunk's rows cut to some of them: per-row keys
+    [t, K, D] and masks [t, ...] are sliced, a shared pool [L, D] is kept."""
+    keys, ok = group
+    return (keys[rows] if keys.dim() == 3 else keys), ok[rows]
 
 
 def _visible_entries(seg: Segments, step: StepBatch, m: int, per: int, rows, per_row: bool,

@@ -92,6 +92,18 @@ class WindowMirror:
         self.pos[layer][slots, ri] = pos
         return rows
 
+    def take(self, layer: int, slots, pos) -> torch.Tensor:
+        """Mirror rows at (slots, pos) as they are: for works that continue in the mirror
+        (windows.py PoolPlan.in_mirror), whose every asked row it holds, or a row masked out
+        (a position below the window's bound, whose value is never weighted: finite, as every
+        value the mirror holds is a dequantized ring row, a written row or a zero)."""
+        values = self.values[layer]
+        r, d = values.shape[1:]
+        # one index into the flat rows: index_select gathers 2 KB rows several times faster on
+        # the CPU than indexing by (slot, row) pairs (127 rows, 1 thread: ~60 against ~20 us)
+        flat = slots * r + pos.remainder(r)
+        return values.view(-1, d).index_select(0, flat.reshape(-1)).view(*slots.shape, d)
+
     def write(self, layer: int, at: RingAt, pos, values) -> None:
         """Rows the runner just wrote to the ring at `at` (the step's places for this ring
         length; values = what a reader of them sees)."""

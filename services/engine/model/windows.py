@@ -16,15 +16,23 @@ by the rows n a work has in this step (R: ring rows = W + B, B >= 0):
 
             No key is copied: the torch kernel multiplies a slot's queries with its ring.
     gather  n <= GATHER_MAX_ROWS: each row gathers its own W keys from a pool of the
-            work's W - 1 older ring rows and its chunk rows.
+            work's W - 1 older ring rows and its chunk rows. Off the CPU, or where the ring
+            cannot serve in place; on the CPU a chunk's own pool costs less even at 8 rows
+            (GATHER_ON_CPU).
     pool    longer chunks: a chunk's rows share one pool of its W - 1 older ring rows and
             its rows, masked per row (cheaper than W keys per row). One pool per chunk: a
             pool of several chunks would make every row score every chunk's keys, which grows
             with the square of the prefill rows in a step (4x the work with 4 chunks of 64).
+            The pool's keys are consecutive positions, so a chunk's rows attend in blocks of
+            POOL_BLOCK rows, each to the slice of the pool its rows can see (W - 1 + block
+            keys): a 512-row chunk scores 191 keys per row instead of 639.
 
 Older keys of gather/pool works are read through the mirror before this layer writes the
-ring; a ring-path work whose mirror was dropped (new owner, restore, rollback) has its
-W - 1 older rows dequantized into the mirror first (`fill`).
+ring: taken from it as they are when the work continues there (the same reason ring-path
+rows may read it in place: a continuing slot's mirror holds every row its next chunk needs),
+else dequantized and checked row by row (WindowMirror.read); a ring-path work whose mirror
+was dropped (new owner, restore, rollback) has its W - 1 older rows dequantized into the
+mirror first (`fill`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,17 @@ from services.engine.model.batch import Segments, StepBatch
 # chunks share one key pool (their ring rows + chunk rows) with a mask, which is cheaper
 # than W keys per row once a chunk is longer than a few rows.
 GATHER_MAX_ROWS = 16
+# On the CPU (torch's kernels) W gathered keys per row cost more than a chunk's own pool of
+# W - 1 + n keys for every n the gather path would take: 16 decodes and an 8-row chunk of a
+# 4K prompt cost 18 ms over the decodes alone with gathered keys, 11 ms with a pool (16 rows:
+# 25 -> 12 ms; 1 thread). Those chunks take a pool there, unless the ring cannot serve in
+# place (then decodes gather too). Tests set it to pin the gather path on the CPU.
+GATHER_ON_CPU = False
+
+# A pool chunk's rows attend in blocks of this many rows, each to the W - 1 + block keys of
+# the pool it can see: per row W - 1 + 64 keys whatever the chunk's length (a 512-row chunk
+# with one block: W - 1 + 512), for one more attention call per block and layer.
+POOL_BLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,13 @@ class RingPlan:
 
 
 @dataclass(frozen=True)
+class PoolBlock:
+    rows: slice                    # rows of the block, counted from the chunk's first row
+    keys: slice                    # the keys they can see: a slice of cat(older rows, chunk rows)
+    ok: torch.Tensor               # [rows, keys]
+
+
+@dataclass(frozen=True)
 class PoolPlan:
     rows: torch.Tensor | slice     # [t] rows of the segment on this path (pool: a slice)
     work_ids: tuple[int, ...]      # the works of those rows, ascending (host ints) ...
@@ -59,7 +85,11 @@ class PoolPlan:
     old_slots: torch.Tensor        # [u * (W - 1)] the works' older ring rows ...
     old_pos: torch.Tensor          # ... and their positions (negative ones are masked)
     idx: torch.Tensor | None       # gather: [t, W] index into cat(older rows, chunk rows)
-    ok: torch.Tensor               # [t, W] (gather) or [t, u * (W - 1) + t] (pool)
+    ok: torch.Tensor | None        # gather: [t, W] (pool: its blocks')
+    # every work continues in its mirror (none dropped this forward, mirror usable): its older
+    # rows are read from the mirror as they are, with no dequantize or hit test (WindowMirror.take)
+    in_mirror: bool = False
+    blocks: tuple[PoolBlock, ...] = ()    # pool: its rows in blocks of POOL_BLOCK
 
 
 @dataclass(frozen=True)
@@ -82,7 +112,8 @@ def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: 
     unique, whose result sizes a GPU would have to send back)."""
     counts, cu, up = seg.counts, seg.cu_ids, step.uploads
     short = ring_rows - window + 1 if in_place else 0
-    kind = ["ring" if 0 < n <= short else "gather" if n <= GATHER_MAX_ROWS else "pool"
+    gather = GATHER_MAX_ROWS if GATHER_ON_CPU or not in_place or seg.pos.device.type != "cpu" else 0
+    kind = ["ring" if 0 < n <= short else "gather" if n <= gather else "pool"
             for n in counts]
     by = {k: [i for i, c in enumerate(kind) if c == k and counts[i]] for k in ("ring", "gather", "pool")}
 
@@ -99,10 +130,12 @@ def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: 
     return WindowPlan(
         _ring(step, seg, by["ring"], rows_of(by["ring"]), ring_rows, window, stale)
         if by["ring"] else None,
-        _pool(step, seg, rows_of(by["gather"]), by["gather"], window, gather=True)
+        _pool(step, seg, rows_of(by["gather"]), by["gather"], window, gather=True,
+              in_mirror=in_place and not stale.intersection(by["gather"]))
         if by["gather"] else None,
         # a chunk's rows are consecutive: a slice, so q, h and the output are views, not copies
-        tuple(_pool(step, seg, slice(cu[i], cu[i + 1]), [i], window, gather=False)
+        tuple(_pool(step, seg, slice(cu[i], cu[i + 1]), [i], window, gather=False,
+                    in_mirror=in_place and i not in stale)
               for i in by["pool"]),
         put_rows, RingAt.of(step.slots[put_wid], put_pos, ring_rows), put_pos)
 
@@ -127,7 +160,7 @@ def _ring(step, seg, works, rows, ring_rows, window, stale) -> RingPlan:
     return RingPlan(rows, where, ok, fill_slots, fill_pos)
 
 
-def _pool(step, seg, rows, ws: list[int], window, gather: bool) -> PoolPlan:
+def _pool(step, seg, rows, ws: list[int], window, gather: bool, in_mirror: bool) -> PoolPlan:
     dev = seg.pos.device
     if rows is None:
         rows = torch.arange(seg.rows, device=dev)
@@ -145,10 +178,19 @@ def _pool(step, seg, rows, ws: list[int], window, gather: bool) -> PoolPlan:
         ring_i = local.unsqueeze(1) * (window - 1) + kpos - first + window - 1
         row_i = len(old_pos) + torch.arange(len(rows), device=dev).unsqueeze(1) + kpos - pos.unsqueeze(1)
         idx = torch.where(kpos >= first, row_i, torch.clamp(ring_i, min=0))
-        return PoolPlan(rows, tuple(ws), works, old_slots, old_pos, idx, kpos >= lo.unsqueeze(1))
-    kpos = torch.cat([old_pos, pos])
-    kwid = torch.cat([owid.flatten(), wid])
-    qp = pos.unsqueeze(1)
-    ok = (kwid.unsqueeze(0) == wid.unsqueeze(1)) & (kpos <= qp) & \
-        (kpos >= torch.maximum(qp - window + 1, lo.unsqueeze(1)))
-    return PoolPlan(rows, tuple(ws), works, old_slots, old_pos, None, ok)
+        return PoolPlan(rows, tuple(ws), works, old_slots, old_pos, idx, kpos >= lo.unsqueeze(1),
+                        in_mirror)
+    # one work: key k of cat(older rows, chunk rows) holds position first - W + 1 + k, row j of
+    # the chunk position first + j; rows j0 .. j1 - 1 see keys j0 .. j1 + W - 2 at most
+    (i,) = ws
+    n, first = seg.counts[i], seg.first_ids[i]
+    low = torch.clamp(seg.lo[i], min=0)
+    blocks = []
+    for j0 in range(0, n, POOL_BLOCK):
+        j1 = min(n, j0 + POOL_BLOCK)
+        qp = (first + j0 + torch.arange(j1 - j0, device=dev)).unsqueeze(1)
+        kpos = first + j0 - window + 1 + torch.arange(j1 - j0 + window - 1, device=dev)
+        ok = (kpos <= qp) & (kpos >= torch.maximum(qp - window + 1, low))
+        blocks.append(PoolBlock(slice(j0, j1), slice(j0, j1 + window - 1), ok))
+    return PoolPlan(rows, tuple(ws), works, old_slots, old_pos, None, None, in_mirror,
+                    tuple(blocks))

@@ -1,0 +1,119 @@
+"""Prefill chunk rows' fast paths compute what the plain ones do: the window pool of a chunk
+that continues in the window mirror is taken from it as it is (no dequantize, no hit test),
+long chunks' pools split into row blocks, compressor feeding without a stream copy."""
+
+import pytest
+import torch
+
+from kernels.ragged import dequantize_rows
+from services.engine.config import small_test_config
+from services.engine.core.sampling import SamplingParams
+from services.engine.model.window_mirror import WindowMirror
+from tests.engine.helpers import make_engine, random_prompt, run_to_completion
+from tests.engine.test_equivalence import EXACT, max_logit_error
+
+CFG = small_test_config()
+
+
+def test_continuing_chunks_take_the_mirror_as_it_holds_every_row(monkeypatch):
+    """Every row a continuing chunk takes from the mirror is held there at its position and
+    equals the ring bytes dequantized; chunks of new owners still go through read."""
+    engine = make_engine(CFG, num_slots=4, max_batched_tokens=64, long_prefill_chunk=24)
+    calls = {"take": 0, "read": 0, "rows": 0}
+    take, read = WindowMirror.take, WindowMirror.read
+
+    def checked_take(self, layer, slots, pos):
+        calls["take"] += 1
+        live = pos >= 0                      # negative positions: before the prompt, masked
+        ri = pos.remainder(self.swa[layer].shape[1])
+        assert torch.equal(self.pos[layer][slots, ri][live], pos[live])
+        want = dequantize_rows(self.swa[layer][slots, ri], self.dtype)
+        got = take(self, layer, slots, pos)
+        assert torch.equal(got[live], want[live])
+        calls["rows"] += int(live.sum())
+        return got
+
+    def counted_read(self, *a):
+        calls["read"] += 1
+        return read(self, *a)
+
+    monkeypatch.setattr(WindowMirror, "take", checked_take)
+    monkeypatch.setattr(WindowMirror, "read", counted_read)
+    seqs = [engine.add_request(random_prompt(n, n), SamplingParams(temperature=0, max_tokens=5))
+            for n in (150, 90, 20)]
+    run_to_completion(engine)
+    assert calls["take"] and calls["read"] and calls["rows"], calls
+    for seq in seqs:
+        assert max_logit_error(engine, CFG, seq) <= EXACT
+
+
+def test_group_aligned_chunks_feed_the_compressor_without_a_gather(monkeypatch):
+    """Chunks ending on group boundaries with no stored tail pool their own rows in place
+    (FeedPlan.pick None); unaligned ones and decodes gather; both exact."""
+    from services.engine.model import compressor
+
+    engine = make_engine(CFG, num_slots=4, max_batched_tokens=256, long_prefill_chunk=32)
+    kinds = []
+    stream = compressor._stream
+    monkeypatch.setattr(compressor, "_stream",
+                        lambda plan, *a: kinds.append(plan.pick is None) or stream(plan, *a))
+    seqs = [engine.add_request(random_prompt(n, n), SamplingParams(temperature=0, max_tokens=6))
+            for n in (96, 77)]
+    run_to_completion(engine)
+    assert True in kinds and False in kinds, kinds
+    for seq in seqs:
+        assert max_logit_error(engine, CFG, seq) <= EXACT
+
+
+def test_pool_blocks_cover_every_key_a_row_may_see():
+    """A long chunk's pool plan, block by block, against the window rule written out: row j
+    (position p = first + j) sees key k of cat(W - 1 older rows, chunk rows) (position
+    first - W + 1 + k) iff max(lo, p - W + 1) <= position <= p; no block leaves out a key
+    one of its rows may see, and blocks tile the chunk's rows."""
+    from services.engine.model import windows
+    from services.engine.model.batch import StepBatch
+    from services.engine.model.runner import Work
+
+    w = CFG.window
+    for first, n, lo in ((0, 200, 0), (37, 129, 30), (300, 64, 0), (5, 65, 0)):
+        work = Work(0, [1] * 40, [0] * (first + n), first, first + n, enc_lo=lo)
+        step = StepBatch.build([work], compact=True)
+        plan = windows.plan(step, step.enc, w + 6, w, True, frozenset())
+        (pool,) = plan.pools
+        k = torch.arange(w - 1 + n) + first - w + 1
+        p = (torch.arange(n) + first).unsqueeze(1)
+        rule = (k <= p) & (k >= torch.clamp(p - w + 1, min=lo))              # [n, W - 1 + n]
+        covered = 0
+        for b in pool.blocks:
+            assert b.rows.start == covered and b.rows.stop - b.rows.start <= windows.POOL_BLOCK
+            covered = b.rows.stop
+            assert torch.equal(b.ok, rule[b.rows, b.keys])
+            assert int(rule[b.rows].sum()) == int(b.ok.sum())               # nothing outside
+        assert covered == n
+
+
+@pytest.mark.parametrize("on_cpu", [False, True], ids=["pool", "gather"])
+def test_short_chunks_take_a_pool_on_the_cpu_and_both_paths_are_exact(monkeypatch, on_cpu):
+    """Chunks of 8-16 rows beside decodes: their own pool on the CPU (GATHER_ON_CPU off), the
+    per-row gathered keys when pinned; exact against the reference either way."""
+    from services.engine.model import windows
+
+    monkeypatch.setattr(windows, "GATHER_ON_CPU", on_cpu)
+    paths = []
+    plan = windows.plan
+
+    def record(step, seg, *a):
+        out = plan(step, seg, *a)
+        paths.append((out.gather is not None, len(out.pools)))
+        return out
+
+    monkeypatch.setattr(windows, "plan", record)
+    engine = make_engine(CFG, num_slots=4, max_batched_tokens=64, long_prefill_chunk=12)
+    decoder = engine.add_request(random_prompt(30, 1), SamplingParams(temperature=0, max_tokens=20))
+    engine.step()
+    seq = engine.add_request(random_prompt(70, 2), SamplingParams(temperature=0, max_tokens=4))
+    run_to_completion(engine)
+    assert any(g for g, _ in paths) == on_cpu          # the 12-row chunks gathered only if pinned
+    assert on_cpu or any(p for _, p in paths)           # else they took pools
+    for s in (decoder, seq):
+        assert max_logit_error(engine, CFG, s) <= EXACT
