@@ -386,7 +386,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="after")
     ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=64,
+                    help="tokens per request (64: the workload issue 11 states, 256-token prompts)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--sequential", type=int, default=2)
     ap.add_argument("--long", type=int, default=4096)
