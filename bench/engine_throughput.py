@@ -240,16 +240,21 @@ def floors(steps: int) -> dict[str, dict[int, float]]:
     (Python, index tensors, small ops, gathers, sampling, bookkeeping) is the `rest`."""
     cfg, ring = TINY, TINY.window + 6
     g = torch.Generator().manual_seed(0)
+    from kernels.mxfp8 import dequantize, quantize
     from services.engine.model.weights import shapes
     mats = [torch.randn(*shape, generator=g) for name, shape in shapes(cfg).items()
             if name.rsplit(".", 1)[-1] in MATMULS or name == "lm_head"]
     rings = [torch.randn(max(BATCHES), ring, cfg.head_dim) for _ in range(cfg.n_layers)]
+    # the rings' MXFP8 bytes too, as the engine passes them (the compiled CPU kernel reads
+    # those; the torch path the fp32 values); the values are then exactly the bytes' values
+    codes = [quantize(r) for r in rings]
+    rings = [dequantize(c) for c in codes]
     out: dict[str, dict] = {"matmul": {}, "attention": {}, "read": {}}
     for b in BATCHES:
         xs = {m.shape[0]: torch.randn(b, m.shape[0], generator=g) for m in mats}
         q = torch.randn(b, cfg.n_heads, cfg.head_dim)
         out["matmul"][b] = _median_s(lambda xs=xs: _matmuls(xs, mats), steps)
-        out["attention"][b] = _median_s(_ring_attention(q, rings), steps)
+        out["attention"][b] = _median_s(_ring_attention(q, rings, codes), steps)
         out["read"][b] = _median_s(lambda b=b: [r[:b].sum() for r in rings], steps)
     # The same matmuls for a prefill step's rows, fp32 (what the engine serves) and bf16 (what
     # this design change would serve: CPUs with AMX/AVX512-BF16 run it several times faster;
@@ -270,7 +275,7 @@ def _matmuls(xs: dict, mats: list) -> None:
         xs[m.shape[0]] @ m
 
 
-def _ring_attention(q, rings: list):
+def _ring_attention(q, rings: list, codes: list):
     """Every layer's window attention for q's decode rows, one row per slot, all 128 window
     keys of the ring visible, through the engine's ragged op (whatever kernel it picks)."""
     from kernels.ragged import RingKeys, SlotRows, ragged_union_attention
@@ -279,7 +284,8 @@ def _ring_attention(q, rings: list):
     ok = torch.ones(b, rings[0].shape[1], dtype=torch.bool)
     ok[:, : rings[0].shape[1] - TINY.window] = False
     sink = torch.zeros(h)
-    return lambda: [ragged_union_attention(q, [RingKeys(r, rows, ok)], sink, d ** -0.5) for r in rings]
+    return lambda: [ragged_union_attention(q, [RingKeys(r, rows, ok, c)], sink, d ** -0.5)
+                    for r, c in zip(rings, codes, strict=True)]
 
 
 def floor_rows(res: dict) -> list[list]:
