@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import dispatch
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "union_attention.c"
@@ -122,12 +124,13 @@ def _load() -> ctypes.CDLL | None:
 
 def available(q: torch.Tensor) -> bool:
     """True when q's ring attention can run here: a CPU float32/float64 tensor [.., D] with a
-    D the kernel takes, the kernel built, and KVMESH_KERNELS not forcing the torch path."""
+    D the kernel takes, the kernel built, and KVMESH_KERNELS unset (torch or triton forced
+    take their own paths)."""
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
         return False
     if not takes(q.shape[-1]):
         return False
-    if os.environ.get("KVMESH_KERNELS", "").strip().lower() == "torch":
+    if dispatch.forced() is not None:     # KVMESH_KERNELS=torch|triton picks a path itself
         return False
     return _load() is not None
 

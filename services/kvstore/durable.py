@@ -213,8 +213,11 @@ class DurableStore:
                                               expect, full)
         except ec.DigestMismatch as exc:
             log.warning("digest mismatch, trying other shard sets: %s", exc)
-            rest = [i for i in range(n) if i not in got.launched]
-            if rest:  # the shards not read yet may complete a set that matches
+            # every shard without an answer in hand: never read, and read but late, failed
+            # or given up on (under load a hedged gather leaves some), may complete a set
+            # that matches; one that answered is what it is
+            rest = [i for i in range(n) if i not in got.answered]
+            if rest:
                 more = await self._gather(key, generation, len(rest), rest, prefix=prefix)
                 blobs.update({i: b for i, b in more.blobs.items() if b is not None})
                 got.launched |= more.launched
