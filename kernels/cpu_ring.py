@@ -48,10 +48,18 @@ _tried = False
 
 
 def cache_dir() -> Path:
+    """Where built libraries are kept: $KVMESH_CACHE_DIR, else the user's cache directory,
+    else (a home that cannot be written, as in some containers) the temp directory."""
     if os.environ.get("KVMESH_CACHE_DIR"):
         return Path(os.environ["KVMESH_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvmesh"
+    base = Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "kvmesh"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"kvmesh-{os.getuid()}"
 
 
 def _compiler() -> str | None:

@@ -4,6 +4,8 @@ dequantized rows, and its output and log-sum-exp match a float64 reference over 
 (float64 to 1e-12, float32 within an asserted bound); joined with the other key groups and
 the sink (kernels/ragged.py) it equals the flash path and the plain math."""
 
+import os
+
 import pytest
 import torch
 
@@ -235,3 +237,16 @@ def test_table_keys_through_ragged_equal_the_gathered_path(monkeypatch):
     monkeypatch.setenv("KVMESH_KERNELS", "torch")
     want = ragged_union_attention(q, groups, sink, 0.125)
     assert (got - want).abs().max() <= 1e-12 * want.abs().max()
+
+
+def test_cache_dir_falls_back_to_temp_when_home_is_read_only(monkeypatch, tmp_path):
+    monkeypatch.delenv("KVMESH_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_ring.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert cpu_ring.cache_dir() == tmp_path / "cache" / "kvmesh"        # writable: used
+    # a cache directory this user may not write (root may write anything, so the check
+    # is what is replaced, not the permissions)
+    monkeypatch.setattr(cpu_ring.os, "access", lambda path, mode: False)
+    assert cpu_ring.cache_dir() == tmp_path / "tmp" / f"kvmesh-{os.getuid()}"
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "mine"))
+    assert cpu_ring.cache_dir() == tmp_path / "mine"
