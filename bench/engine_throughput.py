@@ -38,6 +38,7 @@ request alone costs the same whatever N is) and reported for every N.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -52,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if os.environ.get("PYTHONPATH"):        # an older checkout under test goes first
     sys.path.insert(0, os.environ["PYTHONPATH"].split(":")[0])
 
-from bench._common import OUT, plot, table  # noqa: E402
+from bench._common import OUT  # noqa: E402
 from services.engine.config import TINY  # noqa: E402
 
 try:
@@ -288,104 +289,14 @@ def _ring_attention(q, rings: list, codes: list):
                     for r, c in zip(rings, codes, strict=True)]
 
 
-def floor_rows(res: dict) -> list[list]:
-    """[batch, step ms, matmul ms, attention ms, ring read ms, rest ms, best x, read x]: best
-    x is the ratio step(b) / step(1) would have if only the matmuls and the attention grew
-    with the batch (the rest of step(1) paid once per step): (step(1) + d matmul + d
-    attention) / step(1); read x the same with the attention at the ring read's cost."""
-    st = {int(k): v for k, v in res["step_s"].items()}
-    fl = {k: {int(b): v for b, v in d.items()} for k, d in res["floors"].items() if k != "prefill_matmul"}
-    rows = []
-    for b in BATCHES:
-        mm, at = fl["matmul"][b], fl["attention"][b]
-        rd = fl.get("read", fl["attention"])[b]
-        grow = mm - fl["matmul"][1]
-        rows.append([b, st[b] * 1e3, mm * 1e3, at * 1e3, rd * 1e3, (st[b] - mm - at) * 1e3,
-                     (st[1] + grow + at - fl["attention"][1]) / st[1],
-                     (st[1] + grow + rd - fl.get("read", fl["attention"])[1]) / st[1]])
-    return rows
-
-
-def prefill_rows(res: dict) -> list[list]:
-    """What bounds end to end: prefill share = seconds of the steps that carry prefill work /
-    all seconds of the N-request run (decode rows riding along included); if every
-    decode-only step were free, e2e vs seq could reach at most (e2e vs seq) / that share.
-    seq prefill share: the same share for one request alone."""
-    rows = []
-    for n in BATCHES:
-        t = res["tput"][str(n)] if str(n) in res["tput"] else res["tput"][n]
-        if "seq_prefill_share" not in t:
-            continue
-        e2e = t["e2e_tok_s"] / t["seq_tok_s"]
-        rows.append([n, e2e, t["prefill_share"], e2e / t["prefill_share"], t["seq_prefill_share"]])
-    return rows
-
-
-def report(res: dict, before: dict | None) -> None:
-    print(f"\nclock: {res['args']['clock']} seconds ({res['args'].get('threads', 1)} torch thread(s))")
-    cols = [("before", before), ("after", res)] if before else [(res["label"], res)]
-    st = lambda r, b: r["step_s"][str(b)] if str(b) in r["step_s"] else r["step_s"][b]  # noqa: E731
-    tp = lambda r, b: r["tput"][str(b)] if str(b) in r["tput"] else r["tput"][b]  # noqa: E731
-    rows = []
-    for b in BATCHES:
-        row = [b]
-        for _, r in cols:
-            row += [st(r, b) * 1e3, st(r, b) / st(r, 1)]
-        rows.append(row)
-    print("\ndecode step time (ms)")
-    print(table(["batch"] + [f"{n} {h}" for n, _ in cols for h in ("ms", "x batch1")], rows))
-    print(f"\nfloor ({cols[-1][0]}): what grows with the batch, each alone; rest = step - matmul - "
-          "attention; best x = (step(1) + d matmul + d attention) / step(1); read x: the same "
-          "with the attention costing only one read of the fp32 rings")
-    print(table(["batch", "step ms", "matmul ms", "attention ms", "ring read ms", "rest ms", "best x",
-                 "read x"], floor_rows(res)))
-    rows = []
-    for n in BATCHES:
-        row = [n]
-        for _, r in cols:
-            t = tp(r, n)
-            row += [t["e2e_tok_s"], t["e2e_tok_s"] / t["seq_tok_s"], t["dec_tok_s"],
-                    t["dec_tok_s"] / tp(r, 1)["dec_tok_s"]]
-        rows.append(row)
-    print("\ngenerated tokens/s (e2e = with prefills; vs seq = / same requests one after another)")
-    print(table(["N"] + [f"{n} {h}" for n, _ in cols for h in ("e2e tok/s", "vs seq", "decode tok/s",
-                                                                 "vs N=1")], rows))
-    if rows := prefill_rows(res):
-        print(f"\nend to end vs the prefill floor ({cols[-1][0]}): prefill share = seconds of steps "
-              "with prefill work / all; decode free = e2e vs seq / prefill share, the most end to "
-              "end reaches if decode-only steps cost nothing")
-        print(table(["N", "e2e vs seq", "prefill share", "decode free", "seq prefill share"], rows))
-    if pm := res["floors"].get("prefill_matmul"):
-        f32, b16 = pm["float32"], pm["bfloat16"]
-        print(f"prefill floor: the weight matmuls of one {PREFILL_ROWS}-row step take {f32 * 1e3:.1f} ms "
-              f"in fp32, {b16 * 1e3:.1f} ms in bf16 on this CPU ({f32 / b16:.1f}x): the design change "
-              "that would move the prefill bound (bf16 serving; the targets are fp32)")
-    if res.get("budgets"):
-        seq = tp(res, 32)["seq_tok_s"]
-        print(f"\nscheduler mix ({cols[-1][0]}), N = 32 end to end by max_batched_tokens")
-        print(table(["budget", "e2e tok/s", "vs seq", "prefill share"],
-                    [[int(b), r["e2e_tok_s"], r["e2e_tok_s"] / seq, r["prefill_share"]]
-                     for b, r in res["budgets"].items()]))
-    it = cols[-1][1]["itl"]
-    rounds = it.get("rounds", 1)
-    print(f"\ninter-token latency, 16 decoding streams (ms): {rounds} round(s) of "
-          f"{it.get('alone_steps', 20) // rounds} decode-only steps, then a {res['args']['long']}-token "
-          f"prompt prefilled beside them; steps = decode-only + beside, all rounds; p99 x = "
-          f"prefill_p99 / alone_p50")
-    keys = ("alone_p50", "alone_p99", "prefill_p50", "prefill_p90", "prefill_p99", "prefill_max")
-    print(table(["run"] + list(keys) + ["p99 x", "steps"],
-                [[n] + [r["itl"].get(k, float("nan")) * 1e3 for k in keys] +
-                 [r["itl"]["prefill_p99"] / r["itl"]["alone_p50"],
-                  f"{r['itl'].get('alone_steps', 20)}+{r['itl']['prefill_steps']}"]
-                 for n, r in cols]))
-    print("\ntargets: step(32) <= 2 x step(1); decode tok/s at N=32 >= 12 x N=1; e2e at N=32 >= 5 x "
-          "sequential; ITL p99 beside a 4K prefill <= 3 x p50 alone")
-    series = {f"{n} step time": (list(BATCHES), [st(r, b) * 1e3 for b in BATCHES]) for n, r in cols}
-    series.update({f"{n} decode tok/s": (list(BATCHES), [tp(r, b)["dec_tok_s"] for b in BATCHES])
-                   for n, r in cols})
-    path = plot(OUT / "engine_throughput.png", "tiny, fp32, 1 thread: decode step ms / decode tok/s",
-                "batch (concurrent requests)", "ms | tokens/s", series)
-    print(f"plot: {path}")
+def _report_module():
+    """bench/_throughput_report.py, loaded by its path beside this file: with `--before`, this
+    script runs with an older checkout first on sys.path, whose bench/ may not have it."""
+    path = Path(__file__).with_name("_throughput_report.py")
+    spec = importlib.util.spec_from_file_location("_throughput_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv=None) -> int:
@@ -476,7 +387,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"the before run failed: see {log}")
         print(f"-- before ({args.before}):\n{log.read_text()}-- end of before")
     before = json.loads(Path(args.compare).read_text()) if args.compare else None
-    report(res, before)
+    _report_module().report(res, before, BATCHES, PREFILL_ROWS)
     print(f"wall {res['wall_s']:.0f}s, load average {res['load']} -> {res['load_end']}")
     return 0
 

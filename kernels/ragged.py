@@ -172,7 +172,7 @@ def ragged_union_attention(q, groups, sink, scale: float):
     in place, not gathered) go through it instead. A TableKeys group is gathered for every
     other path."""
     if cpu_ring.available(q):
-        picked = [i for i, g in enumerate(groups) if _c_group(g, q)]
+        picked = [i for i, g in enumerate(groups) if _c_group(g)]
         if picked:
             return _c_kernel(q, [groups[i] for i in picked],
                              [g for i, g in enumerate(groups) if i not in picked], sink, scale)
@@ -192,7 +192,7 @@ def ragged_union_attention(q, groups, sink, scale: float):
     return _union(q, groups, sink, scale)
 
 
-def _c_group(g, q) -> bool:
+def _c_group(g) -> bool:
     """A group the compiled CPU kernel reads in place: a ring with its MXFP8 bytes, or fp32
     table rows (at most one of each is asked for; the engine never passes more)."""
     if isinstance(g, RingKeys):

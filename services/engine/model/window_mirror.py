@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ragged import RingAt, dequantize_rows, put_at
+from kernels.ragged import RingAt, dequantize_rows, put_at, take_rows
 
 NOWHERE = -(1 << 62)     # no real or masked (negative) position ever equals this
 
@@ -101,8 +101,7 @@ class WindowMirror:
         r, d = values.shape[1:]
         # one index into the flat rows: index_select gathers 2 KB rows several times faster on
         # the CPU than indexing by (slot, row) pairs (127 rows, 1 thread: ~60 against ~20 us)
-        flat = slots * r + pos.remainder(r)
-        return values.view(-1, d).index_select(0, flat.reshape(-1)).view(*slots.shape, d)
+        return take_rows(values.view(-1, d), slots * r + pos.remainder(r))
 
     def write(self, layer: int, at: RingAt, pos, values) -> None:
         """Rows the runner just wrote to the ring at `at` (the step's places for this ring
