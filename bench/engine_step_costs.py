@@ -60,7 +60,7 @@ def _no_ring_attention(q, ring, scale):
         torch.zeros(t, 1, 1, dtype=torch.bool)
 
 
-def _no_c_kernel(q, scale, ring=None, table=None):
+def _no_c_kernel(q, scale, ring=None, table=None, sink=None):
     t, h, _ = q.shape
     return torch.zeros_like(q), torch.zeros(t, h, dtype=q.dtype)
 

@@ -1,6 +1,7 @@
 """Decode attention on the CPU over MXFP8 ring bytes and compressed entries read in place:
 kernels/cpu/union_attention.c, built on first use with the machine's C compiler and called
-through ctypes.
+through ctypes. Every C file in kernels/cpu/ goes into the one library (rows.c: whole-row
+ring copies, kernels/cpu_rows.py).
 
 Why a compiled kernel: a decode row reads its slot's whole window (R ring rows) every layer,
 so a batched decode step is bound by reading rings. torch has no CPU op that reads the
@@ -34,7 +35,7 @@ from kernels import dispatch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu") / "union_attention.c"
+SOURCES = sorted((Path(__file__).with_name("cpu")).glob("*.c"))
 # No -ffast-math or -fassociative-math: the kernel's sums are split into lanes by hand, and
 # reassociating x * 2^120 * scale into x * (2^120 * scale) overflows. -march=native: the
 # library is cached per CPU (the cache key has the CPU's flags).
@@ -82,9 +83,9 @@ def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     errors = []
     for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version,
-                                        _cpu_flags()]).encode()).hexdigest()[:16]
-        out = cache_dir() / "kernels" / f"union_attention-{key}.so"
+        key = hashlib.sha256("\0".join([*(f"{p.name}\0{p.read_text()}" for p in SOURCES),
+                                        " ".join(flags), version, _cpu_flags()]).encode()).hexdigest()[:16]
+        out = cache_dir() / "kernels" / f"kvmesh-cpu-{key}.so"
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +94,7 @@ def _build(cc: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
+            done = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode == 0:
                 os.replace(tmp, out)
@@ -123,8 +124,12 @@ def _load() -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for name in ("union_attention_f32", "union_attention_f64"):
             fn = getattr(lib, name)
-            fn.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i64, i64, p, p, i64, i64, i64,
+            fn.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i64, i64, p, p, p, i64, i64, i64,
                            ctypes.c_double, ctypes.c_int]
+            fn.restype = ctypes.c_int
+        for name in ("put_rows", "take_rows"):
+            fn = getattr(lib, name)
+            fn.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, i64]
             fn.restype = ctypes.c_int
         _lib = lib
         return lib
@@ -143,7 +148,7 @@ def available(q: torch.Tensor) -> bool:
     return _load() is not None
 
 
-def union_attention(q: torch.Tensor, scale: float, ring=None, table=None
+def union_attention(q: torch.Tensor, scale: float, ring=None, table=None, sink=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D] (float32 or float64) over one or both key groups, one softmax:
         ring  = (codes [S, R, D + D / 32] uint8, slots [T] long, ok [T, R] bool): row t sees
@@ -151,8 +156,11 @@ def union_attention(q: torch.Tensor, scale: float, ring=None, table=None
                 strided slot dimension is fine);
         table = (rows [N, D] float32, idx [T, K] long, ok [T, K] bool): row t sees
                 rows[idx[t, k]] where ok (a decode row's compressed entries, read in place;
-                the block store keeps them in fp32 whatever the engine's dtype).
-    -> (out [T, H, D], lse [T, H]); a row that sees nothing gets out 0 and lse -inf.
+                the block store keeps them in fp32 whatever the engine's dtype);
+        sink  = [H]: one more softmax column per head whose value is 0 (the model's attention
+                sink), so out is the whole attention output and no join is left to do.
+    -> (out [T, H, D], lse [T, H]); a row that sees nothing gets out 0 and lse -inf (with a
+    sink: out 0 and lse the sink).
     Call only when available(q); indices must be in range (the caller's)."""
     lib = _load()
     assert lib is not None
@@ -187,11 +195,18 @@ def union_attention(q: torch.Tensor, scale: float, ring=None, table=None
         keep += [rows, idx, ok]
         table_args = [rows.data_ptr(), idx.data_ptr(), ok.data_ptr(), idx.shape[1],
                       rows.stride(0)]
+    sink_ptr = None
+    if sink is not None:
+        if sink.numel() != h:
+            raise ValueError(f"sink must have one logit per head ({h}), got {tuple(sink.shape)}")
+        sink = sink.to(q.dtype).contiguous()
+        keep.append(sink)
+        sink_ptr = sink.data_ptr()
     out = torch.empty_like(q)
     lse = torch.empty(t, h, dtype=q.dtype)
     fn = lib.union_attention_f32 if q.dtype == torch.float32 else lib.union_attention_f64
-    fn(q.data_ptr(), *ring_args, *table_args, out.data_ptr(), lse.data_ptr(), t, h, d, scale,
-       torch.get_num_threads())
+    fn(q.data_ptr(), *ring_args, *table_args, sink_ptr, out.data_ptr(), lse.data_ptr(), t, h, d,
+       scale, torch.get_num_threads())
     del keep
     return out, lse
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_ring, dispatch
+from kernels import cpu_ring, cpu_rows, dispatch
 from kernels.mxfp8 import e4m3_values
 
 
@@ -209,9 +209,14 @@ def _c_kernel(q, mine, rest, sink, scale: float):
         raise ValueError("the CPU kernel takes one ring and one table group")
     if ring is not None and max(ring.rows.host, default=-1) >= ring.codes.shape[0]:
         raise IndexError(f"a row's slot is outside the ring's {ring.codes.shape[0]} slots")
+    # alone, the kernel takes the sink too: the join below (a concat, a softmax over two
+    # columns and a rescale of the whole output) cost ~0.1 ms a layer at 32 rows, 1 thread
     o, lse = cpu_ring.union_attention(
         q, scale, ring=None if ring is None else (ring.codes, ring.rows.slots, ring.ok),
-        table=None if table is None else (table.rows, table.idx, table.ok))
+        table=None if table is None else (table.rows, table.idx, table.ok),
+        sink=None if rest else sink)
+    if not rest:
+        return o
     return _join(q, [g.gathered(q.dtype) if isinstance(g, TableKeys) else g for g in rest], sink,
                  scale, o, lse.unsqueeze(-1))
 
@@ -347,9 +352,13 @@ def dequantize_rows(q, dtype=torch.float32):
 
 
 def take_rows(table, idx):
-    """table [N, ...], idx long [...] -> table[idx] [*idx.shape, ...] through index_select,
-    which on CPU gathers rows of a few KB about twice as fast as advanced indexing (32 x 16
-    entry rows of 512 fp32: 331 -> 131 us, 1 thread)."""
+    """table [N, ...], idx long [...] -> table[idx] [*idx.shape, ...]: a memcpy a row on the
+    CPU where the compiled library is built (kernels/cpu_rows.py), else index_select, which
+    gathers rows of a few KB about twice as fast as advanced indexing (32 x 16 entry rows of
+    512 fp32: 331 -> 131 us, 1 thread)."""
+    out = cpu_rows.take(table, idx, None, tuple(idx.shape))
+    if out is not None:
+        return out
     return table.index_select(0, idx.reshape(-1)).view(*idx.shape, *table.shape[1:])
 
 
@@ -382,11 +391,14 @@ def _wide(t):
 
 
 def put_at(ring, at: RingAt, rows) -> None:
-    """ring[at] = rows (distinct places). A contiguous ring takes one index_copy_ of whole
-    rows on its flat [S * R, ...] view (32 fp32 rows of 512: 9.3 -> 6.7 us against an
-    index_put with two index tensors); a strided one (the state pool's rings are views into
-    per-slot slabs) an index_put on (slots, rows), already reduced mod R."""
+    """ring[at] = rows (distinct places). On the CPU with the compiled library a memcpy a row
+    (kernels/cpu_rows.py); else a contiguous ring takes one index_copy_ of whole rows on its
+    flat [S * R, ...] view (32 fp32 rows of 512: 9.3 -> 6.7 us against an index_put with two
+    index tensors) and a strided one (the state pool's rings are views into per-slot slabs)
+    an index_put on (slots, rows), already reduced mod R."""
     rows = rows.to(ring.dtype).contiguous()
+    if cpu_rows.put(ring, at.slots, at.rows, rows):
+        return
     dst, src = _wide(ring), _wide(rows)
     if dst.dtype != src.dtype:
         dst, src = ring, rows
@@ -397,8 +409,12 @@ def put_at(ring, at: RingAt, rows) -> None:
 
 
 def take_at(ring, at: RingAt):
-    """ring[at] -> [n, ...]: one index_select of whole rows on a contiguous ring (several
-    times faster on CPU than advanced indexing), advanced indexing on a strided one."""
+    """ring[at] -> [n, ...]: a memcpy a row on the CPU with the compiled library, else one
+    index_select of whole rows on a contiguous ring (several times faster on CPU than
+    advanced indexing), advanced indexing on a strided one."""
+    out = cpu_rows.take(ring, at.slots, at.rows)
+    if out is not None:
+        return out
     if ring.is_contiguous():
         return ring.view(-1, *ring.shape[2:]).index_select(0, at.flat)
     return ring[at.slots, at.rows]

@@ -8,6 +8,7 @@ import torch
 from kernels import cpu_ring
 from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
+from services.engine.model import reference
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
 from tests.engine.test_equivalence import EXACT, max_logit_error
 
@@ -28,8 +29,8 @@ def _run(dtype, n=4, tokens=12):
 def test_decodes_take_the_kernel_and_match_the_reference(monkeypatch):
     calls = []
     real = cpu_ring.union_attention
-    monkeypatch.setattr(cpu_ring, "union_attention", lambda q, scale, ring=None, table=None: calls.append(
-        (q.shape[0], ring is not None, table is not None)) or real(q, scale, ring, table))
+    monkeypatch.setattr(cpu_ring, "union_attention", lambda q, scale, ring=None, table=None, sink=None: calls.append(
+        (q.shape[0], ring is not None, table is not None)) or real(q, scale, ring, table, sink))
     engine, cfg, seqs = _run("float64")
     # batched decode steps of all four went through it: ring alone (SWA layers) and ring plus
     # the compressed entries read in place (CSA, HCA layers)
@@ -38,14 +39,26 @@ def test_decodes_take_the_kernel_and_match_the_reference(monkeypatch):
         assert max_logit_error(engine, cfg, seq) <= EXACT
 
 
+def _error_vs_float64(engine, cfg, seq) -> float:
+    """The fp32 engine's logits against the full-sequence reference run in float64 on the
+    same (upcast, so identical) weights and the same tokens."""
+    w64 = {k: v.double() for k, v in engine.weights.items()}
+    tokens = seq.prompt + seq.output
+    want = reference.forward(w64, cfg, tokens[:-1]).logits[len(seq.prompt) - 1:]
+    return float((torch.stack(engine.logits[seq.request_id]).double() - want).abs().max())
+
+
 def test_fp32_tokens_equal_the_torch_path(monkeypatch):
     """Greedy fp32: the kernel and torch's flash kernel over the fp32 mirror differ only in
-    summation order; over these prompts the tokens are the same and the logits within 1e-4."""
-    with_c, _, a = _run("float32")
+    summation order. Over these prompts the tokens are the same, and the kernel's logits are
+    as close to a float64 reference as the torch path's. (Neither is close to the other in
+    absolute terms: an fp32 difference that moves a kv value across an E4M3 rounding
+    boundary changes its code by 1/16 of its size, so both paths end 1e-5 to 2e-2 from
+    float64 and 1e-4 to 1e-3 from each other, alike.)"""
+    with_c, cfg, a = _run("float32")
     monkeypatch.setenv("KVMESH_KERNELS", "torch")
     plain, _, b = _run("float32")
     for x, y in zip(a, b, strict=True):
         assert x.output == y.output
-        la = torch.stack(with_c.logits[x.request_id])
-        lb = torch.stack(plain.logits[y.request_id])
-        assert float((la - lb).abs().max()) <= 1e-4
+        err_c, err_torch = _error_vs_float64(with_c, cfg, x), _error_vs_float64(plain, cfg, y)
+        assert err_c <= 1.1 * err_torch + 1e-5, (err_c, err_torch)

@@ -250,3 +250,49 @@ def test_cache_dir_falls_back_to_temp_when_home_is_read_only(monkeypatch, tmp_pa
     assert cpu_ring.cache_dir() == tmp_path / "tmp" / f"kvmesh-{os.getuid()}"
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "mine"))
     assert cpu_ring.cache_dir() == tmp_path / "mine"
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sink_is_one_more_softmax_column(dtype):
+    """With the sink the kernel's output is the whole attention (a per-head logit of value 0
+    in the same softmax) and lse counts it; a row that sees nothing gets 0 and lse = sink."""
+    codes, values = _ring(11)
+    g = torch.Generator().manual_seed(11)
+    row_slots = [4, 0, 9, 2]
+    q = torch.randn(len(row_slots), H, D, generator=g, dtype=dtype) * 3
+    ok = torch.rand(len(row_slots), R, generator=g) < 0.7
+    ok[2] = False
+    sink = torch.tensor([-1.0, 0.5, 40.0], dtype=dtype)
+    got, lse = cpu_ring.union_attention(q, 0.125, ring=(codes, torch.tensor(row_slots), ok), sink=sink)
+    s = torch.einsum("thd,trd->thr", q.double(), values[row_slots]) * 0.125
+    s = s.masked_fill(~ok.unsqueeze(1), float("-inf"))
+    s = torch.cat([s, sink.double().view(1, H, 1).expand(len(row_slots), H, 1)], -1)
+    want_lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - want_lse.unsqueeze(-1))[..., :-1]
+    want = torch.einsum("thr,trd->thd", p, values[row_slots])
+    bound = 1e-12 if dtype == torch.float64 else F32_BOUND
+    assert (got.double() - want).abs().max() <= bound * want.abs().max()
+    assert ((lse.double() - want_lse).abs() / want_lse.abs().clamp(min=1)).max() <= bound
+    assert torch.equal(got[2], torch.zeros(H, D, dtype=dtype))
+    assert torch.equal(lse[2], sink)
+    plain, _ = cpu_ring.union_attention(q, 0.125, ring=(codes, torch.tensor(row_slots), ok))
+    assert not torch.allclose(plain, got)                  # the sink took weight: a real case
+
+
+@needs_cc
+@pytest.mark.parametrize("d", [32, 96])
+def test_head_sizes_past_whole_column_tiles(d):
+    """The sums go four 16-column vectors at a time; a head size that leaves two over
+    (d = 32, 96) takes the remainder loop and still matches the reference."""
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(S, R, d, generator=g, dtype=torch.float64)
+    codes = mxfp8.quantize_torch(x.float())
+    values = mxfp8.dequantize_torch(codes, torch.float64)
+    row_slots = [1, 5, 5, 8]
+    q = torch.randn(len(row_slots), H, d, generator=g, dtype=torch.float32)
+    ok = torch.rand(len(row_slots), R, generator=g) < 0.8
+    got, lse = cpu_ring.ring_attention(q, codes, torch.tensor(row_slots), ok, 0.2)
+    want, want_lse = _reference(q, values, row_slots, ok, 0.2)
+    assert (got.double() - want).abs().max() <= F32_BOUND * want.abs().max()
+    assert ((lse.double() - want_lse).abs() / want_lse.abs().clamp(min=1)).max() <= F32_BOUND
