@@ -121,3 +121,26 @@ def test_cli_generate_local_streams_and_rejects_bad_input():
                             "--truncation", "compact", "--keep-tokens", "100", "--random-weights"],
                            capture_output=True, text=True, timeout=120)
     assert trunc.returncode == 2 and "smaller than W + B = 134" in trunc.stderr
+
+
+def test_draw_batch_equals_one_draw_per_row():
+    """A step's draws at once (greedy rows in one argmax over their stacked logits, sampled
+    rows each with their own generator): the ids one draw() per row gives, ties included."""
+    from services.engine.core.sampling import draw, draw_batch, read_ids
+
+    GREEDY = SamplingParams(temperature=0)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 50, generator=g)
+    logits[2, [4, 9]] = 10.0                                   # a tie: the first index wins
+    plist = [GREEDY, SamplingParams(temperature=0.8, seed=5), GREEDY, GREEDY,
+             SamplingParams(temperature=1.2, top_k=5), GREEDY, SamplingParams(temperature=0.5, top_p=0.9)]
+    rows = [(logits[i], p, 3 + i, 100 + i) for i, p in enumerate(plist)]
+    parts, where = draw_batch(rows)
+    assert len(parts) == 1 + 3                                 # the four greedy rows: one part
+    read = read_ids(parts)
+    want = [int(draw(*row)) for row in rows]
+    assert [read[p][j] for p, j in where] == want
+    assert want[2] == 4
+    # one greedy row alone is drawn as ever
+    parts, where = draw_batch(rows[:2])
+    assert len(parts) == 2 and [read_ids(parts)[p][j] for p, j in where] == want[:2]

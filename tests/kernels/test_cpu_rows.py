@@ -11,6 +11,14 @@ pytestmark = pytest.mark.skipif(cpu_ring._compiler() is None,
                                 reason="no C compiler: ragged.put_at / take_at use torch ops")
 
 
+@pytest.fixture(autouse=True)
+def small_copies_too(monkeypatch):
+    """These rings are small: every copy takes the C path unless a test says otherwise (put
+    returning True / take returning a tensor is that path having run)."""
+    monkeypatch.setattr(cpu_rows, "MIN_ROWS", 0)
+    monkeypatch.setattr(cpu_rows, "MIN_BYTES", 0)
+
+
 def _slab_ring(dtype):
     """A [S, R, 2, 8] ring that is a view into per-slot slabs (slot stride > R * row)."""
     slab = torch.arange(6 * 40 * 16).to(dtype).view(6, 40, 16)
@@ -85,3 +93,17 @@ def test_steps_aside_where_torch_must_do_it(monkeypatch):
     at = ragged.RingAt.of(torch.tensor([2]), torch.tensor([7]), 5)
     ragged.put_at(ring, at, torch.full((1, 8), 3.0))     # the torch op, same result
     assert torch.equal(ring[2, 2], torch.full((8,), 3.0))
+
+
+def test_small_copies_stay_with_torch(monkeypatch):
+    """Under MIN_ROWS rows or MIN_BYTES bytes the torch op is the cheaper call: steps aside."""
+    monkeypatch.setattr(cpu_rows, "MIN_ROWS", 8)
+    monkeypatch.setattr(cpu_rows, "MIN_BYTES", 8192)
+    ring = torch.zeros(64, 10, 512)
+    few, many = torch.arange(4), torch.arange(32)
+    assert not cpu_rows.put(ring, few, few % 10, torch.ones(4, 512))
+    assert cpu_rows.put(ring, many, many % 10, torch.ones(32, 512))          # 64 KB
+    pos = torch.zeros(64, 10, dtype=torch.long)
+    assert not cpu_rows.put(pos, many, many % 10, many)                       # 256 B
+    assert cpu_rows.take(ring, few, few % 10) is None
+    assert torch.equal(cpu_rows.take(ring, many, many % 10), torch.ones(32, 512))

@@ -42,7 +42,7 @@ from services.engine.core.handoff import (
 )
 from services.engine.core.mtp_draft import MtpDrafter
 from services.engine.core.output import OutputState
-from services.engine.core.sampling import SamplingParams, draw, read_ids, sample
+from services.engine.core.sampling import SamplingParams, draw_batch, read_ids, sample
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Finish, Sequence
 from services.engine.core.speculative import Speculator, engine_setting
@@ -194,12 +194,13 @@ class EngineCore:
             self.prefix.expire()
         # the step's one device sync: every sampled id and every verification verdict
         # (speculative.judge, drawn on the device) in one host read (sampling.read_ids)
-        read = read_ids([draw(logits, seq.params, len(seq.output), seq.seed)
-                         for seq, logits in sampled] +
-                        [self.spec.judge(seq, res.logits[i], d) for seq, _, i, d in verifying])
-        for (seq, logits), ids in zip(sampled, read, strict=False):
-            events.append(self._emit(seq, logits, token=ids[0]))
-        for (seq, work, i, d), verdict in zip(verifying, read[len(sampled):], strict=True):
+        parts, where = draw_batch([(logits, seq.params, len(seq.output), seq.seed)
+                                   for seq, logits in sampled])
+        read = read_ids(parts + [self.spec.judge(seq, res.logits[i], d)
+                                 for seq, _, i, d in verifying])
+        for (seq, logits), (part, at) in zip(sampled, where, strict=True):
+            events.append(self._emit(seq, logits, token=read[part][at]))
+        for (seq, work, i, d), verdict in zip(verifying, read[len(parts):], strict=True):
             events.append(self._verify(seq, work, res, i, d, verdict))
         # the step's time, its one device sync included, sizes the prefill work of later
         # steps beside decodes (scheduler.costs: StepCosts, --itl-ratio)

@@ -118,6 +118,26 @@ def draw(logits: torch.Tensor, params: SamplingParams, step: int,
     return draw_one(probs, gen)[0]
 
 
+def draw_batch(rows: list[tuple[torch.Tensor, SamplingParams, int, int]]
+               ) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """draw() of every (logits [V], params, step, request seed) row, for one read_ids:
+    (parts, where) with row i's id at parts[where[i][0]][where[i][1]]. The greedy rows take
+    one argmax over their stacked logits (the same index: argmax keeps the first maximum
+    either way) instead of one op per row: 32 rows, 1 thread: ~130 -> ~15 us."""
+    greedy = [i for i, row in enumerate(rows) if row[1].greedy]
+    parts, where = [], [(0, 0)] * len(rows)
+    if len(greedy) > 1:
+        parts.append(torch.stack([rows[i][0] for i in greedy]).argmax(-1))
+        for j, i in enumerate(greedy):
+            where[i] = (0, j)
+    stacked = set(greedy) if len(greedy) > 1 else set()
+    for i, row in enumerate(rows):
+        if i not in stacked:
+            where[i] = (len(parts), 0)
+            parts.append(draw(*row))
+    return parts, where
+
+
 def read_ids(parts: list[torch.Tensor]) -> list[list[int]]:
     """Long tensors on the device (0-d or 1-D) -> their values, in ONE host read. This is
     the engine's one device sync per step (EngineCore.step): the sampled ids and the
