@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_ring, cpu_rows, dispatch
+from kernels import cpu_ring, dispatch
 from kernels.mxfp8 import e4m3_values
 
 
@@ -352,13 +352,9 @@ def dequantize_rows(q, dtype=torch.float32):
 
 
 def take_rows(table, idx):
-    """table [N, ...], idx long [...] -> table[idx] [*idx.shape, ...]: a memcpy a row on the
-    CPU where the compiled library is built (kernels/cpu_rows.py), else index_select, which
-    gathers rows of a few KB about twice as fast as advanced indexing (32 x 16 entry rows of
-    512 fp32: 331 -> 131 us, 1 thread)."""
-    out = cpu_rows.take(table, idx, None, tuple(idx.shape))
-    if out is not None:
-        return out
+    """table [N, ...], idx long [...] -> table[idx] [*idx.shape, ...] through index_select,
+    which on CPU gathers rows of a few KB about twice as fast as advanced indexing (32 x 16
+    entry rows of 512 fp32: 331 -> 131 us, 1 thread)."""
     return table.index_select(0, idx.reshape(-1)).view(*idx.shape, *table.shape[1:])
 
 
@@ -391,14 +387,11 @@ def _wide(t):
 
 
 def put_at(ring, at: RingAt, rows) -> None:
-    """ring[at] = rows (distinct places). On the CPU with the compiled library a memcpy a row
-    (kernels/cpu_rows.py); else a contiguous ring takes one index_copy_ of whole rows on its
-    flat [S * R, ...] view (32 fp32 rows of 512: 9.3 -> 6.7 us against an index_put with two
-    index tensors) and a strided one (the state pool's rings are views into per-slot slabs)
-    an index_put on (slots, rows), already reduced mod R."""
+    """ring[at] = rows (distinct places). A contiguous ring takes one index_copy_ of whole
+    rows on its flat [S * R, ...] view (32 fp32 rows of 512: 9.3 -> 6.7 us against an
+    index_put with two index tensors); a strided one (the state pool's rings are views into
+    per-slot slabs) an index_put on (slots, rows), already reduced mod R."""
     rows = rows.to(ring.dtype).contiguous()
-    if cpu_rows.put(ring, at.slots, at.rows, rows):
-        return
     dst, src = _wide(ring), _wide(rows)
     if dst.dtype != src.dtype:
         dst, src = ring, rows
@@ -409,12 +402,8 @@ def put_at(ring, at: RingAt, rows) -> None:
 
 
 def take_at(ring, at: RingAt):
-    """ring[at] -> [n, ...]: a memcpy a row on the CPU with the compiled library, else one
-    index_select of whole rows on a contiguous ring (several times faster on CPU than
-    advanced indexing), advanced indexing on a strided one."""
-    out = cpu_rows.take(ring, at.slots, at.rows)
-    if out is not None:
-        return out
+    """ring[at] -> [n, ...]: one index_select of whole rows on a contiguous ring (several
+    times faster on CPU than advanced indexing), advanced indexing on a strided one."""
     if ring.is_contiguous():
         return ring.view(-1, *ring.shape[2:]).index_select(0, at.flat)
     return ring[at.slots, at.rows]
