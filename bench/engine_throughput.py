@@ -362,6 +362,8 @@ def main(argv=None) -> int:
         # the old checkout's bench/_common.py put it under its own bench/out
         args.compare = str(Path(args.before) / "bench" / "out" / "engine_throughput_before.json")
     if args.itl_only:
+        if args.before:
+            print("== after: this checkout", flush=True)
         itl(args.prompt, args.long, args.itl_steps, args.itl_rounds)
         if args.before:
             if proc.wait():
