@@ -134,32 +134,23 @@ INLINE void scores(const vf_unaligned *q0, const vf_unaligned *q1, int hp, int64
 {
     int k = 0;
     for (; k + 4 <= nb; k += 4) {
-        const vf_unaligned *v0 = (const vf_unaligned *)rows[k], *v1 = (const vf_unaligned *)rows[k + 1],
-                           *v2 = (const vf_unaligned *)rows[k + 2], *v3 = (const vf_unaligned *)rows[k + 3];
-        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        const vf_unaligned *v[4];
+        vf a[4] = {{0}}, b[4] = {{0}};
+        for (int j = 0; j < 4; j++)
+            v[j] = (const vf_unaligned *)rows[k + j];
         for (int64_t c = 0; c < nv; c++) {
-            vf x = q0[c];
-            a0 += x * v0[c];
-            a1 += x * v1[c];
-            a2 += x * v2[c];
-            a3 += x * v3[c];
-            if (hp == 2) {
-                vf y = q1[c];
-                b0 += y * v0[c];
-                b1 += y * v1[c];
-                b2 += y * v2[c];
-                b3 += y * v3[c];
+            vf x = q0[c], y = hp == 2 ? q1[c] : x;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                a[j] += x * v[j][c];
+                if (hp == 2)
+                    b[j] += y * v[j][c];
             }
         }
-        p0[k] = hsum(a0) * scale;
-        p0[k + 1] = hsum(a1) * scale;
-        p0[k + 2] = hsum(a2) * scale;
-        p0[k + 3] = hsum(a3) * scale;
-        if (hp == 2) {
-            p1[k] = hsum(b0) * scale;
-            p1[k + 1] = hsum(b1) * scale;
-            p1[k + 2] = hsum(b2) * scale;
-            p1[k + 3] = hsum(b3) * scale;
+        for (int j = 0; j < 4; j++) {
+            p0[k + j] = hsum(a[j]) * scale;
+            if (hp == 2)
+                p1[k + j] = hsum(b[j]) * scale;
         }
     }
     for (; k < nb; k++) {                            /* the block's last keys, one by one */
@@ -204,37 +195,25 @@ INLINE void accumulate(Head32 *s0, Head32 *s1, int hp, int64_t nv, const float *
                        int nb, const float *p0, const float *p1)
 {
     for (int64_t c = 0; c + 4 <= nv; c += 4) {
-        vf o0 = s0->acc[c], o1 = s0->acc[c + 1], o2 = s0->acc[c + 2], o3 = s0->acc[c + 3];
-        vf u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0};
-        if (hp == 2) {
-            u0 = s1->acc[c];
-            u1 = s1->acc[c + 1];
-            u2 = s1->acc[c + 2];
-            u3 = s1->acc[c + 3];
+        vf o[4], u[4] = {{0}};
+        for (int j = 0; j < 4; j++) {
+            o[j] = s0->acc[c + j];
+            if (hp == 2)
+                u[j] = s1->acc[c + j];
         }
         for (int k = 0; k < nb; k++) {
-            const vf_unaligned *v = (const vf_unaligned *)rows[k];
-            vf x0 = v[c], x1 = v[c + 1], x2 = v[c + 2], x3 = v[c + 3];
-            o0 += p0[k] * x0;
-            o1 += p0[k] * x1;
-            o2 += p0[k] * x2;
-            o3 += p0[k] * x3;
-            if (hp == 2) {
-                u0 += p1[k] * x0;
-                u1 += p1[k] * x1;
-                u2 += p1[k] * x2;
-                u3 += p1[k] * x3;
+            const vf_unaligned *v = (const vf_unaligned *)rows[k] + c;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                o[j] += p0[k] * v[j];
+                if (hp == 2)
+                    u[j] += p1[k] * v[j];
             }
         }
-        s0->acc[c] = o0;
-        s0->acc[c + 1] = o1;
-        s0->acc[c + 2] = o2;
-        s0->acc[c + 3] = o3;
-        if (hp == 2) {
-            s1->acc[c] = u0;
-            s1->acc[c + 1] = u1;
-            s1->acc[c + 2] = u2;
-            s1->acc[c + 3] = u3;
+        for (int j = 0; j < 4; j++) {
+            s0->acc[c + j] = o[j];
+            if (hp == 2)
+                s1->acc[c + j] = u[j];
         }
     }
     for (int64_t c = nv / 4 * 4; c < nv; c++)        /* d not a multiple of 64: the last columns */
