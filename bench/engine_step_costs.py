@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kernels.cpu_pool as cpu_pool  # noqa: E402
 import kernels.cpu_ring as cpu_ring  # noqa: E402
 import kernels.ragged as ragged  # noqa: E402
 import services.engine.model.compressor as compressor  # noqa: E402
@@ -108,7 +109,7 @@ def patches(piece: str) -> list[tuple[object, str, object]]:
                        torch.zeros(v.shape[0] // m, v.shape[1], dtype=v.dtype)),
                       (ops, "pool_index_keys", lambda w, layer, v, z, m:
                        torch.zeros(v.shape[0] // m, v.shape[1], dtype=v.dtype)),
-                      (compressor, "_scatter", nothing)],
+                      (cpu_pool, "pool_into", lambda *a, **k: True)],
         "feed-ring": [(compressor, "put_at", nothing), (compressor, "take_at", _no_take)],
         "writes": [(runner, "put_at", nothing), (window_mirror, "put_at", nothing)],
         "mirror": [(window_mirror, "put_at", nothing)],

@@ -1,6 +1,7 @@
 """Decode attention on the CPU over MXFP8 ring bytes and compressed entries read in place:
 kernels/cpu/union_attention.c, built on first use with the machine's C compiler and called
-through ctypes.
+through ctypes. Every C file in kernels/cpu/ goes into the one library (pool_groups.c: the
+compressor's group path, kernels/cpu_pool.py).
 
 Why a compiled kernel: a decode row reads its slot's whole window (R ring rows) every layer,
 so a batched decode step is bound by reading rings. torch has no CPU op that reads the
@@ -34,7 +35,7 @@ from kernels import dispatch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu") / "union_attention.c"
+SOURCES = sorted(Path(__file__).with_name("cpu").glob("*.c"))
 # No -ffast-math or -fassociative-math: the kernel's sums are split into lanes by hand, and
 # reassociating x * 2^120 * scale into x * (2^120 * scale) overflows. -march=native: the
 # library is cached per CPU (the cache key has the CPU's flags).
@@ -82,9 +83,10 @@ def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     errors = []
     for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version,
+        sources = [f"{p.name}\0{p.read_text()}" for p in SOURCES]
+        key = hashlib.sha256("\0".join([*sources, " ".join(flags), version,
                                         _cpu_flags()]).encode()).hexdigest()[:16]
-        out = cache_dir() / "kernels" / f"union_attention-{key}.so"
+        out = cache_dir() / "kernels" / f"kvmesh-cpu-{key}.so"
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +95,7 @@ def _build(cc: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
+            done = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode == 0:
                 os.replace(tmp, out)
@@ -125,6 +127,11 @@ def _load() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i64, i64, p, p, p, i64, i64, i64,
                            ctypes.c_double, ctypes.c_int]
+            fn.restype = ctypes.c_int
+        for name in ("pool_groups_f32", "pool_groups_f64"):
+            fn = getattr(lib, name)
+            fn.argtypes = [p, p, i64, p, p, p, i64, i64, i64, i64, p, i64, i64, i64, p, p,
+                           ctypes.c_double, p, p, i64, p, p]
             fn.restype = ctypes.c_int
         _lib = lib
         return lib

@@ -54,9 +54,16 @@ def test_group_aligned_chunks_feed_the_compressor_without_a_gather(monkeypatch):
 
     engine = make_engine(CFG, num_slots=4, max_batched_tokens=256, long_prefill_chunk=32)
     kinds = []
-    stream = compressor._stream
+    stream, pool = compressor._stream, compressor.cpu_pool.pool_into
     monkeypatch.setattr(compressor, "_stream",
                         lambda plan, *a: kinds.append(plan.pick is None) or stream(plan, *a))
+
+    def pool_into(table, rows, v, z, ring, tail_at, pick, *rest):    # the C group path
+        done = pool(table, rows, v, z, ring, tail_at, pick, *rest)
+        if done:
+            kinds.append(pick is None)
+        return done
+    monkeypatch.setattr(compressor.cpu_pool, "pool_into", pool_into)
     seqs = [engine.add_request(random_prompt(n, n), SamplingParams(temperature=0, max_tokens=6))
             for n in (96, 77)]
     run_to_completion(engine)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_pool
 from kernels.ragged import RingAt, put_at, take_at
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
@@ -60,13 +61,20 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
     dtype = streams[0][1].dtype
     for ring, v, z, is_index in streams:
         if plan.groups:
-            sv, sz = _stream(plan, ring, v, z)
-            if is_index:
-                out = ops.pool_index_keys(w, layer, sv, sz, m)
-            else:
-                angles = step.once(("feed-rope", m, r), lambda: ops.rope_angles(plan.gid * m, cfg, dtype))
-                out = ops.pool_entries_at(w, layer, sv, sz, plan.gid, m, cfg, angles)
-            _scatter(blocks, step, plan, (m, r), layer, out, is_index)
+            angles = None if is_index else step.once(
+                ("feed-rope", m, r), lambda: ops.rope_angles(plan.gid * m, cfg, dtype))
+            dst, at = _destination(blocks, step, plan, (m, r), layer, is_index)
+            p = f"layers.{layer}."
+            # on the CPU one C call reads the group rows where they are, pools, norms, ropes
+            # and writes the entries (kernels/cpu_pool.py); else the torch path below
+            if not cpu_pool.pool_into(
+                    dst.view(-1, dst.shape[-1]), at.flat, v, z, ring, plan.tail_at, plan.pick,
+                    m, w[p + ("idx_bias" if is_index else "cmp_bias")],
+                    None if is_index else w[p + "cmp_norm"], cfg.norm_eps, angles):
+                sv, sz = _stream(plan, ring, v, z)
+                out = ops.pool_index_keys(w, layer, sv, sz, m) if is_index else \
+                    ops.pool_entries_at(w, layer, sv, sz, plan.gid, m, cfg, angles)
+                put_at(dst, at, out)
         # only the kept rows are paired up for the ring (the last R of each work: a few per
         # work against a long chunk's every row)
         kv, kz = (v, z) if plan.put is None else (v[plan.put], z[plan.put])
@@ -163,14 +171,13 @@ def _plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | N
                     torch.div(spos[::m], m, rounding_mode="floor"))
 
 
-def _scatter(blocks: BlockStore, step: StepBatch, plan: FeedPlan, key: tuple, layer: int, rows,
-             keys: bool) -> None:
-    """Write entry rows of many works at once: entry j of work i lives in block
+def _destination(blocks: BlockStore, step: StepBatch, plan: FeedPlan, key: tuple, layer: int,
+                 keys: bool) -> tuple[torch.Tensor, RingAt]:
+    """Where the completed groups' entry rows go: entry j of work i lives in block
     tables[i, j // per] at row j % per (block_store.py), as if each block were a ring of
-    `per` rows: where, once per step for every layer with this plan (key: its m and tail
-    ring length) and per."""
+    `per` rows; -> (the layer's block rows [blocks, per, D], the places), the places once per
+    step for every layer with this plan (key: its m and tail ring length) and per."""
     dst = (blocks.index_keys if keys else blocks.entries)[layer]
     per = dst.shape[1]
-    at = step.once(("scatter", *key, per), lambda: RingAt.of(
+    return dst, step.once(("scatter", *key, per), lambda: RingAt.of(
         step.tables[plan.gwid, torch.div(plan.gid, per, rounding_mode="floor")], plan.gid, per))
-    put_at(dst, at, rows)
