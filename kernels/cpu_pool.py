@@ -9,8 +9,8 @@ cost is per call (~0.28 ms per layer and stream at batch 32 in torch), which mak
 the few pieces of a decode step that grows with the batch for no arithmetic.
 
 `pool_into` returns False when it cannot run (no library, KVMESH_KERNELS set, not a CPU
-float32/float64 tensor, a tail ring that is not fp32 rows): the caller then runs the torch
-path (compressor.py), which computes the same entries up to the rounding of exp and of the
+float32/float64 tensor, a tail ring that is not fp32 rows, rows wider than MAX_D or groups
+longer than MAX_M): the caller then runs the torch path (compressor.py), which computes the same entries up to the rounding of exp and of the
 norm's sum (float64: ~1e-16; tested).
 """
 
@@ -22,6 +22,8 @@ import torch
 
 from kernels import cpu_ring, dispatch
 from kernels.ragged import RingAt
+
+MAX_D, MAX_M = 1024, 256      # the C file's MAX_POOL_D and MAX_M (its per-call buffers)
 
 
 def available(v: torch.Tensor) -> bool:
@@ -48,7 +50,8 @@ def pool_into(table: torch.Tensor, rows: torch.Tensor, v: torch.Tensor, z: torch
     the fed rows in order); bias [m, D]; norm_w [D] and angles (cos, sin [G, rope_dim / 2])
     for entries, None for indexer keys. False: not done (use the torch path)."""
     if not available(v) or ring.dtype != torch.float32 or ring.stride(-1) != 1 or \
-            table.dtype != torch.float32 or not table.is_contiguous():
+            table.dtype != torch.float32 or not table.is_contiguous() or \
+            v.shape[-1] > MAX_D or m > MAX_M:
         return False
     dt = v.dtype
     v, z = v.contiguous(), z.contiguous().to(dt)

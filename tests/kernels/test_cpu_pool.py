@@ -89,5 +89,17 @@ def test_steps_aside_where_torch_must_do_it(monkeypatch):
     assert not cpu_pool.pool_into(torch.zeros(4, D), *args, ring.double(), *rest)   # not fp32 rows
     assert not cpu_pool.pool_into(torch.zeros(4, D), torch.tensor([0, 1, 2]), v.half(), z.half(),
                                   ring, *rest)
+    assert not cpu_pool.pool_into(torch.zeros(4, D), *args, ring, tail_at, pick, cpu_pool.MAX_M + 1,
+                                  torch.zeros(cpu_pool.MAX_M + 1, D))              # too long: torch
     monkeypatch.setenv("KVMESH_KERNELS", "torch")
     assert not cpu_pool.pool_into(torch.zeros(4, D), *args, ring, *rest)
+
+
+def test_the_limits_are_the_c_files():
+    """pool_into refuses what the C buffers cannot hold before calling: the same numbers."""
+    import re
+    from pathlib import Path
+
+    src = (Path(cpu_pool.__file__).with_name("cpu") / "pool_groups.c").read_text()
+    limits = dict(re.findall(r"(MAX_POOL_D|MAX_M) = (\d+)", src))
+    assert (int(limits["MAX_POOL_D"]), int(limits["MAX_M"])) == (cpu_pool.MAX_D, cpu_pool.MAX_M)
