@@ -1,7 +1,7 @@
 """Decode attention on the CPU over MXFP8 ring bytes and compressed entries read in place:
 kernels/cpu/union_attention.c, built on first use with the machine's C compiler and called
 through ctypes. Every C file in kernels/cpu/ goes into the one library (pool_groups.c: the
-compressor's group path, kernels/cpu_pool.py).
+compressor's group path, kernels/cpu_pool.py; mxfp8.c: MXFP8 quantization, kernels/mxfp8.py).
 
 Why a compiled kernel: a decode row reads its slot's whole window (R ring rows) every layer,
 so a batched decode step is bound by reading rings. torch has no CPU op that reads the
@@ -128,6 +128,8 @@ def _load() -> ctypes.CDLL | None:
             fn.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i64, i64, p, p, p, i64, i64, i64,
                            ctypes.c_double, ctypes.c_int]
             fn.restype = ctypes.c_int
+        lib.mxfp8_quantize.argtypes = [p, i64, i64, p, p]
+        lib.mxfp8_quantize.restype = ctypes.c_int
         for name in ("pool_groups_f32", "pool_groups_f64"):
             fn = getattr(lib, name)
             fn.argtypes = [p, p, i64, p, p, p, i64, i64, i64, i64, p, i64, i64, i64, p, p,
