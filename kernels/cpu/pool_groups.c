@@ -47,6 +47,11 @@ int NAME(const T *v, const T *z, int64_t n_fed, const float *ring, const int64_t
         }                                                                                      \
     }                                                                                          \
     T pooled[MAX_POOL_D], top[MAX_POOL_D], den[MAX_POOL_D];                                    \
+    T *weight = malloc(sizeof(T) * (size_t)(m * d));                                           \
+    if (!weight) {                                                                             \
+        free(tail);                                                                            \
+        return -2;                                                                             \
+    }                                                                                          \
     const T *rv[MAX_M], *rz[MAX_M];                                                            \
     for (int64_t g = 0; g < groups; g++) {                                                     \
         for (int64_t r = 0; r < m; r++) {                                                      \
@@ -65,12 +70,14 @@ int NAME(const T *v, const T *z, int64_t n_fed, const float *ring, const int64_t
                 T x = rz[r][c] + bias[r * d + c];                                              \
                 top[c] = x > top[c] ? x : top[c];                                              \
             }                                                                                  \
+        for (int64_t r = 0; r < m; r++)        /* each weight once (exp is the cost here) */  \
+            for (int64_t c = 0; c < d; c++) {                                                  \
+                weight[r * d + c] = EXP(rz[r][c] + bias[r * d + c] - top[c]);                  \
+                den[c] += weight[r * d + c];                                                   \
+            }                                                                                  \
         for (int64_t r = 0; r < m; r++)                                                        \
             for (int64_t c = 0; c < d; c++)                                                    \
-                den[c] += EXP(rz[r][c] + bias[r * d + c] - top[c]);                            \
-        for (int64_t r = 0; r < m; r++)                                                        \
-            for (int64_t c = 0; c < d; c++)                                                    \
-                pooled[c] += EXP(rz[r][c] + bias[r * d + c] - top[c]) / den[c] * rv[r][c];     \
+                pooled[c] += weight[r * d + c] / den[c] * rv[r][c];                            \
         if (norm_w) {                                                                          \
             T sq = 0;                                                                          \
             for (int64_t c = 0; c < d; c++)                                                    \
@@ -93,6 +100,7 @@ int NAME(const T *v, const T *z, int64_t n_fed, const float *ring, const int64_t
             dst[c] = (float)pooled[c];                                                         \
     }                                                                                          \
     free(tail);                                                                                \
+    free(weight);                                                                              \
     return 0;                                                                                  \
 }
 

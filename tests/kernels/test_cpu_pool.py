@@ -91,6 +91,9 @@ def test_steps_aside_where_torch_must_do_it(monkeypatch):
                                   ring, *rest)
     assert not cpu_pool.pool_into(torch.zeros(4, D), *args, ring, tail_at, pick, cpu_pool.MAX_M + 1,
                                   torch.zeros(cpu_pool.MAX_M + 1, D))              # too long: torch
+    monkeypatch.setattr(cpu_pool, "MAX_GROUPS", 2)                 # a prefill chunk's many groups
+    assert not cpu_pool.pool_into(torch.zeros(4, D), *args, ring, *rest)
+    monkeypatch.setattr(cpu_pool, "MAX_GROUPS", 32)
     monkeypatch.setenv("KVMESH_KERNELS", "torch")
     assert not cpu_pool.pool_into(torch.zeros(4, D), *args, ring, *rest)
 
