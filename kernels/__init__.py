@@ -7,4 +7,8 @@ plug in behind the same signatures. The model code calls only these functions.
     attention.py   one softmax over window keys + compressed entries, with an attention sink
     indexer.py     lightning-indexer scores and top-k selection of compressed entries
     pooling.py     softmax-gated pooling of m tokens into one compressed entry
+
+On the CPU some of them have a compiled path as well (kernels/cpu/*.c, one library built on
+first use by cpu_ring.py, gated by cpu_ring.library): ring attention of decode rows
+(cpu_ring.py), the compressor's group path (cpu_pool.py), MXFP8 quantization (mxfp8.py).
 """

@@ -16,11 +16,9 @@ norm's sum (float64: ~1e-16; tested).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels import cpu_ring, dispatch
+from kernels import cpu_ring
 from kernels.ragged import RingAt
 
 MAX_D, MAX_M = 1024, 256      # the C file's MAX_POOL_D and MAX_M (its per-call buffers)
@@ -29,15 +27,7 @@ MAX_D, MAX_M = 1024, 256      # the C file's MAX_POOL_D and MAX_M (its per-call 
 # m = 4: 8 groups 134 -> 134 us alone, and the ~20 calls per stream it replaces), not on a
 # prefill chunk's 128 groups (1.7 ms either way) or an HCA group of 128 rows (371 vs 180 us,
 # 2 threads). Past these the torch path runs.
-MAX_GROUPS, MAX_ROWS = 32, 16
-
-
-def available(v: torch.Tensor) -> bool:
-    if v.device.type != "cpu" or v.dtype not in (torch.float32, torch.float64) or v.requires_grad:
-        return False
-    if os.environ.get("KVMESH_KERNELS") and dispatch.forced() is not None:
-        return False
-    return cpu_ring._load() is not None
+MAX_GROUPS, MAX_ROWS = 32, 16          # MAX_ROWS <= MAX_M (tested): the C buffers hold them
 
 
 def _ptr(t: torch.Tensor | None):
@@ -55,12 +45,13 @@ def pool_into(table: torch.Tensor, rows: torch.Tensor, v: torch.Tensor, z: torch
     writes it), tail_at where the stream's stored rows are; pick [G * m] the stream (None:
     the fed rows in order); bias [m, D]; norm_w [D] and angles (cos, sin [G, rope_dim / 2])
     for entries, None for indexer keys. False: not done (use the torch path)."""
-    if not available(v) or ring.dtype != torch.float32 or ring.stride(-1) != 1 or \
+    lib = cpu_ring.library(v)
+    if lib is None or ring.dtype != torch.float32 or ring.stride(-1) != 1 or \
             table.dtype != torch.float32 or not table.is_contiguous() or \
-            v.shape[-1] > MAX_D or m > min(MAX_M, MAX_ROWS) or rows.numel() > MAX_GROUPS:
+            v.shape[-1] > MAX_D or m > MAX_ROWS or rows.numel() > MAX_GROUPS:
         return False
     dt = v.dtype
-    v, z = v.contiguous(), z.contiguous().to(dt)
+    v, z = v.contiguous(), z.contiguous()
     bias = bias.to(dt).contiguous()
     norm_w = None if norm_w is None else norm_w.to(dt).contiguous()
     cos, sin = (None, None) if angles is None else (angles[0].to(dt).contiguous(),
@@ -76,7 +67,7 @@ def pool_into(table: torch.Tensor, rows: torch.Tensor, v: torch.Tensor, z: torch
                          f"{d}-wide groups of {m}")
     if pick is not None and pick.numel() != g * m:
         raise ValueError(f"pick has {pick.numel()} rows for {g} groups of {m}")
-    fn = cpu_ring._lib.pool_groups_f32 if dt == torch.float32 else cpu_ring._lib.pool_groups_f64
+    fn = lib.pool_groups_f32 if dt == torch.float32 else lib.pool_groups_f64
     keep = (v, z, bias, norm_w, cos, sin, rows, pick, slots, tail)      # alive past the call
     rc = fn(v.data_ptr(), z.data_ptr(), v.shape[0], ring.data_ptr(), _ptr(slots), _ptr(tail),
             0 if slots is None else slots.numel(), ring.stride(0), ring.stride(1), ring.stride(2),

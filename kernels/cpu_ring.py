@@ -139,17 +139,22 @@ def _load() -> ctypes.CDLL | None:
         return lib
 
 
+def library(t: torch.Tensor, dtypes=(torch.float32, torch.float64)) -> ctypes.CDLL | None:
+    """The compiled library for work on `t`, or None where the caller takes its torch path:
+    not a CPU tensor of one of `dtypes` (None: any), under autograd (no backward here),
+    KVMESH_KERNELS set (torch or triton forced take their own paths), or no library. The one
+    gate of every caller (ring attention here, kernels/cpu_pool.py, kernels/mxfp8.py)."""
+    if t.device.type != "cpu" or t.requires_grad or (dtypes is not None and t.dtype not in dtypes):
+        return None
+    if dispatch.forced() is not None:
+        return None
+    return _load()
+
+
 def available(q: torch.Tensor) -> bool:
-    """True when q's ring attention can run here: a CPU float32/float64 tensor [.., D] with a
-    D the kernel takes, the kernel built, and KVMESH_KERNELS unset (torch or triton forced
-    take their own paths)."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
-        return False
-    if not takes(q.shape[-1]):
-        return False
-    if dispatch.forced() is not None:     # KVMESH_KERNELS=torch|triton picks a path itself
-        return False
-    return _load() is not None
+    """True when q's ring attention can run here: `library(q)` and a head size D (q's last
+    dimension) the kernel takes."""
+    return takes(q.shape[-1]) and library(q) is not None
 
 
 def union_attention(q: torch.Tensor, scale: float, ring=None, table=None, sink=None

@@ -106,3 +106,4 @@ def test_the_limits_are_the_c_files():
     src = (Path(cpu_pool.__file__).with_name("cpu") / "pool_groups.c").read_text()
     limits = dict(re.findall(r"(MAX_POOL_D|MAX_M) = (\d+)", src))
     assert (int(limits["MAX_POOL_D"]), int(limits["MAX_M"])) == (cpu_pool.MAX_D, cpu_pool.MAX_M)
+    assert cpu_pool.MAX_ROWS <= cpu_pool.MAX_M and cpu_pool.MAX_GROUPS > 0
