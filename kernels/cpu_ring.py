@@ -36,6 +36,7 @@ from kernels import dispatch
 log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).with_name("cpu").glob("*.c"))
+HEADERS = sorted(Path(__file__).with_name("cpu").glob("*.h"))     # included by SOURCES: in the key
 # No -ffast-math or -fassociative-math: the kernel's sums are split into lanes by hand, and
 # reassociating x * 2^120 * scale into x * (2^120 * scale) overflows. -march=native: the
 # library is cached per CPU (the cache key has the CPU's flags).
@@ -83,7 +84,7 @@ def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     errors = []
     for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):
-        sources = [f"{p.name}\0{p.read_text()}" for p in SOURCES]
+        sources = [f"{p.name}\0{p.read_text()}" for p in SOURCES + HEADERS]
         key = hashlib.sha256("\0".join([*sources, " ".join(flags), version,
                                         _cpu_flags()]).encode()).hexdigest()[:16]
         out = cache_dir() / "kernels" / f"kvmesh-cpu-{key}.so"
@@ -107,8 +108,12 @@ def _build(cc: str) -> Path:
     raise RuntimeError(f"{cc} failed: {errors[-1]}")
 
 
-def _load() -> ctypes.CDLL | None:
+def load() -> ctypes.CDLL | None:
+    """The library, built on the first call; None where it cannot be (no compiler, a failed
+    build). No gate: callers that ask per call with their own checks (cpu_gemm) use it."""
     global _lib, _tried
+    if _tried:                 # every kernel call asks: no lock once the answer is known
+        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -127,6 +132,10 @@ def _load() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i64, i64, p, p, p, i64, i64, i64,
                            ctypes.c_double, ctypes.c_int]
+            fn.restype = ctypes.c_int
+        for name in ("gemm_f32", "gemm_f64"):
+            fn = getattr(lib, name)
+            fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, ctypes.c_int]
             fn.restype = ctypes.c_int
         lib.mxfp8_quantize.argtypes = [p, i64, i64, p, p]
         lib.mxfp8_quantize.restype = ctypes.c_int
@@ -148,7 +157,7 @@ def library(t: torch.Tensor, dtypes=(torch.float32, torch.float64)) -> ctypes.CD
         return None
     if dispatch.forced() is not None:
         return None
-    return _load()
+    return load()
 
 
 def available(q: torch.Tensor) -> bool:
@@ -171,7 +180,7 @@ def union_attention(q: torch.Tensor, scale: float, ring=None, table=None, sink=N
     -> (out [T, H, D], lse [T, H]); a row that sees nothing gets out 0 and lse -inf (with a
     sink: out 0 and lse the sink).
     Call only when available(q); indices must be in range (the caller's)."""
-    lib = _load()
+    lib = load()
     assert lib is not None
     t, h, d = q.shape
     if not takes(d):

@@ -24,7 +24,10 @@ CHOICES = ("torch", "triton")
 
 
 def forced() -> str | None:
-    value = os.environ.get("KVMESH_KERNELS", "").strip().lower()
+    value = os.environ.get("KVMESH_KERNELS")
+    if not value:              # the common case, asked on every kernel call: one lookup
+        return None
+    value = value.strip().lower()
     if value in ("", "auto"):
         return None
     if value not in CHOICES:

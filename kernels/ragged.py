@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import cpu_ring, dispatch
+from kernels.cpu_gemm import matmul as mm
 from kernels.mxfp8 import e4m3_values
 
 
@@ -296,13 +297,29 @@ def _ring_bias(ok, rows: SlotRows, h: int, dtype):
 def _scores(q, g, scale: float):
     """Per-row keys [T, K, D] or one pool [L, D] -> masked scaled scores [T, H, K]."""
     keys, ok = g
-    s = torch.bmm(q, keys.transpose(1, 2)) if keys.dim() == 3 else q @ keys.t()
+    if keys.dim() == 3:
+        s = torch.bmm(q, keys.transpose(1, 2))
+    else:
+        t, h, d = q.shape
+        s = _pool_mm(q.reshape(t * h, d), keys.t()).view(t, h, -1)
     return (s * scale).masked_fill(~ok.unsqueeze(1), float("-inf"))
 
 
 def _mix(p, keys):
     """p [T, H, K] x keys [T, K, D] or [K, D] -> [T, H, D]."""
-    return torch.bmm(p, keys) if keys.dim() == 3 else p @ keys
+    if keys.dim() == 3:
+        return torch.bmm(p, keys)
+    t, h, k = p.shape
+    return _pool_mm(p.reshape(t * h, k), keys).view(t, h, -1)
+
+
+def _pool_mm(a, b):
+    """a @ b for a chunk's rows against its shared pool, on the CPU through cpu_gemm (b made
+    contiguous: the kernel reads rows of b), whose rows do not depend on the other rows of
+    the call: a chunk's scores are then the same however the scheduler cut the prompt into
+    chunks. MKL's are not (on an AMD EPYC, row i of a 6-row product differs from the row
+    alone), and a float64 speculative run stored other cache bytes than a plain one."""
+    return mm(a, b.contiguous()) if a.is_cpu else a @ b
 
 
 def _union(q, groups, sink, scale: float):

@@ -50,11 +50,11 @@ def project(w, cfg: ModelConfig, h, next_tokens):
     e = w["embed"][next_tokens]
     cat = torch.cat([ops.rms_norm(h, w["mtp.hnorm"], cfg.norm_eps),
                      ops.rms_norm(e, w["mtp.enorm"], cfg.norm_eps)], dim=-1)
-    return cat @ w["mtp.eh_proj"]
+    return ops.mm(cat, w["mtp.eh_proj"])
 
 
 def logits(w, cfg: ModelConfig, y):
-    return ops.rms_norm(y, w["mtp.norm"], cfg.norm_eps) @ w["lm_head"]
+    return ops.mm(ops.rms_norm(y, w["mtp.norm"], cfg.norm_eps), w["lm_head"])
 
 
 def reference_block(w, cfg: ModelConfig, x):

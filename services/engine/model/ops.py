@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels import mxfp8
+from kernels.cpu_gemm import matmul as mm
 from kernels.pooling import gated_pool
 from services.engine.config import ModelConfig
 from services.engine.model.weights import Weights
@@ -51,9 +52,9 @@ def query_and_kv(w: Weights, layer: int, h, pos, cfg: ModelConfig, angles=None):
     chunk copies 64 of the 512 dims instead of all of them (3 MB per layer)."""
     p = f"layers.{layer}."
     own = not torch.is_grad_enabled()
-    q = (h @ w[p + "wq"]).view(*h.shape[:-1], cfg.n_heads, cfg.head_dim)
+    q = mm(h, w[p + "wq"]).view(*h.shape[:-1], cfg.n_heads, cfg.head_dim)
     q = rope(q, pos, cfg, angles, in_place=own)
-    kv = rms_norm(h @ w[p + "wkv"], w[p + "kv_norm"], cfg.norm_eps)
+    kv = rms_norm(mm(h, w[p + "wkv"]), w[p + "kv_norm"], cfg.norm_eps)
     kv = rope(kv, pos, cfg, angles, in_place=own)
     return q, kv
 
@@ -73,12 +74,12 @@ def storage_round(t):
 def compressor_inputs(w: Weights, layer: int, u):
     """u: [T, hidden] compressor input -> v, z [T, D] (at storage precision)."""
     p = f"layers.{layer}."
-    return storage_round(u @ w[p + "cmp_wv"]), storage_round(u @ w[p + "cmp_wz"])
+    return storage_round(mm(u, w[p + "cmp_wv"])), storage_round(mm(u, w[p + "cmp_wz"]))
 
 
 def indexer_inputs(w: Weights, layer: int, u):
     p = f"layers.{layer}."
-    return storage_round(u @ w[p + "idx_wv"]), storage_round(u @ w[p + "idx_wz"])
+    return storage_round(mm(u, w[p + "idx_wv"])), storage_round(mm(u, w[p + "idx_wz"]))
 
 
 def pool_entries(w: Weights, layer: int, v, z, first_group: int, m: int, cfg: ModelConfig):
@@ -106,23 +107,23 @@ def pool_index_keys(w: Weights, layer: int, v, z, m: int):
 
 def index_query(w: Weights, layer: int, h, cfg: ModelConfig):
     p = f"layers.{layer}."
-    q = (h @ w[p + "idx_wq"]).view(*h.shape[:-1], cfg.index_heads, cfg.index_dim)
-    return q, h @ w[p + "idx_ww"]
+    q = mm(h, w[p + "idx_wq"]).view(*h.shape[:-1], cfg.index_heads, cfg.index_dim)
+    return q, mm(h, w[p + "idx_ww"])
 
 
 def attn_output(w: Weights, layer: int, o):
     """o: [T, H, D] -> [T, hidden]."""
-    return o.reshape(*o.shape[:-2], -1) @ w[f"layers.{layer}.wo"]
+    return mm(o.reshape(*o.shape[:-2], -1), w[f"layers.{layer}.wo"])
 
 
 def ffn(w: Weights, layer: int, x, cfg: ModelConfig):
     p = f"layers.{layer}."
     h = rms_norm(x, w[p + "ffn_norm"], cfg.norm_eps)
-    return (torch.nn.functional.silu(h @ w[p + "w1"]) * (h @ w[p + "w3"])) @ w[p + "w2"]
+    return mm(torch.nn.functional.silu(mm(h, w[p + "w1"])) * mm(h, w[p + "w3"]), w[p + "w2"])
 
 
 def logits(w: Weights, x, cfg: ModelConfig):
-    return rms_norm(x, w["final_norm"], cfg.norm_eps) @ w["lm_head"]
+    return mm(rms_norm(x, w["final_norm"], cfg.norm_eps), w["lm_head"])
 
 
 def encoder_output(w: Weights, x, cfg: ModelConfig):

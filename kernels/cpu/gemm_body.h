@@ -1,0 +1,167 @@
+/* The body of kernels/cpu/gemm.c, included once per element type. The includer defines:
+     T            float or double          L      lanes of one AVX-512 vector (16 or 8)
+     V            the vector type          MASK   its lane mask type
+     FN(name)     name with the type's suffix
+     VZERO() VSET1(x) VFMA(a, b, c) VADD(a, b) VLOADZ(mask, p) VSTOREM(p, mask, v)
+     VLOADA(p) VSTOREA(p, v)
+   A tile is up to 8 rows x 2 vectors of columns; see gemm.c for why. */
+
+#define TCOLS (2 * L)
+
+/* R rows x TCOLS columns (fewer where the masks end them): c[r] += a[r, k] * w[k, :] for
+   every k, in order. One inlined body per constant R, with the accumulators as named
+   variables: gcc keeps an array of them in memory and stores it back on every k. */
+#define ACC(r) V c0_##r = VZERO(), c1_##r = VZERO();
+#define FMA(r)                                                                               \
+    if (R > r) {                                                                             \
+        V x = VSET1(a[r * lda + k]);                                                         \
+        c0_##r = VFMA(x, w0, c0_##r);                                                        \
+        c1_##r = VFMA(x, w1, c1_##r);                                                        \
+    }
+#define STORE(r)                                                                             \
+    if (R > r) {                                                                             \
+        T *o = out + r * ldo;                                                                \
+        if (add) {                                                                           \
+            c0_##r = VADD(VLOADZ(m0, o), c0_##r);                                            \
+            c1_##r = VADD(VLOADZ(m1, o + L), c1_##r);                                        \
+        }                                                                                    \
+        VSTOREM(o, m0, c0_##r);                                                              \
+        VSTOREM(o + L, m1, c1_##r);                                                          \
+    }
+
+static inline __attribute__((always_inline)) void
+FN(tile)(const int R, const T *a, int64_t lda, const T *w, int64_t ldw, T *out, int64_t ldo,
+         int64_t k_len, MASK m0, MASK m1, int add)
+{
+    ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
+    for (int64_t k = 0; k < k_len; k++) {
+        const T *wk = w + k * ldw;
+        _mm_prefetch((const char *)(wk + PREFETCH_ROWS * ldw), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wk + PREFETCH_ROWS * ldw + L), _MM_HINT_T0);
+        V w0 = VLOADZ(m0, wk);
+        V w1 = VLOADZ(m1, wk + L);
+        FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5) FMA(6) FMA(7)
+    }
+    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)
+}
+
+#undef ACC
+#undef FMA
+#undef STORE
+
+#define TILE(R)                                                                              \
+    static void FN(tile_##R)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out,       \
+                             int64_t ldo, int64_t k_len, MASK m0, MASK m1, int add)          \
+    {                                                                                        \
+        FN(tile)(R, a, lda, w, ldw, out, ldo, k_len, m0, m1, add);                           \
+    }
+TILE(1)
+TILE(2)
+TILE(3)
+TILE(4)
+TILE(5)
+TILE(6)
+TILE(7)
+TILE(8)
+#undef TILE
+
+static void (*const FN(tiles)[9])(const T *, int64_t, const T *, int64_t, T *, int64_t, int64_t,
+                                  MASK, MASK, int) = {
+    0, FN(tile_1), FN(tile_2), FN(tile_3), FN(tile_4), FN(tile_5), FN(tile_6), FN(tile_7),
+    FN(tile_8)};
+
+static MASK FN(mask_of)(int64_t n)
+{
+    return n >= L ? (MASK)((1u << L) - 1) : n <= 0 ? (MASK)0 : (MASK)((1u << n) - 1);
+}
+
+/* One row (a batch-1 decode step) over columns [j0, j1), up to ROW_COLS at a time: each k
+   streams w's row once, contiguously (the prefetchers follow that; a tile's stride they
+   do not), into partial sums kept in L1. Each output's chain is the tiles' (k in order
+   from 0 within a piece of K_CHUNK, the pieces added in order): the same bits. */
+static void FN(row_stream)(const T *a, const T *w, int64_t ldw, T *out, int64_t k_len,
+                           int64_t j0, int64_t j1)
+{
+    T part[ROW_COLS] __attribute__((aligned(64)));
+    for (int64_t c0 = j0; c0 < j1; c0 += ROW_COLS) {
+        int64_t cols = j1 - c0 < ROW_COLS ? j1 - c0 : ROW_COLS;
+        for (int64_t k0 = 0; k0 < k_len; k0 += K_CHUNK) {
+            int64_t k1 = k0 + K_CHUNK < k_len ? k0 + K_CHUNK : k_len;
+            for (int64_t j = 0; j < cols; j += L)
+                VSTOREA(part + j, VZERO());
+            for (int64_t k = k0; k < k1; k++) {
+                V x = VSET1(a[k]);
+                const T *wk = w + k * ldw + c0;
+                for (int64_t j = 0; j < cols; j += L)
+                    VSTOREA(part + j, VFMA(x, VLOADZ(FN(mask_of)(cols - j), wk + j),
+                                           VLOADA(part + j)));
+            }
+            for (int64_t j = 0; j < cols; j += L) {
+                MASK mk = FN(mask_of)(cols - j);
+                V v = VLOADA(part + j);
+                if (k0 > 0)
+                    v = VADD(VLOADZ(mk, out + c0 + j), v);
+                VSTOREM(out + c0 + j, mk, v);
+            }
+        }
+    }
+}
+
+/* Rows [r0, r1) x column tiles [t0, t1), ROW_BLOCK rows at a time: a tile's w panel is read
+   from memory once and from L1/L2 for the next rows, and the block's rows of a stay near
+   while every tile passes over them. */
+static void FN(block)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out, int64_t ldo,
+                      int64_t k, int64_t n, int64_t r0, int64_t r1, int64_t t0, int64_t t1)
+{
+    for (int64_t i0 = r0; i0 < r1; i0 += ROW_BLOCK) {
+        int64_t i1 = i0 + ROW_BLOCK < r1 ? i0 + ROW_BLOCK : r1;
+        for (int64_t t = t0; t < t1; t++) {
+            int64_t j = t * TCOLS;
+            MASK m0 = FN(mask_of)(n - j), m1 = FN(mask_of)(n - j - L);
+            for (int64_t i = i0; i < i1; i += 8) {
+                int64_t r = i1 - i < 8 ? i1 - i : 8;
+                for (int64_t k0 = 0; k0 < k; k0 += K_CHUNK)
+                    FN(tiles)[r](a + i * lda + k0, lda, w + k0 * ldw + j, ldw, out + i * ldo + j,
+                                 ldo, k - k0 < K_CHUNK ? k - k0 : K_CHUNK, m0, m1, k0 > 0);
+            }
+        }
+    }
+}
+
+/* The threads split the column tiles, or, where there are fewer tiles than threads (a
+   narrow w: the indexer's weights, a prefill chunk's narrow projections), the rows in
+   blocks of 8. One row streams w's rows (row_stream), its columns split over the threads
+   L at a time. */
+int FN(gemm)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out, int64_t ldo, int64_t m,
+             int64_t k, int64_t n, int threads)
+{
+    if (m < 0 || k < 0 || n < 0)
+        return 2;
+    if (m == 0 || n == 0)
+        return 0;
+    int64_t width = m == 1 ? L : TCOLS;
+    int64_t tiles = (n + width - 1) / width, row_blocks = (m + 7) / 8;
+    int by_rows = tiles < threads && row_blocks > tiles;
+    int64_t parts = by_rows ? row_blocks : tiles;
+    if (threads > parts)
+        threads = (int)parts;
+    if (threads > 1 && m * k * n < (int64_t)threads * MIN_THREAD_WORK)
+        threads = (int)(m * k * n / MIN_THREAD_WORK);
+    if (threads < 1)
+        threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int i = 0; i < threads; i++) {
+        int64_t p0 = parts * i / threads, p1 = parts * (i + 1) / threads;
+        if (m == 1) {
+            FN(row_stream)(a, w, ldw, out, k, p0 * L, p1 * L < n ? p1 * L : n);
+        } else if (by_rows) {
+            int64_t r1 = 8 * p1 < m ? 8 * p1 : m;
+            FN(block)(a, lda, w, ldw, out, ldo, k, n, 8 * p0, r1, 0, tiles);
+        } else {
+            FN(block)(a, lda, w, ldw, out, ldo, k, n, 0, m, p0, p1);
+        }
+    }
+    return 0;
+}
+
+#undef TCOLS

@@ -1,0 +1,61 @@
+"""`x @ w` on the CPU (float32, float64) in one call of kernels/cpu/gemm.c (in the library
+cpu_ring.py builds), where torch would call MKL's sgemm / dgemm.
+
+Why: every projection of the model is a product of a few rows by a weight, and on AMD CPUs
+MKL takes its AVX2 path: ~100 GFLOP/s a core at large M, ~70 at a decode step's 32 rows,
+and at 32 rows it hardly uses a second thread. The C tile (8 rows x 32 columns of AVX-512
+accumulators, column tiles split over the threads, the weight's rows prefetched) measured
+on the development machine (AMD EPYC, 2 threads, weights in cache): 32 x 128 @ 128 x 1024
+77 -> 25 us, 32 x 1024 @ 1024 x 128 56 -> 23 us, 512 x 128 @ 128 x 1024 0.70 -> 0.34 ms;
+weights cold from memory 142 -> 60 us; one row 7 -> 5 us (the call adds ~2.5 us to either).
+
+Each output element is an FMA chain over k in order (pieces of 256 added in order), so a
+row's result does not depend on the other rows of the call or on the thread count (tested,
+bit for bit). MKL's does: on the development machine a row alone and the same row among
+six differ in fp32 and fp64, and a float64 speculative run then stored other cache bytes
+than a plain one (test_spec_decode failed at ed0130c there). Its error is MKL's (tested
+within 1.5x, fp32 against float64, fp64 against x87 extended precision).
+
+matmul() takes torch's mm wherever the library does not (cpu_ring.library's gate: not a CPU
+float32/float64 pair, autograd, KVMESH_KERNELS set, no compiler; a CPU without AVX-512: the
+C call says so once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_ring, dispatch
+
+_refused = False          # the library was built without AVX-512: gemm_* answered -1
+_F32, _F64 = torch.float32, torch.float64
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [K, N] -> [..., N], float32 or float64. Called for every projection of
+    every layer (73 a decode step of the tiny preset), so the gate is cpu_ring.library's
+    inlined into a few attribute reads (a tensor attribute costs ~0.1 us: the first version
+    of this wrapper added 4 us to each call). One row takes the kernel too: a sequence's
+    numbers are the same alone and in a batch (a verify step's rows and a decode step's row
+    write the same cache bytes: test_spec_decode)."""
+    global _refused
+    lib, dt = cpu_ring.load(), x.dtype
+    if lib is None or _refused or (dt is not _F32 and dt is not _F64) or w.dtype is not dt \
+            or not x.is_cpu or x.requires_grad or w.requires_grad or w.dim() != 2 \
+            or not w.is_contiguous() or dispatch.forced() is not None:
+        return x @ w
+    k, n = w.shape
+    if x.shape[-1] != k:
+        return x @ w                        # torch's error
+    if not x.is_contiguous():
+        x = x.contiguous()
+    m = x.numel() // k
+    out = torch.empty(m, n, dtype=dt)       # ints: a shape built from x.shape costs 1 us more
+    fn = lib.gemm_f32 if dt is _F32 else lib.gemm_f64
+    rc = fn(x.data_ptr(), k, w.data_ptr(), n, out.data_ptr(), n, m, k, n, torch.get_num_threads())
+    if rc:
+        if rc < 0:
+            _refused = True
+            return x @ w
+        raise ValueError(f"gemm refused {tuple(x.shape)} @ {tuple(w.shape)} (rc {rc})")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
