@@ -272,8 +272,13 @@ def floors(steps: int) -> dict[str, dict[int, float]]:
 
 
 def _matmuls(xs: dict, mats: list) -> None:
+    """Through the engine's own product (ops.mm: the compiled CPU kernel where it is built;
+    an engine from before it has none and takes torch's)."""
+    from services.engine.model import ops
+
+    mm = getattr(ops, "mm", torch.matmul)
     for m in mats:
-        xs[m.shape[0]] @ m
+        mm(xs[m.shape[0]], m)
 
 
 def _ring_attention(q, rings: list, codes: list):

@@ -137,7 +137,7 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, ctypes.c_int]
             fn.restype = ctypes.c_int
-        lib.mxfp8_quantize.argtypes = [p, i64, i64, p, p]
+        lib.mxfp8_quantize.argtypes = [p, i64, i64, p, p, ctypes.c_int]
         lib.mxfp8_quantize.restype = ctypes.c_int
         for name in ("pool_groups_f32", "pool_groups_f64"):
             fn = getattr(lib, name)

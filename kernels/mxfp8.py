@@ -130,7 +130,8 @@ def _quantize_values_c(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     x32 = x.float().contiguous()
     q = torch.empty(*x.shape[:-1], token_bytes(d), dtype=torch.uint8)
     values = torch.empty(x.shape, dtype=torch.float32)
-    if lib.mxfp8_quantize(x32.data_ptr(), x32.numel() // d, d, q.data_ptr(), values.data_ptr()):
+    if lib.mxfp8_quantize(x32.data_ptr(), x32.numel() // d, d, q.data_ptr(), values.data_ptr(),
+                          torch.get_num_threads()):
         return None
     return q, values.to(x.dtype)
 
