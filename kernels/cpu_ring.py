@@ -1,7 +1,9 @@
 """Decode attention on the CPU over MXFP8 ring bytes and compressed entries read in place:
 kernels/cpu/union_attention.c, built on first use with the machine's C compiler and called
 through ctypes. Every C file in kernels/cpu/ goes into the one library (pool_groups.c: the
-compressor's group path, kernels/cpu_pool.py; mxfp8.c: MXFP8 quantization, kernels/mxfp8.py).
+compressor's group path, kernels/cpu_pool.py; mxfp8.c: MXFP8 quantization, kernels/mxfp8.py;
+gemm.c: matrix products, kernels/cpu_gemm.py; indexer_topk.c: the indexer's picks,
+kernels/cpu_indexer.py).
 
 Why a compiled kernel: a decode row reads its slot's whole window (R ring rows) every layer,
 so a batched decode step is bound by reading rings. torch has no CPU op that reads the
@@ -133,6 +135,9 @@ def load() -> ctypes.CDLL | None:
             fn.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i64, i64, p, p, p, i64, i64, i64,
                            ctypes.c_double, ctypes.c_int]
             fn.restype = ctypes.c_int
+        lib.indexer_topk_f32.argtypes = [p, p, p, i64, p, p, i64, i64, i64, i64, i64, p, p,
+                                         ctypes.c_int]
+        lib.indexer_topk_f32.restype = ctypes.c_int
         for name in ("gemm_f32", "gemm_f64"):
             fn = getattr(lib, name)
             fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, ctypes.c_int]

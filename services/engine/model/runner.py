@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import cpu_indexer
 from kernels.indexer import indexer_scores, select_topk, selected_indices, topk_indices
 from kernels.ragged import (
     RingKeys,
@@ -283,12 +284,18 @@ class ModelRunner:
             if per_row:                 # read in place where a kernel can, else gathered
                 return TableKeys(table, flat, visible)
             return take_rows(table, flat).to(h.dtype), visible
-        ikeys = self.blocks.index_keys[layer]
-        ikeys = take_rows(ikeys.view(-1, ikeys.shape[-1]), flat).to(h.dtype)           # [t, K, Di] / [L, Di]
+        itable = self.blocks.index_keys[layer]
+        itable = itable.view(-1, itable.shape[-1])
         iq, iw = ops.index_query(self.w, layer, h if rows is None else h[rows], cfg)
         if per_row:
+            # on the CPU one C call scores the candidates' keys in place and picks
+            picked = cpu_indexer.pick_rows(iq, iw, itable, flat, visible, cfg.csa_topk)
+            if picked is not None:
+                return TableKeys(table, *picked)
+            ikeys = take_rows(itable, flat).to(h.dtype)                               # [t, K, Di]
             idx, ok = topk_indices(ragged_indexer_scores(iq, iw, ikeys), visible, cfg.csa_topk)
             return TableKeys(table, flat.gather(1, idx), ok)                 # [t, k]
+        ikeys = take_rows(itable, flat).to(h.dtype)                                   # [L, Di]
         scores = indexer_scores(iq[None], iw[None], ikeys[None])[0]
         chosen = select_topk(scores, visible, cfg.csa_topk)
         if flat.shape[0] <= POOL_PICKS * cfg.csa_topk:
