@@ -20,9 +20,11 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-/* products per thread below which a second thread's start costs more than it saves
-   (one row: 128 x 256 1 thread 2.7 us, 2 threads 3.0; 128 x 512 3.5 / 3.0) */
-#define MIN_THREAD_WORK 49152
+/* Products per thread below which the work stays on one thread, and one row always does.
+   A second thread saves at most a few us there (one row of 128 x 1024: 6.1 us on one, 5.2 on
+   two) and can cost a scheduler time slice: with another process busy on the cores, the
+   OpenMP barrier waits for a worker that is not running (that row took 7.8 ms). */
+#define MIN_THREAD_WORK 262144
 #define ROW_COLS 1024            /* row_stream's partial sums: 4 or 8 KB */
 #define ROW_BLOCK 64
 #define K_CHUNK 256

@@ -130,8 +130,7 @@ static void FN(block)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out, 
 
 /* The threads split the column tiles, or, where there are fewer tiles than threads (a
    narrow w: the indexer's weights, a prefill chunk's narrow projections), the rows in
-   blocks of 8. One row streams w's rows (row_stream), its columns split over the threads
-   L at a time. */
+   blocks of 8. One row streams w's rows (row_stream) on one thread. */
 int FN(gemm)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out, int64_t ldo, int64_t m,
              int64_t k, int64_t n, int threads)
 {
@@ -145,8 +144,8 @@ int FN(gemm)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out, int64_t l
     int64_t parts = by_rows ? row_blocks : tiles;
     if (threads > parts)
         threads = (int)parts;
-    if (threads > 1 && m * k * n < (int64_t)threads * MIN_THREAD_WORK)
-        threads = (int)(m * k * n / MIN_THREAD_WORK);
+    if (threads > 1 && (m == 1 || m * k * n < (int64_t)threads * MIN_THREAD_WORK))
+        threads = m == 1 ? 1 : (int)(m * k * n / MIN_THREAD_WORK);
     if (threads < 1)
         threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
