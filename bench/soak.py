@@ -54,6 +54,7 @@ class Result:
 @dataclass
 class Run:
     results: list[Result] = field(default_factory=list)
+    started: int = 0              # requests begun: --requests caps these, not the finished ones
     samples: list[dict] = field(default_factory=list)   # {t, name: (rss_mb, fds)}
     faults: list[str] = field(default_factory=list)
 
@@ -111,7 +112,10 @@ async def stream_worker(address, seed, stop_at, max_requests, run: Run, cancel_r
     rng, turns = random.Random(seed), {}
     async with grpc.aio.insecure_channel(address) as ch:
         stub = gateway_pb2_grpc.GatewayServiceStub(ch)
-        while time.monotonic() < stop_at and len(run.results) < max_requests:
+        # a request is counted when it starts: counting finished ones let every other
+        # stream start one more while the last were in flight (339 for --requests 300)
+        while time.monotonic() < stop_at and run.started < max_requests:
+            run.started += 1
             run.results.append(await one_request(stub, rng, turns, cancel_rate, deadline))
 
 
