@@ -24,30 +24,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "exp_lanes.h"
+
 enum { MAX_POOL_D = 1024, MAX_M = 256 };
 
-/* e^x for the float32 weights, in a form gcc vectorizes (libm's expf is one call per value:
-   the group path's cost at batch 32). e^x = 2^n e^r, n = x / ln 2 rounded to nearest (the
-   1.5 * 2^23 addition: the rounding the FPU does, not a call), r = x - n ln 2 with ln 2 in
-   two parts (r good to an ulp), e^r by Cephes' degree-6 polynomial on |r| <= ln 2 / 2, 2^n
-   put in the exponent bits. Within 2 ulp of expf on [-87.3, 88.7] (tested through the
-   group path against torch); x is clamped there (below it fp32 would be subnormal; the
-   weights here are e^(x - max) <= 1). */
-static inline float exp_lanes(float x)
-{
-    x = x < -87.3f ? -87.3f : x > 88.7f ? 88.7f : x;
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } two = { ((int32_t)n + 127) << 23 };
-    return p * two.f;
-}
 
 #define POOL_GROUPS(NAME, T, EXP, SQRT)                                                        \
 int NAME(const T *v, const T *z, int64_t n_fed, const float *ring, const int64_t *tail_slots,  \
