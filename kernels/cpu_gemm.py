@@ -17,41 +17,41 @@ than a plain one (test_spec_decode failed at ed0130c there). Its error is MKL's 
 within 1.5x, fp32 against float64, fp64 against x87 extended precision).
 
 matmul() takes torch's mm wherever the library does not (cpu_ring.library's gate: not a CPU
-float32/float64 pair, autograd, KVMESH_KERNELS set, no compiler; a CPU without AVX-512: the
-C call says so once).
+float32/float64 tensor, autograd, KVMESH_KERNELS set, no compiler; a weight of another dtype
+or layout; a CPU without AVX-512: the C call says so once).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import cpu_ring, dispatch
+from kernels import cpu_ring
 
 _refused = False          # the library was built without AVX-512: gemm_* answered -1
-_F32, _F64 = torch.float32, torch.float64
+_F32 = torch.float32
+_DTYPES = (torch.float32, torch.float64)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w [K, N] -> [..., N], float32 or float64. Called for every projection of
-    every layer (73 a decode step of the tiny preset), so the gate is cpu_ring.library's
-    inlined into a few attribute reads (a tensor attribute costs ~0.1 us: the first version
-    of this wrapper added 4 us to each call). One row takes the kernel too: a sequence's
-    numbers are the same alone and in a batch (a verify step's rows and a decode step's row
-    write the same cache bytes: test_spec_decode)."""
+    every layer (73 a decode step of the tiny preset), so the checks are a few attribute
+    reads (a tensor attribute costs ~0.1 us: the first version of this wrapper added 4 us
+    to each call). One row takes the kernel too: a sequence's numbers are the same alone
+    and in a batch (a verify step's rows and a decode step's row write the same cache
+    bytes: test_spec_decode)."""
     global _refused
-    lib, dt = cpu_ring.load(), x.dtype
-    if lib is None or _refused or (dt is not _F32 and dt is not _F64) or w.dtype is not dt \
-            or not x.is_cpu or x.requires_grad or w.requires_grad or w.dim() != 2 \
-            or not w.is_contiguous() or dispatch.forced() is not None:
+    if _refused or w.dtype is not x.dtype or w.requires_grad or w.dim() != 2 \
+            or not w.is_contiguous():
         return x @ w
+    lib = cpu_ring.library(x, _DTYPES)
     k, n = w.shape
-    if x.shape[-1] != k:
-        return x @ w                        # torch's error
+    if lib is None or x.shape[-1] != k:     # (a wrong K: torch's error)
+        return x @ w
     if not x.is_contiguous():
         x = x.contiguous()
     m = x.numel() // k
-    out = torch.empty(m, n, dtype=dt)       # ints: a shape built from x.shape costs 1 us more
-    fn = lib.gemm_f32 if dt is _F32 else lib.gemm_f64
+    out = torch.empty(m, n, dtype=x.dtype)  # ints: a shape built from x.shape costs 1 us more
+    fn = lib.gemm_f32 if x.dtype is _F32 else lib.gemm_f64
     rc = fn(x.data_ptr(), k, w.data_ptr(), n, out.data_ptr(), n, m, k, n, torch.get_num_threads())
     if rc:
         if rc < 0:

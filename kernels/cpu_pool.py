@@ -9,9 +9,10 @@ cost is per call (~0.28 ms per layer and stream at batch 32 in torch), which mak
 the few pieces of a decode step that grows with the batch for no arithmetic.
 
 `pool_into` returns False when it cannot run (no library, KVMESH_KERNELS set, not a CPU
-float32/float64 tensor, a tail ring that is not fp32 rows, rows wider than MAX_D or groups
-longer than MAX_M): the caller then runs the torch path (compressor.py), which computes the same entries up to the rounding of exp and of the
-norm's sum (float64: ~1e-16; tested).
+float32/float64 tensor, a tail ring that is not fp32 rows, rows wider than MAX_D, more than
+MAX_GROUPS groups or groups longer than MAX_ROWS): the caller then runs the torch path
+(compressor.py), which computes the same entries up to the rounding of exp and of the norm's
+sum (float64: ~1e-16; tested).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from kernels import cpu_ring
 from kernels.ragged import RingAt
 
 MAX_D, MAX_M = 1024, 256      # the C file's MAX_POOL_D and MAX_M (its per-call buffers)
-# The C loop's exp is scalar, torch's softmax vectorized and threaded: the call pays where
-# the torch path is many small calls around little arithmetic (a decode step's few groups of
-# m = 4: 8 groups 134 -> 134 us alone, and the ~20 calls per stream it replaces), not on a
-# prefill chunk's 128 groups (1.7 ms either way) or an HCA group of 128 rows (371 vs 180 us,
-# 2 threads). Past these the torch path runs.
+# Measured when the C loop's exp was libm's scalar expf (torch's softmax is vectorized and
+# threaded): the call paid where the torch path is many small calls around little arithmetic
+# (a decode step's few groups of m = 4: 8 groups 134 -> 134 us alone, and the ~20 calls per
+# stream it replaces), not on a prefill chunk's 128 groups (1.7 ms either way) or an HCA
+# group of 128 rows (371 vs 180 us, 2 threads). Past these the torch path runs. The exp is
+# vectorized now (exp_lanes.h: 8 groups 56.7 -> 21.2 us), so these limits are conservative;
+# they were not measured again.
 MAX_GROUPS, MAX_ROWS = 32, 16          # MAX_ROWS <= MAX_M (tested): the C buffers hold them
 
 

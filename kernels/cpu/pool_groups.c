@@ -28,7 +28,6 @@
 
 enum { MAX_POOL_D = 1024, MAX_M = 256 };
 
-
 #define POOL_GROUPS(NAME, T, EXP, SQRT)                                                        \
 int NAME(const T *v, const T *z, int64_t n_fed, const float *ring, const int64_t *tail_slots,  \
          const int64_t *tail_rows, int64_t n_tail, int64_t slot_stride, int64_t row_stride,    \
