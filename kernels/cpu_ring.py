@@ -3,7 +3,7 @@ kernels/cpu/union_attention.c, built on first use with the machine's C compiler 
 through ctypes. Every C file in kernels/cpu/ goes into the one library (pool_groups.c: the
 compressor's group path, kernels/cpu_pool.py; mxfp8.c: MXFP8 quantization, kernels/mxfp8.py;
 gemm.c: matrix products, kernels/cpu_gemm.py; indexer_topk.c: the indexer's picks,
-kernels/cpu_indexer.py).
+kernels/cpu_indexer.py; put_rows.c: ring row writes, kernels/ragged.put_at).
 
 Why a compiled kernel: a decode row reads its slot's whole window (R ring rows) every layer,
 so a batched decode step is bound by reading rings. torch has no CPU op that reads the
@@ -142,6 +142,8 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, ctypes.c_int]
             fn.restype = ctypes.c_int
+        lib.put_rows.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, i64]
+        lib.put_rows.restype = i64
         lib.mxfp8_quantize.argtypes = [p, i64, i64, p, p, ctypes.c_int]
         lib.mxfp8_quantize.restype = ctypes.c_int
         for name in ("pool_groups_f32", "pool_groups_f64"):

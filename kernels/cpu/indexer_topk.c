@@ -19,6 +19,9 @@
 
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define MAX_K 1024               /* picks per row the stack buffers hold */
 
@@ -26,6 +29,17 @@
    latency: ~190 us a layer at 32 rows x 71 candidates), then a fixed tree */
 static float dot(const float *a, const float *b, int64_t n)
 {
+#ifdef __AVX512F__
+    /* the same sums in one register: lane i's chain in order, then _mm512_reduce_add_ps,
+       whose halves (i + 8, i + 4, i + 2, i + 1) are the tree below (the array version did
+       not vectorize: 32 rows x 80 candidates of 2 x 32 took 106 us on one thread) */
+    if (n % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < n; d += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
     float acc[16] = {0};
     int64_t d = 0;
     for (; d + 16 <= n; d += 16)
@@ -58,6 +72,8 @@ static void pick_row(const float *q, const float *w, const float *table, int64_t
     /* best_* sorted by score descending, ties by j ascending: j runs upward, so a new j
        enters only past a strictly smaller score */
     for (int64_t j = 0; j < kc; j++) {
+        if (j + 4 < kc)                      /* keys lie scattered over the store */
+            __builtin_prefetch(table + flat[j + 4] * stride);
         if (!visible[j])
             continue;
         float s = score(q, w, table + flat[j] * stride, hi, di);

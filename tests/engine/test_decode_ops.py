@@ -4,7 +4,8 @@ kernels/ragged RingAt / put_at / take_at: a step's ring places built once, then 
 writes and reads rows there. Checked bit for bit against plain indexing at (slot, pos % R) on
 every kind of ring the engine has: contiguous (window mirror values and positions, block
 store entries), a view into per-slot slabs (the state pool's rings), MXFP8 bytes seen as int64
-and rows whose width or offset forbids that view.
+and rows whose width or offset forbids that view; through the compiled row copy
+(kernels/cpu/put_rows.c) where it is built and through torch's indexing (KVMESH_KERNELS=torch).
 
 kernels/indexer.topk_indices: a decode row's CSA picks in one sort, element for element what
 select_topk then selected_indices give."""
@@ -39,8 +40,11 @@ def _rings():
     yield "slab fp32", fslab[:, 4 : 4 + R * 16].view(S, R, 2, 8)
 
 
+@pytest.mark.parametrize("path", ["auto", "torch"])
 @pytest.mark.parametrize("name", [n for n, _ in _rings()])
-def test_put_and_take_match_plain_indexing(name):
+def test_put_and_take_match_plain_indexing(name, path, monkeypatch):
+    if path == "torch":
+        monkeypatch.setenv("KVMESH_KERNELS", "torch")
     ring = dict(_rings())[name]
     slots, pos = _places()
     at = RingAt.of(slots, pos, R)
@@ -71,6 +75,29 @@ def test_put_leaves_every_other_row_alone():
     touched[slots, pos % R] = True
     assert torch.equal(ring[~touched], before[~touched])
     assert not ring[touched].any()
+
+
+def test_compiled_put_refuses_a_place_outside_the_ring_and_writes_nothing():
+    from kernels import cpu_ring
+    if cpu_ring.load() is None:
+        pytest.skip("no C compiler: put_at is torch's indexing")
+    ring = torch.zeros(S, R, 16)
+    slots, pos = _places()
+    at = RingAt.of(slots, pos, R)
+    bad = RingAt(at.slots.clone(), at.rows.clone(), at.flat)
+    bad.slots[-1] = S                                      # one slot past the end
+    with pytest.raises(IndexError, match=r"\(5, 0\) is outside \[5, 7\]"):
+        put_at(ring, bad, torch.ones(len(slots), 16))
+    assert not ring.any()                                  # checked before any row was copied
+
+
+def test_rows_with_strided_values_take_the_torch_path():
+    base = torch.zeros(S, R, 8)
+    ring = base[:, :, ::2]                                  # a row's values 2 floats apart
+    slots, pos = _places()
+    rows = torch.randn(len(slots), 4)
+    put_at(ring, RingAt.of(slots, pos, R), rows)
+    assert torch.equal(base[slots, pos % R][:, ::2], rows) and not base[..., 1::2].any()
 
 
 # --- kernels/indexer.topk_indices: the decode rows' CSA picks in one sort ---------------

@@ -78,7 +78,9 @@ def feed(cfg: ModelConfig, w: Weights, states: StatePool, blocks: BlockStore, la
         # only the kept rows are paired up for the ring (the last R of each work: a few per
         # work against a long chunk's every row)
         kv, kz = (v, z) if plan.put is None else (v[plan.put], z[plan.put])
-        put_at(ring, plan.put_at, torch.stack([kv, kz], dim=1))
+        # v and z each into its half of the ring's rows: no stacked copy of the pair first
+        put_at(ring[:, :, 0], plan.put_at, kv)
+        put_at(ring[:, :, 1], plan.put_at, kz)
 
 
 def _stream(plan: FeedPlan, ring, v, z):
