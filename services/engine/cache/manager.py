@@ -151,7 +151,7 @@ class CacheManager:
         seq.num_computed = seq.enc_lo = seq.cmp_from = 0
         seq.cached_tokens = seq.replayed_tokens = seq.recomputed_tokens = 0
         seq.lineage = ""
-        seq.prefill_len = len(seq.tokens)
+        seq.prefill_len = seq.num_tokens
         seq.dec_lo = 0 if self.ecfg.truncation == "off" else max(0, seq.prefill_len - self.ecfg.keep_tokens)
         prefetched, seq.prefetched = seq.prefetched, None
         if match is None or not match.l1:
@@ -300,10 +300,9 @@ class CacheManager:
         """Record computed tokens; register blocks that became complete.
         Returns (hash, block) of the blocks newly registered under their hash."""
         seq.num_computed = new_computed
-        bs, tokens = self.cfg.block_size, seq.tokens
-        fresh = []
-        while len(seq.hashes) < new_computed // bs:
-            k = len(seq.hashes)
+        bs, fresh = self.cfg.block_size, []
+        while len(seq.hashes) < new_computed // bs:      # a block completed (one step in bs)
+            k, tokens = len(seq.hashes), seq.tokens
             if seq.lineage and k * bs >= seq.cmp_from:
                 # computed after a bounded replay, isolated: chained off the hashes this
                 # sequence registered, under a salt no exact request uses
@@ -327,7 +326,7 @@ class CacheManager:
         self._uncommit(seq, new)
         self.snapshots.rolled_back(seq)
         # the sequence ends at the rollback point (a sampled, not yet computed token goes too)
-        drop = len(seq.tokens) - new
+        drop = seq.num_tokens - new
         from_output = min(drop, len(seq.output))
         del seq.output[len(seq.output) - from_output :]
         del seq.prompt[len(seq.prompt) - (drop - from_output) :]
@@ -340,7 +339,7 @@ class CacheManager:
         window reaches back to num_computed - W, and the rows the rolled-back tokens
         overwrote are older than num_computed - W (ring W + B, compression ring m + B).
         The replica stays: it covers the same token, recomputed identically."""
-        assert seq.num_computed == len(seq.tokens) > 0, seq.request_id
+        assert seq.num_computed == seq.num_tokens > 0, seq.request_id
         self._uncommit(seq, seq.num_computed - 1)
 
     def trim(self, seq: Sequence) -> None:

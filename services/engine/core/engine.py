@@ -167,7 +167,7 @@ class EngineCore:
         # chunks side by side
         drafts = {s.request_id: proposed[s.request_id][: plan.drafts[s.request_id]]
                   for s in plan.decode if s.request_id in plan.drafts}
-        jobs = [(s, s.num_computed, len(s.tokens)) for s in plan.decode] + plan.prefill
+        jobs = [(s, s.num_computed, s.num_tokens) for s in plan.decode] + plan.prefill
         if jobs:
             works = [self._work(seq, start, end, drafts.get(seq.request_id, []))
                      for seq, start, end in jobs]
@@ -221,7 +221,7 @@ class EngineCore:
         tokens = seq.tokens + list(drafts) if drafts else seq.tokens
         work = Work(seq.slot, seq.table, tokens, start, end + len(drafts), enc_lo=seq.enc_lo,
                     dec_lo=seq.dec_lo, cmp_from=seq.cmp_from,
-                    want_logits=end == len(seq.tokens), n_logits=1 + len(drafts),
+                    want_logits=end == seq.num_tokens, n_logits=1 + len(drafts),
                     owner=(seq.request_id, seq.admitted_at),
                     want_hidden=self.cfg.window if self.spec.wants_hidden(seq.request_id) else 0)
         if seq.prefilling:
@@ -300,7 +300,7 @@ class EngineCore:
         rows of rejected drafts stay uncommitted: their blocks are trimmed, their ring and
         tail rows are rewritten before they are read (cache/manager.py reopen/rollback),
         and the replica rule sees only the committed end."""
-        end = len(seq.tokens) - 1             # the last emitted token is pending
+        end = seq.num_tokens - 1             # the last emitted token is pending
         kept = replace(work, end=end)
         self._after_forward(seq, kept, ForwardResult(), -1)
         self.counters["computed_tokens"] += work.end - end       # rejected rows were computed too

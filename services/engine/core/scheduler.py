@@ -91,19 +91,19 @@ class Scheduler:
         budget = self.ecfg.max_batched_tokens
         decoding = [s for s in self.running if s.status is Status.RUNNING and not s.prefilling]
         for seq in decoding:
-            if seq.num_computed == len(seq.tokens):     # rolled back past its sampled token
+            if seq.num_computed == seq.num_tokens:     # rolled back past its sampled token
                 self.cache.reopen(seq)
-            budget -= len(seq.tokens) - seq.num_computed
+            budget -= seq.num_tokens - seq.num_computed
         for seq in list(self.running):
             if seq not in decoding or seq.status is not Status.RUNNING:
                 continue
             k = min((drafts or {}).get(seq.request_id, 0), max(0, budget))
-            if self._make_room(seq, len(seq.tokens) + k, plan):
+            if self._make_room(seq, seq.num_tokens + k, plan):
                 plan.decode.append(seq)
                 if k:
                     plan.drafts[seq.request_id] = k
                     budget -= k
-        rows = sum(len(s.tokens) - s.num_computed + plan.drafts.get(s.request_id, 0)
+        rows = sum(s.num_tokens - s.num_computed + plan.drafts.get(s.request_id, 0)
                    for s in plan.decode)
         cap = self.costs.prefill_cap(rows)
         if cap is not None:            # the rest of the budget is prefill work: keep the step short
@@ -115,7 +115,7 @@ class Scheduler:
                 budget -= self._plan_chunk(seq, budget, plan)
         while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_running:
             seq = self.waiting[0]
-            if not self.cache.can_admit(seq, min(len(seq.tokens), budget)):
+            if not self.cache.can_admit(seq, min(seq.num_tokens, budget)):
                 break
             self.waiting.popleft()
             match = self.cache.match_prefix(seq)

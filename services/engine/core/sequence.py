@@ -98,6 +98,12 @@ class Sequence:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        """len(tokens) without building the list (a decode step asked it ~8 times a sequence:
+        ~0.2 ms a step at batch 32 spent concatenating prompts)."""
+        return len(self.prompt) + len(self.output)
+
+    @property
     def prefilling(self) -> bool:
         return self.num_computed < self.prefill_len
 
