@@ -132,8 +132,8 @@ def load() -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for name in ("union_attention_f32", "union_attention_f64"):
             fn = getattr(lib, name)
-            fn.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i64, i64, p, p, p, i64, i64, i64,
-                           ctypes.c_double, ctypes.c_int]
+            fn.argtypes = [p, p, p, p, i64, i64, i64, p, p, p, i64, i64, p, p, p, i64, i64, p,
+                           p, p, i64, i64, i64, ctypes.c_double, ctypes.c_int]
             fn.restype = ctypes.c_int
         lib.indexer_topk_f32.argtypes = [p, p, p, i64, p, p, i64, i64, i64, i64, i64, p, p,
                                          ctypes.c_int]
@@ -175,15 +175,32 @@ def available(q: torch.Tensor) -> bool:
     return takes(q.shape[-1]) and library(q) is not None
 
 
-def union_attention(q: torch.Tensor, scale: float, ring=None, table=None, sink=None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D] (float32 or float64) over one or both key groups, one softmax:
+def _table_args(table, t: int, d: int, keep: list) -> list:
+    """A table group's five C arguments (NULL and zeros for none), its tensors kept alive."""
+    if table is None:
+        return [None, None, None, 0, 0]
+    rows, idx, ok = table
+    if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != d or rows.stride(1) != 1:
+        raise ValueError(f"table rows must be [N, {d}] float32 with contiguous rows, got "
+                         f"{rows.dtype} {tuple(rows.shape)}")
+    idx, ok = idx.to(torch.int64).contiguous(), ok.to(torch.bool).contiguous()
+    if idx.dim() != 2 or idx.shape[0] != t or ok.shape != idx.shape:
+        raise ValueError(f"table idx and ok must be [{t}, K], got {tuple(idx.shape)} "
+                         f"and {tuple(ok.shape)}")
+    keep += [rows, idx, ok]
+    return [rows.data_ptr(), idx.data_ptr(), ok.data_ptr(), idx.shape[1], rows.stride(0)]
+
+
+def union_attention(q: torch.Tensor, scale: float, ring=None, table=None, sink=None,
+                    table2=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] (float32 or float64) over up to three key groups, one softmax:
         ring  = (codes [S, R, D + D / 32] uint8, slots [T] long, ok [T, R] bool): row t sees
                 ring row r of slot slots[t] where ok; each ring row's bytes contiguous (a
                 strided slot dimension is fine);
         table = (rows [N, D] float32, idx [T, K] long, ok [T, K] bool): row t sees
                 rows[idx[t, k]] where ok (a decode row's compressed entries, read in place;
                 the block store keeps them in fp32 whatever the engine's dtype);
+        table2 = a second group like table (a short chunk's window keys beside its entries);
         sink  = [H]: one more softmax column per head whose value is 0 (the model's attention
                 sink), so out is the whole attention output and no join is left to do.
     -> (out [T, H, D], lse [T, H]); a row that sees nothing gets out 0 and lse -inf (with a
@@ -209,19 +226,7 @@ def union_attention(q: torch.Tensor, scale: float, ring=None, table=None, sink=N
         keep += [codes, slots, ok]
         ring_args = [codes.data_ptr(), slots.data_ptr(), ok.data_ptr(), r, codes.stride(1),
                      codes.stride(0)]
-    table_args: list = [None, None, None, 0, 0]
-    if table is not None:
-        rows, idx, ok = table
-        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[1] != d or rows.stride(1) != 1:
-            raise ValueError(f"table rows must be [N, {d}] float32 with contiguous rows, got "
-                             f"{rows.dtype} {tuple(rows.shape)}")
-        idx, ok = idx.to(torch.int64).contiguous(), ok.to(torch.bool).contiguous()
-        if idx.dim() != 2 or idx.shape[0] != t or ok.shape != idx.shape:
-            raise ValueError(f"table idx and ok must be [{t}, K], got {tuple(idx.shape)} "
-                             f"and {tuple(ok.shape)}")
-        keep += [rows, idx, ok]
-        table_args = [rows.data_ptr(), idx.data_ptr(), ok.data_ptr(), idx.shape[1],
-                      rows.stride(0)]
+    table_args = [*_table_args(table, t, d, keep), *_table_args(table2, t, d, keep)]
     sink_ptr = None
     if sink is not None:
         if sink.numel() != h:

@@ -195,7 +195,7 @@ def ragged_union_attention(q, groups, sink, scale: float):
 
 def _c_group(g) -> bool:
     """A group the compiled CPU kernel reads in place: a ring with its MXFP8 bytes, or fp32
-    table rows (at most one of each is asked for; the engine never passes more)."""
+    table rows (at most one ring and two tables are asked for; the engine never passes more)."""
     if isinstance(g, RingKeys):
         return g.codes is not None
     return isinstance(g, TableKeys) and g.rows.dtype == torch.float32
@@ -205,17 +205,17 @@ def _c_kernel(q, mine, rest, sink, scale: float):
     """The ring and table groups by kernels/cpu_ring.py in one softmax; the rest of the
     groups (if any) and the sink joined to it by its log-sum-exp."""
     ring = next((g for g in mine if isinstance(g, RingKeys)), None)
-    table = next((g for g in mine if isinstance(g, TableKeys)), None)
-    if len(mine) > (ring is not None) + (table is not None):
-        raise ValueError("the CPU kernel takes one ring and one table group")
+    tables = [(g.rows, g.idx, g.ok) for g in mine if isinstance(g, TableKeys)]
+    if len(mine) > (ring is not None) + 2 or len(tables) > 2:
+        raise ValueError("the CPU kernel takes one ring and two table groups")
+    tables += [None] * (2 - len(tables))
     if ring is not None and max(ring.rows.host, default=-1) >= ring.codes.shape[0]:
         raise IndexError(f"a row's slot is outside the ring's {ring.codes.shape[0]} slots")
     # alone, the kernel takes the sink too: the join below (a concat, a softmax over two
     # columns and a rescale of the whole output) cost ~0.1 ms a layer at 32 rows, 1 thread
     o, lse = cpu_ring.union_attention(
         q, scale, ring=None if ring is None else (ring.codes, ring.rows.slots, ring.ok),
-        table=None if table is None else (table.rows, table.idx, table.ok),
-        sink=None if rest else sink)
+        table=tables[0], table2=tables[1], sink=None if rest else sink)
     if not rest:
         return o
     return _join(q, [g.gathered(q.dtype) if isinstance(g, TableKeys) else g for g in rest], sink,

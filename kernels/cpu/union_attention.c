@@ -12,9 +12,11 @@
    at 32 rows x 128 ring rows x 2 heads of 512, 1 thread, 0.70 -> 0.49 ms with the rest
    below; 8-row blocks instead of 16 keep the buffer well inside L1).
 
-   The second group is a decode row's compressed entries: rows of an fp32 table (the block
-   store's entries, fp32 whatever the engine's dtype) named per query row by an index, read in place where the torch
-   path would gather them into a [T, K, D] copy first and then read that twice.
+   The other groups are rows of fp32 tables named per query row by an index (at most two):
+   a decode row's compressed entries (the block store's, fp32 whatever the engine's dtype),
+   read in place where the torch path would gather them into a [T, K, D] copy first and then
+   read that twice; and a short prefill chunk's window keys (its pool of older and new rows,
+   each row's W of them named by index), so such a chunk's attention is one call too.
 
    For each query row t, its keys are the ring rows r of slot slots[t] with ring_ok[t, r] and
    the table rows idx[t, k] with idx_ok[t, k]; with v(j) a key's value (= the key: MQA)
@@ -114,12 +116,18 @@ static float hsum(vf a)
 #endif
 }
 
+/* A group of keys named per query row by index into an fp32 table: row t sees
+   rows + idx[t, k] * stride where ok[t, k], k < picks. */
+typedef struct {
+    const float *rows; const int64_t *idx; const uint8_t *ok;           /* rows: NULL = none */
+    int64_t picks, stride;
+} Table;
+
 typedef struct {
     const void *q;
     const uint8_t *codes; const int64_t *slots; const uint8_t *ring_ok;   /* codes: NULL = none */
     int64_t ring, row_bytes, slot_stride;
-    const void *table; const int64_t *idx; const uint8_t *idx_ok;       /* table: NULL = none */
-    int64_t picks, table_stride;
+    Table tab[2];
     void *out, *lse;
     const void *sink;                                                   /* NULL = none */
     int64_t first, last, heads, d;
@@ -281,9 +289,10 @@ static void part_f32(const Part *a)
             for (int64_t c = 0; c < nv; c++)
                 hs[h].acc[c] = (vf){0};
         }
-        for (int64_t n = 0; a->table && n < a->picks && n < BLOCK; n++)   /* arrive during the ring */
-            if (a->idx_ok[t * a->picks + n])
-                prefetch_row((const float *)a->table + a->idx[t * a->picks + n] * a->table_stride, d * 4);
+        const Table *first = &a->tab[0];
+        for (int64_t n = 0; first->rows && n < first->picks && n < BLOCK; n++)   /* arrive during the ring */
+            if (first->ok[t * first->picks + n])
+                prefetch_row(first->rows + first->idx[t * first->picks + n] * first->stride, d * 4);
         if (a->codes) {
             const uint8_t *slot = a->codes + a->slots[t] * a->slot_stride;
             const uint8_t *seen = a->ring_ok + t * a->ring;
@@ -302,18 +311,21 @@ static void part_f32(const Part *a)
                     feed_f32(hs, qt, heads, d, scale, rows, nb);
             }
         }
-        if (a->table) {
-            const int64_t *pick = a->idx + t * a->picks;
-            const uint8_t *seen = a->idx_ok + t * a->picks;
-            for (int64_t k = 0; k < a->picks;) {
+        for (int g = 0; g < 2; g++) {
+            const Table *tb = &a->tab[g];
+            if (!tb->rows)
+                continue;
+            const int64_t *pick = tb->idx + t * tb->picks;
+            const uint8_t *seen = tb->ok + t * tb->picks;
+            for (int64_t k = 0; k < tb->picks;) {
                 int nb = 0;
-                for (; k < a->picks && nb < BLOCK; k++)
+                for (; k < tb->picks && nb < BLOCK; k++)
                     if (seen[k])
-                        rows[nb++] = (const float *)a->table + pick[k] * a->table_stride;
+                        rows[nb++] = tb->rows + pick[k] * tb->stride;
                 /* the next block's rows (scattered over the store: no streamer finds them) */
-                for (int64_t n = k; n < a->picks && n < k + BLOCK; n++)
+                for (int64_t n = k; n < tb->picks && n < k + BLOCK; n++)
                     if (seen[n])
-                        prefetch_row((const float *)a->table + pick[n] * a->table_stride, d * 4);
+                        prefetch_row(tb->rows + pick[n] * tb->stride, d * 4);
                 if (nb)
                     feed_f32(hs, qt, heads, d, scale, rows, nb);
             }
@@ -385,10 +397,12 @@ static void part_f64(const Part *a)
                 v[i] = v32[i];
             feed_f64(acc, mx, den, qt, heads, d, a->scale, v);
         }
-        for (int64_t k = 0; a->table && k < a->picks; k++) {
-            if (!a->idx_ok[t * a->picks + k])
+        for (int g = 0; g < 2; g++)
+        for (int64_t k = 0; a->tab[g].rows && k < a->tab[g].picks; k++) {
+            const Table *tb = &a->tab[g];
+            if (!tb->ok[t * tb->picks + k])
                 continue;
-            const float *row = (const float *)a->table + a->idx[t * a->picks + k] * a->table_stride;
+            const float *row = tb->rows + tb->idx[t * tb->picks + k] * tb->stride;
             for (int64_t i = 0; i < d; i++)
                 v[i] = row[i];
             feed_f64(acc, mx, den, qt, heads, d, a->scale, v);
@@ -437,17 +451,22 @@ static int run(void (*fn)(const Part *), Part base, int64_t rows, int threads)
 /* q [rows, heads, d]. Ring group (codes NULL: none): slot s's ring row r starts at
    codes + s * slot_stride + r * row_bytes, ring_ok [rows, ring] bytes (0/1). Table group
    (table NULL: none): row i of the fp32 table starts at table + i * table_stride (floats),
-   idx and idx_ok [rows, picks]. sink [heads] (q's type; NULL: none). out [rows, heads, d],
+   idx and idx_ok [rows, picks]; a second table group likewise (table2 NULL: none), its keys
+   after the first's. sink [heads] (q's type; NULL: none). out [rows, heads, d],
    lse [rows, heads]. */
 #define UNION_ATTENTION(NAME, PART)                                                           \
 int NAME(const void *q, const uint8_t *codes, const int64_t *slots, const uint8_t *ring_ok,  \
          int64_t ring, int64_t row_bytes, int64_t slot_stride, const void *table,             \
          const int64_t *idx, const uint8_t *idx_ok, int64_t picks, int64_t table_stride,      \
+         const void *table2, const int64_t *idx2, const uint8_t *idx2_ok, int64_t picks2,     \
+         int64_t table2_stride,                                                               \
          const void *sink, void *out, void *lse, int64_t rows, int64_t heads, int64_t d,     \
          double scale, int threads)                                                           \
 {                                                                                             \
-    Part base = {q, codes, slots, ring_ok, ring, row_bytes, slot_stride, table, idx, idx_ok,  \
-                 picks, table_stride, out, lse, sink, 0, 0, heads, d, scale};                 \
+    Part base = {q, codes, slots, ring_ok, ring, row_bytes, slot_stride,                      \
+                 {{table, idx, idx_ok, picks, table_stride},                                  \
+                  {table2, idx2, idx2_ok, picks2, table2_stride}},                            \
+                 out, lse, sink, 0, 0, heads, d, scale};                                      \
     return run(PART, base, rows, threads);                                                    \
 }
 

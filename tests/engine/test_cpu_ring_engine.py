@@ -29,8 +29,10 @@ def _run(dtype, n=4, tokens=12):
 def test_decodes_take_the_kernel_and_match_the_reference(monkeypatch):
     calls = []
     real = cpu_ring.union_attention
-    monkeypatch.setattr(cpu_ring, "union_attention", lambda q, scale, ring=None, table=None, sink=None: calls.append(
-        (q.shape[0], ring is not None, table is not None)) or real(q, scale, ring, table, sink))
+    monkeypatch.setattr(cpu_ring, "union_attention",
+                        lambda q, scale, ring=None, table=None, sink=None, table2=None: calls.append(
+                            (q.shape[0], ring is not None, table is not None))
+                        or real(q, scale, ring, table, sink, table2))
     engine, cfg, seqs = _run("float64")
     # batched decode steps of all four went through it: ring alone (SWA layers) and ring plus
     # the compressed entries read in place (CSA, HCA layers)
@@ -56,6 +58,31 @@ def test_fp32_tokens_equal_the_torch_path(monkeypatch):
     boundary changes its code by 1/16 of its size, so both paths end 1e-5 to 2e-2 from
     float64 and 1e-4 to 1e-3 from each other, alike.)"""
     with_c, cfg, a = _run("float32")
+    monkeypatch.setenv("KVMESH_KERNELS", "torch")
+    plain, _, b = _run("float32")
+    for x, y in zip(a, b, strict=True):
+        assert x.output == y.output
+        err_c, err_torch = _error_vs_float64(with_c, cfg, x), _error_vs_float64(plain, cfg, y)
+        assert err_c <= 1.1 * err_torch + 1e-5, (err_c, err_torch)
+
+
+def test_fp32_prefill_chunks_take_the_kernel_with_window_keys_by_index(monkeypatch):
+    """An fp32 engine's prefill chunks (runner.PER_ROW_CHUNK): each chunk's attention is one
+    kernel call, its window keys named by index (a table group) beside its compressed entries
+    read in place (a second one); its logits are as close to float64 as the torch path's."""
+    calls = []
+    real = cpu_ring.union_attention
+
+    def spy(q, scale, ring=None, table=None, sink=None, table2=None):
+        calls.append((q.shape[0], ring is not None, table is not None, table2 is not None))
+        return real(q, scale, ring, table, sink, table2)
+
+    monkeypatch.setattr(cpu_ring, "union_attention", spy)
+    with_c, cfg, a = _run("float32")
+    chunks = [c for c in calls if c[0] > 4 and not c[1]]
+    assert any(c[2] and not c[3] for c in chunks), sorted(set(calls))       # SWA layers
+    assert any(c[2] and c[3] for c in chunks), sorted(set(calls))           # CSA, HCA layers
+    monkeypatch.setattr(cpu_ring, "union_attention", real)
     monkeypatch.setenv("KVMESH_KERNELS", "torch")
     plain, _, b = _run("float32")
     for x, y in zip(a, b, strict=True):

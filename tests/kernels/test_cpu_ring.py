@@ -182,11 +182,12 @@ def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path, caplog):
 
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("groups", ["ring+table", "table"])
+@pytest.mark.parametrize("groups", ["ring+table", "table", "table+table2", "ring+table+table2"])
 def test_table_rows_read_in_place(dtype, groups):
     """A decode row's compressed entries: fp32 table rows named per row by index (repeats and
     masked picks included), in one softmax with the ring; = the float64 reference over the
-    row's ring rows and its gathered table rows, and = the torch path over TableKeys gathered."""
+    row's ring rows and its gathered table rows. With a second table (a prefill chunk's window
+    keys by index beside its entries) its rows join the same softmax, after the first's."""
     codes, values = _ring(8)
     g = torch.Generator().manual_seed(8)
     row_slots = [2, 2, 7, 0, 5]
@@ -199,12 +200,22 @@ def test_table_rows_read_in_place(dtype, groups):
     ok = torch.rand(t, R, generator=g) < 0.7
     ok[3] = False                                                 # a row with no ring keys
     q = torch.randn(t, H, D, generator=g, dtype=dtype)
-    ring = (codes, torch.tensor(row_slots), ok) if groups == "ring+table" else None
-    got, lse = cpu_ring.union_attention(q, 0.125, ring=ring, table=(table, idx, tok))
+    ring = (codes, torch.tensor(row_slots), ok) if groups.startswith("ring") else None
+    second = None
+    if groups.endswith("table2"):
+        rows2 = torch.randn(17, D, generator=g) * 2
+        idx2 = torch.randint(0, 17, (t, 5), generator=g)
+        ok2 = torch.rand(t, 5, generator=g) < 0.5
+        ok2[2] = False                                            # row 2 still sees nothing there
+        second = (rows2, idx2, ok2)
+    got, lse = cpu_ring.union_attention(q, 0.125, ring=ring, table=(table, idx, tok), table2=second)
     keys, seen = table.double()[idx], tok
+    if second is not None:
+        keys = torch.cat([keys, rows2.double()[idx2]], 1)
+        seen = torch.cat([seen, ok2], 1)
     if ring is not None:
         keys = torch.cat([values[row_slots], keys], 1)
-        seen = torch.cat([ok, tok], 1)
+        seen = torch.cat([ok, seen], 1)
     s = torch.einsum("thd,tkd->thk", q.double(), keys) * 0.125
     s = s.masked_fill(~seen.unsqueeze(1), float("-inf"))
     want_lse = torch.logsumexp(s, -1)
