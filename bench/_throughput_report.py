@@ -91,11 +91,12 @@ def report(res: dict, before: dict | None, batches: tuple, prefill_rows_n: int) 
     print(f"\ninter-token latency, 16 decoding streams (ms): {rounds} round(s) of "
           f"{it.get('alone_steps', 20) // rounds} decode-only steps, then a {res['args']['long']}-token "
           f"prompt prefilled beside them; steps = decode-only + beside, all rounds; p99 x = "
-          f"prefill_p99 / alone_p50")
+          f"prefill_p99 / alone_p50; prompt s = the long prompt's time to first token beside the "
+          f"streams (a round's mean)")
     keys = ("alone_p50", "alone_p99", "prefill_p50", "prefill_p90", "prefill_p99", "prefill_max")
-    print(table(["run"] + list(keys) + ["p99 x", "steps"],
+    print(table(["run"] + list(keys) + ["p99 x", "prompt s", "steps"],
                 [[n] + [r["itl"].get(k, float("nan")) * 1e3 for k in keys] +
-                 [r["itl"]["prefill_p99"] / r["itl"]["alone_p50"],
+                 [r["itl"]["prefill_p99"] / r["itl"]["alone_p50"], r["itl"].get("prompt_s", float("nan")),
                   f"{r['itl'].get('alone_steps', 20)}+{r['itl']['prefill_steps']}"]
                  for n, r in cols]))
     print("\ntargets: step(32) <= 2 x step(1); decode tok/s at N=32 >= 12 x N=1; e2e at N=32 >= 5 x "

@@ -210,6 +210,7 @@ def itl(prompt_len: int, long_len: int, steps: int, repeat: int = 1) -> dict:
     out = {"alone_p50": pct(alone, 50), "alone_p99": pct(alone, 99), "alone_max": max(alone),
            "prefill_p50": pct(beside, 50), "prefill_p90": pct(beside, 90),
            "prefill_p99": pct(beside, 99), "prefill_max": max(beside),
+           "prompt_s": sum(beside) / repeat,     # the long prompt's time to its first token
            "alone_steps": len(alone), "prefill_steps": len(beside), "rounds": repeat}
     print("  ITL " + "  ".join(f"{k} {v * 1e3:.1f}" if isinstance(v, float) else f"{k} {v}"
                                for k, v in out.items()), flush=True)
