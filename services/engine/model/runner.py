@@ -230,19 +230,18 @@ class ModelRunner:
         sink = w[p + "sink"]
         o = torch.empty_like(q) if len(groups) > 1 or groups[0][0] is not None else None
         for rows, win, per_row, path, pool in groups:
-            # a short chunk on the CPU: entries per row and window keys by index, so its
-            # attention is one call of the compiled kernel (see PER_ROW_CHUNK)
-            short = pool is not None and not per_row and _short_on_cpu(rows, q, win[0]) and \
-                (m is None or (rows.stop - rows.start) * (max(step.end_ids) // m) <= PER_ROW_ENTRIES)
+            # a chunk on the CPU: entries per row and window keys by index, so its attention
+            # is one call of the compiled kernel (see PER_ROW_CHUNK)
+            by_index = pool is not None and not per_row and _by_index(rows, q, win[0], step, m)
             cmp = None if m is None else self._compressed(layer, seg, step, h, m, rows,
-                                                          per_row or short, (kind, path), pool)
+                                                          per_row or by_index, (kind, path), pool)
             if pool is not None and pool.blocks:
                 # a pool chunk's rows block by block, each to the keys it can see; the
                 # compressed part was chosen for the whole chunk and is cut to the block's rows
                 for b in pool.blocks:
                     at = slice(rows.start + b.rows.start, rows.start + b.rows.stop)
                     keys = (TableKeys(win[0], torch.arange(b.keys.start, b.keys.stop).expand(
-                        b.ok.shape[0], -1), b.ok) if short else (win[0][b.keys], b.ok))
+                        b.ok.shape[0], -1), b.ok) if by_index else (win[0][b.keys], b.ok))
                     parts = [keys] + ([] if cmp is None else [_block_rows(cmp, b.rows)])
                     o[at] = ragged_union_attention(q[at], parts, sink, self.scale)
                 continue
@@ -326,10 +325,12 @@ class ModelRunner:
         return max(step.end_ids) // m <= self.cfg.csa_topk                  # host ints: no sync
 
 
-def _short_on_cpu(rows, q, keys) -> bool:
-    """A pool chunk of at most PER_ROW_CHUNK rows whose fp32 keys the compiled CPU kernel
-    can read by index."""
-    return isinstance(rows, slice) and rows.stop - rows.start <= PER_ROW_CHUNK and \
+def _by_index(rows, q, keys, step: StepBatch, m: int | None) -> bool:
+    """A pool chunk within PER_ROW_CHUNK rows and PER_ROW_ENTRIES rows x candidates whose
+    fp32 keys the compiled CPU kernel can read by index."""
+    n = rows.stop - rows.start if isinstance(rows, slice) else PER_ROW_CHUNK + 1
+    candidates = 0 if m is None else max(step.end_ids) // m                # host ints
+    return n <= PER_ROW_CHUNK and n * candidates <= PER_ROW_ENTRIES and \
         keys.dtype == torch.float32 and keys.dim() == 2 and cpu_ring.available(q)
 
 
