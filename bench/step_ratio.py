@@ -1,0 +1,116 @@
+"""Decode step at batch 32 over batch 1, measured so that the machine's drift cancels (issue 11).
+
+The throughput bench times batch 1 and batch 32 minutes apart, and on a shared 2-core VM the
+machine's speed moves by up to 2x between them, so one run's ratio can land anywhere from
+1.7x to 2.5x. Here one process holds two engines (tiny preset, fp32, 256-token prompts, every
+sequence decoding): one with 1 sequence, one with 32. Each round times a block of steps of
+each, back to back, and keeps their ratio; the result is the median over rounds (with its
+quartiles). `--before DIR` runs the same measurement on an older checkout (a subprocess with
+PYTHONPATH=DIR), the two trees taking turns `--runs` times, and prints them side by side:
+
+    python bench/step_ratio.py [--before /old/checkout] [--runs 3] [--rounds 30] [--threads 2]
+
+Only public EngineCore calls (through bench/engine_throughput.py's helpers), so an older tree
+measures with its own engine. Writes bench/out/step_ratio.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import OUT, plot, table  # noqa: E402
+
+STEPS = 6            # steps per block; a round is one block at batch 1 and one at batch 32
+BATCHES = (1, 32)
+
+
+def measure(rounds: int) -> dict:
+    """This process's tree: {'b1_ms', 'b32_ms' (medians), 'ratio', 'q1', 'q3'}."""
+    from bench import engine_throughput as et
+
+    def decoding(b: int):
+        core = et.engine(b, 256)
+        for i in range(b):
+            core.add_request(et.prompt(256, i), et.params(10_000))
+        while not et.decoding_only(core):
+            core.step()
+        for _ in range(5):
+            core.step()
+        return core
+
+    cores = {b: decoding(b) for b in BATCHES}
+    times: dict[int, list[float]] = {b: [] for b in BATCHES}
+    ratios = []
+    for r in range(rounds):
+        for b, core in cores.items():
+            core.step()                         # the other engine's step just ran: not timed
+            t0 = time.perf_counter()
+            for _ in range(STEPS):
+                core.step()
+            times[b].append((time.perf_counter() - t0) / STEPS)
+        ratios.append(times[32][-1] / times[1][-1])
+        if (r + 1) % 10 == 0:
+            print(f"  round {r + 1}/{rounds}: ratio so far {statistics.median(ratios):.3f}",
+                  file=sys.stderr, flush=True)
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return {"b1_ms": statistics.median(times[1]) * 1e3, "b32_ms": statistics.median(times[32]) * 1e3,
+            "ratio": statistics.median(ratios), "q1": q1, "q3": q3}
+
+
+def _child(tree: Path, rounds: int, threads: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "--rounds",
+                          str(rounds), "--threads", str(threads)], cwd=tree, env=env,
+                         stdout=subprocess.PIPE, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", help="an older checkout, measured in turns with this one")
+    ap.add_argument("--runs", type=int, default=3, help="runs per tree (taking turns)")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds per run")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        print(json.dumps(measure(args.rounds)))
+        return 0
+    here = Path(__file__).resolve().parents[1]
+    trees = ([("before", Path(args.before).resolve())] if args.before else []) + [("after", here)]
+    res: dict[str, list[dict]] = {name: [] for name, _ in trees}
+    for run in range(args.runs):
+        for name, tree in trees:
+            print(f"run {run + 1}/{args.runs}: {name} ({tree})", flush=True)
+            res[name].append(_child(tree, args.rounds, args.threads))
+    print(f"\nbatch 32 / batch 1 decode step, median of {args.rounds} alternating rounds per run "
+          f"({args.threads} threads, wall clock)")
+    print(table(["tree", "run", "b1 ms", "b32 ms", "ratio", "q1", "q3"],
+                [[name, i + 1, r["b1_ms"], r["b32_ms"], r["ratio"], r["q1"], r["q3"]]
+                 for name, runs in res.items() for i, r in enumerate(runs)]))
+    for name, runs in res.items():
+        print(f"{name}: median ratio over runs {statistics.median(r['ratio'] for r in runs):.3f} "
+              f"(target <= 2)")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "step_ratio.json").write_text(json.dumps(res, indent=1))
+    path = plot(OUT / "step_ratio.png", "decode step, batch 32 / batch 1 (drift-cancelled)", "run",
+                "ratio", {name: (list(range(1, len(runs) + 1)), [r["ratio"] for r in runs])
+                          for name, runs in res.items()}, logx=False, logy=False)
+    print(f"plot: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
