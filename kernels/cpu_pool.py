@@ -23,14 +23,16 @@ from kernels import cpu_ring
 from kernels.ragged import RingAt
 
 MAX_D, MAX_M = 1024, 256      # the C file's MAX_POOL_D and MAX_M (its per-call buffers)
-# Measured when the C loop's exp was libm's scalar expf (torch's softmax is vectorized and
-# threaded): the call paid where the torch path is many small calls around little arithmetic
-# (a decode step's few groups of m = 4: 8 groups 134 -> 134 us alone, and the ~20 calls per
-# stream it replaces), not on a prefill chunk's 128 groups (1.7 ms either way) or an HCA
-# group of 128 rows (371 vs 180 us, 2 threads). Past these the torch path runs. The exp is
-# vectorized now (exp_lanes.h: 8 groups 56.7 -> 21.2 us), so these limits are conservative;
-# they were not measured again.
-MAX_GROUPS, MAX_ROWS = 32, 16          # MAX_ROWS <= MAX_M (tested): the C buffers hold them
+# MAX_GROUPS was set when the C loop's exp was libm's scalar expf (torch's softmax is
+# vectorized and threaded): the call paid where the torch path is many small calls around
+# little arithmetic (a decode step's few groups of m = 4: 8 groups 134 -> 134 us alone, and
+# the ~20 calls per stream it replaces), not on a prefill chunk's 128 groups (1.7 ms either
+# way). The exp is vectorized now (exp_lanes.h: 8 groups 56.7 -> 21.2 us), and an HCA group
+# of 128 rows, which then took 371 us against torch's 180, is the C call's too: an HCA
+# layer's feed with a completed group, 32 decoding sequences, median 766 -> 401 us (2
+# threads). Such a group completes every 128 tokens of every sequence, and beside a prompt's
+# chunks the torch path's was a step's largest spike. Past these the torch path runs.
+MAX_GROUPS, MAX_ROWS = 32, 128         # MAX_ROWS <= MAX_M (tested): the C buffers hold them
 
 
 def _ptr(t: torch.Tensor | None):

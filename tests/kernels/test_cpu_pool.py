@@ -46,7 +46,7 @@ def _torch_entries(v, z, ring, tail_at, pick, w, gid, m, index):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("m,groups", [(4, 3), (16, 2)])
+@pytest.mark.parametrize("m,groups", [(4, 3), (16, 2), (128, 1)])
 @pytest.mark.parametrize("index", [False, True])
 def test_entries_equal_the_torch_path(dtype, m, groups, index):
     v, z, ring, tail_at, pick, w, gid = _case(dtype, m, groups, seed=m + groups)
