@@ -71,9 +71,13 @@ static void pick_row(const float *q, const float *w, const float *table, int64_t
     int64_t best_j[MAX_K], n = 0;
     /* best_* sorted by score descending, ties by j ascending: j runs upward, so a new j
        enters only past a strictly smaller score */
+    for (int64_t j = 0; j < kc && j < 8; j++)
+        for (int64_t at = 0; at < di; at += 16)
+            __builtin_prefetch(table + flat[j] * stride + at);
     for (int64_t j = 0; j < kc; j++) {
-        if (j + 4 < kc)                      /* keys lie scattered over the store */
-            __builtin_prefetch(table + flat[j + 4] * stride);
+        if (j + 8 < kc)                      /* keys lie scattered over the store: every */
+            for (int64_t at = 0; at < di; at += 16)               /* line, 8 candidates ahead */
+                __builtin_prefetch(table + flat[j + 8] * stride + at);
         if (!visible[j])
             continue;
         float s = score(q, w, table + flat[j] * stride, hi, di);
