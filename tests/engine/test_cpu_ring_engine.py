@@ -80,3 +80,23 @@ def test_fp32_tokens_equal_the_torch_path(monkeypatch):
         assert x.output == y.output
         err_c, err_torch = _error_vs_float64(with_c, cfg, x), _error_vs_float64(plain, cfg, y)
         assert err_c <= 1.1 * err_torch + 1e-5, (err_c, err_torch)
+
+
+def test_which_chunks_take_the_kernel_by_index():
+    """runner._by_index: fp32 pool chunks up to PER_ROW_CHUNK rows and PER_ROW_ENTRIES rows x
+    candidates; longer ones and float64 keys keep the shared pool."""
+    from types import SimpleNamespace
+
+    from services.engine.model import runner
+
+    q32, q64 = torch.zeros(1, 2, 64), torch.zeros(1, 2, 64, dtype=torch.float64)
+    keys32, keys64 = torch.zeros(8, 64), torch.zeros(8, 64, dtype=torch.float64)
+    step = SimpleNamespace(end_ids=[4096])                     # 1024 CSA candidates at m = 4
+    rows = slice(100, 100 + runner.PER_ROW_CHUNK)
+    assert runner._by_index(rows, q32, keys32, step, None)                 # SWA: no candidates
+    assert runner._by_index(rows, q32, keys32, step, 128)
+    assert not runner._by_index(slice(0, runner.PER_ROW_CHUNK + 1), q32, keys32, step, None)
+    assert not runner._by_index(rows, q64, keys64, step, None)             # float64: the pool
+    long = SimpleNamespace(end_ids=[4 * (runner.PER_ROW_ENTRIES // runner.PER_ROW_CHUNK + 1)])
+    assert not runner._by_index(rows, q32, keys32, long, 4)                # index too large
+    assert runner._by_index(slice(0, 16), q32, keys32, long, 4)
