@@ -200,7 +200,7 @@ def union_attention(q: torch.Tensor, scale: float, ring=None, table=None, sink=N
         table = (rows [N, D] float32, idx [T, K] long, ok [T, K] bool): row t sees
                 rows[idx[t, k]] where ok (a decode row's compressed entries, read in place;
                 the block store keeps them in fp32 whatever the engine's dtype);
-        table2 = a second group like table (a short chunk's window keys beside its entries);
+        table2 = a second group like table (a prefill chunk's window keys beside its entries);
         sink  = [H]: one more softmax column per head whose value is 0 (the model's attention
                 sink), so out is the whole attention output and no join is left to do.
     -> (out [T, H, D], lse [T, H]); a row that sees nothing gets out 0 and lse -inf (with a

@@ -15,7 +15,7 @@
    The other groups are rows of fp32 tables named per query row by an index (at most two):
    a decode row's compressed entries (the block store's, fp32 whatever the engine's dtype),
    read in place where the torch path would gather them into a [T, K, D] copy first and then
-   read that twice; and a short prefill chunk's window keys (its pool of older and new rows,
+   read that twice; and a prefill chunk's window keys (its pool of older and new rows,
    each row's W of them named by index), so such a chunk's attention is one call too.
 
    For each query row t, its keys are the ring rows r of slot slots[t] with ring_ok[t, r] and
