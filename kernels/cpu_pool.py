@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_ring
-from kernels.ragged import RingAt
+from kernels.ring_rows import RingAt
 
 MAX_D, MAX_M = 1024, 256      # the C file's MAX_POOL_D and MAX_M (its per-call buffers)
 # MAX_GROUPS was set when the C loop's exp was libm's scalar expf (torch's softmax is

@@ -3,7 +3,7 @@ kernels/cpu/union_attention.c, built on first use with the machine's C compiler 
 through ctypes. Every C file in kernels/cpu/ goes into the one library (pool_groups.c: the
 compressor's group path, kernels/cpu_pool.py; mxfp8.c: MXFP8 quantization, kernels/mxfp8.py;
 gemm.c: matrix products, kernels/cpu_gemm.py; indexer_topk.c: the indexer's picks,
-kernels/cpu_indexer.py; put_rows.c: ring row writes, kernels/ragged.put_at).
+kernels/cpu_indexer.py; put_rows.c: ring row writes, kernels/ring_rows.put_at).
 
 Why a compiled kernel: a decode row reads its slot's whole window (R ring rows) every layer,
 so a batched decode step is bound by reading rings. torch has no CPU op that reads the

@@ -1,6 +1,6 @@
 """The decode step's row operations against their plain math.
 
-kernels/ragged RingAt / put_at / take_at: a step's ring places built once, then every layer
+kernels/ring_rows RingAt / put_at / take_at: a step's ring places built once, then every layer
 writes and reads rows there. Checked bit for bit against plain indexing at (slot, pos % R) on
 every kind of ring the engine has: contiguous (window mirror values and positions, block
 store entries), a view into per-slot slabs (the state pool's rings), MXFP8 bytes seen as int64
@@ -13,7 +13,7 @@ select_topk then selected_indices give."""
 import pytest
 import torch
 
-from kernels.ragged import RingAt, put_at, take_at
+from kernels.ring_rows import RingAt, put_at, take_at
 
 S, R = 5, 7
 
@@ -132,7 +132,7 @@ def test_decode_feed_facts_equal_the_general_loop(m):
     from services.engine.model import compressor
 
     g = torch.Generator().manual_seed(m)
-    for trial in range(30):
+    for _ in range(30):
         n = int(torch.randint(1, 40, (1,), generator=g))
         firsts = torch.randint(0, 3 * m + 5, (n,), generator=g).tolist()
         firsts[0] = m - 1                                  # one whose new row ends a group

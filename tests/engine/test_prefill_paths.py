@@ -5,7 +5,7 @@ long chunks' pools split into row blocks, compressor feeding without a stream co
 import pytest
 import torch
 
-from kernels.ragged import dequantize_rows
+from kernels.ring_rows import dequantize_rows
 from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
 from services.engine.model.window_mirror import WindowMirror

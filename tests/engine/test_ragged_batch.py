@@ -6,7 +6,8 @@ import torch
 
 from kernels import mxfp8
 from kernels.attention import union_attention
-from kernels.ragged import dequantize_rows, ragged_union_attention
+from kernels.ragged import ragged_union_attention
+from kernels.ring_rows import dequantize_rows
 from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
 from services.engine.model import ops

@@ -8,7 +8,8 @@ import torch
 
 from kernels import cpu_indexer, cpu_ring
 from kernels.indexer import topk_indices
-from kernels.ragged import ragged_indexer_scores, take_rows
+from kernels.ragged import ragged_indexer_scores
+from kernels.ring_rows import take_rows
 
 pytestmark = pytest.mark.skipif(cpu_ring.library(torch.zeros(1), (torch.float32,)) is None,
                                 reason="no compiled CPU library")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_pool, cpu_ring
-from kernels.ragged import RingAt
+from kernels.ring_rows import RingAt
 from services.engine.config import small_test_config
 from services.engine.model import ops
 

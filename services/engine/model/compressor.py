@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_pool
-from kernels.ragged import RingAt, put_at, take_at
+from kernels.ring_rows import RingAt, put_at, take_at
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ragged import ragged_union_attention, ring_put
+from kernels.ragged import ragged_union_attention
+from kernels.ring_rows import ring_put
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
 from services.engine.device import Uploads

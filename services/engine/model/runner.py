@@ -34,14 +34,8 @@ import torch
 
 from kernels import cpu_indexer, cpu_ring
 from kernels.indexer import indexer_scores, select_topk, selected_indices, topk_indices
-from kernels.ragged import (
-    RingKeys,
-    TableKeys,
-    put_at,
-    ragged_indexer_scores,
-    ragged_union_attention,
-    take_rows,
-)
+from kernels.ragged import RingKeys, TableKeys, ragged_indexer_scores, ragged_union_attention
+from kernels.ring_rows import put_at, take_rows
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import ModelConfig
@@ -240,8 +234,8 @@ class ModelRunner:
                 # compressed part was chosen for the whole chunk and is cut to the block's rows
                 for b in pool.blocks:
                     at = slice(rows.start + b.rows.start, rows.start + b.rows.stop)
-                    keys = (TableKeys(win[0], torch.arange(b.keys.start, b.keys.stop).expand(
-                        b.ok.shape[0], -1), b.ok) if by_index else (win[0][b.keys], b.ok))
+                    keys = (TableKeys(win[0], _band(step, b), b.ok) if by_index
+                            else (win[0][b.keys], b.ok))
                     parts = [keys] + ([] if cmp is None else [_block_rows(cmp, b.rows)])
                     o[at] = ragged_union_attention(q[at], parts, sink, self.scale)
                 continue
@@ -332,6 +326,14 @@ def _by_index(rows, q, keys, step: StepBatch, m: int | None) -> bool:
     candidates = 0 if m is None else max(step.end_ids) // m                # host ints
     return n <= PER_ROW_CHUNK and n * candidates <= PER_ROW_ENTRIES and \
         keys.dtype == torch.float32 and keys.dim() == 2 and cpu_ring.available(q)
+
+
+def _band(step: StepBatch, b) -> torch.Tensor:
+    """[rows, keys] pool indices of a pool block's keys (b.keys) for each of its rows (b.ok
+    masks them): the same for every layer, so built once per step."""
+    n = b.ok.shape[0]
+    return step.once(("band", b.keys.start, b.keys.stop, n), lambda: torch.arange(
+        b.keys.start, b.keys.stop, device=b.ok.device).expand(n, -1).contiguous())
 
 
 def _block_rows(group, rows: slice):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ragged import RingAt, dequantize_rows, put_at, take_rows
+from kernels.ring_rows import RingAt, dequantize_rows, put_at, take_rows
 
 NOWHERE = -(1 << 62)     # no real or masked (negative) position ever equals this
 

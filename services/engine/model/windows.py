@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ragged import RingAt, SlotRows
+from kernels.ragged import SlotRows
+from kernels.ring_rows import RingAt
 from services.engine.model.batch import Segments, StepBatch
 
 # Works with at most this many rows gather each row's W window keys by index; longer
