@@ -69,6 +69,8 @@ class TextStream:
         self.tok = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self._context = 0      # HF: ids[_context:_shown] are decoded again as left context
+        self._shown = 0        # HF: ids[:_shown] are in text
         if isinstance(tokenizer, ByteTokenizer):
             self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -77,10 +79,17 @@ class TextStream:
         if isinstance(self.tok, ByteTokenizer):
             delta = self._dec.decode(self.tok.decode_bytes(ids))
         else:
-            full = self.tok.decode(self.ids)
-            if full.endswith("\ufffd"):  # wait for the rest of a character
+            # Only the tokens since the last text, after the ones that gave it: a token's
+            # text can depend on its left neighbour (a word's leading space, a character
+            # split over byte tokens), and decoding that neighbour too and keeping what
+            # follows its text gives what a decode of every id gives. Decoding every id on
+            # every push made a long generation's text quadratic in its length.
+            before = self.tok.decode(self.ids[self._context : self._shown])
+            after = self.tok.decode(self.ids[self._context :])
+            if after.endswith("\ufffd"):  # wait for the rest of a character
                 return ""
-            delta = full[len(self.text):]
+            delta = after[len(before):]
+            self._context, self._shown = self._shown, len(self.ids)
         self.text += delta
         return delta
 

@@ -144,3 +144,59 @@ def test_draw_batch_equals_one_draw_per_row():
     # one greedy row alone is drawn as ever
     parts, where = draw_batch(rows[:2])
     assert len(parts) == 2 and [read_ids(parts)[p][j] for p, j in where] == want[:2]
+
+
+def _byte_level_bpe(tmp_path):
+    """A small byte-level BPE (the kind DeepSeek and GPT-2 ship), trained here offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    corpus = ["héllo wörld ✓ the quick brown fox 日本語のテキスト", "naïve café déjà vu ☃ 🎉"] * 20
+    t.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.save(str(tmp_path / "tokenizer.json"))
+    return HFTokenizer(tmp_path / "tokenizer.json"), corpus
+
+
+def test_hf_stream_gives_the_deltas_of_decoding_every_id(tmp_path):
+    """The stream decodes only its last tokens and their left neighbours; its deltas are,
+    push by push, those of decoding the whole list each time (the earlier implementation,
+    written out here), on text cut anywhere and on arbitrary ids (broken characters)."""
+    import random
+
+    hf, corpus = _byte_level_bpe(tmp_path)
+
+    def decode_everything(ids):
+        text, out = "", []
+        for i in range(1, len(ids) + 1):
+            full = hf.decode(ids[:i])
+            delta = "" if full.endswith("\ufffd") else full[len(text):]
+            text += delta
+            out.append(delta)
+        return out
+
+    rng = random.Random(0)
+    for trial in range(400):
+        if trial % 2:
+            ids = [rng.randrange(hf.vocab_size) for _ in range(rng.randrange(1, 30))]
+        else:
+            src = rng.choice(corpus)
+            at = rng.randrange(len(src))
+            ids = hf.encode(src[at : at + rng.randrange(1, 40)])
+        stream = hf.stream()
+        assert [stream.push([i]) for i in ids] == decode_everything(ids), ids
+
+
+def test_hf_stream_work_per_token_does_not_grow_with_the_text(tmp_path):
+    hf, corpus = _byte_level_bpe(tmp_path)
+    ids = hf.encode(" ".join(corpus))
+    assert len(ids) > 300
+    decoded = []
+    plain = hf.decode
+    hf.decode = lambda xs: (decoded.append(len(xs)), plain(xs))[1]
+    stream = hf.stream()
+    text = "".join(stream.push([i]) for i in ids)
+    assert text == plain(ids)
+    assert max(decoded) <= 8, "a push decoded more than the last few tokens"

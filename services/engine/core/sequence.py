@@ -43,6 +43,43 @@ from typing import Any
 from services.engine.core.sampling import SamplingParams
 
 
+class TokenView:
+    """Lists read as one (a sequence's prompt, output and drafts), without joining them: a
+    step's work slices the few tokens it computes (a decode row's one), where joining
+    copied the whole context of every sequence on every step."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, *parts: list[int]):
+        self._parts = parts
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._parts)
+
+    def __getitem__(self, at: int | slice) -> int | list[int]:
+        if not isinstance(at, slice):
+            n = len(self)
+            i = at + n if at < 0 else at
+            if not 0 <= i < n:
+                raise IndexError(f"token {at} of {n}")
+            for p in self._parts:
+                if i < len(p):
+                    return p[i]
+                i -= len(p)
+        start, stop, stride = at.indices(len(self))
+        if stride != 1:
+            return self.list()[at]
+        out: list[int] = []
+        for p in self._parts:
+            if start < stop and start < len(p):
+                out += p[start : min(stop, len(p))]
+            start, stop = max(0, start - len(p)), stop - len(p)
+        return out
+
+    def list(self) -> list[int]:
+        return [t for p in self._parts for t in p]
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import mxfp8
+from kernels import cpu_rows, mxfp8
 from kernels.cpu_gemm import matmul as mm
 from kernels.pooling import gated_pool
 from services.engine.config import ModelConfig
@@ -16,6 +16,9 @@ from services.engine.model.weights import Weights
 
 
 def rms_norm(x, weight, eps: float):
+    out = cpu_rows.rms_norm(x, weight, eps)          # one C call on the CPU (not under autograd)
+    if out is not None:
+        return out
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
@@ -36,6 +39,8 @@ def rope(x, pos, cfg: ModelConfig, angles=None, in_place: bool = False):
     r = cfg.rope_dim
     half = r // 2
     cos, sin = angles if angles is not None else rope_angles(pos, cfg, x.dtype)
+    if in_place and cpu_rows.rope_(x, cos, sin, r):                # one C call on the CPU
+        return x
     if x.dim() == pos.dim() + 2:                                   # per-head x: [..., H, D]
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     keep, rot = x[..., :-r], x[..., -r:]

@@ -28,6 +28,7 @@ scatters/gathers run for all works at once. Only snapshot capture loops, over th
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +67,7 @@ PER_ROW_ENTRIES = 1 << 21
 class Work:
     slot: int
     table: list[int]
-    tokens: list[int]          # tokens[start:end] are computed
+    tokens: Sequence[int]      # tokens[start:end] are computed (a list or a TokenView)
     start: int
     end: int
     enc_lo: int = 0            # encoder SWA lower bound (bounded replay start)
@@ -129,11 +130,12 @@ class ModelRunner:
 
         if logit_rows is not None:
             logits = ops.logits(self.w, x[logit_rows], cfg)
+            rows = logits.unbind(0)            # every row's view in one call, not one each
             at = 0
             for i, wk in enumerate(works):
                 if wk.want_logits:
                     n = wk.n_logits
-                    result.logits[i] = logits[at] if n == 1 else logits[at : at + n]
+                    result.logits[i] = rows[at] if n == 1 else logits[at : at + n]
                     at += n
         return result
 
