@@ -66,14 +66,22 @@ class TokenView:
                 if i < len(p):
                     return p[i]
                 i -= len(p)
-        start, stop, stride = at.indices(len(self))
-        if stride != 1:
-            return self.list()[at]
-        out: list[int] = []
+        start, stop = at.start, at.stop
+        if at.step is not None or start is None or stop is None or start < 0 or stop < 0:
+            start, stop, stride = at.indices(len(self))         # the general case
+            if stride != 1:
+                return self.list()[at]
+        out: list[int] = []                # a step's case, [start, end): a few ops a part
         for p in self._parts:
-            if start < stop and start < len(p):
-                out += p[start : min(stop, len(p))]
-            start, stop = max(0, start - len(p)), stop - len(p)
+            if stop <= 0:
+                break
+            n = len(p)
+            if start < n:
+                out += p[start:stop]
+                start = 0
+            else:
+                start -= n
+            stop -= n
         return out
 
     def list(self) -> list[int]:
