@@ -57,15 +57,19 @@ class TokenView:
         return sum(len(p) for p in self._parts)
 
     def __getitem__(self, at: int | slice) -> int | list[int]:
-        if not isinstance(at, slice):
-            n = len(self)
-            i = at + n if at < 0 else at
-            if not 0 <= i < n:
-                raise IndexError(f"token {at} of {n}")
-            for p in self._parts:
-                if i < len(p):
-                    return p[i]
-                i -= len(p)
+        if isinstance(at, slice):
+            return self._slice(at)
+        n = len(self)
+        i = at + n if at < 0 else at
+        if not 0 <= i < n:
+            raise IndexError(f"token {at} of {n}")
+        for p in self._parts:
+            if i < len(p):
+                return p[i]
+            i -= len(p)
+        raise AssertionError("unreachable: i < len(self)")
+
+    def _slice(self, at: slice) -> list[int]:
         start, stop = at.start, at.stop
         if at.step is not None or start is None or stop is None or start < 0 or stop < 0:
             start, stop, stride = at.indices(len(self))         # the general case
