@@ -24,6 +24,9 @@ printed with its standard error. growth = cost(b) - cost(1): what the piece adds
                mirror rows only (which the compiled kernel does not read)
     quantize   MXFP8 quantization of each layer's new kv rows (ops.quantize_kv)
     ffn        the feed-forward block (ops.ffn)
+    torch-rows RMS norm and RoPE through torch's ops instead of their C calls (kernels/cpu_rows:
+               the stand-in is the torch path, not nothing, so a negative cost is what the C
+               calls save)
 
     python bench/engine_step_costs.py [--batches 1,32] [--pieces attention,entries] [--pairs 12]
 """
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels.cpu_pool as cpu_pool  # noqa: E402
 import kernels.cpu_ring as cpu_ring  # noqa: E402
+import kernels.cpu_rows as cpu_rows  # noqa: E402
 import kernels.ragged as ragged  # noqa: E402
 import services.engine.model.compressor as compressor  # noqa: E402
 import services.engine.model.runner as runner  # noqa: E402
@@ -52,7 +56,7 @@ from bench.engine_throughput import decoding_only, engine, params, prompt  # noq
 from services.engine.model import ops  # noqa: E402
 
 PIECES = ("attention", "entries", "csa", "hca", "feed", "feed-mm", "feed-ring", "feed-pool", "writes", "mirror",
-          "quantize", "ffn")
+          "quantize", "ffn", "torch-rows")
 
 
 def _no_ring_attention(q, ring, scale):
@@ -115,6 +119,7 @@ def patches(piece: str) -> list[tuple[object, str, object]]:
         "mirror": [(window_mirror, "put_at", nothing)],
         "quantize": [(ops, "quantize_kv", _no_quantize)],
         "ffn": [(ops, "ffn", lambda w, layer, x, cfg: torch.zeros_like(x))],
+        "torch-rows": [(cpu_rows, "rms_norm", nothing), (cpu_rows, "rope_", lambda *a: False)],
     }[piece]
 
 
