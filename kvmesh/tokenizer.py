@@ -68,7 +68,7 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self._pieces: list[str] = []   # the text's deltas, joined only when `text` is read
         self._context = 0      # HF: ids[_context:_shown] are decoded again as left context
         self._shown = 0        # HF: ids[:_shown] are in text
         if isinstance(tokenizer, ByteTokenizer):
@@ -90,8 +90,17 @@ class TextStream:
                 return ""
             delta = after[len(before):]
             self._context, self._shown = self._shown, len(self.ids)
-        self.text += delta
+        if delta:
+            self._pieces.append(delta)
         return delta
+
+    @property
+    def text(self) -> str:
+        """Everything decoded so far. Joined on reading (and kept joined), not on each push:
+        `text += delta` copied the whole text for every token."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
 
 Tokenizer = ByteTokenizer | HFTokenizer

@@ -101,3 +101,52 @@ def test_engine_stops_at_a_stop_string(h):  # noqa: F811
     cut = h.run(run([stop]))
     assert "".join(m.text for m in cut) == full[: full.find(stop)]
     assert cut[-1].finish_reason != 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(stops=st.lists(st.text(ALPHABET, min_size=1, max_size=4), max_size=3),
+       text=st.text(ALPHABET, min_size=1, max_size=30), max_tokens=st.integers(1, 40))
+def test_output_sends_what_a_plain_search_allows(stops, text, max_tokens):
+    """OutputState (the engine's per-request text state) keeps only the unsent text; after
+    every token, what it has sent is what a search of the whole text allows: everything
+    before the first stop string (then STOP), or everything at max_tokens (LENGTH), or
+    everything but the longest end that may still begin a stop string."""
+    from kvmesh.tokenizer import ByteTokenizer
+    from services.engine.core.output import OutputState
+    from services.engine.core.sampling import SamplingParams
+    from services.engine.core.sequence import Finish
+
+    tok = ByteTokenizer()
+    ids = tok.encode(text)                    # é is two byte tokens: split characters too
+    out = OutputState(SamplingParams(max_tokens=max_tokens, stop=stops), tok.eos_id, tok.stream())
+    sent = ""
+    for n, token in enumerate(ids, start=1):
+        delta, finish = out.push(token, n)
+        sent += delta
+        full = tok.decode(ids[:n]).rstrip("\ufffd")
+        hit = plain_first_match(full, 0, stops)
+        if hit is not None:
+            assert (sent, finish) == (full[: hit[0] - hit[1]], Finish.STOP)
+            return
+        if n >= max_tokens:
+            assert (sent, finish) == (full, Finish.LENGTH)
+            return
+        assert finish is None and sent == full[: len(full) - plain_hold(full, stops)]
+
+
+def test_output_never_reads_the_whole_text():
+    """A push costs what its token costs: the stream's whole text is never joined for it."""
+    from kvmesh.tokenizer import ByteTokenizer, TextStream
+    from services.engine.core.output import OutputState
+    from services.engine.core.sampling import SamplingParams
+
+    tok = ByteTokenizer()
+    out = OutputState(SamplingParams(max_tokens=10_000, stop=["zzz"]), tok.eos_id, tok.stream())
+    reads = []
+    real = TextStream.text
+    TextStream.text = property(lambda self: reads.append(1) or real.fget(self))
+    try:
+        sent = "".join(out.push(t, n)[0] for n, t in enumerate(tok.encode("ab z" * 500), 1))
+    finally:
+        TextStream.text = real
+    assert sent == ("ab z" * 500)[:-1] and not reads      # the last "z" may begin "zzz"

@@ -23,8 +23,10 @@ class OutputState:
     params: SamplingParams
     eos_id: int | None
     stream: TextStream
-    sent: int = 0                       # characters of stream.text already sent
-    done_text: str | None = None        # final text once a stop string matched
+    # the text produced but not sent yet: what may still be the start of a stop string (at
+    # most the longest stop string) and this token's characters. A push reads only this,
+    # never the whole text (copying or slicing that made a long generation quadratic)
+    held: str = ""
     pending_ids: list[int] = field(default_factory=list)
     stops: StopMatcher = field(init=False)   # built from params.stop
 
@@ -39,9 +41,11 @@ class OutputState:
         if any((t == self.eos_id and not p.ignore_eos) or t in p.stop_token_ids for t in tokens):
             raise InvalidArgument("resumed output contains an end token: it already finished")
         self.stream.push(tokens)
-        if self.stops.feed(self.stream.text) is not None:
+        text = self.stream.text
+        if self.stops.feed(text) is not None:
             raise InvalidArgument("resumed output contains a stop string: it already finished")
-        self.sent = len(self.stream.text) - self.stops.hold
+        hold = self.stops.hold
+        self.held = text[len(text) - hold :] if hold else ""
 
     def push(self, token: int, n_generated: int) -> tuple[str, Finish | None]:
         """Feed one sampled token; return (text delta, finish reason or None)."""
@@ -49,23 +53,22 @@ class OutputState:
         if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
             return self._flush(), Finish.STOP
         new = self.stream.push([token])
-        text = self.stream.text
+        held = self.held + new
         hit = self.stops.feed(new)
         if hit is not None:
             end, length = hit
-            at = len(text) - len(new) + end - length   # where the stop string starts
-            delta = text[self.sent : at]
-            self.sent = at
-            return delta, Finish.STOP
-        finish = Finish.LENGTH if n_generated >= p.max_tokens else None
-        if finish:
-            return self._flush(), finish
-        end = len(text) - self.stops.hold
-        delta = text[self.sent : end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return delta, None
+            at = len(held) - len(new) + end - length   # where the stop string starts
+            self.held = ""                             # it and what follows are never sent
+            return held[:at], Finish.STOP
+        if n_generated >= p.max_tokens:
+            self.held = held
+            return self._flush(), Finish.LENGTH
+        # a stop string's possible start is held: the largest match state, which never
+        # reaches past the held characters (it grows by one a character)
+        end = max(0, len(held) - self.stops.hold)
+        self.held = held[end:]
+        return held[:end], None
 
     def _flush(self) -> str:
-        delta = self.stream.text[self.sent :]
-        self.sent = len(self.stream.text)
+        delta, self.held = self.held, ""
         return delta
