@@ -24,13 +24,12 @@ CHOICES = ("torch", "triton")
 
 
 # os.environ.get costs ~0.8 us (the key is encoded and the value decoded by Python code), and
-# every kernel call asks (~150 a decode step): on CPython for POSIX the mapping keeps its
-# bytes in `_data`, which setenv, monkeypatch and os.environ's own writes all update, so one
-# dict lookup there reads the same value (0.03 us). Elsewhere the plain lookup.
-_RAW = getattr(os.environ, "_data", None)
+# every kernel call asks (~150 a decode step): where the environment is bytes (POSIX),
+# CPython's mapping keeps them in `_data`, which setenv, monkeypatch and os.environ's own
+# writes all update, so one dict lookup there reads the same value (0.03 us). Elsewhere the
+# plain lookup.
+_RAW: dict | None = getattr(os.environ, "_data", None) if os.supports_bytes_environ else None
 _RAW_KEY = b"KVMESH_KERNELS"
-if not isinstance(_RAW, dict) or not all(isinstance(k, bytes) for k in list(_RAW)[:1]):
-    _RAW = None
 
 
 def forced() -> str | None:

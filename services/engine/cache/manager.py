@@ -302,7 +302,7 @@ class CacheManager:
         seq.num_computed = new_computed
         bs, fresh = self.cfg.block_size, []
         while len(seq.hashes) < new_computed // bs:      # a block completed (one step in bs)
-            k, tokens = len(seq.hashes), seq.tokens
+            k, tokens = len(seq.hashes), seq.token_view()
             if seq.lineage and k * bs >= seq.cmp_from:
                 # computed after a bounded replay, isolated: chained off the hashes this
                 # sequence registered, under a salt no exact request uses

@@ -44,7 +44,7 @@ from services.engine.core.mtp_draft import MtpDrafter
 from services.engine.core.output import OutputState
 from services.engine.core.sampling import SamplingParams, draw_batch, read_ids, sample
 from services.engine.core.scheduler import Scheduler
-from services.engine.core.sequence import Finish, Sequence, TokenView
+from services.engine.core.sequence import Finish, Sequence
 from services.engine.core.speculative import Speculator, engine_setting
 from services.engine.model import mtp
 from services.engine.model.mtp_runner import MtpRunner
@@ -219,7 +219,7 @@ class EngineCore:
 
     def _work(self, seq: Sequence, start: int, end: int, drafts: list[int] = ()) -> Work:
         # a view, not prompt + output: the step reads only tokens[start:end]
-        work = Work(seq.slot, seq.table, TokenView(seq.prompt, seq.output, drafts), start,
+        work = Work(seq.slot, seq.table, seq.token_view(drafts), start,
                     end + len(drafts), enc_lo=seq.enc_lo, dec_lo=seq.dec_lo, cmp_from=seq.cmp_from,
                     want_logits=end == seq.num_tokens, n_logits=1 + len(drafts),
                     owner=(seq.request_id, seq.admitted_at),

@@ -27,7 +27,6 @@ class OutputState:
     # most the longest stop string) and this token's characters. A push reads only this,
     # never the whole text (copying or slicing that made a long generation quadratic)
     held: str = ""
-    pending_ids: list[int] = field(default_factory=list)
     stops: StopMatcher = field(init=False)   # built from params.stop
 
     def __post_init__(self) -> None:

@@ -94,10 +94,8 @@ class Scheduler:
             if seq.num_computed == seq.num_tokens:     # rolled back past its sampled token
                 self.cache.reopen(seq)
             budget -= seq.num_tokens - seq.num_computed
-        # membership by identity in sets: `seq in list` made these loops quadratic in the batch
-        decoding_ids = {id(s) for s in decoding}
-        for seq in list(self.running):
-            if id(seq) not in decoding_ids or seq.status is not Status.RUNNING:
+        for seq in decoding:           # the running order; some may be preempted on the way
+            if seq.status is not Status.RUNNING:
                 continue
             k = min((drafts or {}).get(seq.request_id, 0), max(0, budget))
             if self._make_room(seq, seq.num_tokens + k, plan):
@@ -110,11 +108,11 @@ class Scheduler:
         cap = self.costs.prefill_cap(rows)
         if cap is not None:            # the rest of the budget is prefill work: keep the step short
             budget = min(budget, cap)
-        planned = {id(s) for s in plan.decode}
+        planned = set(plan.decode)     # a set: `seq in list` was quadratic in the batch
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq.status is Status.RUNNING and seq.prefilling and id(seq) not in planned:
+            if seq.status is Status.RUNNING and seq.prefilling and seq not in planned:
                 budget -= self._plan_chunk(seq, budget, plan)
         while self.waiting and budget > 0 and len(self.running) < self.ecfg.max_running:
             seq = self.waiting[0]

@@ -37,13 +37,14 @@ What the cache fields say about the two ledgers:
 from __future__ import annotations
 
 import enum
+from collections import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from services.engine.core.sampling import SamplingParams
 
 
-class TokenView:
+class TokenView(abc.Sequence[int]):
     """Lists read as one (a sequence's prompt, output and drafts), without joining them: a
     step's work slices the few tokens it computes (a decode row's one), where joining
     copied the whole context of every sequence on every step."""
@@ -55,6 +56,12 @@ class TokenView:
 
     def __len__(self) -> int:
         return sum(len(p) for p in self._parts)
+
+    @overload
+    def __getitem__(self, at: int) -> int: ...
+
+    @overload
+    def __getitem__(self, at: slice) -> list[int]: ...
 
     def __getitem__(self, at: int | slice) -> int | list[int]:
         if isinstance(at, slice):
@@ -145,6 +152,11 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def token_view(self, *more: list[int]) -> TokenView:
+        """prompt + output (and `more`, e.g. drafts) to slice or measure without building the
+        joined list `tokens` builds: a step reads a few of them, a completed block 128."""
+        return TokenView(self.prompt, self.output, *more)
 
     @property
     def num_tokens(self) -> int:
