@@ -143,6 +143,10 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, ctypes.c_int]
             fn.restype = ctypes.c_int
+        for name in ("gemm_packed_f32", "gemm_packed_f64"):
+            fn = getattr(lib, name)
+            fn.argtypes = [p, i64, p, p, i64, i64, i64, i64, ctypes.c_int]
+            fn.restype = ctypes.c_int
         lib.put_rows.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, i64]
         lib.put_rows.restype = i64
         for name in ("rms_norm_f32", "rms_norm_f64"):

@@ -109,19 +109,23 @@ static void FN(row_stream)(const T *a, const T *w, int64_t ldw, T *out, int64_t 
 
 /* Rows [r0, r1) x column tiles [t0, t1), ROW_BLOCK rows at a time: a tile's w panel is read
    from memory once and from L1/L2 for the next rows, and the block's rows of a stay near
-   while every tile passes over them. */
-static void FN(block)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out, int64_t ldo,
-                      int64_t k, int64_t n, int64_t r0, int64_t r1, int64_t t0, int64_t t1)
+   while every tile passes over them. Tile t's weights start at w + t * tstride, one k row
+   every ldw elements: tstride = TCOLS and ldw = n's row length for w as stored ([k, n]),
+   tstride = k * TCOLS and ldw = TCOLS for packed panels (FN(gemm_packed)). */
+static void FN(block)(const T *a, int64_t lda, const T *w, int64_t ldw, int64_t tstride, T *out,
+                      int64_t ldo, int64_t k, int64_t n, int64_t r0, int64_t r1, int64_t t0,
+                      int64_t t1)
 {
     for (int64_t i0 = r0; i0 < r1; i0 += ROW_BLOCK) {
         int64_t i1 = i0 + ROW_BLOCK < r1 ? i0 + ROW_BLOCK : r1;
         for (int64_t t = t0; t < t1; t++) {
             int64_t j = t * TCOLS;
+            const T *wt = w + t * tstride;
             MASK m0 = FN(mask_of)(n - j), m1 = FN(mask_of)(n - j - L);
             for (int64_t i = i0; i < i1; i += 8) {
                 int64_t r = i1 - i < 8 ? i1 - i : 8;
                 for (int64_t k0 = 0; k0 < k; k0 += K_CHUNK)
-                    FN(tiles)[r](a + i * lda + k0, lda, w + k0 * ldw + j, ldw, out + i * ldo + j,
+                    FN(tiles)[r](a + i * lda + k0, lda, wt + k0 * ldw, ldw, out + i * ldo + j,
                                  ldo, k - k0 < K_CHUNK ? k - k0 : K_CHUNK, m0, m1, k0 > 0);
             }
         }
@@ -130,16 +134,19 @@ static void FN(block)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out, 
 
 /* The threads split the column tiles, or, where there are fewer tiles than threads (a
    narrow w: the indexer's weights, a prefill chunk's narrow projections), the rows in
-   blocks of 8. One row streams w's rows (row_stream) on one thread. */
-int FN(gemm)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out, int64_t ldo, int64_t m,
-             int64_t k, int64_t n, int threads)
+   blocks of 8. One row of w as stored streams w's rows (row_stream) on one thread; one row
+   of packed panels takes the tiles (each panel is one stream already). */
+static int FN(run)(const T *a, int64_t lda, const T *w, int64_t ldw, int packed, T *out,
+                   int64_t ldo, int64_t m, int64_t k, int64_t n, int threads)
 {
     if (m < 0 || k < 0 || n < 0)
         return 2;
     if (m == 0 || n == 0)
         return 0;
-    int64_t width = m == 1 ? L : TCOLS;
+    int stream = m == 1 && !packed;
+    int64_t width = stream ? L : TCOLS;
     int64_t tiles = (n + width - 1) / width, row_blocks = (m + 7) / 8;
+    int64_t tstride = packed ? k * TCOLS : TCOLS;
     int by_rows = tiles < threads && row_blocks > tiles;
     int64_t parts = by_rows ? row_blocks : tiles;
     if (threads > parts)
@@ -151,16 +158,32 @@ int FN(gemm)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out, int64_t l
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int i = 0; i < threads; i++) {
         int64_t p0 = parts * i / threads, p1 = parts * (i + 1) / threads;
-        if (m == 1) {
+        if (stream) {
             FN(row_stream)(a, w, ldw, out, k, p0 * L, p1 * L < n ? p1 * L : n);
         } else if (by_rows) {
             int64_t r1 = 8 * p1 < m ? 8 * p1 : m;
-            FN(block)(a, lda, w, ldw, out, ldo, k, n, 8 * p0, r1, 0, tiles);
+            FN(block)(a, lda, w, ldw, tstride, out, ldo, k, n, 8 * p0, r1, 0, tiles);
         } else {
-            FN(block)(a, lda, w, ldw, out, ldo, k, n, 0, m, p0, p1);
+            FN(block)(a, lda, w, ldw, tstride, out, ldo, k, n, 0, m, p0, p1);
         }
     }
     return 0;
+}
+
+/* out[m, n] = a[m, k] @ w[k, n], w as stored (row-major, ldw elements a row). */
+int FN(gemm)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out, int64_t ldo, int64_t m,
+             int64_t k, int64_t n, int threads)
+{
+    return FN(run)(a, lda, w, ldw, 0, out, ldo, m, k, n, threads);
+}
+
+/* The same product over w packed as panels [ceil(n / TCOLS)][k][TCOLS] (kernels/cpu_gemm.py
+   packs the model's weights once): the same FMA chains, so the same bits, but each tile reads
+   one contiguous stream instead of 2 * L elements out of every row of w. */
+int FN(gemm_packed)(const T *a, int64_t lda, const T *panels, T *out, int64_t ldo, int64_t m,
+                    int64_t k, int64_t n, int threads)
+{
+    return FN(run)(a, lda, panels, TCOLS, 1, out, ldo, m, k, n, threads);
 }
 
 #undef TCOLS

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import cpu_indexer, cpu_ring
+from kernels import cpu_gemm, cpu_indexer, cpu_ring
 from kernels.indexer import indexer_scores, select_topk, selected_indices, topk_indices
 from kernels.ragged import RingKeys, TableKeys, ragged_indexer_scores, ragged_union_attention
 from kernels.ring_rows import put_at, take_rows
@@ -97,6 +97,9 @@ class ModelRunner:
             raise ValueError(f"dec_mode must be compact or mask, not {dec_mode!r}")
         self.cfg, self.w, self.states, self.blocks = cfg, weights, states, blocks
         self.dec_mode = dec_mode
+        # the products read the weights as column panels (kernels/cpu_gemm.py: same bits,
+        # contiguous streams); packed on first use, so an unused 2-D tensor costs nothing
+        cpu_gemm.prefer_packed(weights.values())
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.inference_ring = states.block.inference_ring
         self.device = weights["embed"].device      # where the pools live too (EngineCore)

@@ -1,0 +1,123 @@
+"""Packed weight panels (kernels/cpu_gemm.py prefer_packed / pack, gemm_packed_* in
+kernels/cpu/gemm_body.h): the same bits as the weight as stored, a layout that is what the
+docstring says, and a packed copy that follows its weight (in-place changes, its lifetime)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from kernels import cpu_gemm, cpu_ring
+
+pytestmark = pytest.mark.skipif(cpu_ring.library(torch.zeros(1), (torch.float32,)) is None,
+                                reason="no compiled CPU library")
+
+
+class _Counting:
+    """The library with its packed and as-stored products counted."""
+
+    def __init__(self, lib):
+        self.lib, self.packed, self.stored = lib, 0, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+        if not name.startswith("gemm_"):
+            return fn
+
+        def counted(*args):
+            if name.startswith("gemm_packed"):
+                self.packed += 1
+            else:
+                self.stored += 1
+            return fn(*args)
+        return counted
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    box = _Counting(cpu_ring.load())
+    monkeypatch.setattr(cpu_ring, "load", lambda: box)
+    return box
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("m", [1, 2, 8, 9, 32, 33, 130])
+@pytest.mark.parametrize("k,n", [(1, 5), (7, 33), (128, 1024), (128, 2), (128, 260),
+                                 (300, 17), (1024, 128)])
+def test_packed_equals_as_stored_bit_for_bit(dtype, m, k, n, counted):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g, dtype=dtype)
+    w = torch.randn(k, n, generator=g, dtype=dtype)
+    stored = cpu_gemm.matmul(x, w)
+    assert (counted.stored, counted.packed) == (1, 0)
+    cpu_gemm.prefer_packed([w])
+    was = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = cpu_gemm.matmul(x, w)
+            assert torch.equal(got, stored), f"threads {threads}"
+    finally:
+        torch.set_num_threads(was)
+    assert (counted.stored, counted.packed) == (1, 2)
+
+
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 32), (torch.float64, 16)])
+def test_panel_layout(dtype, width):
+    k, n = 5, 2 * width + 3
+    w = torch.arange(k * n, dtype=dtype).view(k, n)
+    p = cpu_gemm.pack(w)
+    assert p.shape == (3, k, width) and p.is_contiguous()
+    for t in range(3):
+        for c in range(width):
+            col = t * width + c
+            want = w[:, col] if col < n else torch.zeros(k, dtype=dtype)
+            assert torch.equal(p[t, :, c], want), (t, c)
+
+
+def test_an_in_place_change_repacks(counted):
+    x, w = torch.randn(4, 64), torch.randn(64, 40)
+    cpu_gemm.prefer_packed([w])
+    first = cpu_gemm.matmul(x, w)
+    w.mul_(-0.5)
+    after = cpu_gemm.matmul(x, w)
+    assert torch.equal(after, cpu_gemm.matmul(x, w.clone()))   # an unmarked copy: as stored
+    assert not torch.equal(after, first)
+    assert counted.packed == 2 and counted.stored == 1
+
+
+def test_only_marked_2d_float_cpu_tensors_are_packed():
+    x = torch.randn(3, 16)
+    plain, vec, ints = torch.randn(16, 8), torch.randn(16), torch.ones(16, 8, dtype=torch.int64)
+    before = len(cpu_gemm._packed)
+    cpu_gemm.prefer_packed([vec, ints])
+    assert len(cpu_gemm._packed) == before
+    cpu_gemm.matmul(x, plain)
+    assert id(plain) not in cpu_gemm._packed
+
+
+def test_the_entry_goes_with_its_weight():
+    w = torch.randn(32, 64)
+    cpu_gemm.prefer_packed([w])
+    cpu_gemm.matmul(torch.randn(2, 32), w)
+    key = id(w)
+    assert cpu_gemm._packed[key] is not None
+    del w
+    gc.collect()
+    assert key not in cpu_gemm._packed
+
+
+def test_the_runner_packs_the_weights_its_products_use():
+    from services.engine.config import small_test_config
+    from services.engine.core.sampling import SamplingParams
+    from tests.engine.helpers import make_engine, run_to_completion
+
+    core = make_engine(small_test_config(), dtype="float32")
+    core.add_request(list(range(40)), SamplingParams(max_tokens=3, ignore_eos=True))
+    run_to_completion(core)
+    w = core.runner.w
+    packed = {name for name, t in w.items() if (cpu_gemm._packed.get(id(t)) or None) is not None}
+    assert "lm_head" in packed and "layers.0.wq" in packed and "layers.0.w2" in packed
+    assert "embed" not in packed                  # marked, never a product's weight
