@@ -16,7 +16,7 @@ six differ in fp32 and fp64, and a float64 speculative run then stored other cac
 than a plain one (test_spec_decode failed at ed0130c there). Its error is MKL's (tested
 within 1.5x, fp32 against float64, fp64 against x87 extended precision).
 
-Weights the runner marks (`prefer_packed`) are packed on their first product into column
+Weights the runner marks (`prefer_packed`) are packed, once, into column
 panels, [ceil(N / T)][K][T] with T = 32 fp32 (16 fp64) columns: each tile of the kernel
 then reads one contiguous stream where, as stored, it reads 128 bytes out of every row of
 w. The same FMA chains, so the same bits (tested); the 73 products of a tiny decode step
@@ -49,13 +49,18 @@ _PANEL = {torch.float32: 32, torch.float64: 16}    # the C tile's columns (two A
 _packed: dict[int, tuple[int, torch.Tensor] | None] = {}
 
 
-def prefer_packed(weights: Iterable[torch.Tensor]) -> None:
-    """Mark weights to be packed on their first product (ModelRunner marks the model's). Only
-    2-D CPU float32 / float64 tensors are; others are left alone."""
+def prefer_packed(weights: Iterable[torch.Tensor], now: bool = False) -> None:
+    """Mark weights to be packed on their first product, or at once with `now` (ModelRunner
+    packs the model's at construction, so a first request's time does not include it). Only
+    2-D CPU float32 / float64 tensors are, and only where the products take the kernel."""
     for w in weights:
-        if w.dim() == 2 and w.is_cpu and w.dtype in _DTYPES and id(w) not in _packed:
+        if _refused or cpu_ring.library(w, _DTYPES) is None:
+            continue                 # the products take torch's mm: a packed copy would idle
+        if w.dim() == 2 and w.dtype in _DTYPES and id(w) not in _packed:
             _packed[id(w)] = None
             weakref.finalize(w, _packed.pop, id(w), None)
+        if now and id(w) in _packed:
+            _panels(w)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

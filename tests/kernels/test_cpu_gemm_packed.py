@@ -88,6 +88,13 @@ def test_an_in_place_change_repacks(counted):
     assert counted.packed == 2 and counted.stored == 1
 
 
+def test_nothing_is_packed_where_the_products_take_torch(monkeypatch):
+    monkeypatch.setenv("KVMESH_KERNELS", "torch")
+    w = torch.randn(16, 8)
+    cpu_gemm.prefer_packed([w], now=True)
+    assert id(w) not in cpu_gemm._packed
+
+
 def test_only_marked_2d_float_cpu_tensors_are_packed():
     x = torch.randn(3, 16)
     plain, vec, ints = torch.randn(16, 8), torch.randn(16), torch.ones(16, 8, dtype=torch.int64)
@@ -120,4 +127,4 @@ def test_the_runner_packs_the_weights_its_products_use():
     w = core.runner.w
     packed = {name for name, t in w.items() if (cpu_gemm._packed.get(id(t)) or None) is not None}
     assert "lm_head" in packed and "layers.0.wq" in packed and "layers.0.w2" in packed
-    assert "embed" not in packed                  # marked, never a product's weight
+    assert "embed" not in packed                  # a lookup table, never a product's weight
