@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
+import weakref
 from collections import Counter
 from dataclasses import replace
 
@@ -77,8 +78,12 @@ class EngineCore:
         self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
         self.prefix: PrefixReuse = self.cache.snapshots     # capture/store around forwards
         self.hooks = Hooks()
-        self.prefix.store.on_put = self._snapshot_stored
-        self.prefix.store.on_evict = lambda key: self.hooks.snapshot_evicted(key)
+        # through a weak proxy: the store is ours, and callbacks holding the engine itself
+        # made a cycle that kept every engine (its weights, pools and packed panels: ~50 MB
+        # for tiny) alive until a full garbage collection, in processes that build many
+        me = weakref.proxy(self)
+        self.prefix.store.on_put = lambda snap: me._snapshot_stored(snap)
+        self.prefix.store.on_evict = lambda key: me.hooks.snapshot_evicted(key)
         self.prefill_token_s = 0.0       # EMA of prefill seconds per token (replay cost model)
         self.last_rows: dict[str, int] = {}     # query rows the last step's forward computed
         # handoffs waiting for a decode engine to fetch them (prefill engines): as many bytes
