@@ -16,13 +16,13 @@ six differ in fp32 and fp64, and a float64 speculative run then stored other cac
 than a plain one (test_spec_decode failed at ed0130c there). Its error is MKL's (tested
 within 1.5x, fp32 against float64, fp64 against x87 extended precision).
 
-Weights the runner marks (`prefer_packed`) are packed, once, into column
+The model's weights are packed once (`pack_weights`, at the runner's construction) into column
 panels, [ceil(N / T)][K][T] with T = 32 fp32 (16 fp64) columns: each tile of the kernel
 then reads one contiguous stream where, as stored, it reads 128 bytes out of every row of
 w. The same FMA chains, so the same bits (tested); the 73 products of a tiny decode step
 1.67 -> 1.28 ms at 32 rows and 0.96 -> 0.76 ms at one row (weights cycling through L3). A
 packed copy follows its weight: an in-place change (the tensor's version counter) repacks it
-on the next product, and it is dropped with the weight. Memory: one more copy of each marked
+on the next product, and it is dropped with the weight. Memory: one more copy of each packed
 weight (the tiny preset: 17 MB).
 
 matmul() takes torch's mm wherever the library does not (cpu_ring.library's gate: not a CPU
@@ -43,24 +43,22 @@ _refused = False          # the library was built without AVX-512: gemm_* answer
 _F32 = torch.float32
 _DTYPES = (torch.float32, torch.float64)
 _PANEL = {torch.float32: 32, torch.float64: 16}    # the C tile's columns (two AVX-512 vectors)
-# id(weight) -> (its version when packed, panels) or None (marked, not packed yet). Keyed by id,
-# not by the tensor (a tensor's == is elementwise); a finalizer drops the entry with the
-# weight, before its id can be reused. Owned here: prefer_packed adds, _panels fills.
-_packed: dict[int, tuple[int, torch.Tensor] | None] = {}
+# id(weight) -> (its version when packed, panels). Keyed by id, not by the tensor (a tensor's
+# == is elementwise); a finalizer drops the entry with the weight, before its id can be
+# reused. Owned here: pack_weights adds entries, _panels refreshes them.
+_packed: dict[int, tuple[int, torch.Tensor]] = {}
 
 
-def prefer_packed(weights: Iterable[torch.Tensor], now: bool = False) -> None:
-    """Mark weights to be packed on their first product, or at once with `now` (ModelRunner
-    packs the model's at construction, so a first request's time does not include it). Only
-    2-D CPU float32 / float64 tensors are, and only where the products take the kernel."""
+def pack_weights(weights: Iterable[torch.Tensor]) -> None:
+    """Pack weights for the products now (ModelRunner packs the model's at construction, so a
+    first request's time does not include it). Only 2-D CPU float32 / float64 tensors, and
+    only where the products take the kernel; others are left alone."""
     for w in weights:
         if _refused or cpu_ring.library(w, _DTYPES) is None:
             continue                 # the products take torch's mm: a packed copy would idle
         if w.dim() == 2 and w.dtype in _DTYPES and id(w) not in _packed:
-            _packed[id(w)] = None
+            _packed[id(w)] = (w._version, pack(w))
             weakref.finalize(w, _packed.pop, id(w), None)
-        if now and id(w) in _packed:
-            _panels(w)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -73,15 +71,13 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def _panels(w: torch.Tensor) -> torch.Tensor | None:
-    """w's packed panels, packed now if w is marked and has none or changed since; None for a
-    tensor not marked (activations, pooled keys: packing each would cost a copy)."""
-    key = id(w)
-    if key not in _packed:
+    """w's packed panels, repacked if w changed in place since; None for a tensor not packed
+    (activations, pooled keys: packing each would cost a copy)."""
+    held = _packed.get(id(w))
+    if held is None:
         return None
-    held = _packed[key]
-    version = w._version
-    if held is None or held[0] != version:
-        held = _packed[key] = (version, pack(w))
+    if held[0] != w._version:
+        held = _packed[id(w)] = (w._version, pack(w))
     return held[1]
 
 
@@ -116,6 +112,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if rc:
         if rc < 0:
             _refused = True
+            _packed.clear()          # no product will read them
             return x @ w
         raise ValueError(f"gemm refused {tuple(x.shape)} @ {tuple(w.shape)} (rc {rc})")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -1,4 +1,4 @@
-"""Packed weight panels (kernels/cpu_gemm.py prefer_packed / pack, gemm_packed_* in
+"""Packed weight panels (kernels/cpu_gemm.py pack_weights / pack, gemm_packed_* in
 kernels/cpu/gemm_body.h): the same bits as the weight as stored, a layout that is what the
 docstring says, and a packed copy that follows its weight (in-place changes, its lifetime)."""
 
@@ -52,7 +52,7 @@ def test_packed_equals_as_stored_bit_for_bit(dtype, m, k, n, counted):
     w = torch.randn(k, n, generator=g, dtype=dtype)
     stored = cpu_gemm.matmul(x, w)
     assert (counted.stored, counted.packed) == (1, 0)
-    cpu_gemm.prefer_packed([w])
+    cpu_gemm.pack_weights([w])
     was = torch.get_num_threads()
     try:
         for threads in (1, 2):
@@ -79,11 +79,11 @@ def test_panel_layout(dtype, width):
 
 def test_an_in_place_change_repacks(counted):
     x, w = torch.randn(4, 64), torch.randn(64, 40)
-    cpu_gemm.prefer_packed([w])
+    cpu_gemm.pack_weights([w])
     first = cpu_gemm.matmul(x, w)
     w.mul_(-0.5)
     after = cpu_gemm.matmul(x, w)
-    assert torch.equal(after, cpu_gemm.matmul(x, w.clone()))   # an unmarked copy: as stored
+    assert torch.equal(after, cpu_gemm.matmul(x, w.clone()))   # an unpacked copy: as stored
     assert not torch.equal(after, first)
     assert counted.packed == 2 and counted.stored == 1
 
@@ -91,15 +91,15 @@ def test_an_in_place_change_repacks(counted):
 def test_nothing_is_packed_where_the_products_take_torch(monkeypatch):
     monkeypatch.setenv("KVMESH_KERNELS", "torch")
     w = torch.randn(16, 8)
-    cpu_gemm.prefer_packed([w], now=True)
+    cpu_gemm.pack_weights([w])
     assert id(w) not in cpu_gemm._packed
 
 
-def test_only_marked_2d_float_cpu_tensors_are_packed():
+def test_only_2d_float_cpu_tensors_are_packed():
     x = torch.randn(3, 16)
     plain, vec, ints = torch.randn(16, 8), torch.randn(16), torch.ones(16, 8, dtype=torch.int64)
     before = len(cpu_gemm._packed)
-    cpu_gemm.prefer_packed([vec, ints])
+    cpu_gemm.pack_weights([vec, ints])
     assert len(cpu_gemm._packed) == before
     cpu_gemm.matmul(x, plain)
     assert id(plain) not in cpu_gemm._packed
@@ -107,7 +107,7 @@ def test_only_marked_2d_float_cpu_tensors_are_packed():
 
 def test_the_entry_goes_with_its_weight():
     w = torch.randn(32, 64)
-    cpu_gemm.prefer_packed([w])
+    cpu_gemm.pack_weights([w])
     cpu_gemm.matmul(torch.randn(2, 32), w)
     key = id(w)
     assert cpu_gemm._packed[key] is not None

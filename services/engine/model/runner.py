@@ -100,7 +100,7 @@ class ModelRunner:
         # the products read the weights as column panels (kernels/cpu_gemm.py: same bits,
         # contiguous streams), packed here (17 MB for tiny, ~4 ms) and not in the first
         # request; the embedding is a lookup table, never a product's weight
-        cpu_gemm.prefer_packed((t for name, t in weights.items() if name != "embed"), now=True)
+        cpu_gemm.pack_weights(t for name, t in weights.items() if name != "embed")
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.inference_ring = states.block.inference_ring
         self.device = weights["embed"].device      # where the pools live too (EngineCore)
