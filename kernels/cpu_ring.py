@@ -137,7 +137,7 @@ def load() -> ctypes.CDLL | None:
                            p, p, i64, i64, i64, ctypes.c_double, ctypes.c_int]
             fn.restype = ctypes.c_int
         lib.indexer_topk_f32.argtypes = [p, p, p, i64, p, p, i64, i64, i64, i64, i64, p, p,
-                                         ctypes.c_int]
+                                         ctypes.c_int, p, p]
         lib.indexer_topk_f32.restype = ctypes.c_int
         for name in ("gemm_f32", "gemm_f64"):
             fn = getattr(lib, name)

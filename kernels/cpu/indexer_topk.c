@@ -63,22 +63,24 @@ static float score(const float *q, const float *w, const float *key, int64_t hi,
     return s;
 }
 
+/* visible NULL: the candidates visible are j < n_vis (a prefix), none scored past it */
 static void pick_row(const float *q, const float *w, const float *table, int64_t stride,
-                     const int64_t *flat, const uint8_t *visible, int64_t hi, int64_t di,
-                     int64_t kc, int64_t k, int64_t *rows, uint8_t *ok)
+                     const int64_t *flat, const uint8_t *visible, int64_t n_vis, int64_t hi,
+                     int64_t di, int64_t kc, int64_t k, int64_t *rows, uint8_t *ok)
 {
     float best_s[MAX_K];
     int64_t best_j[MAX_K], n = 0;
+    const int64_t scan = visible || n_vis > kc ? kc : n_vis < 0 ? 0 : n_vis;
     /* best_* sorted by score descending, ties by j ascending: j runs upward, so a new j
        enters only past a strictly smaller score */
-    for (int64_t j = 0; j < kc && j < 8; j++)
+    for (int64_t j = 0; j < scan && j < 8; j++)
         for (int64_t at = 0; at < di; at += 16)
             __builtin_prefetch(table + flat[j] * stride + at);
-    for (int64_t j = 0; j < kc; j++) {
-        if (j + 8 < kc)                      /* keys lie scattered over the store: every */
+    for (int64_t j = 0; j < scan; j++) {
+        if (j + 8 < scan)                    /* keys lie scattered over the store: every */
             for (int64_t at = 0; at < di; at += 16)               /* line, 8 candidates ahead */
                 __builtin_prefetch(table + flat[j + 8] * stride + at);
-        if (!visible[j])
+        if (visible && !visible[j])
             continue;
         float s = score(q, w, table + flat[j] * stride, hi, di);
         if (s != s)
@@ -106,8 +108,8 @@ static void pick_row(const float *q, const float *w, const float *table, int64_t
         ok[i] = 1;
     }
     /* fewer than k visible: the lowest invisible j, as a stable sort leaves them */
-    for (int64_t j = 0, i = n; i < k && j < kc; j++) {
-        if (!visible[j]) {
+    for (int64_t j = visible ? 0 : scan, i = n; i < k && j < kc; j++) {
+        if (!visible || !visible[j]) {
             rows[i] = flat[j];
             ok[i++] = 0;
         }
@@ -115,17 +117,23 @@ static void pick_row(const float *q, const float *w, const float *table, int64_t
 }
 
 /* q [T, hi, di], w [T, hi], table rows `stride` floats apart, flat [T, kc] table rows of
-   each row's candidates, visible [T, kc] -> rows [T, k], ok [T, k]. k <= kc, k <= MAX_K. */
+   each row's candidates, visible [T, kc] -> rows [T, k], ok [T, k]. k <= kc, k <= MAX_K.
+   row_work non-NULL: flat is [U, kc], one candidate list per work, row t's is row_work[t]'s
+   and its first n_vis[t] are visible (visible unused): a chunk's rows share their work's
+   list instead of each carrying a copy of it and a mask. */
 int indexer_topk_f32(const float *q, const float *w, const float *table, int64_t stride,
                      const int64_t *flat, const uint8_t *visible, int64_t t_rows, int64_t hi,
                      int64_t di, int64_t kc, int64_t k, int64_t *rows, uint8_t *ok,
-                     int threads)
+                     int threads, const int64_t *row_work, const int64_t *n_vis)
 {
     if (k > MAX_K || k > kc || k < 0)
         return 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && t_rows >= 8)
-    for (int64_t t = 0; t < t_rows; t++)
-        pick_row(q + t * hi * di, w + t * hi, table, stride, flat + t * kc, visible + t * kc,
-                 hi, di, kc, k, rows + t * k, ok + t * k);
+    for (int64_t t = 0; t < t_rows; t++) {
+        const int64_t at = row_work ? row_work[t] : t;
+        pick_row(q + t * hi * di, w + t * hi, table, stride, flat + at * kc,
+                 row_work ? NULL : visible + t * kc, row_work ? n_vis[t] : 0, hi, di, kc, k,
+                 rows + t * k, ok + t * k);
+    }
     return 0;
 }

@@ -124,3 +124,42 @@ def test_short_chunks_take_a_pool_on_the_cpu_and_both_paths_are_exact(monkeypatc
     assert on_cpu or any(p for _, p in paths)           # else they took pools
     for s in (decoder, seq):
         assert max_logit_error(engine, CFG, s) <= EXACT
+
+
+def test_staged_chunk_keys_give_the_bits_of_the_copied_pool(monkeypatch):
+    """fp32 on the CPU: a chunk that continues in its mirror has its window keys read by
+    index, its older ones where they are in the mirror and its own from the mirror's scratch
+    rows, with no copy taken; the logits are those of the pool copied per layer, bit for bit
+    (the same keys in the same order; the copied path's own error is pinned elsewhere)."""
+    from kernels import cpu_ring
+
+    if not cpu_ring.available(torch.zeros(1, CFG.head_dim)):
+        pytest.skip("no compiled CPU library")
+    takes = {"n": 0}
+    take = WindowMirror.take
+
+    def counted_take(self, *a):
+        takes["n"] += 1
+        return take(self, *a)
+
+    monkeypatch.setattr(WindowMirror, "take", counted_take)
+
+    def run(scratch: bool):
+        engine = make_engine(CFG, dtype="float32", num_slots=4, max_batched_tokens=64,
+                             long_prefill_chunk=24)
+        assert engine.runner.mirror.scratch_rows > 0
+        if not scratch:
+            engine.runner.mirror.scratch_rows = 0          # every pool copied per layer
+        takes["n"] = 0
+        seqs = [engine.add_request(random_prompt(n, n), SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True)) for n in (20, 150, 90)]
+        run_to_completion(engine)
+        return engine, seqs, takes["n"]
+
+    staged, seqs, staged_takes = run(True)
+    copied, twins, copied_takes = run(False)
+    assert staged_takes == 0 < copied_takes, (staged_takes, copied_takes)
+    for seq, twin in zip(seqs, twins, strict=True):
+        a, b = staged.logits[seq.request_id], copied.logits[twin.request_id]
+        assert len(a) == len(b) == 6
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), len(seq.prompt)

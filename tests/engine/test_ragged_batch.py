@@ -66,6 +66,34 @@ def test_long_prefill_chunk_caps_each_step():
     assert max_logit_error(engine, CFG, long_seq) <= EXACT
 
 
+def test_decode_rows_beside_a_long_chunk_carry_only_their_own_candidates(monkeypatch):
+    """A decode row's compressed candidates (index, mask, indexer scan) stop at the most
+    entries its own sequences have, not at the long prompt's beside it in the step."""
+    engine = make_engine(CFG, num_slots=8, max_batched_tokens=600)
+    decoders = start_decoders(engine, 3)                          # 20-token prompts
+    long_seq = engine.add_request(random_prompt(500, 7), SamplingParams(temperature=0, max_tokens=2))
+    widths: dict[tuple[int, int], int] = {}           # (m, rows) -> candidates per row
+    candidates = runner_mod._candidates
+
+    def record(*a, **kw):
+        index, wid, n_visible = candidates(*a, **kw)
+        widths[(a[2], wid.shape[0])] = index.shape[-1]
+        return index, wid, n_visible
+
+    monkeypatch.setattr(runner_mod, "_candidates", record)
+    ends = [s.num_tokens for s in decoders]        # each decode row's end in the coming step
+    engine.step()
+    assert long_seq.num_computed == 500
+    for m in (CFG.csa_m, CFG.hca_m):
+        assert widths[(m, 3)] == max(ends) // m, (m, widths)      # the decode rows: their own
+    assert widths[(CFG.csa_m, 500)] == 500 // CFG.csa_m            # the chunk: its pool, all
+    assert max(ends) // CFG.csa_m > CFG.csa_topk                   # the indexer did run
+    monkeypatch.undo()
+    run_to_completion(engine)
+    for seq in (long_seq, *decoders):
+        assert max_logit_error(engine, CFG, seq) <= EXACT
+
+
 def test_lut_dequantize_is_bit_identical():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 512, generator=g) * torch.logspace(-30, 30, 300).unsqueeze(1)

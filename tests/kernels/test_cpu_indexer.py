@@ -73,3 +73,29 @@ def test_strided_table_and_torch_takes_the_rest(monkeypatch):
     monkeypatch.delenv("KVMESH_KERNELS")
     with pytest.raises(ValueError, match="do not fit"):
         cpu_indexer.pick_rows(q, w[:, :1], table, flat, visible, 8)
+
+
+@pytest.mark.parametrize("dup", [False, True])
+def test_picks_of_works_equal_the_rows_own_lists(dup):
+    """Rows naming their work's candidate list and a visible prefix pick exactly what they
+    pick with the list copied per row and the prefix as a mask: every prefix from none
+    (k invisible picks) through fewer than k (padding) to the whole list and past it."""
+    g = torch.Generator().manual_seed(11)
+    table = torch.randn(400, 32, generator=g)
+    if dup:
+        table[1::2] = table[0::2]
+    works = torch.randint(0, 400, (3, 90), generator=g)              # 3 works' lists of 90
+    row_work = torch.tensor([0, 0, 1, 2, 2, 2, 1, 0, 2, 1, 0])
+    n_vis = torch.tensor([0, 5, 16, 17, 40, 89, 90, 91, 1, 63, 90])
+    q = torch.randn(len(row_work), 2, 32, generator=g)
+    w = torch.randn(len(row_work), 2, generator=g)
+    got = cpu_indexer.pick_rows_of_works(q, w, table, works, row_work, n_vis, 16)
+    flat = works[row_work]
+    visible = torch.arange(90).unsqueeze(0) < n_vis.unsqueeze(1)
+    want = cpu_indexer.pick_rows(q, w, table, flat, visible, 16)
+    assert got is not None and want is not None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch_rows, torch_ok = torch_picks(q, w, table, flat, visible, 16)
+    assert torch.equal(got[0], torch_rows) and torch.equal(got[1], torch_ok)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_indexer.pick_rows_of_works(q, w, table, works, row_work[:-1], n_vis, 16)

@@ -104,7 +104,14 @@ class ModelRunner:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.inference_ring = states.block.inference_ring
         self.device = weights["embed"].device      # where the pools live too (EngineCore)
-        self.mirror = WindowMirror(states.swa, cfg.head_dim, weights["embed"].dtype)
+        # scratch rows for chunks whose window keys the compiled kernel reads by index (fp32
+        # on the CPU): their own keys are staged there beside their older ones (2 MB a layer
+        # at head size 512), where a copy of both per layer cost ~0.4 ms a step beside decodes
+        embed = weights["embed"]
+        by_index = embed.dtype == torch.float32 and cpu_ring.available(
+            embed.new_empty(1, cfg.head_dim))
+        self.mirror = WindowMirror(states.swa, cfg.head_dim, embed.dtype,
+                                   PER_ROW_CHUNK if by_index else 0)
 
     @torch.no_grad()
     def forward(self, works: list[Work]) -> ForwardResult:
@@ -201,19 +208,44 @@ class ModelRunner:
         ring = self.states.swa[layer]
         plan = self._window_plan(step, seg, kind, layer, stale)
         # read every older key this layer needs before it writes the ring
-        groups = []
+        groups, named_groups = [], []
         pools = [(plan.gather, "gather")] if plan.gather is not None else []
         pools += [(pool, ("pool", i)) for i, pool in enumerate(plan.pools)]
+        staged = 0
         for pool, path in pools:
+            new = kv[pool.rows]
+            if pool.idx is None and pool.in_mirror and \
+                    staged + new.shape[0] <= self.mirror.scratch_rows and \
+                    _by_index(pool.rows, q, kv, step, m):
+                # the kernel reads the older keys where they are in the mirror and the
+                # chunk's own from its scratch: the pool below, named row by row instead of
+                # copied (same keys, same order), attended before this layer's writes
+                table = self.mirror.stage(layer, staged, new)
+                named = step.once(("pool-rows", kind, ring.shape[1], path, staged),
+                                  lambda pool=pool, at=staged, n=new.shape[0]:
+                                  self.mirror.key_rows(pool.old_slots, pool.old_pos, at, n))
+                staged += new.shape[0]
+                named_groups.append((pool.rows, (table, None), False, path, pool, named))
+                continue
             old = (self.mirror.take(layer, pool.old_slots, pool.old_pos) if pool.in_mirror
                    else self.mirror.read(layer, pool.old_slots, pool.old_pos, kv.dtype))
-            keys = torch.cat([old, kv[pool.rows]])
+            keys = torch.cat([old, new])
             groups.append((pool.rows, (keys if pool.idx is None else keys[pool.idx], pool.ok),
-                           path == "gather", path, pool))     # pool: ok per block
+                           path == "gather", path, pool, None))     # pool: ok per block
         if plan.ring is not None and plan.ring.fill_slots is not None:
             self.mirror.fill(layer, plan.ring.fill_slots, plan.ring.fill_pos)
         if cfg.is_encoder(layer):
             self._capture(layer, seg, step, kv_bytes, works, result)
+        # entries first (they touch no window row): a chunk's rows see the groups it completes
+        if m is not None:
+            compressor.feed(cfg, w, self.states, self.blocks, layer, step, step.enc,
+                            h if h_enc is None else h_enc)
+
+        sink = w[p + "sink"]
+        whole = not pools and plan.ring is not None and plan.ring.rows is None
+        o = None if whole else torch.empty_like(q)
+        for group in named_groups:      # their older keys are read in place: before the writes
+            self._attend(layer, seg, step, kind, h, m, q, sink, o, plan, group)
         put = slice(None) if plan.put_rows is None else plan.put_rows
         put_at(ring, plan.put_at, kv_bytes[put])
         self.mirror.write(layer, plan.put_at, plan.put_pos, kv[put])
@@ -221,38 +253,49 @@ class ModelRunner:
             rows = plan.ring.rows
             # the ring bytes too: a Triton kernel dequantizes them in registers (kernels/ragged.py)
             groups.append((rows, RingKeys(self.mirror.values[layer], plan.ring.where, plan.ring.ok,
-                                          ring), True, "ring", None))
-
-        if m is not None:
-            compressor.feed(cfg, w, self.states, self.blocks, layer, step, step.enc,
-                            h if h_enc is None else h_enc)
-
-        sink = w[p + "sink"]
-        o = torch.empty_like(q) if len(groups) > 1 or groups[0][0] is not None else None
-        for rows, win, per_row, path, pool in groups:
-            # a chunk on the CPU: entries per row and window keys by index, so its attention
-            # is one call of the compiled kernel (see PER_ROW_CHUNK)
-            by_index = pool is not None and not per_row and _by_index(rows, q, win[0], step, m)
-            cmp = None if m is None else self._compressed(layer, seg, step, h, m, rows,
-                                                          per_row or by_index, (kind, path), pool)
-            if pool is not None and pool.blocks:
-                # a pool chunk's rows block by block, each to the keys it can see; the
-                # compressed part was chosen for the whole chunk and is cut to the block's rows
-                for b in pool.blocks:
-                    at = slice(rows.start + b.rows.start, rows.start + b.rows.stop)
-                    keys = (TableKeys(win[0], _band(step, b), b.ok) if by_index
-                            else (win[0][b.keys], b.ok))
-                    parts = [keys] + ([] if cmp is None else [_block_rows(cmp, b.rows)])
-                    o[at] = ragged_union_attention(q[at], parts, sink, self.scale)
-                continue
-            parts = [win] + ([] if cmp is None else [cmp])
-            out = ragged_union_attention(q if rows is None else q[rows], parts, sink, self.scale)
-            if o is None:
-                o = out
-            else:
-                o[slice(None) if rows is None else rows] = out
+                                          ring), True, "ring", None, None))
+        for group in groups:
+            o = self._attend(layer, seg, step, kind, h, m, q, sink, o, plan, group)
         x = x + ops.attn_output(w, layer, o)
         return x + ops.ffn(w, layer, x, cfg)
+
+    def _attend(self, layer, seg: Segments, step: StepBatch, kind: str, h, m, q, sink, o, plan,
+                group):
+        """One group's attention into o[rows] (o None: the group is every row; returns its
+        output as o)."""
+        rows, win, per_row, path, pool, named = group
+        # a chunk on the CPU: entries per row and window keys by index, so its attention is
+        # one call of the compiled kernel (see PER_ROW_CHUNK)
+        by_index = pool is not None and not per_row and (
+            named is not None or _by_index(rows, q, win[0], step, m))
+        # the works of these rows (their candidates stop at the last of their ends)
+        ids = pool.work_ids if pool is not None else plan.ring.work_ids
+        cmp = None if m is None else self._compressed(layer, seg, step, h, m, rows,
+                                                      per_row or by_index, (kind, path), ids,
+                                                      pool)
+        if pool is not None and pool.blocks:
+            # a pool chunk's rows block by block, each to the keys it can see; the compressed
+            # part was chosen for the whole chunk and is cut to the block's rows
+            r = self.states.swa[layer].shape[1]
+            for b in pool.blocks:
+                at = slice(rows.start + b.rows.start, rows.start + b.rows.stop)
+                if named is not None:          # the band's pool keys as table rows
+                    band = step.once(("pool-band", kind, r, path, named.data_ptr(),
+                                      b.keys.start, b.keys.stop),
+                                     lambda b=b: named[_band(step, b)])
+                    keys = TableKeys(win[0], band, b.ok)
+                else:
+                    keys = (TableKeys(win[0], _band(step, b), b.ok) if by_index
+                            else (win[0][b.keys], b.ok))
+                parts = [keys] + ([] if cmp is None else [_block_rows(cmp, b.rows)])
+                o[at] = ragged_union_attention(q[at], parts, sink, self.scale)
+            return o
+        parts = [win] + ([] if cmp is None else [cmp])
+        out = ragged_union_attention(q if rows is None else q[rows], parts, sink, self.scale)
+        if o is None:
+            return out
+        o[slice(None) if rows is None else rows] = out
+        return o
 
     def _capture(self, layer, seg: Segments, step: StepBatch, kv_bytes, works, result):
         """Copy the window ending at `capture` into canonical inference-ring order
@@ -283,7 +326,7 @@ class ModelRunner:
 
     # --- compressed entries ------------------------------------------------------
     def _compressed(self, layer, seg: Segments, step: StepBatch, h, m, rows, per_row: bool, key,
-                    pool=None):
+                    work_ids: tuple[int, ...], pool=None):
         """(keys, ok) of the entries visible to `rows` (j < (p + 1) // m). HCA: all of them;
         CSA: the indexer's top-k, so attention never touches the rest. Entry rows come
         straight from the block store through a per-step index. Per-row paths get their
@@ -292,11 +335,16 @@ class ModelRunner:
         pool masked to each row's top-k, while the pool is small: POOL_PICKS)."""
         cfg = self.cfg
         entries = self.blocks.entries[layer]
-        flat, visible = step.once(("entries", key, m, entries.shape[1]),
-                                  lambda: _visible_entries(seg, step, m, entries.shape[1], rows,
-                                                           per_row, pool))
+        per = entries.shape[1]
+        cands = step.once(("candidates", key, m, per),
+                          lambda: _candidates(seg, step, m, per, rows, work_ids))
+
+        def visible_entries():
+            return step.once(("entries", key, m, per),
+                             lambda: _visible_entries(cands, step, m, per_row, pool))
         table = entries.view(-1, entries.shape[-1])
-        if cfg.layers[layer] != "csa" or self._all_visible(step, m):
+        if cfg.layers[layer] != "csa" or self._all_visible(step, m, work_ids):
+            flat, visible = visible_entries()
             if per_row:                 # read in place where a kernel can, else gathered
                 return TableKeys(table, flat, visible)
             return take_rows(table, flat).to(h.dtype), visible
@@ -304,13 +352,16 @@ class ModelRunner:
         itable = itable.view(-1, itable.shape[-1])
         iq, iw = ops.index_query(self.w, layer, h if rows is None else h[rows], cfg)
         if per_row:
-            # on the CPU one C call scores the candidates' keys in place and picks
-            picked = cpu_indexer.pick_rows(iq, iw, itable, flat, visible, cfg.csa_topk)
+            # on the CPU one C call scores the candidates' keys in place and picks, each row
+            # from its work's list (no [t, K] copy of the lists, no mask)
+            picked = cpu_indexer.pick_rows_of_works(iq, iw, itable, *cands, cfg.csa_topk)
             if picked is not None:
                 return TableKeys(table, *picked)
+            flat, visible = visible_entries()
             ikeys = take_rows(itable, flat).to(h.dtype)                               # [t, K, Di]
             idx, ok = topk_indices(ragged_indexer_scores(iq, iw, ikeys), visible, cfg.csa_topk)
             return TableKeys(table, flat.gather(1, idx), ok)                 # [t, k]
+        flat, visible = visible_entries()
         ikeys = take_rows(itable, flat).to(h.dtype)                                   # [L, Di]
         scores = indexer_scores(iq[None], iw[None], ikeys[None])[0]
         chosen = select_topk(scores, visible, cfg.csa_topk)
@@ -319,10 +370,10 @@ class ModelRunner:
         idx, ok = selected_indices(chosen, cfg.csa_topk)                     # [t, k]
         return take_rows(table, flat[idx]).to(h.dtype), ok
 
-    def _all_visible(self, step: StepBatch, m: int) -> bool:
-        """No row of the step sees more than top-k entries: the indexer would keep every
+    def _all_visible(self, step: StepBatch, m: int, work_ids: tuple[int, ...]) -> bool:
+        """No row of these works sees more than top-k entries: the indexer would keep every
         visible one (select_topk's rule), so it is not run at all."""
-        return max(step.end_ids) // m <= self.cfg.csa_topk                  # host ints: no sync
+        return max(step.end_ids[i] for i in work_ids) // m <= self.cfg.csa_topk   # host ints
 
 
 def _by_index(rows, q, keys, step: StepBatch, m: int | None) -> bool:
@@ -351,17 +402,28 @@ def _block_rows(group, rows: slice):
     return (keys[rows] if keys.dim() == 3 else keys), ok[rows]
 
 
-def _visible_entries(seg: Segments, step: StepBatch, m: int, per: int, rows, per_row: bool,
-                     pool=None):
+def _candidates(seg: Segments, step: StepBatch, m: int, per: int, rows,
+                work_ids: tuple[int, ...]):
+    """The candidate entries of `rows` (of works `work_ids`): (flat block-store rows of
+    entries 0 .. K - 1 of every work of the step [N, K], each row's work [t], how many of its
+    work's entries each row sees [t]: j < (p + 1) // m).
+
+    K is the most entries any of these rows' works has, not the step's: beside a 4K prompt's
+    chunk, 16 decode rows 400 tokens in would otherwise each carry the prompt's ~1000
+    candidates (index, mask, a scan in the picks) where ~100 are theirs."""
+    count = max(step.end_ids[i] for i in work_ids) // m                  # host ints: no sync
+    wid = seg.wid if rows is None else seg.wid[rows]
+    n_vis = ((seg.pos if rows is None else seg.pos[rows]) + 1) // m
+    return step.entry_index(per, count), wid, n_vis
+
+
+def _visible_entries(cands, step: StepBatch, m: int, per_row: bool, pool=None):
     """(flat block-store rows of the candidate entries, visible mask): [t, K] each per row,
     or one pool [L] of the rows' works' entries (`pool`: their PoolPlan, which knows the
     works as host ints, so L needs no read) with a [t, L] mask."""
-    count = max(step.end_ids) // m                                       # host ints: no sync
-    index = step.entry_index(per, count)                                 # [N, K]
-    wid = seg.wid if rows is None else seg.wid[rows]
-    n_vis = ((seg.pos if rows is None else seg.pos[rows]) + 1) // m
+    index, wid, n_vis = cands
     if per_row:
-        return index[wid], torch.arange(count, device=wid.device).unsqueeze(0) < n_vis.unsqueeze(1)
+        return index[wid], torch.arange(index.shape[1], device=wid.device) < n_vis.unsqueeze(1)
     total = sum(step.end_ids[i] // m for i in pool.work_ids)
     counts = step.ends[pool.works] // m
     pwid = torch.repeat_interleave(pool.works, counts, output_size=total)

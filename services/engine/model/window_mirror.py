@@ -14,6 +14,11 @@ life. The ring bytes stay the source of truth; the mirror is a cache of
 
 A missed row is dequantized from the ring bytes (the same numbers, bit for bit) and kept.
 
+`scratch_rows` more rows follow each layer's mirror rows in one table, where a prefill chunk's
+own keys are staged (`stage`): the compiled CPU kernel then reads a chunk's window keys by
+index, its W - 1 older ones where they are in the mirror and its own from the scratch,
+instead of a copy of both in one pool per layer (`key_rows` names them in the pool's order).
+
 Ring-path rows (windows.py) attend to a slot's mirror rows in place, without asking
 for each row: that is sound because a slot that continues holds every row its next chunk
 needs (each forward reads or writes all of them), and a slot whose mirror was just dropped
@@ -30,12 +35,17 @@ NOWHERE = -(1 << 62)     # no real or masked (negative) position ever equals thi
 
 
 class WindowMirror:
-    def __init__(self, swa: dict[int, torch.Tensor], head_dim: int, dtype: torch.dtype):
+    def __init__(self, swa: dict[int, torch.Tensor], head_dim: int, dtype: torch.dtype,
+                 scratch_rows: int = 0):
         self.swa = swa
         slots, ring = next(iter(swa.values())).shape[:2]
         dev = next(iter(swa.values())).device
-        self.values = {layer: torch.zeros(slots, ring, head_dim, dtype=dtype, device=dev)
-                       for layer in swa}
+        # per layer one table: the slots' ring rows (slot * R + ring row), then the scratch
+        self._table = {layer: torch.zeros(slots * ring + scratch_rows, head_dim, dtype=dtype,
+                                          device=dev) for layer in swa}
+        self.values = {layer: t[: slots * ring].view(slots, ring, head_dim)
+                       for layer, t in self._table.items()}
+        self.scratch_rows = scratch_rows
         self.pos = {layer: torch.full((slots, ring), NOWHERE, dtype=torch.long, device=dev)
                     for layer in swa}
         self.dtype = dtype
@@ -102,6 +112,24 @@ class WindowMirror:
         # one index into the flat rows: index_select gathers 2 KB rows several times faster on
         # the CPU than indexing by (slot, row) pairs (127 rows, 1 thread: ~60 against ~20 us)
         return take_rows(values.view(-1, d), slots * r + pos.remainder(r))
+
+    def stage(self, layer: int, at: int, rows: torch.Tensor) -> torch.Tensor:
+        """Copy rows [n, D] into the layer's scratch rows at .. at + n - 1 (the caller keeps
+        them within scratch_rows); returns the layer's table, mirror rows then scratch rows."""
+        table = self._table[layer]
+        base = table.shape[0] - self.scratch_rows
+        if at < 0 or at + rows.shape[0] > self.scratch_rows:
+            raise ValueError(f"{rows.shape[0]} rows at {at} do not fit {self.scratch_rows} "
+                             "scratch rows")
+        table[base + at : base + at + rows.shape[0]] = rows
+        return table
+
+    def key_rows(self, slots, pos, at: int, n: int) -> torch.Tensor:
+        """Table rows of cat(mirror rows at (slots, pos), the n rows staged at `at`), in that
+        order: what `take` and the staged rows would give, named instead of copied."""
+        s, r = self.values[next(iter(self.values))].shape[:2]
+        return torch.cat([slots * r + pos.remainder(r),
+                          s * r + at + torch.arange(n, device=slots.device)])
 
     def write(self, layer: int, at: RingAt, pos, values) -> None:
         """Rows the runner just wrote to the ring at `at` (the step's places for this ring

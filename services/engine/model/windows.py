@@ -65,6 +65,7 @@ POOL_BLOCK = 64
 @dataclass(frozen=True)
 class RingPlan:
     rows: torch.Tensor | None      # [t] rows of the segment on this path (None: all of them)
+    work_ids: tuple[int, ...]      # the works of those rows, ascending (host ints)
     where: SlotRows                # each row's slot
     ok: torch.Tensor               # [t, R] row may see ring row r
     fill_slots: torch.Tensor | None  # [k * (W - 1)] older rows of dropped mirrors to restore
@@ -158,7 +159,7 @@ def _ring(step, seg, works, rows, ring_rows, window, stale) -> RingPlan:
         fill_pos = (seg.first[d].unsqueeze(1) - window + 1
                     + torch.arange(window - 1, device=dev)).flatten()
         fill_slots = step.slots[d].repeat_interleave(window - 1)
-    return RingPlan(rows, where, ok, fill_slots, fill_pos)
+    return RingPlan(rows, tuple(works), where, ok, fill_slots, fill_pos)
 
 
 def _pool(step, seg, rows, ws: list[int], window, gather: bool, in_mirror: bool) -> PoolPlan:
