@@ -58,10 +58,92 @@ static float score(const float *q, const float *w, const float *key, int64_t hi,
     float s = 0;
     for (int64_t h = 0; h < hi; h++) {
         float x = dot(q + h * di, key, di);
-        s += w[h] * (x > 0 ? x : 0);
+        s = fmaf(w[h], x > 0 ? x : 0, s);        /* one rounding, as the blocks below */
     }
     return s;
 }
+
+/* keep candidate j among the best k so far: best_* sorted by score descending, ties by j
+   ascending (j arrives in ascending order, so a new j enters only past a strictly smaller
+   score); NaN never (torch sorts it first) */
+static inline void offer(float s, int64_t j, float *best_s, int64_t *best_j, int64_t *n,
+                         int64_t k)
+{
+    if (s != s || (*n == k && !(s > best_s[*n - 1])))
+        return;
+    int64_t at = *n < k ? (*n)++ : *n - 1;
+    while (at > 0 && s > best_s[at - 1]) {
+        best_s[at] = best_s[at - 1];
+        best_j[at] = best_j[at - 1];
+        at--;
+    }
+    best_s[at] = s;
+    best_j[at] = j;
+}
+
+#ifdef __AVX512F__
+/* 16 vectors -> one: lane c of the result is a[c]'s lanes summed by _mm512_reduce_add_ps's
+   tree (i + 8, then i + 4, i + 2, i + 1), so each candidate's dot product is bit for bit
+   dot()'s; four rounds of shuffles and adds for 16 candidates instead of a reduction each. */
+static inline __m512 sum16(const __m512 *a)
+{
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)        /* 256-bit halves: a[i] low, a[i + 8] high */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44),
+                             _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)        /* 128-bit quarters */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88),
+                             _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)        /* pairs within a quarter */
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[i], c[i + 2], 0x44),
+                             _mm512_shuffle_ps(c[i], c[i + 2], 0xEE));
+    __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88),
+                             _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    /* e holds candidates 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15: a permutation that is its
+       own inverse, so the same index puts them in order */
+    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+    return _mm512_permutexvar_ps(order, e);
+}
+
+/* Candidates j0 .. j0 + 15 scored at once (di a multiple of 16, at most 128), offered in
+   order of j: only those that could enter (visible, ordered, above the k-th best so far). */
+static void score_block(const float *q, const float *w, const float *table, int64_t stride,
+                        const int64_t *flat, const uint8_t *visible, int64_t j0, int64_t hi,
+                        int64_t di, int64_t k, float *best_s, int64_t *best_j, int64_t *n)
+{
+    __mmask16 live = 0xFFFF;
+    if (visible) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(visible + j0));
+        live = _mm_cmpneq_epi8_mask(v, _mm_setzero_si128());
+        if (!live)
+            return;
+    }
+    const float *key[16];
+    for (int c = 0; c < 16; c++)
+        key[c] = table + flat[j0 + c] * stride;
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t h = 0; h < hi; h++) {
+        const float *qh = q + h * di;
+        __m512 acc[16];
+        for (int c = 0; c < 16; c++) {
+            acc[c] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < di; d += 16)
+                acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(key[c] + d),
+                                         acc[c]);
+        }
+        __m512 x = _mm512_max_ps(sum16(acc), _mm512_setzero_ps());   /* relu (x > 0 ? x : 0) */
+        s = _mm512_fmadd_ps(_mm512_set1_ps(w[h]), x, s);
+    }
+    live &= *n < k ? _mm512_cmp_ps_mask(s, s, _CMP_ORD_Q)
+                   : _mm512_cmp_ps_mask(s, _mm512_set1_ps(best_s[*n - 1]), _CMP_GT_OQ);
+    float sv[16];
+    _mm512_storeu_ps(sv, s);
+    for (; live; live &= live - 1) {
+        int c = __builtin_ctz(live);
+        offer(sv[c], j0 + c, best_s, best_j, n, k);
+    }
+}
+#endif
 
 /* visible NULL: the candidates visible are j < n_vis (a prefix), none scored past it */
 static void pick_row(const float *q, const float *w, const float *table, int64_t stride,
@@ -71,46 +153,42 @@ static void pick_row(const float *q, const float *w, const float *table, int64_t
     float best_s[MAX_K];
     int64_t best_j[MAX_K], n = 0;
     const int64_t scan = visible || n_vis > kc ? kc : n_vis < 0 ? 0 : n_vis;
-    /* best_* sorted by score descending, ties by j ascending: j runs upward, so a new j
-       enters only past a strictly smaller score */
-    for (int64_t j = 0; j < scan && j < 8; j++)
+    for (int64_t j = 0; j < scan && j < 16; j++)
         for (int64_t at = 0; at < di; at += 16)
             __builtin_prefetch(table + flat[j] * stride + at);
-    for (int64_t j = 0; j < scan; j++) {
+    int64_t j = 0;
+#ifdef __AVX512F__
+    if (di % 16 == 0 && di <= 128)
+        for (; j + 16 <= scan; j += 16) {
+            for (int64_t p = j + 16; p < j + 32 && p < scan; p++)    /* the next block's keys */
+                for (int64_t at = 0; at < di; at += 16)
+                    __builtin_prefetch(table + flat[p] * stride + at);
+            score_block(q, w, table, stride, flat, visible, j, hi, di, k, best_s, best_j, &n);
+        }
+#endif
+    for (; j < scan; j++) {
         if (j + 8 < scan)                    /* keys lie scattered over the store: every */
             for (int64_t at = 0; at < di; at += 16)               /* line, 8 candidates ahead */
                 __builtin_prefetch(table + flat[j + 8] * stride + at);
         if (visible && !visible[j])
             continue;
-        float s = score(q, w, table + flat[j] * stride, hi, di);
-        if (s != s)
-            continue;                       /* NaN: never picked (torch sorts it first) */
-        if (n == k && !(s > best_s[n - 1]))
-            continue;
-        int64_t at = n < k ? n++ : n - 1;
-        while (at > 0 && s > best_s[at - 1]) {
-            best_s[at] = best_s[at - 1];
-            best_j[at] = best_j[at - 1];
-            at--;
-        }
-        best_s[at] = s;
-        best_j[at] = j;
+        offer(score(q, w, table + flat[j] * stride, hi, di), j, best_s, best_j, &n, k);
     }
     /* the visible picks by j (an insertion sort of at most k) */
     for (int64_t a = 1; a < n; a++) {
-        int64_t j = best_j[a], b = a;
-        for (; b > 0 && best_j[b - 1] > j; b--)
+        int64_t pick = best_j[a], b = a;
+        for (; b > 0 && best_j[b - 1] > pick; b--)
             best_j[b] = best_j[b - 1];
-        best_j[b] = j;
+        best_j[b] = pick;
     }
     for (int64_t i = 0; i < n; i++) {
         rows[i] = flat[best_j[i]];
         ok[i] = 1;
     }
     /* fewer than k visible: the lowest invisible j, as a stable sort leaves them */
-    for (int64_t j = visible ? 0 : scan, i = n; i < k && j < kc; j++) {
-        if (!visible || !visible[j]) {
-            rows[i] = flat[j];
+    for (int64_t u = visible ? 0 : scan, i = n; i < k && u < kc; u++) {
+        if (!visible || !visible[u]) {
+            rows[i] = flat[u];
             ok[i++] = 0;
         }
     }

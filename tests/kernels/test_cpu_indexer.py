@@ -75,19 +75,21 @@ def test_strided_table_and_torch_takes_the_rest(monkeypatch):
         cpu_indexer.pick_rows(q, w[:, :1], table, flat, visible, 8)
 
 
+@pytest.mark.parametrize("di", [32, 128, 24])
 @pytest.mark.parametrize("dup", [False, True])
-def test_picks_of_works_equal_the_rows_own_lists(dup):
+def test_picks_of_works_equal_the_rows_own_lists(dup, di):
     """Rows naming their work's candidate list and a visible prefix pick exactly what they
     pick with the list copied per row and the prefix as a mask: every prefix from none
-    (k invisible picks) through fewer than k (padding) to the whole list and past it."""
+    (k invisible picks) through fewer than k (padding) to the whole list and past it; key
+    widths scored 16 candidates at a time (32, 128) and one by one (24)."""
     g = torch.Generator().manual_seed(11)
-    table = torch.randn(400, 32, generator=g)
+    table = torch.randn(400, di, generator=g)
     if dup:
         table[1::2] = table[0::2]
     works = torch.randint(0, 400, (3, 90), generator=g)              # 3 works' lists of 90
     row_work = torch.tensor([0, 0, 1, 2, 2, 2, 1, 0, 2, 1, 0])
     n_vis = torch.tensor([0, 5, 16, 17, 40, 89, 90, 91, 1, 63, 90])
-    q = torch.randn(len(row_work), 2, 32, generator=g)
+    q = torch.randn(len(row_work), 2, di, generator=g)
     w = torch.randn(len(row_work), 2, generator=g)
     got = cpu_indexer.pick_rows_of_works(q, w, table, works, row_work, n_vis, 16)
     flat = works[row_work]
