@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,6 +62,16 @@ POOL_PICKS = 8
 # other devices and in float64, the shared pool).
 PER_ROW_CHUNK = 512
 PER_ROW_ENTRIES = 1 << 21
+
+
+class _Group(NamedTuple):
+    """One attention call's rows and keys within a layer."""
+    rows: Any                      # rows of the segment (None: all; a slice: a pool chunk)
+    keys: Any                      # (keys, ok), a RingKeys, or (table, None) when staged
+    per_row: bool                  # keys per row (ring, gather), not a shared pool
+    path: Any                      # "ring", "gather" or ("pool", i): memo keys of the step
+    pool: Any = None               # the PoolPlan of gather and pool paths
+    bands: tuple | None = None     # a staged pool: per block its keys as table rows
 
 
 @dataclass
@@ -208,7 +219,7 @@ class ModelRunner:
         ring = self.states.swa[layer]
         plan = self._window_plan(step, seg, kind, layer, stale)
         # read every older key this layer needs before it writes the ring
-        groups, named_groups = [], []
+        groups, staged_groups = [], []
         pools = [(plan.gather, "gather")] if plan.gather is not None else []
         pools += [(pool, ("pool", i)) for i, pool in enumerate(plan.pools)]
         staged = 0
@@ -221,17 +232,17 @@ class ModelRunner:
                 # chunk's own from its scratch: the pool below, named row by row instead of
                 # copied (same keys, same order), attended before this layer's writes
                 table = self.mirror.stage(layer, staged, new)
-                named = step.once(("pool-rows", kind, ring.shape[1], path, staged),
+                bands = step.once(("pool-rows", kind, ring.shape[1], path, staged),
                                   lambda pool=pool, at=staged, n=new.shape[0]:
-                                  self.mirror.key_rows(pool.old_slots, pool.old_pos, at, n))
+                                  self._named_bands(step, pool, at, n))
                 staged += new.shape[0]
-                named_groups.append((pool.rows, (table, None), False, path, pool, named))
+                staged_groups.append(_Group(pool.rows, (table, None), False, path, pool, bands))
                 continue
             old = (self.mirror.take(layer, pool.old_slots, pool.old_pos) if pool.in_mirror
                    else self.mirror.read(layer, pool.old_slots, pool.old_pos, kv.dtype))
             keys = torch.cat([old, new])
-            groups.append((pool.rows, (keys if pool.idx is None else keys[pool.idx], pool.ok),
-                           path == "gather", path, pool, None))     # pool: ok per block
+            groups.append(_Group(pool.rows, (keys if pool.idx is None else keys[pool.idx],
+                                             pool.ok), path == "gather", path, pool))
         if plan.ring is not None and plan.ring.fill_slots is not None:
             self.mirror.fill(layer, plan.ring.fill_slots, plan.ring.fill_pos)
         if cfg.is_encoder(layer):
@@ -244,7 +255,7 @@ class ModelRunner:
         sink = w[p + "sink"]
         whole = not pools and plan.ring is not None and plan.ring.rows is None
         o = None if whole else torch.empty_like(q)
-        for group in named_groups:      # their older keys are read in place: before the writes
+        for group in staged_groups:      # their older keys are read in place: before the writes
             self._attend(layer, seg, step, kind, h, m, q, sink, o, plan, group)
         put = slice(None) if plan.put_rows is None else plan.put_rows
         put_at(ring, plan.put_at, kv_bytes[put])
@@ -252,22 +263,29 @@ class ModelRunner:
         if plan.ring is not None:
             rows = plan.ring.rows
             # the ring bytes too: a Triton kernel dequantizes them in registers (kernels/ragged.py)
-            groups.append((rows, RingKeys(self.mirror.values[layer], plan.ring.where, plan.ring.ok,
-                                          ring), True, "ring", None, None))
+            groups.append(_Group(rows, RingKeys(self.mirror.values[layer], plan.ring.where,
+                                                plan.ring.ok, ring), True, "ring"))
         for group in groups:
             o = self._attend(layer, seg, step, kind, h, m, q, sink, o, plan, group)
         x = x + ops.attn_output(w, layer, o)
         return x + ops.ffn(w, layer, x, cfg)
 
+    def _named_bands(self, step: StepBatch, pool, at: int, n: int) -> tuple[torch.Tensor, ...]:
+        """Per block of a staged pool, its rows' keys ([rows, keys], as _band) as rows of the
+        mirror's table: the pool's older rows where the mirror holds them, its own n rows
+        staged at `at` (the same for every layer of the step with this ring length)."""
+        key_rows = self.mirror.key_rows(pool.old_slots, pool.old_pos, at, n)
+        return tuple(key_rows[_band(step, b)] for b in pool.blocks)
+
     def _attend(self, layer, seg: Segments, step: StepBatch, kind: str, h, m, q, sink, o, plan,
-                group):
+                group: _Group):
         """One group's attention into o[rows] (o None: the group is every row; returns its
         output as o)."""
-        rows, win, per_row, path, pool, named = group
+        rows, win, per_row, path, pool, bands = group
         # a chunk on the CPU: entries per row and window keys by index, so its attention is
         # one call of the compiled kernel (see PER_ROW_CHUNK)
         by_index = pool is not None and not per_row and (
-            named is not None or _by_index(rows, q, win[0], step, m))
+            bands is not None or _by_index(rows, q, win[0], step, m))
         # the works of these rows (their candidates stop at the last of their ends)
         ids = pool.work_ids if pool is not None else plan.ring.work_ids
         cmp = None if m is None else self._compressed(layer, seg, step, h, m, rows,
@@ -276,14 +294,10 @@ class ModelRunner:
         if pool is not None and pool.blocks:
             # a pool chunk's rows block by block, each to the keys it can see; the compressed
             # part was chosen for the whole chunk and is cut to the block's rows
-            r = self.states.swa[layer].shape[1]
-            for b in pool.blocks:
+            for i, b in enumerate(pool.blocks):
                 at = slice(rows.start + b.rows.start, rows.start + b.rows.stop)
-                if named is not None:          # the band's pool keys as table rows
-                    band = step.once(("pool-band", kind, r, path, named.data_ptr(),
-                                      b.keys.start, b.keys.stop),
-                                     lambda b=b: named[_band(step, b)])
-                    keys = TableKeys(win[0], band, b.ok)
+                if bands is not None:          # a staged pool: its keys as the table's rows
+                    keys = TableKeys(win[0], bands[i], b.ok)
                 else:
                     keys = (TableKeys(win[0], _band(step, b), b.ok) if by_index
                             else (win[0][b.keys], b.ok))
@@ -330,7 +344,8 @@ class ModelRunner:
         """(keys, ok) of the entries visible to `rows` (j < (p + 1) // m). HCA: all of them;
         CSA: the indexer's top-k, so attention never touches the rest. Entry rows come
         straight from the block store through a per-step index. Per-row paths get their
-        own candidates ([t, K]); long chunks' rows share one pool of their works' entries,
+        own candidates ([t, K]; the CPU picks read each row's work's list); long chunks' rows
+        share one pool of their works' entries,
         masked per row (a chunk's rows see nearly the same entries; CSA picks too, as that
         pool masked to each row's top-k, while the pool is small: POOL_PICKS)."""
         cfg = self.cfg

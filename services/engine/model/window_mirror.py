@@ -46,6 +46,7 @@ class WindowMirror:
         self.values = {layer: t[: slots * ring].view(slots, ring, head_dim)
                        for layer, t in self._table.items()}
         self.scratch_rows = scratch_rows
+        self._slots, self._ring = slots, ring
         self.pos = {layer: torch.full((slots, ring), NOWHERE, dtype=torch.long, device=dev)
                     for layer in swa}
         self.dtype = dtype
@@ -127,9 +128,9 @@ class WindowMirror:
     def key_rows(self, slots, pos, at: int, n: int) -> torch.Tensor:
         """Table rows of cat(mirror rows at (slots, pos), the n rows staged at `at`), in that
         order: what `take` and the staged rows would give, named instead of copied."""
-        s, r = self.values[next(iter(self.values))].shape[:2]
+        r = self._ring
         return torch.cat([slots * r + pos.remainder(r),
-                          s * r + at + torch.arange(n, device=slots.device)])
+                          self._slots * r + at + torch.arange(n, device=slots.device)])
 
     def write(self, layer: int, at: RingAt, pos, values) -> None:
         """Rows the runner just wrote to the ring at `at` (the step's places for this ring
