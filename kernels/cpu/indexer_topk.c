@@ -112,9 +112,10 @@ static void score_block(const float *q, const float *w, const float *table, int6
                         int64_t di, int64_t k, float *best_s, int64_t *best_j, int64_t *n)
 {
     __mmask16 live = 0xFFFF;
-    if (visible) {
-        __m128i v = _mm_loadu_si128((const __m128i *)(visible + j0));
-        live = _mm_cmpneq_epi8_mask(v, _mm_setzero_si128());
+    if (visible) {                  /* bytewise: AVX-512F alone has no byte compares */
+        live = 0;
+        for (int c = 0; c < 16; c++)
+            live |= (__mmask16)((visible[j0 + c] != 0) << c);
         if (!live)
             return;
     }
