@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh import auth, errors
+from kvmesh import auth, errors, grpc_logs
 from kvmesh.rpc_auth import TokenGuard, token_interceptors
 from kvmesh.tls import TlsFiles
 
@@ -250,6 +250,7 @@ class Server:
             raise errors.Unavailable(f"cannot bind {address}")
 
     async def start(self) -> None:
+        grpc_logs.install()       # a reply to a caller that left is not a crash (grpc_logs.py)
         await self.server.start()
         await self.set_serving(True)
 
