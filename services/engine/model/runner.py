@@ -71,6 +71,7 @@ class _Group(NamedTuple):
     per_row: bool                  # keys per row (ring, gather), not a shared pool
     path: Any                      # "ring", "gather" or ("pool", i): memo keys of the step
     pool: Any = None               # the PoolPlan of gather and pool paths
+    by_index: bool = False         # a pool chunk whose window keys the CPU kernel reads by index
     bands: tuple | None = None     # a staged pool: per block its keys as table rows
 
 
@@ -225,9 +226,10 @@ class ModelRunner:
         staged = 0
         for pool, path in pools:
             new = kv[pool.rows]
-            if pool.idx is None and pool.in_mirror and \
-                    staged + new.shape[0] <= self.mirror.scratch_rows and \
-                    _by_index(pool.rows, q, kv, step, m):
+            # a chunk on the CPU: entries per row and window keys by index, so its attention is
+            # one call of the compiled kernel (see PER_ROW_CHUNK); gather rows have their own
+            by_index = pool.idx is None and _by_index(pool.rows, q, kv, step, m)
+            if by_index and pool.in_mirror and staged + new.shape[0] <= self.mirror.scratch_rows:
                 # the kernel reads the older keys where they are in the mirror and the
                 # chunk's own from its scratch: the pool below, named row by row instead of
                 # copied (same keys, same order), attended before this layer's writes
@@ -236,13 +238,14 @@ class ModelRunner:
                                   lambda pool=pool, at=staged, n=new.shape[0]:
                                   self._named_bands(step, pool, at, n))
                 staged += new.shape[0]
-                staged_groups.append(_Group(pool.rows, (table, None), False, path, pool, bands))
+                staged_groups.append(_Group(pool.rows, (table, None), False, path, pool, True,
+                                            bands))
                 continue
             old = (self.mirror.take(layer, pool.old_slots, pool.old_pos) if pool.in_mirror
                    else self.mirror.read(layer, pool.old_slots, pool.old_pos, kv.dtype))
             keys = torch.cat([old, new])
             groups.append(_Group(pool.rows, (keys if pool.idx is None else keys[pool.idx],
-                                             pool.ok), path == "gather", path, pool))
+                                             pool.ok), path == "gather", path, pool, by_index))
         if plan.ring is not None and plan.ring.fill_slots is not None:
             self.mirror.fill(layer, plan.ring.fill_slots, plan.ring.fill_pos)
         if cfg.is_encoder(layer):
@@ -281,11 +284,7 @@ class ModelRunner:
                 group: _Group):
         """One group's attention into o[rows] (o None: the group is every row; returns its
         output as o)."""
-        rows, win, per_row, path, pool, bands = group
-        # a chunk on the CPU: entries per row and window keys by index, so its attention is
-        # one call of the compiled kernel (see PER_ROW_CHUNK)
-        by_index = pool is not None and not per_row and (
-            bands is not None or _by_index(rows, q, win[0], step, m))
+        rows, win, per_row, path, pool, by_index, bands = group
         # the works of these rows (their candidates stop at the last of their ends)
         ids = pool.work_ids if pool is not None else plan.ring.work_ids
         cmp = None if m is None else self._compressed(layer, seg, step, h, m, rows,
@@ -358,7 +357,9 @@ class ModelRunner:
             return step.once(("entries", key, m, per),
                              lambda: _visible_entries(cands, step, m, per_row, pool))
         table = entries.view(-1, entries.shape[-1])
-        if cfg.layers[layer] != "csa" or self._all_visible(step, m, work_ids):
+        # no row of these works sees more than top-k entries (the candidates' width): the
+        # indexer would keep every visible one (select_topk's rule), so it is not run at all
+        if cfg.layers[layer] != "csa" or cands[0].shape[1] <= cfg.csa_topk:
             flat, visible = visible_entries()
             if per_row:                 # read in place where a kernel can, else gathered
                 return TableKeys(table, flat, visible)
@@ -384,11 +385,6 @@ class ModelRunner:
             return take_rows(table, flat).to(h.dtype), chosen                # [L, D], [t, L]
         idx, ok = selected_indices(chosen, cfg.csa_topk)                     # [t, k]
         return take_rows(table, flat[idx]).to(h.dtype), ok
-
-    def _all_visible(self, step: StepBatch, m: int, work_ids: tuple[int, ...]) -> bool:
-        """No row of these works sees more than top-k entries: the indexer would keep every
-        visible one (select_topk's rule), so it is not run at all."""
-        return max(step.end_ids[i] for i in work_ids) // m <= self.cfg.csa_topk   # host ints
 
 
 def _by_index(rows, q, keys, step: StepBatch, m: int | None) -> bool:

@@ -108,17 +108,18 @@ class WindowMirror:
         (windows.py PoolPlan.in_mirror), whose every asked row it holds, or a row masked out
         (a position below the window's bound, whose value is never weighted: finite, as every
         value the mirror holds is a dequantized ring row, a written row or a zero)."""
-        values = self.values[layer]
-        r, d = values.shape[1:]
         # one index into the flat rows: index_select gathers 2 KB rows several times faster on
         # the CPU than indexing by (slot, row) pairs (127 rows, 1 thread: ~60 against ~20 us)
-        return take_rows(values.view(-1, d), slots * r + pos.remainder(r))
+        return take_rows(self._table[layer], self._flat_rows(slots, pos))
+
+    def _flat_rows(self, slots, pos) -> torch.Tensor:
+        """Rows of a layer's table that hold (slot, position): slot * R + position mod R."""
+        return slots * self._ring + pos.remainder(self._ring)
 
     def stage(self, layer: int, at: int, rows: torch.Tensor) -> torch.Tensor:
         """Copy rows [n, D] into the layer's scratch rows at .. at + n - 1 (the caller keeps
         them within scratch_rows); returns the layer's table, mirror rows then scratch rows."""
-        table = self._table[layer]
-        base = table.shape[0] - self.scratch_rows
+        table, base = self._table[layer], self._slots * self._ring
         if at < 0 or at + rows.shape[0] > self.scratch_rows:
             raise ValueError(f"{rows.shape[0]} rows at {at} do not fit {self.scratch_rows} "
                              "scratch rows")
@@ -128,9 +129,8 @@ class WindowMirror:
     def key_rows(self, slots, pos, at: int, n: int) -> torch.Tensor:
         """Table rows of cat(mirror rows at (slots, pos), the n rows staged at `at`), in that
         order: what `take` and the staged rows would give, named instead of copied."""
-        r = self._ring
-        return torch.cat([slots * r + pos.remainder(r),
-                          self._slots * r + at + torch.arange(n, device=slots.device)])
+        return torch.cat([self._flat_rows(slots, pos),
+                          self._slots * self._ring + at + torch.arange(n, device=slots.device)])
 
     def write(self, layer: int, at: RingAt, pos, values) -> None:
         """Rows the runner just wrote to the ring at `at` (the step's places for this ring
