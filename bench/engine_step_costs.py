@@ -65,7 +65,7 @@ def _no_ring_attention(q, ring, scale):
         torch.zeros(t, 1, 1, dtype=torch.bool)
 
 
-def _no_c_kernel(q, scale, ring=None, table=None, sink=None):
+def _no_c_kernel(q, scale, **groups):
     t, h, _ = q.shape
     return torch.zeros_like(q), torch.zeros(t, h, dtype=q.dtype)
 
@@ -73,10 +73,10 @@ def _no_c_kernel(q, scale, ring=None, table=None, sink=None):
 def _no_entries(kinds):
     real = runner.ModelRunner._compressed
 
-    def fake(self, layer, seg, step, h, m, rows, per_row, key, pool=None):
+    def fake(self, layer, seg, step, h, m, rows, per_row, key, work_ids, pool=None):
         if self.cfg.layers[layer] not in kinds:
-            return real(self, layer, seg, step, h, m, rows, per_row, key, pool)
-        t = h.shape[0] if rows is None else len(rows)
+            return real(self, layer, seg, step, h, m, rows, per_row, key, work_ids, pool)
+        t = h.shape[0] if rows is None else h[rows].shape[0]
         return torch.zeros(t, 1, self.cfg.head_dim, dtype=h.dtype), \
             torch.ones(t, 1, dtype=torch.bool)
     return fake
@@ -177,6 +177,8 @@ def main(argv=None) -> int:
     bad = [p for p in pieces if p not in PIECES]
     if bad:
         ap.error(f"unknown pieces {bad}; choose from {', '.join(PIECES)}")
+    if args.pairs < 2:
+        ap.error("--pairs must be at least 2 (a piece's standard error needs two pairs)")
     res: dict[str, dict[int, tuple[float, float, float]]] = {p: {} for p in pieces}
     for core, b in decoding(batches, args.prompt):
         for p in pieces:
