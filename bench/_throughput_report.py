@@ -25,6 +25,17 @@ def floor_rows(res: dict, batches: tuple) -> list[list]:
     return rows
 
 
+def _ratio(t: dict, key: str, fallback: float) -> float:
+    """A ratio measured per round (this bench), else the one from the rates (an older run's
+    JSON, which timed the sequential requests once, before every N)."""
+    return t.get(key, fallback)
+
+
+def _span(t: dict, key: str) -> str:
+    lo, hi = t.get(key, (float("nan"), float("nan")))
+    return f"{lo:.2f}-{hi:.2f}"
+
+
 def prefill_rows(res: dict, batches: tuple) -> list[list]:
     """What bounds end to end: prefill share = seconds of the steps that carry prefill work /
     all seconds of the N-request run (decode rows riding along included); if every
@@ -35,7 +46,7 @@ def prefill_rows(res: dict, batches: tuple) -> list[list]:
         t = res["tput"][str(n)] if str(n) in res["tput"] else res["tput"][n]
         if "seq_prefill_share" not in t:
             continue
-        e2e = t["e2e_tok_s"] / t["seq_tok_s"]
+        e2e = _ratio(t, "e2e_vs_seq", t["e2e_tok_s"] / t["seq_tok_s"])
         rows.append([n, e2e, t["prefill_share"], e2e / t["prefill_share"], t["seq_prefill_share"]])
     return rows
 
@@ -64,12 +75,17 @@ def report(res: dict, before: dict | None, batches: tuple, prefill_rows_n: int) 
         row = [n]
         for _, r in cols:
             t = tp(r, n)
-            row += [t["e2e_tok_s"], t["e2e_tok_s"] / t["seq_tok_s"], t["dec_tok_s"],
-                    t["dec_tok_s"] / tp(r, 1)["dec_tok_s"]]
+            e2e = _ratio(t, "e2e_vs_seq", t["e2e_tok_s"] / t["seq_tok_s"])
+            dec = _ratio(t, "dec_vs_1", t["dec_tok_s"] / tp(r, 1)["dec_tok_s"])
+            row += [t["e2e_tok_s"], e2e, _span(t, "e2e_vs_seq_range"), t["dec_tok_s"], dec,
+                    _span(t, "dec_vs_1_range")]
         rows.append(row)
-    print("\ngenerated tokens/s (e2e = with prefills; vs seq = / same requests one after another)")
-    print(table(["N"] + [f"{n} {h}" for n, _ in cols for h in ("e2e tok/s", "vs seq", "decode tok/s",
-                                                                 "vs N=1")], rows))
+    print("\ngenerated tokens/s (e2e = with prefills; vs seq = / same requests one after another; "
+          "vs N=1 = decode-only tok/s / one request's alone; ratios: the median of rounds that "
+          "each ran one request alone and then the N together, back to back, and their range)")
+    print(table(["N"] + [f"{n} {h}" for n, _ in cols for h in ("e2e tok/s", "vs seq", "range",
+                                                                 "decode tok/s", "vs N=1", "range")],
+                rows))
     if rows := prefill_rows(res, batches):
         print(f"\nend to end vs the prefill floor ({cols[-1][0]}): prefill share = seconds of steps "
               "with prefill work / all; decode free = e2e vs seq / prefill share, the most end to "

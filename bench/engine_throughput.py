@@ -31,8 +31,11 @@ the attention's and the gathers' cold-read excess. What each piece costs inside 
 End to end is bounded by the prefills (their compute is linear in tokens on a CPU): the
 table prints the share of the N-request run spent in steps with prefill work, and the e2e
 speedup that would leave if every decode-only step were free.
-Sequential throughput is measured on `--sequential` requests run one after another (a
-request alone costs the same whatever N is) and reported for every N.
+Sequential throughput is one request alone (N requests one after another take N times as
+long). The machine's speed drifts by up to 2x over minutes, so each N runs `--rounds` rounds
+of (one request alone, then the N requests at once), back to back: each round gives its own
+e2e-vs-sequential and decode-only-vs-alone ratios, and the tables print the rounds' medians
+with their range (the rates are the rounds' medians too).
 """
 
 from __future__ import annotations
@@ -151,19 +154,31 @@ def run_requests(n: int, prompt_len: int, gen: int, seed: int,
     return total, dec_s, dec_tokens
 
 
-def throughput(prompt_len: int, gen: int, sequential: int) -> dict:
-    seq = [run_requests(1, prompt_len, gen, 1000 + i) for i in range(sequential)]
-    seq_s = statistics.mean(s[0] for s in seq)                 # one request alone, end to end
-    seq_dec = sum(s[2] for s in seq) / sum(s[1] for s in seq)  # decode-only tokens/s alone
-    seq_prefill = 1.0 - sum(s[1] for s in seq) / sum(s[0] for s in seq)
+def throughput(prompt_len: int, gen: int, rounds: int) -> dict:
+    """For each N, `rounds` rounds of one request alone and then N requests at once, back to
+    back, so that each round's ratios (e2e vs seq, decode-only vs the request alone) are taken
+    minutes apart from nothing: the machine's drift hits both sides of a ratio alike. The
+    ratios printed are the rounds' medians; the rates are the rounds' medians too."""
     out = {}
     for n in BATCHES:
-        total, dec_s, dec_tokens = run_requests(n, prompt_len, gen, 2000)
-        out[n] = {"e2e_tok_s": n * gen / total, "seq_tok_s": gen / seq_s,
-                  "dec_tok_s": dec_tokens / dec_s if dec_s else 0.0, "seq_dec_tok_s": seq_dec,
-                  "prefill_share": 1.0 - dec_s / total, "seq_prefill_share": seq_prefill}
-        print(f"  N={n}: {out[n]['e2e_tok_s']:.1f} tok/s end to end "
-              f"({out[n]['dec_tok_s']:.1f} decode-only); sequential {gen / seq_s:.1f}", flush=True)
+        rs = []
+        for r in range(rounds):
+            alone = run_requests(1, prompt_len, gen, 1000 + r)
+            total, dec_s, dec_tokens = run_requests(n, prompt_len, gen, 2000 + 100 * r)
+            rs.append({"e2e_tok_s": n * gen / total, "seq_tok_s": gen / alone[0],
+                       "dec_tok_s": dec_tokens / dec_s if dec_s else 0.0,
+                       "seq_dec_tok_s": alone[2] / alone[1] if alone[1] else 0.0,
+                       "prefill_share": 1.0 - dec_s / total,
+                       "seq_prefill_share": 1.0 - alone[1] / alone[0]})
+        med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+        e2e = sorted(x["e2e_tok_s"] / x["seq_tok_s"] for x in rs)
+        dec = sorted(x["dec_tok_s"] / x["seq_dec_tok_s"] for x in rs if x["seq_dec_tok_s"])
+        out[n] = {**med, "e2e_vs_seq": statistics.median(e2e), "e2e_vs_seq_range": [e2e[0], e2e[-1]],
+                  "dec_vs_1": statistics.median(dec) if dec else 0.0,
+                  "dec_vs_1_range": [dec[0], dec[-1]] if dec else [0.0, 0.0], "rounds": rounds}
+        print(f"  N={n}: {med['e2e_tok_s']:.1f} tok/s end to end ({med['dec_tok_s']:.1f} decode-only); "
+              f"alone {med['seq_tok_s']:.1f}; rounds' e2e vs seq {', '.join(f'{x:.2f}' for x in e2e)}",
+              flush=True)
     return out
 
 
@@ -312,7 +327,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gen", type=int, default=64,
                     help="tokens per request (64: the workload issue 11 states, 256-token prompts)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--sequential", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of one request alone, then N at once, for each N (ratios per "
+                         "round, medians printed)")
     ap.add_argument("--long", type=int, default=4096)
     ap.add_argument("--compare", help="JSON of an earlier run to print side by side")
     ap.add_argument("--before", help="an older checkout: measure it first (same arguments, "
@@ -356,6 +373,9 @@ def main(argv=None) -> int:
             rest = rest[:i] + rest[i + 2:]
         if "--together" in rest:
             rest.remove("--together")
+        if "--rounds" in rest:        # an older bench may not know it (it ran --sequential)
+            i = rest.index("--rounds")
+            rest = rest[:i] + rest[i + 2:]
         print(f"== before: {args.before}", flush=True)
         log = Path(args.before) / "bench" / "out" / "engine_throughput_before.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -381,7 +401,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     res = {"label": args.label, "load": os.getloadavg(), "args": vars(args)}
     res["step_s"] = step_times(args.prompt, args.steps)
-    res["tput"] = throughput(args.prompt, args.gen, args.sequential)
+    res["tput"] = throughput(args.prompt, args.gen, args.rounds)
     res["itl"] = itl(args.prompt, args.long, args.itl_steps, args.itl_rounds)
     if args.budgets:
         res["budgets"] = budgets(args.prompt, args.gen, 32, [int(b) for b in args.budgets.split(",")])
