@@ -156,9 +156,9 @@ def run_requests(n: int, prompt_len: int, gen: int, seed: int,
 
 def throughput(prompt_len: int, gen: int, rounds: int) -> dict:
     """For each N, `rounds` rounds of one request alone and then N requests at once, back to
-    back, so that each round's ratios (e2e vs seq, decode-only vs the request alone) are taken
-    minutes apart from nothing: the machine's drift hits both sides of a ratio alike. The
-    ratios printed are the rounds' medians; the rates are the rounds' medians too."""
+    back: each round's ratios (e2e vs seq, decode-only vs the request alone) compare runs
+    seconds apart, so the machine's drift hits both sides alike. Ratios and rates are the
+    rounds' medians."""
     out = {}
     for n in BATCHES:
         rs = []
@@ -354,6 +354,8 @@ def main(argv=None) -> int:
                     help="with --before: run both checkouts at the same time (one per core), so "
                          "the load of a shared machine hits both alike")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.threads > 1 and (args.clock != "wall" or args.together):
         ap.error("--threads > 1 needs --clock wall and no --together (each run wants every core)")
     global clock
