@@ -37,7 +37,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kernels import cpu_ring
+from kernels import cpu_ring, host_memory
 
 _refused = False          # the library was built without AVX-512: gemm_* answered -1
 _F32 = torch.float32
@@ -53,21 +53,45 @@ def pack_weights(weights: Iterable[torch.Tensor]) -> None:
     """Pack weights for the products now (ModelRunner packs the model's at construction, so a
     first request's time does not include it). Only 2-D CPU float32 / float64 tensors, and
     only where the products take the kernel; others are left alone."""
-    for w in weights:
-        if _refused or cpu_ring.library(w, _DTYPES) is None:
-            continue                 # the products take torch's mm: a packed copy would idle
-        if w.dim() == 2 and w.dtype in _DTYPES and id(w) not in _packed:
-            _packed[id(w)] = (w._version, pack(w))
-            weakref.finalize(w, _packed.pop, id(w), None)
+    todo = [w for w in weights if not _refused and cpu_ring.library(w, _DTYPES) is not None
+            and w.dim() == 2 and w.dtype in _DTYPES and id(w) not in _packed]
+    # one arena per dtype on 2 MB pages (kernels/host_memory.py): the weights are many small
+    # tensors (0.06-0.5 MB each for tiny) that a batched step reads in full, each a
+    # separate run of 4 KB pages otherwise
+    arena: dict[torch.dtype, torch.Tensor] = {}
+    for dtype in {w.dtype for w in todo}:
+        sizes = [_panel_numel(w) for w in todo if w.dtype == dtype]
+        arena[dtype] = host_memory.zeros((sum(sizes),), dtype)
+    at = dict.fromkeys(arena, 0)
+    for w in todo:
+        n = _panel_numel(w)
+        out = arena[w.dtype][at[w.dtype]: at[w.dtype] + n]
+        at[w.dtype] += n
+        _packed[id(w)] = (w._version, pack(w, out))
+        weakref.finalize(w, _packed.pop, id(w), None)
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """w [K, N] as panels [ceil(N / T), K, T] (columns past N zero), T = _PANEL[w.dtype]."""
+def _panel_numel(w: torch.Tensor) -> int:
+    """Elements of w's panels: a multiple of T (128 bytes), so in an arena each weight's
+    panels start on a cache line."""
+    k, n = w.shape
+    t = _PANEL[w.dtype]
+    return k * -(-n // t) * t
+
+
+def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """w [K, N] as panels [ceil(N / T), K, T] (columns past N zero), T = _PANEL[w.dtype];
+    written into `out` (a flat tensor of w's dtype with room for them) when given."""
     k, n = w.shape
     t = _PANEL[w.dtype]
     wide = w.new_zeros(k, -(-n // t) * t)
     wide[:, :n] = w
-    return wide.view(k, -1, t).permute(1, 0, 2).contiguous()
+    panels = wide.view(k, -1, t).permute(1, 0, 2)
+    if out is None:
+        return panels.contiguous()
+    dst = out[: panels.numel()].view(panels.shape)
+    dst.copy_(panels)
+    return dst
 
 
 def _panels(w: torch.Tensor) -> torch.Tensor | None:

@@ -34,6 +34,7 @@ import zlib
 import torch
 from blake3 import blake3
 
+from kernels import host_memory
 from services.engine import device as device_mod
 from services.engine.config import ModelConfig
 
@@ -51,10 +52,11 @@ class BlockStore:
         self.index_keys: dict[int, torch.Tensor] = {}
         for layer in cfg.compressed_layers:
             per = cfg.block_size // cfg.compress_ratio(layer)
-            self.entries[layer] = torch.zeros(num_blocks, per, cfg.head_dim, dtype=dtype, device=device)
+            # on 2 MB pages: decode rows read entries 2 KB at a time, all over the store
+            self.entries[layer] = host_memory.zeros((num_blocks, per, cfg.head_dim), dtype, device)
             if cfg.layers[layer] == "csa":
-                self.index_keys[layer] = torch.zeros(num_blocks, per, cfg.index_dim, dtype=dtype,
-                                                     device=device)
+                self.index_keys[layer] = host_memory.zeros((num_blocks, per, cfg.index_dim), dtype,
+                                                           device)
 
     def _tensors(self) -> list[torch.Tensor]:
         out = []

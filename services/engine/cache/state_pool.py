@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import host_memory
 from services.engine.cache.layout import RuntimeLayout
 
 
@@ -30,7 +31,8 @@ class StatePool:
         self.cfg = layout.model
         self.block = layout.block
         self.num_slots = num_slots = layout.num_slots
-        self.data = torch.zeros(num_slots, self.block.slot_bytes, dtype=torch.uint8, device=device)
+        # on 2 MB pages: a decode step reads every slot's rings (kernels/host_memory.py)
+        self.data = host_memory.zeros((num_slots, self.block.slot_bytes), torch.uint8, device)
         self.swa: dict[int, torch.Tensor] = {}   # layer -> [S, R, 528] uint8
         self.cmp: dict[int, torch.Tensor] = {}   # layer -> [S, m+B, 2, D] fp32
         self.idx: dict[int, torch.Tensor] = {}   # csa layer -> [S, m+B, 2, Di] fp32

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import host_memory
 from kernels.ring_rows import RingAt, dequantize_rows, put_at, take_rows
 
 NOWHERE = -(1 << 62)     # no real or masked (negative) position ever equals this
@@ -41,8 +42,8 @@ class WindowMirror:
         slots, ring = next(iter(swa.values())).shape[:2]
         dev = next(iter(swa.values())).device
         # per layer one table: the slots' ring rows (slot * R + ring row), then the scratch
-        self._table = {layer: torch.zeros(slots * ring + scratch_rows, head_dim, dtype=dtype,
-                                          device=dev) for layer in swa}
+        self._table = {layer: host_memory.zeros((slots * ring + scratch_rows, head_dim), dtype, dev)
+                       for layer in swa}
         self.values = {layer: t[: slots * ring].view(slots, ring, head_dim)
                        for layer, t in self._table.items()}
         self.scratch_rows = scratch_rows

@@ -1,0 +1,67 @@
+"""Large host tensors on 2 MB pages (transparent huge pages), for the engine's long-lived CPU
+state: the slot pool's rings, the block store's entries, the window mirror, the weight panels.
+
+Why: a batch-32 decode step of the tiny model reads ~35 MB (17 MB of MXFP8 ring bytes, 17 MB
+of weight panels, compressed entries 2 KB at a time) spread over ~9,000 pages of 4 KB. That
+is about twice the machine's second-level TLB, so the step's reads keep walking page tables.
+The CPU's hardware prefetchers also stop at every 4 KB boundary: a slot's 67 KB window ring
+is 17 pages. Linux backs anonymous memory with 2 MB pages when asked (THP mode `madvise`,
+the usual default) or always (`always`). This module asks: an anonymous private mapping,
+advised MADV_HUGEPAGE before any page is touched, its start rounded up to 2 MB.
+
+`zeros` falls back to torch.zeros for device tensors, tensors under 2 MB, and systems
+without MADV_HUGEPAGE. If the kernel declines the advice (THP `never`), the mapping keeps
+its 4 KB pages and works as before. The tensor keeps its mapping alive: torch.frombuffer
+holds the buffer, and the mapping is unmapped with the tensor's last reference."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype, device=device), on 2 MB pages where that can be asked
+    for (a CPU tensor of 2 MB or more, on a system with MADV_HUGEPAGE)."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    # one huge page more than needed, so that a 2 MB-aligned start fits inside (mmap gives
+    # 4 KB alignment); the spare part is never touched, so it takes no memory
+    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = ctypes.c_char.from_buffer(region)
+    offset = -ctypes.addressof(start) % HUGE_PAGE
+    del start                   # an exported pointer would pin the mapping open for good
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, offset, size)
+    except OSError:             # advice refused (THP compiled out): 4 KB pages, same tensor
+        pass
+    # anonymous memory reads as zeros: nothing to fill
+    return torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)
+
+
+def huge_pages_of(t: torch.Tensor) -> int:
+    """Bytes of t's memory on huge pages, read from /proc/self/smaps (0 where it cannot be
+    read): what the tests check and what a bench can report."""
+    lo = t.data_ptr()
+    hi = lo + t.untyped_storage().nbytes()
+    total, inside = 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    a, b = (int(x, 16) for x in head.split("-"))
+                    inside = a < hi and lo < b
+                elif inside and head == "AnonHugePages:":
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total

@@ -1,0 +1,76 @@
+"""kernels/host_memory.py: large CPU tensors on 2 MB pages, and the tensors the engine puts
+there (slot pool, block store, window mirror, weight panels in one arena)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_gemm, cpu_ring, host_memory
+
+MB = 1 << 20
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+thp_on = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
+                            reason="transparent huge pages are off on this machine")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.float64])
+def test_zeros_is_torch_zeros(dtype):
+    t = host_memory.zeros((3, MB), dtype)
+    assert t.shape == (3, MB) and t.dtype == dtype and t.is_contiguous()
+    assert t.data_ptr() % host_memory.HUGE_PAGE == 0
+    assert not t.any()
+    t[2, -1] = 7                            # writable to its last element
+    assert t.sum().item() == 7
+
+
+@thp_on
+def test_a_large_tensor_is_on_huge_pages_once_touched():
+    t = host_memory.zeros((8 * MB,), torch.uint8)
+    assert host_memory.huge_pages_of(t) == 0          # nothing touched: nothing mapped
+    t.fill_(1)
+    assert host_memory.huge_pages_of(t) >= 6 * MB     # the kernel may split an edge page
+    plain = torch.zeros(8 * MB, dtype=torch.uint8)
+    plain.fill_(1)
+    assert host_memory.huge_pages_of(plain) < host_memory.huge_pages_of(t)
+
+
+def test_small_tensors_stay_plain():
+    t = host_memory.zeros((1000, 512), torch.float32)       # 2,048,000 B: under 2 MiB
+    assert not t.any() and t.shape == (1000, 512)
+    assert host_memory.huge_pages_of(t) == 0
+
+
+def test_the_mapping_lives_as_long_as_a_view():
+    t = host_memory.zeros((4 * MB,), torch.uint8)
+    view = t[-10:]
+    ref = weakref.ref(t)
+    del t
+    gc.collect()
+    assert ref() is None
+    view.fill_(3)                           # the mapping is still there under the view
+    assert view.sum().item() == 30
+
+
+@pytest.mark.skipif(cpu_ring.library(torch.zeros(1), (torch.float32,)) is None,
+                    reason="no C compiler: the products take torch's mm and nothing is packed")
+def test_packed_panels_share_one_arena_and_give_the_same_products():
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(128, n, generator=g) for n in (1024, 256, 40)] + \
+        [torch.randn(64, 48, generator=g, dtype=torch.float64)]
+    x32, x64 = torch.randn(5, 128, generator=g), torch.randn(5, 64, generator=g, dtype=torch.float64)
+    want = [cpu_gemm.matmul(x32, w.clone()) for w in ws[:3]] + [cpu_gemm.matmul(x64, ws[3].clone())]
+    cpu_gemm.pack_weights(ws)
+    panels = [cpu_gemm._packed[id(w)][1] for w in ws]
+    for w, p in zip(ws, panels, strict=True):
+        assert torch.equal(p, cpu_gemm.pack(w))                  # the layout pack() gives
+    f32 = {p.untyped_storage().data_ptr() for p in panels[:3]}
+    assert len(f32) == 1                                          # one arena per dtype
+    assert all(p.data_ptr() % 64 == 0 for p in panels)            # each on a cache line
+    got = [cpu_gemm.matmul(x32, w) for w in ws[:3]] + [cpu_gemm.matmul(x64, ws[3])]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
