@@ -2,11 +2,11 @@
 state: the slot pool's rings, the block store's entries, the window mirror, the weight panels.
 
 Why: a batch-32 decode step of the tiny model reads ~35 MB (17 MB of MXFP8 ring bytes, 17 MB
-of weight panels, compressed entries 2 KB at a time) spread over ~9,000 pages of 4 KB. That
-is about twice the machine's second-level TLB, so the step's reads keep walking page tables.
-The CPU's hardware prefetchers also stop at every 4 KB boundary: a slot's 67 KB window ring
-is 17 pages. Linux backs anonymous memory with 2 MB pages when asked (THP mode `madvise`,
-the usual default) or always (`always`). This module asks: an anonymous private mapping,
+of weight panels, compressed entries 2 KB at a time) spread over ~9,000 pages of 4 KB: more
+than a second-level TLB holds (a few thousand entries), so the step's reads keep walking
+page tables, and hardware prefetchers stop at page boundaries (a slot's 67 KB window ring is
+17 pages). Linux backs anonymous memory with 2 MB pages when asked (THP mode `madvise`, a
+common default) or always (`always`). This module asks: an anonymous private mapping,
 advised MADV_HUGEPAGE before any page is touched, its start rounded up to 2 MB.
 
 `zeros` falls back to torch.zeros for device tensors, tensors under 2 MB, and systems
@@ -48,8 +48,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Ten
 
 
 def huge_pages_of(t: torch.Tensor) -> int:
-    """Bytes of t's memory on huge pages, read from /proc/self/smaps (0 where it cannot be
-    read): what the tests check and what a bench can report."""
+    """Bytes on huge pages in the mappings under t's storage, read from /proc/self/smaps (0
+    where it cannot be read): what the tests check."""
     lo = t.data_ptr()
     hi = lo + t.untyped_storage().nbytes()
     total, inside = 0, False

@@ -168,6 +168,10 @@ def test_hung_locations_hedged_health_by_rate_scrub_repairs(make_server, own_lay
           f"\nscrub --repair: {cli.stdout.strip().splitlines()[-1]}"
           f"\ncounters: hedged {c['shard_reads_hedged']}, timed out {c['shard_reads_timed_out']}, "
           f"repaired {c['shards_repaired']}")
-    assert max(first) < 1.0, first
+    # A first get that waited for its hung shard would take the 5 s read timeout. How much
+    # sooner the hedge answers depends on the machine's load: the hedge delay is 2 x the
+    # location's recent p90, taken under whatever else runs. Under the full suite on 2 cores,
+    # one first get took 1.57 s; half the timeout still tells a hedge from a wait.
+    assert max(first) < 2.5, first
     assert p99(one) < 0.5 and p99(two) < 0.5, (p99(one), p99(two))
     assert c["shard_reads_hedged"] > 0
