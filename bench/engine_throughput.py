@@ -320,6 +320,19 @@ def _report_module():
     return module
 
 
+def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
+    """argv less each of `flags` and the number of values it takes."""
+    rest, skip = [], 0
+    for a in argv:
+        if skip:
+            skip -= 1
+        elif a in flags:
+            skip = flags[a]
+        else:
+            rest.append(a)
+    return rest
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="after")
@@ -367,17 +380,10 @@ def main(argv=None) -> int:
         CHUNK["itl_ratio"] = args.itl_ratio
     print(f"load average {os.getloadavg()}", flush=True)
     if args.before:
-        rest = [a for a in (argv if argv is not None else sys.argv[1:])]
-        i = rest.index("--before")
-        rest = rest[:i] + rest[i + 2:]
-        if "--budgets" in rest:       # the scheduler-mix table is about this checkout only
-            i = rest.index("--budgets")
-            rest = rest[:i] + rest[i + 2:]
-        if "--together" in rest:
-            rest.remove("--together")
-        if "--rounds" in rest:        # an older bench may not know it (it ran --sequential)
-            i = rest.index("--rounds")
-            rest = rest[:i] + rest[i + 2:]
+        # not passed on: --budgets (the scheduler-mix table is about this checkout only),
+        # --rounds (an older bench may not know it: it ran --sequential), --together
+        rest = _without(argv if argv is not None else sys.argv[1:],
+                        {"--before": 1, "--budgets": 1, "--rounds": 1, "--together": 0})
         print(f"== before: {args.before}", flush=True)
         log = Path(args.before) / "bench" / "out" / "engine_throughput_before.log"
         log.parent.mkdir(parents=True, exist_ok=True)

@@ -58,16 +58,15 @@ def pack_weights(weights: Iterable[torch.Tensor]) -> None:
     # one arena per dtype on 2 MB pages (kernels/host_memory.py): the weights are many small
     # tensors (0.06-0.5 MB each for tiny) that a batched step reads in full, each a
     # separate run of 4 KB pages otherwise
-    arena: dict[torch.dtype, torch.Tensor] = {}
-    for dtype in {w.dtype for w in todo}:
-        sizes = [_panel_numel(w) for w in todo if w.dtype == dtype]
-        arena[dtype] = host_memory.zeros((sum(sizes),), dtype)
+    total: dict[torch.dtype, int] = {}
+    for w in todo:
+        total[w.dtype] = total.get(w.dtype, 0) + _panel_numel(w)
+    arena = {dtype: host_memory.zeros((n,), dtype) for dtype, n in total.items()}
     at = dict.fromkeys(arena, 0)
     for w in todo:
         n = _panel_numel(w)
-        out = arena[w.dtype][at[w.dtype]: at[w.dtype] + n]
+        _packed[id(w)] = (w._version, pack(w, arena[w.dtype][at[w.dtype]: at[w.dtype] + n]))
         at[w.dtype] += n
-        _packed[id(w)] = (w._version, pack(w, out))
         weakref.finalize(w, _packed.pop, id(w), None)
 
 
@@ -81,7 +80,7 @@ def _panel_numel(w: torch.Tensor) -> int:
 
 def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """w [K, N] as panels [ceil(N / T), K, T] (columns past N zero), T = _PANEL[w.dtype];
-    written into `out` (a flat tensor of w's dtype with room for them) when given."""
+    written into `out` (a flat tensor of w's dtype, exactly their size) when given."""
     k, n = w.shape
     t = _PANEL[w.dtype]
     wide = w.new_zeros(k, -(-n // t) * t)
@@ -89,9 +88,7 @@ def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     panels = wide.view(k, -1, t).permute(1, 0, 2)
     if out is None:
         return panels.contiguous()
-    dst = out[: panels.numel()].view(panels.shape)
-    dst.copy_(panels)
-    return dst
+    return out.view(panels.shape).copy_(panels)
 
 
 def _panels(w: torch.Tensor) -> torch.Tensor | None:
