@@ -107,3 +107,43 @@ def test_the_limits_are_the_c_files():
     limits = dict(re.findall(r"(MAX_POOL_D|MAX_M) = (\d+)", src))
     assert (int(limits["MAX_POOL_D"]), int(limits["MAX_M"])) == (cpu_pool.MAX_D, cpu_pool.MAX_M)
     assert cpu_pool.MAX_ROWS <= cpu_pool.MAX_M and cpu_pool.MAX_GROUPS > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_groups_split_over_threads_give_the_same_bits(dtype):
+    """A call with many groups (sequences admitted together complete theirs on the same step)
+    splits them over the threads: each group's entry is the same, bit for bit, on one thread
+    and on two, and it equals the torch path's; stored tail rows are read in place."""
+    m, groups, slots = 8, 16, 20
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(groups, D, generator=g, dtype=dtype)             # each group's newest row
+    z = torch.randn(groups, D, generator=g, dtype=dtype) * 2
+    ring = torch.randn(slots, m + 2, 2, D, generator=g)
+    tail_at = RingAt.of(torch.arange(groups).repeat_interleave(m - 1),
+                        torch.arange(m - 1).repeat(groups) + 1, m + 2)
+    # group i: its m - 1 stored rows, then its fed row
+    pick = torch.cat([torch.cat([groups + torch.arange(i * (m - 1), (i + 1) * (m - 1)),
+                                 torch.tensor([i])]) for i in range(groups)])
+    bias = torch.randn(m, D, generator=g, dtype=dtype)
+    norm = torch.rand(D, generator=g, dtype=dtype) + 0.5
+    gid = torch.arange(groups) * 3 + 1
+    angles = ops.rope_angles(gid * m, CFG, dtype)
+    rows = torch.randperm(40, generator=g)[:groups]
+    assert groups * m * D >= 8192            # past MIN_PARALLEL_VALUES: two threads share it
+    got = {}
+    threads = torch.get_num_threads()
+    for n in (1, 2):
+        table = torch.zeros(40, D)
+        torch.set_num_threads(n)
+        try:
+            assert cpu_pool.pool_into(table, rows, v, z, ring, tail_at, pick, m, bias, norm,
+                                      CFG.norm_eps, angles)
+        finally:
+            torch.set_num_threads(threads)
+        got[n] = table[rows]
+    assert torch.equal(got[1], got[2])
+    tail = ring[tail_at.slots, tail_at.rows].to(dtype)
+    sv, sz = torch.cat([v, tail[:, 0]])[pick], torch.cat([z, tail[:, 1]])[pick]
+    w = {"layers.0.cmp_bias": bias, "layers.0.cmp_norm": norm}
+    want = ops.pool_entries_at(w, 0, sv, sz, gid, m, CFG, angles).float()
+    assert (got[1] - want).abs().max() <= 2e-5 * want.abs().max()
