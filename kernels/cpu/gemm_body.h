@@ -31,13 +31,18 @@
 
 static inline __attribute__((always_inline)) void
 FN(tile)(const int R, const T *a, int64_t lda, const T *w, int64_t ldw, T *out, int64_t ldo,
-         int64_t k_len, MASK m0, MASK m1, int add)
+         int64_t k_len, MASK m0, MASK m1, int add, const T *pf, int pf_lines)
 {
     ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
     for (int64_t k = 0; k < k_len; k++) {
         const T *wk = w + k * ldw;
         _mm_prefetch((const char *)(wk + PREFETCH_ROWS * ldw), _MM_HINT_T0);
         _mm_prefetch((const char *)(wk + PREFETCH_ROWS * ldw + L), _MM_HINT_T0);
+        if (pf_lines > 0) {
+            _mm_prefetch((const char *)(pf + k * TCOLS), _MM_HINT_T0);
+            if (pf_lines > 1)
+                _mm_prefetch((const char *)(pf + k * TCOLS + L), _MM_HINT_T0);
+        }
         V w0 = VLOADZ(m0, wk);
         V w1 = VLOADZ(m1, wk + L);
         FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5) FMA(6) FMA(7)
@@ -51,9 +56,10 @@ FN(tile)(const int R, const T *a, int64_t lda, const T *w, int64_t ldw, T *out, 
 
 #define TILE(R)                                                                              \
     static void FN(tile_##R)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out,       \
-                             int64_t ldo, int64_t k_len, MASK m0, MASK m1, int add)          \
+                             int64_t ldo, int64_t k_len, MASK m0, MASK m1, int add,          \
+                             const T *pf, int pf_lines)                                      \
     {                                                                                        \
-        FN(tile)(R, a, lda, w, ldw, out, ldo, k_len, m0, m1, add);                           \
+        FN(tile)(R, a, lda, w, ldw, out, ldo, k_len, m0, m1, add, pf, pf_lines);             \
     }
 TILE(1)
 TILE(2)
@@ -66,7 +72,7 @@ TILE(8)
 #undef TILE
 
 static void (*const FN(tiles)[9])(const T *, int64_t, const T *, int64_t, T *, int64_t, int64_t,
-                                  MASK, MASK, int) = {
+                                  MASK, MASK, int, const T *, int) = {
     0, FN(tile_1), FN(tile_2), FN(tile_3), FN(tile_4), FN(tile_5), FN(tile_6), FN(tile_7),
     FN(tile_8)};
 
@@ -118,15 +124,33 @@ static void FN(block)(const T *a, int64_t lda, const T *w, int64_t ldw, int64_t 
 {
     for (int64_t i0 = r0; i0 < r1; i0 += ROW_BLOCK) {
         int64_t i1 = i0 + ROW_BLOCK < r1 ? i0 + ROW_BLOCK : r1;
+        /* A block's first pass over a panel reads it from memory at the FMA rate of 8 rows,
+           faster than memory delivers; its later passes read it from L1. Packed, the next
+           panel is one stream right after this one, so the later passes ask for it, a line
+           per k (the second pass line 0 of each of its k rows, the third line 1; a lone
+           second pass both): the next first pass then finds it in cache. The 73 products
+           of a tiny decode step at 32 rows, 20 MB swept between calls, 2 threads, the two
+           ways taking turns in one process: 1.29 -> 1.23 ms (per-call median ratio 0.95);
+           one row has no later pass and is unchanged (0.77 ms). */
+        int64_t hot = (i1 - i0 + 7) / 8 - 1;     /* passes over a panel after its first */
         for (int64_t t = t0; t < t1; t++) {
             int64_t j = t * TCOLS;
             const T *wt = w + t * tstride;
+            const T *next = hot && ldw == TCOLS && t + 1 < t1 ? wt + tstride : 0;
             MASK m0 = FN(mask_of)(n - j), m1 = FN(mask_of)(n - j - L);
-            for (int64_t i = i0; i < i1; i += 8) {
+            for (int64_t i = i0, pass = 0; i < i1; i += 8, pass++) {
                 int64_t r = i1 - i < 8 ? i1 - i : 8;
+                const T *pf = 0;
+                int lines = 0;
+                if (next && pass == 1) {
+                    pf = next, lines = hot == 1 ? 2 : 1;
+                } else if (next && pass == 2) {
+                    pf = next + L, lines = 1;
+                }
                 for (int64_t k0 = 0; k0 < k; k0 += K_CHUNK)
                     FN(tiles)[r](a + i * lda + k0, lda, wt + k0 * ldw, ldw, out + i * ldo + j,
-                                 ldo, k - k0 < K_CHUNK ? k - k0 : K_CHUNK, m0, m1, k0 > 0);
+                                 ldo, k - k0 < K_CHUNK ? k - k0 : K_CHUNK, m0, m1, k0 > 0,
+                                 pf ? pf + k0 * TCOLS : 0, lines);
             }
         }
     }
