@@ -75,7 +75,7 @@ def pool_into(table: torch.Tensor, rows: torch.Tensor, v: torch.Tensor, z: torch
     fn = lib.pool_groups_f32 if dt == torch.float32 else lib.pool_groups_f64
     keep = (v, z, bias, norm_w, cos, sin, rows, pick, slots, tail)      # alive past the call
     rc = fn(v.data_ptr(), z.data_ptr(), v.shape[0], ring.data_ptr(), _ptr(slots), _ptr(tail),
-            0 if slots is None else slots.numel(), ring.stride(0), ring.stride(1), ring.stride(2),
+            ring.stride(0), ring.stride(1), ring.stride(2),
             _ptr(pick), g, m, d, bias.data_ptr(), _ptr(norm_w), eps, _ptr(cos), _ptr(sin),
             0 if cos is None else 2 * cos.shape[-1], table.data_ptr(), rows.data_ptr(),
             torch.get_num_threads())

@@ -161,7 +161,7 @@ def load() -> ctypes.CDLL | None:
         lib.mxfp8_quantize.restype = ctypes.c_int
         for name in ("pool_groups_f32", "pool_groups_f64"):
             fn = getattr(lib, name)
-            fn.argtypes = [p, p, i64, p, p, p, i64, i64, i64, i64, p, i64, i64, i64, p, p,
+            fn.argtypes = [p, p, i64, p, p, p, i64, i64, i64, p, i64, i64, i64, p, p,
                            ctypes.c_double, p, p, i64, p, p, ctypes.c_int]
             fn.restype = ctypes.c_int
         _lib = lib

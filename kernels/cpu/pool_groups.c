@@ -42,9 +42,8 @@ enum { MAX_POOL_D = 1024, MAX_M = 256 };
    us a call on 2 threads; batch 1's one group (2,048) does not. */
 #define MIN_PARALLEL_VALUES 8192
 
-/* One group: its m rows' v and z, where they are (rv, rz), pooled into out's row. `weight`
-   and `conv` are the thread's scratch (m * d values; conv holds converted tail rows when
-   the ring's fp32 is not T). */
+/* One group: its m rows' v and z, where they are (rv, rz), pooled into dst. `weight` is the
+   calling thread's scratch (m * d values). */
 #define POOL_ONE(NAME, T)                                                                      \
 static void NAME(const T *const *rv, const T *const *rz, int64_t m, int64_t d, const T *bias,  \
                  const T *norm_w, double eps, const T *cos_g, const T *sin_g,                  \
@@ -145,17 +144,15 @@ static int NAME(const T *v, const T *z, int64_t n_fed, const float *ring,       
 POOL_RANGE(pool_range_f32, pool_one_f32, float, 1)
 POOL_RANGE(pool_range_f64, pool_one_f64, double, 0)
 
-/* The exported calls: every group, split over up to `threads` threads. n_tail (the number of
-   stored rows named by tail_slots / tail_rows) is kept in the signature for the caller's
-   checks; each row is found through pick. */
+/* The exported calls: every group, split over up to `threads` threads. A stored row is
+   found through pick (pick[i] - n_fed indexes tail_slots / tail_rows). */
 #define POOL_GROUPS(NAME, RANGE, T)                                                            \
 int NAME(const T *v, const T *z, int64_t n_fed, const float *ring, const int64_t *tail_slots,  \
-         const int64_t *tail_rows, int64_t n_tail, int64_t slot_stride, int64_t row_stride,    \
-         int64_t half, const int64_t *pick, int64_t groups, int64_t m, int64_t d,              \
-         const T *bias, const T *norm_w, double eps, const T *cos_, const T *sin_,             \
-         int64_t rope_dim, float *out, const int64_t *out_rows, int threads)                   \
+         const int64_t *tail_rows, int64_t slot_stride, int64_t row_stride, int64_t half,      \
+         const int64_t *pick, int64_t groups, int64_t m, int64_t d, const T *bias,             \
+         const T *norm_w, double eps, const T *cos_, const T *sin_, int64_t rope_dim,          \
+         float *out, const int64_t *out_rows, int threads)                                     \
 {                                                                                              \
-    (void)n_tail;                                                                              \
     if (d > MAX_POOL_D || m > MAX_M || rope_dim > d || rope_dim % 2)                           \
         return -1;                                                                             \
     if (groups * m * d < MIN_PARALLEL_VALUES)                                                  \
