@@ -44,7 +44,7 @@ enum { MAX_POOL_D = 1024, MAX_M = 256 };
 
 /* One group: its m rows' v and z, where they are (rv, rz), pooled into dst. `weight` is the
    calling thread's scratch (m * d values). */
-#define POOL_ONE(NAME, T)                                                                      \
+#define POOL_ONE(NAME, T, EXP, SQRT)                                                           \
 static void NAME(const T *const *rv, const T *const *rz, int64_t m, int64_t d, const T *bias,  \
                  const T *norm_w, double eps, const T *cos_g, const T *sin_g,                  \
                  int64_t rope_dim, T *weight, float *dst)                                      \
@@ -63,7 +63,7 @@ static void NAME(const T *const *rv, const T *const *rz, int64_t m, int64_t d, c
         }                                                                                      \
     for (int64_t r = 0; r < m; r++)            /* each weight once (exp is the cost here) */  \
         for (int64_t c = 0; c < d; c++) {                                                      \
-            weight[r * d + c] = EXP_OF(T, rz[r][c] + bias[r * d + c] - top[c]);                \
+            weight[r * d + c] = EXP(rz[r][c] + bias[r * d + c] - top[c]);                      \
             den[c] += weight[r * d + c];                                                       \
         }                                                                                      \
     for (int64_t r = 0; r < m; r++)                                                            \
@@ -73,7 +73,7 @@ static void NAME(const T *const *rv, const T *const *rz, int64_t m, int64_t d, c
         T sq = 0;                                                                              \
         for (int64_t c = 0; c < d; c++)                                                        \
             sq += pooled[c] * pooled[c];                                                       \
-        T inv = 1 / SQRT_OF(T, sq / d + (T)eps);                                               \
+        T inv = 1 / SQRT(sq / d + (T)eps);                                                     \
         for (int64_t c = 0; c < d; c++)                                                        \
             pooled[c] = pooled[c] * inv * norm_w[c];                                           \
     }                                                                                          \
@@ -90,10 +90,8 @@ static void NAME(const T *const *rv, const T *const *rz, int64_t m, int64_t d, c
         dst[c] = (float)pooled[c];                                                             \
 }
 
-#define EXP_OF(T, x) (sizeof(T) == sizeof(float) ? (T)exp_lanes((float)(x)) : (T)exp((double)(x)))
-#define SQRT_OF(T, x) (sizeof(T) == sizeof(float) ? (T)sqrtf((float)(x)) : (T)sqrt((double)(x)))
-POOL_ONE(pool_one_f32, float)
-POOL_ONE(pool_one_f64, double)
+POOL_ONE(pool_one_f32, float, exp_lanes, sqrtf)
+POOL_ONE(pool_one_f64, double, exp, sqrt)
 
 /* Groups [g0, g1) on one thread, with its own scratch. DIRECT: T is the ring's fp32, so a
    stored row is read in place; else it is converted into conv first. Returns 0 or -2. */
@@ -162,7 +160,8 @@ int NAME(const T *v, const T *z, int64_t n_fed, const float *ring, const int64_t
     if (threads < 1)                                                                           \
         threads = 1;                                                                           \
     int rc = 0;                                                                                \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1) reduction(min: rc)") \
+    /* iteration i pools the i-th share of the groups, whichever thread runs it */            \
+    _Pragma("omp parallel for num_threads(threads) if (threads > 1) reduction(min: rc)")       \
     for (int i = 0; i < threads; i++) {                                                        \
         int got = RANGE(v, z, n_fed, ring, tail_slots, tail_rows, slot_stride, row_stride,     \
                         half, pick, groups * i / threads, groups * (i + 1) / threads, m, d,    \
