@@ -58,13 +58,13 @@ def pack_weights(weights: Iterable[torch.Tensor]) -> None:
     # one arena per dtype on 2 MB pages (kernels/host_memory.py): the weights are many small
     # tensors (0.06-0.5 MB each for tiny) that a batched step reads in full, each a
     # separate run of 4 KB pages otherwise
+    sizes = [_panel_numel(w) for w in todo]
     total: dict[torch.dtype, int] = {}
-    for w in todo:
-        total[w.dtype] = total.get(w.dtype, 0) + _panel_numel(w)
+    for w, n in zip(todo, sizes, strict=True):
+        total[w.dtype] = total.get(w.dtype, 0) + n
     arena = {dtype: host_memory.zeros((n,), dtype) for dtype, n in total.items()}
     at = dict.fromkeys(arena, 0)
-    for w in todo:
-        n = _panel_numel(w)
+    for w, n in zip(todo, sizes, strict=True):
         _packed[id(w)] = (w._version, pack(w, arena[w.dtype][at[w.dtype]: at[w.dtype] + n]))
         at[w.dtype] += n
         weakref.finalize(w, _packed.pop, id(w), None)

@@ -30,7 +30,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Ten
     """torch.zeros(shape, dtype=dtype, device=device), on 2 MB pages where that can be asked
     for (a CPU tensor of 2 MB or more, on a system with MADV_HUGEPAGE)."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, device=device)
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
