@@ -111,8 +111,9 @@ def decoding(b: int, prompt_len: int):
 
 
 def in_steps(batches: list[int], prompt_len: int, rounds: int, steps: int) -> dict:
-    """Per batch: the probe's median seconds inside its steps, the step's median seconds,
-    and the products' seconds a step as they run and warmed (medians over rounds)."""
+    """Per batch: the probe's median seconds inside its steps, the step's median seconds
+    (less the probes' time), and the products' seconds a step as they run and warmed (medians
+    over rounds)."""
     cores = {b: decoding(b, prompt_len) for b in batches}
     got = {b: {"probe": [], "step": [], "mm": [], "mm_warm": []} for b in batches}
     with Taps() as taps:
@@ -128,7 +129,8 @@ def in_steps(batches: list[int], prompt_len: int, rounds: int, steps: int) -> di
                         core.step()
                     g = got[b]
                     if not warm:        # a warming product would be in the step's time
-                        g["step"].append((time.perf_counter() - t0) / steps)
+                        # the step less the probes it ran
+                        g["step"].append((time.perf_counter() - t0 - sum(taps.probes)) / steps)
                         g["probe"] += taps.probes
                     g["mm_warm" if warm else "mm"].append(taps.mm_s / steps)
                     if not taps.probes or not taps.mm_calls:
