@@ -25,6 +25,12 @@ def floor_rows(res: dict, batches: tuple) -> list[list]:
     return rows
 
 
+def _e2e_vs_seq(t: dict) -> float:
+    """End to end at N over one after another: measured per round (this bench), else from
+    the rates (an older run's JSON, which timed the sequential requests once, before every N)."""
+    return t.get("e2e_vs_seq", t["e2e_tok_s"] / t["seq_tok_s"])
+
+
 def _span(t: dict, key: str) -> str:
     lo, hi = t.get(key, (float("nan"), float("nan")))
     return f"{lo:.2f}-{hi:.2f}"
@@ -40,7 +46,7 @@ def prefill_rows(res: dict, batches: tuple) -> list[list]:
         t = res["tput"][str(n)] if str(n) in res["tput"] else res["tput"][n]
         if "seq_prefill_share" not in t:
             continue
-        e2e = t.get("e2e_vs_seq", t["e2e_tok_s"] / t["seq_tok_s"])
+        e2e = _e2e_vs_seq(t)
         rows.append([n, e2e, t["prefill_share"], e2e / t["prefill_share"], t["seq_prefill_share"]])
     return rows
 
@@ -69,10 +75,8 @@ def report(res: dict, before: dict | None, batches: tuple, prefill_rows_n: int) 
         row = [n]
         for _, r in cols:
             t = tp(r, n)
-            # measured per round (this bench), else from the rates (an older run's JSON,
-            # which timed the sequential requests once, before every N)
-            e2e = t.get("e2e_vs_seq", t["e2e_tok_s"] / t["seq_tok_s"])
-            dec = t.get("dec_vs_1", t["dec_tok_s"] / tp(r, 1)["dec_tok_s"])
+            e2e = _e2e_vs_seq(t)
+            dec = t.get("dec_vs_1", t["dec_tok_s"] / tp(r, 1)["dec_tok_s"])   # likewise
             row += [t["e2e_tok_s"], e2e, _span(t, "e2e_vs_seq_range"), t["dec_tok_s"], dec,
                     _span(t, "dec_vs_1_range")]
         rows.append(row)
