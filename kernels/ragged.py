@@ -64,17 +64,21 @@ class SlotRows:
         lo, hi = distinct[0], distinct[-1]
         dense = hi - lo + 1 <= 2 * len(distinct)           # at most half the range unused
         where = {s: (s - lo if dense else i) for i, s in enumerate(distinct)}
-        rel, j, seen = [], [], {}
-        for s in row_slots:
-            rel.append(where[s])
-            j.append(seen.get(s, 0))
-            seen[s] = j[-1] + 1
+        rel = [where[s] for s in row_slots]
+        if len(distinct) == len(row_slots):        # a row per slot (decodes): rank 0 each
+            j, width = [0] * len(row_slots), 1
+        else:
+            j, seen = [], {}
+            for s in row_slots:
+                j.append(seen.get(s, 0))
+                seen[s] = j[-1] + 1
+            width = max(seen.values())
         count = hi - lo + 1 if dense else len(distinct)
-        direct = max(seen.values()) == 1 and rel == list(range(count))
+        direct = width == 1 and rel == list(range(count))
         as_t = upload or (lambda v: torch.tensor(v, dtype=torch.long, device=device))
         return SlotRows(as_t(row_slots), lo if dense else -1,
                         None if dense else as_t(distinct), count, as_t(rel), as_t(j),
-                        max(seen.values()), direct, tuple(row_slots), upload=upload)
+                        width, direct, tuple(row_slots), upload=upload)
 
     def memo(self, key, of: torch.Tensor, make):
         """make() once per (key, tensor `of`) for these rows: `of` is held, so its id

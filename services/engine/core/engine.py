@@ -186,14 +186,17 @@ class EngineCore:
                 per_token = (time.perf_counter() - t0) / sum(w.end - w.start for w in works)
                 self.prefill_token_s = per_token if not self.prefill_token_s else \
                     0.8 * self.prefill_token_s + 0.2 * per_token
-            for i, (seq, _, _) in enumerate(jobs):
-                if seq.request_id in drafts:          # committed once its drafts are judged
-                    verifying.append((seq, works[i], i, drafts[seq.request_id]))
+            observe = bool(self.spec.requests)      # only speculating requests observe
+            for i, ((seq, _, _), work) in enumerate(zip(jobs, works, strict=True)):
+                if drafts and seq.request_id in drafts:   # committed once its drafts are judged
+                    verifying.append((seq, work, i, drafts[seq.request_id]))
                     continue
-                self._after_forward(seq, works[i], res, i)
-                self.spec.observe(seq, works[i].owner, res.hidden.get(i), works[i].end)
-                if not seq.prefilling and i in res.logits:
-                    sampled.append((seq, res.logits[i]))
+                self._after_forward(seq, work, res, i)
+                if observe:
+                    self.spec.observe(seq, work.owner, res.hidden.get(i), work.end)
+                logits = res.logits.get(i)
+                if logits is not None and not seq.prefilling:
+                    sampled.append((seq, logits))
         self.counters["steps"] += 1
         if self.counters["steps"] % 256 == 0:      # reclaim expired snapshots even if unread
             self.prefix.expire()
@@ -228,7 +231,8 @@ class EngineCore:
                     end + len(drafts), enc_lo=seq.enc_lo, dec_lo=seq.dec_lo, cmp_from=seq.cmp_from,
                     want_logits=end == seq.num_tokens, n_logits=1 + len(drafts),
                     owner=(seq.request_id, seq.admitted_at),
-                    want_hidden=self.cfg.window if self.spec.wants_hidden(seq.request_id) else 0)
+                    want_hidden=self.cfg.window if self.spec.requests and
+                    self.spec.wants_hidden(seq.request_id) else 0)
         if seq.prefilling:
             self.prefix.capture_for(seq, work)
         return work
@@ -280,11 +284,11 @@ class EngineCore:
         for token in tokens:
             self.cache.append_token(seq, token)
             emitted.append(token)
-            self.counters["generated_tokens"] += 1
             piece, finish = out.push(token, len(seq.output))
             text += piece
             if finish:
                 break
+        self.counters["generated_tokens"] += len(emitted)
         if work is not None:
             self._commit_verified(seq, work)
         if finish:

@@ -89,6 +89,7 @@ class Scheduler:
         they are granted while the token budget lasts, after every decode's own rows."""
         plan = StepPlan()
         budget = self.ecfg.max_batched_tokens
+        drafts = drafts or {}
         decoding = [s for s in self.running if s.status is Status.RUNNING and not s.prefilling]
         for seq in decoding:
             if seq.num_computed == seq.num_tokens:     # rolled back past its sampled token
@@ -97,14 +98,13 @@ class Scheduler:
         for seq in decoding:           # the running order; some may be preempted on the way
             if seq.status is not Status.RUNNING:
                 continue
-            k = min((drafts or {}).get(seq.request_id, 0), max(0, budget))
+            k = min(drafts.get(seq.request_id, 0), max(0, budget)) if drafts else 0
             if self._make_room(seq, seq.num_tokens + k, plan):
                 plan.decode.append(seq)
                 if k:
                     plan.drafts[seq.request_id] = k
                     budget -= k
-        rows = sum(s.num_tokens - s.num_computed + plan.drafts.get(s.request_id, 0)
-                   for s in plan.decode)
+        rows = sum(s.num_tokens - s.num_computed for s in plan.decode) + sum(plan.drafts.values())
         cap = self.costs.prefill_cap(rows)
         if cap is not None:            # the rest of the budget is prefill work: keep the step short
             budget = min(budget, cap)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -32,6 +33,12 @@ class Segments:
     lo: torch.Tensor           # [N] window lower bound (keys at positions < lo are masked)
     counts: tuple[int, ...] = ()   # n as host ints (decisions without a device sync)
     first_ids: tuple[int, ...] = ()  # first as host ints
+    cu_ids: tuple[int, ...] = field(init=False)   # cu as host ints
+    rows: int = field(init=False)  # T, from the host ints: every layer asks, none may sync
+
+    def __post_init__(self) -> None:
+        self.cu_ids = (0, *accumulate(self.counts))
+        self.rows = self.cu_ids[-1]
 
     @staticmethod
     def build(firsts: list[int], ends: list[int], los: list[int], device=None,
@@ -40,25 +47,16 @@ class Segments:
         up = uploads if uploads is not None else Uploads(device)
         counts = tuple(max(0, e - f) for f, e in zip(firsts, ends, strict=True))
         first, n, lo = up.many(firsts, counts, los)
-        dev = first.device
+        dev, total = first.device, sum(counts)
+        if total == len(counts) and all(counts):      # a row per work (decodes): no gathers
+            cu = torch.arange(total + 1, device=dev)
+            return Segments(first, n, cu, cu[:-1], first, lo, counts, tuple(firsts))
         cu = torch.zeros(len(firsts) + 1, dtype=torch.long, device=dev)
         cu[1:] = torch.cumsum(n, 0)
         wid = torch.repeat_interleave(torch.arange(len(firsts), device=dev), n,
-                                      output_size=sum(counts))
-        pos = first[wid] + torch.arange(sum(counts), device=dev) - cu[wid]
+                                      output_size=total)
+        pos = first[wid] + torch.arange(total, device=dev) - cu[wid]
         return Segments(first, n, cu, wid, pos, lo, counts, tuple(firsts))
-
-    @property
-    def cu_ids(self) -> tuple[int, ...]:
-        """cu as host ints."""
-        out = [0]
-        for n in self.counts:
-            out.append(out[-1] + n)
-        return tuple(out)
-
-    @property
-    def rows(self) -> int:
-        return sum(self.counts)      # from the host ints: every layer asks, none may sync
 
     @property
     def end(self) -> torch.Tensor:
@@ -98,14 +96,19 @@ class StepBatch:
     def build(works, compact: bool, device=None) -> StepBatch:
         """`device`: where the index tensors live (the runner's: that of its weights)."""
         up = Uploads(device)
-        starts = [w.start for w in works]
-        ends = [w.end for w in works]
+        # one pass over the works for every field (a step reads each work once)
+        starts, ends, slots, cmps, enc_lo, dec_lo = [], [], [], [], [], []
+        for w in works:
+            starts.append(w.start)
+            ends.append(w.end)
+            slots.append(w.slot)
+            cmps.append(w.cmp_from)
+            enc_lo.append(w.enc_lo)
+            dec_lo.append(w.dec_lo)
         width = max(1, max(len(w.table) for w in works))
-        tables, slots, ends_t, cmp_t, dec_lo_t = up.many(
-            [w.table + [0] * (width - len(w.table)) for w in works], [w.slot for w in works],
-            ends, [w.cmp_from for w in works], [w.dec_lo for w in works])
-        enc = Segments.build(starts, ends, [w.enc_lo for w in works], device, up)
-        dec_lo = [w.dec_lo for w in works]
+        tables, slots_t, ends_t, cmp_t, dec_lo_t = up.many(
+            [w.table + [0] * (width - len(w.table)) for w in works], slots, ends, cmps, dec_lo)
+        enc = Segments.build(starts, ends, enc_lo, device, up)
         if compact:
             dec = Segments.build([max(s, lo) for s, lo in zip(starts, dec_lo, strict=True)], ends,
                                  dec_lo, device, up)
@@ -116,9 +119,8 @@ class StepBatch:
             dec = Segments(enc.first, enc.n, enc.cu, enc.wid, enc.pos, dec_lo_t,
                            enc.counts, enc.first_ids)
             dec_rows = None
-        return StepBatch(slots, tables, ends_t, cmp_t, enc, dec, dec_rows,
-                         tuple(w.slot for w in works), tuple(ends),
-                         tuple(w.cmp_from for w in works), uploads=up)
+        return StepBatch(slots_t, tables, ends_t, cmp_t, enc, dec, dec_rows, tuple(slots),
+                         tuple(ends), tuple(cmps), uploads=up)
 
     def entry_index(self, per_block: int, count: int) -> torch.Tensor:
         """[N, count] flat row (block * per_block + row) of entries 0..count-1 of each work;

@@ -104,8 +104,9 @@ def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
     ring (the last R of each work; None: all of them), and the slots and positions of the
     stream rows that come from the tail ring (positions g0 .. s0 - 1 of a work whose stream
     is not empty, in stream order)."""
-    if ring_len >= 1 and all(n == 1 for n in seg.counts) and \
-            all(c <= f for c, f in zip(step.cmp_ids, seg.first_ids, strict=True)):
+    # a row per work (counts are >= 0: as many rows as works, none empty), none cached ahead
+    if ring_len >= 1 and seg.rows == len(seg.counts) and all(seg.counts) and \
+            all(map(int.__le__, step.cmp_ids, seg.first_ids)):
         return _decode_facts(step, seg, m)
     return _chunk_facts(step, seg, m, ring_len)
 

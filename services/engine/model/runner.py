@@ -146,8 +146,10 @@ class ModelRunner:
         result.rows = {"encoder": step.enc.rows, "decoder": step.dec.rows}
         dec_cu = step.dec.cu_ids
         for i, wk in enumerate(works):
+            if not wk.want_hidden:
+                continue
             first = max(wk.start, wk.dec_lo, wk.end - wk.want_hidden)
-            if wk.want_hidden and first < wk.end:
+            if first < wk.end:
                 at = dec_cu[i] + first - step.dec.first_ids[i]          # host ints: no sync
                 result.hidden[i] = (first, x[at : at + wk.end - first])
 
@@ -167,7 +169,8 @@ class ModelRunner:
         first layer: on CUDA a copy of host ints waits for the stream, so one made after
         layers were queued would stall behind them. The window plans and compressor plans
         are memoized in the step (the layers find them built); returns the decoder rows the
-        logits are read from (the last n_logits positions of each work that wants them)."""
+        logits are read from (the last n_logits positions of each work that wants them; all
+        of them, as a slice, when that is every row)."""
         cfg = self.cfg
         kinds = (("enc", step.enc, range(cfg.n_encoder_layers)),
                  ("dec", step.dec, range(cfg.n_encoder_layers, cfg.n_layers)))
@@ -187,7 +190,10 @@ class ModelRunner:
             if wk.want_logits:         # the last n_logits positions, in order
                 last = cu[i] + wk.end - 1 - firsts[i]
                 rows.extend(range(last - wk.n_logits + 1, last + 1))
-        return step.uploads.longs(rows) if rows else None
+        if not rows:
+            return None
+        # every decoder row, in order (a decode step): x itself, no gathered copy
+        return slice(None) if len(rows) == step.dec.rows else step.uploads.longs(rows)
 
     def _window_plan(self, step: StepBatch, seg: Segments, kind: str, layer: int, stale):
         """The window plan of `layer`'s ring length (memoized per step: kind, R)."""

@@ -115,9 +115,10 @@ def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: 
     counts, cu, up = seg.counts, seg.cu_ids, step.uploads
     short = ring_rows - window + 1 if in_place else 0
     gather = GATHER_MAX_ROWS if GATHER_ON_CPU or not in_place or seg.pos.device.type != "cpu" else 0
-    kind = ["ring" if 0 < n <= short else "gather" if n <= gather else "pool"
-            for n in counts]
-    by = {k: [i for i, c in enumerate(kind) if c == k and counts[i]] for k in ("ring", "gather", "pool")}
+    by: dict[str, list[int]] = {"ring": [], "gather": [], "pool": []}
+    for i, n in enumerate(counts):          # works with rows, by path
+        if n:
+            by["ring" if n <= short else "gather" if n <= gather else "pool"].append(i)
 
     def rows_of(ws: list[int]) -> torch.Tensor | None:
         if sum(counts[i] for i in ws) == cu[-1]:
@@ -125,7 +126,7 @@ def plan(step: StepBatch, seg: Segments, ring_rows: int, window: int, in_place: 
         return up.longs([r for i in ws for r in range(cu[i], cu[i + 1])])
 
     # rows written to the ring: the last R of each work (older ones would be overwritten)
-    put_rows = None if all(n <= ring_rows for n in counts) else up.longs(
+    put_rows = None if max(counts, default=0) <= ring_rows else up.longs(
         [r for i, n in enumerate(counts) for r in range(cu[i] + max(0, n - ring_rows), cu[i + 1])])
     put_wid = seg.wid if put_rows is None else seg.wid[put_rows]
     put_pos = seg.pos if put_rows is None else seg.pos[put_rows]
@@ -150,8 +151,10 @@ def _ring(step, seg, works, rows, ring_rows, window, stale) -> RingPlan:
     held = last - torch.remainder(last - torch.arange(ring_rows, device=dev), ring_rows)  # [t, R]
     low = torch.maximum(torch.clamp(seg.lo[wid], min=0), pos - window + 1).unsqueeze(1)
     ok = (held >= low) & (held <= pos.unsqueeze(1))
-    where = SlotRows.build([step.slot_ids[i] for i in works for _ in range(seg.counts[i])], dev,
-                           step.uploads.longs)
+    row_slots = []
+    for i in works:
+        row_slots += [step.slot_ids[i]] * seg.counts[i]
+    where = SlotRows.build(row_slots, dev, step.uploads.longs)
     dropped = [i for i in works if i in stale]
     fill_slots = fill_pos = None
     if dropped:
