@@ -56,6 +56,7 @@ FORWARD = (("build", StepBatch, "build"), ("plans", ModelRunner, "_prepare"),
 AROUND = (("schedule", Scheduler, "schedule"), ("works", EngineCore, "_work"),
           ("commit", EngineCore, "_after_forward"), ("sampling", engine_mod, "draw_batch"),
           ("sampling", engine_mod, "read_ids"), ("emit", EngineCore, "_emit"))
+AROUND_LABELS = {label for label, _, _ in AROUND}
 ORDER = ("schedule", "works", "build", "plans", "layers", "logits", "forward, rest", "commit",
          "sampling", "emit", "step, rest")
 
@@ -93,8 +94,10 @@ class Clocks:
         self._saved.clear()
 
 
-def in_steps(batches: list[int], prompt_len: int, rounds: int, steps: int) -> dict:
-    """Per batch and piece (ORDER, and 'step'): median seconds a step over rounds."""
+def in_steps(batches: list[int], prompt_len: int, rounds: int, steps: int
+             ) -> tuple[dict[int, dict[str, float]], dict[int, float]]:
+    """(per batch and piece (ORDER, and 'step'): median seconds a step over rounds, per batch:
+    the plans alone (plans_alone))."""
     cores = {b: decoding(b, prompt_len) for b in batches}
     got: dict[int, dict[str, list[float]]] = {b: defaultdict(list) for b in batches}
     with Clocks() as clocks:
@@ -107,7 +110,7 @@ def in_steps(batches: list[int], prompt_len: int, rounds: int, steps: int) -> di
                     core.step()
                 step = (time.perf_counter() - t0) / steps
                 each = {k: v / steps for k, v in clocks.spent.items()}
-                if set(each) != {label for label, _, _ in FORWARD + AROUND} | {"forward"}:
+                if set(each) != {label for label, _, _ in FORWARD} | AROUND_LABELS | {"forward"}:
                     raise SystemExit(f"a decode step no longer calls every piece (timed: "
                                      f"{sorted(each)}): this bench needs updating")
                 for k, v in each.items():
@@ -118,10 +121,9 @@ def in_steps(batches: list[int], prompt_len: int, rounds: int, steps: int) -> di
         # medians of what was timed; the rests from those medians, so the table adds up
         med = {k: statistics.median(v) for k, v in g.items()}
         med["forward, rest"] = med["forward"] - sum(med[k] for k, _, _ in FORWARD)
-        med["step, rest"] = med["step"] - med.pop("forward") - sum(
-            med[k] for k in {label for label, _, _ in AROUND})
+        med["step, rest"] = med["step"] - med.pop("forward") - sum(med[k] for k in AROUND_LABELS)
         out[b] = med
-    return out | {"plans_alone": plans_alone(cores)}
+    return out, plans_alone(cores)
 
 
 def plans_alone(cores: dict[int, EngineCore], repeats: int = 300) -> dict[int, float]:
@@ -165,7 +167,7 @@ def main(argv=None) -> int:
         ap.error("--batch must be at least 2, --rounds and --steps at least 1")
     torch.set_num_threads(args.threads)
     batches = [1, args.batch]
-    got = in_steps(batches, args.prompt, args.rounds, args.steps)
+    got, alone = in_steps(batches, args.prompt, args.rounds, args.steps)
     one, big = got[1], got[args.batch]
     print(f"a decode step's pieces, ms a step (medians of {args.rounds} rounds of {args.steps} "
           f"steps, {args.threads} thread(s), wall clock)")
@@ -178,7 +180,6 @@ def main(argv=None) -> int:
           f"{(big['step'] - one['step']) * 1e3:.3f}; step {args.batch} / step 1 = "
           f"{big['step'] / one['step']:.3f}x, {(big['step'] - grow) / one['step']:.3f}x "
           "without that growth")
-    alone = got["plans_alone"]
     print(f"build + plans of one decode step alone, hot: batch 1 {alone[1] * 1e3:.3f} ms, batch "
           f"{args.batch} {alone[args.batch] * 1e3:.3f} ms (in the step: "
           f"{(one['build'] + one['plans']) * 1e3:.3f} / {(big['build'] + big['plans']) * 1e3:.3f})")

@@ -138,7 +138,7 @@ def test_decode_feed_facts_equal_the_general_loop(m):
         firsts[0] = m - 1                                  # one whose new row ends a group
         cmps = [f - int(torch.randint(0, f + 1, (1,), generator=g)) for f in firsts]
         step = SimpleNamespace(cmp_ids=tuple(cmps), slot_ids=tuple(range(5, 5 + n)))
-        seg = SimpleNamespace(first_ids=tuple(firsts), counts=(1,) * n, rows=n)
+        seg = SimpleNamespace(first_ids=tuple(firsts), counts=(1,) * n)
         for ring_len in (1, m + 3):
             want = compressor._chunk_facts(step, seg, m, ring_len)
             assert compressor._decode_facts(step, seg, m) == want

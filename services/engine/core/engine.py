@@ -186,14 +186,12 @@ class EngineCore:
                 per_token = (time.perf_counter() - t0) / sum(w.end - w.start for w in works)
                 self.prefill_token_s = per_token if not self.prefill_token_s else \
                     0.8 * self.prefill_token_s + 0.2 * per_token
-            observe = bool(self.spec.requests)      # only speculating requests observe
             for i, ((seq, _, _), work) in enumerate(zip(jobs, works, strict=True)):
-                if drafts and seq.request_id in drafts:   # committed once its drafts are judged
+                if seq.request_id in drafts:          # committed once its drafts are judged
                     verifying.append((seq, work, i, drafts[seq.request_id]))
                     continue
                 self._after_forward(seq, work, res, i)
-                if observe:
-                    self.spec.observe(seq, work.owner, res.hidden.get(i), work.end)
+                self.spec.observe(seq, work.owner, res.hidden.get(i), work.end)
                 logits = res.logits.get(i)
                 if logits is not None and not seq.prefilling:
                     sampled.append((seq, logits))
@@ -231,8 +229,7 @@ class EngineCore:
                     end + len(drafts), enc_lo=seq.enc_lo, dec_lo=seq.dec_lo, cmp_from=seq.cmp_from,
                     want_logits=end == seq.num_tokens, n_logits=1 + len(drafts),
                     owner=(seq.request_id, seq.admitted_at),
-                    want_hidden=self.cfg.window if self.spec.requests and
-                    self.spec.wants_hidden(seq.request_id) else 0)
+                    want_hidden=self.cfg.window if self.spec.wants_hidden(seq.request_id) else 0)
         if seq.prefilling:
             self.prefix.capture_for(seq, work)
         return work

@@ -48,7 +48,7 @@ class Segments:
         counts = tuple(max(0, e - f) for f, e in zip(firsts, ends, strict=True))
         first, n, lo = up.many(firsts, counts, los)
         dev, total = first.device, sum(counts)
-        if total == len(counts) and all(counts):      # a row per work (decodes): no gathers
+        if counts.count(1) == len(counts):            # a row per work (decodes): no gathers
             cu = torch.arange(total + 1, device=dev)
             return Segments(first, n, cu, cu[:-1], first, lo, counts, tuple(firsts))
         cu = torch.zeros(len(firsts) + 1, dtype=torch.long, device=dev)

@@ -104,8 +104,8 @@ def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
     ring (the last R of each work; None: all of them), and the slots and positions of the
     stream rows that come from the tail ring (positions g0 .. s0 - 1 of a work whose stream
     is not empty, in stream order)."""
-    # a row per work (counts are >= 0: as many rows as works, none empty), none cached ahead
-    if ring_len >= 1 and seg.rows == len(seg.counts) and all(seg.counts) and \
+    # a row per work, none of its entries cached ahead of it
+    if ring_len >= 1 and seg.counts.count(1) == len(seg.counts) and \
             all(map(int.__le__, step.cmp_ids, seg.first_ids)):
         return _decode_facts(step, seg, m)
     return _chunk_facts(step, seg, m, ring_len)

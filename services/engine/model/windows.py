@@ -151,10 +151,8 @@ def _ring(step, seg, works, rows, ring_rows, window, stale) -> RingPlan:
     held = last - torch.remainder(last - torch.arange(ring_rows, device=dev), ring_rows)  # [t, R]
     low = torch.maximum(torch.clamp(seg.lo[wid], min=0), pos - window + 1).unsqueeze(1)
     ok = (held >= low) & (held <= pos.unsqueeze(1))
-    row_slots = []
-    for i in works:
-        row_slots += [step.slot_ids[i]] * seg.counts[i]
-    where = SlotRows.build(row_slots, dev, step.uploads.longs)
+    where = SlotRows.build([step.slot_ids[i] for i in works for _ in range(seg.counts[i])], dev,
+                           step.uploads.longs)
     dropped = [i for i in works if i in stale]
     fill_slots = fill_pos = None
     if dropped:
