@@ -33,6 +33,7 @@ class Segments:
     lo: torch.Tensor           # [N] window lower bound (keys at positions < lo are masked)
     counts: tuple[int, ...] = ()   # n as host ints (decisions without a device sync)
     first_ids: tuple[int, ...] = ()  # first as host ints
+    lo_ids: tuple[int, ...] = ()   # lo as host ints (empty: not known, see sees_older)
     cu_ids: tuple[int, ...] = field(init=False)   # cu as host ints
     rows: int = field(init=False)  # T, from the host ints: every layer asks, none may sync
 
@@ -50,13 +51,21 @@ class Segments:
         dev, total = first.device, sum(counts)
         if counts.count(1) == len(counts):            # a row per work (decodes): no gathers
             cu = torch.arange(total + 1, device=dev)
-            return Segments(first, n, cu, cu[:-1], first, lo, counts, tuple(firsts))
+            return Segments(first, n, cu, cu[:-1], first, lo, counts, tuple(firsts), tuple(los))
         cu = torch.zeros(len(firsts) + 1, dtype=torch.long, device=dev)
         cu[1:] = torch.cumsum(n, 0)
         wid = torch.repeat_interleave(torch.arange(len(firsts), device=dev), n,
                                       output_size=total)
         pos = first[wid] + torch.arange(total, device=dev) - cu[wid]
-        return Segments(first, n, cu, wid, pos, lo, counts, tuple(firsts))
+        return Segments(first, n, cu, wid, pos, lo, counts, tuple(firsts), tuple(los))
+
+    def sees_older(self, i: int) -> bool:
+        """Whether a row of work i can see a key before the work's first row: its first row
+        sees positions max(lo, first - W + 1) .. first, so none when first <= lo (a chunk that
+        starts its sequence, or a bounded replay at its bound). Without host bounds: True."""
+        if not self.lo_ids:
+            return True
+        return self.first_ids[i] > max(0, self.lo_ids[i])
 
     @property
     def end(self) -> torch.Tensor:
@@ -117,7 +126,7 @@ class StepBatch:
                 dec_rows = None
         else:
             dec = Segments(enc.first, enc.n, enc.cu, enc.wid, enc.pos, dec_lo_t,
-                           enc.counts, enc.first_ids)
+                           enc.counts, enc.first_ids, tuple(dec_lo))
             dec_rows = None
         return StepBatch(slots_t, tables, ends_t, cmp_t, enc, dec, dec_rows, tuple(slots),
                          tuple(ends), tuple(cmps), uploads=up)
