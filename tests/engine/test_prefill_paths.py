@@ -74,6 +74,31 @@ def test_continuing_chunks_take_the_mirror_as_it_holds_every_row(monkeypatch):
     assert float((got - want).abs().max()) <= 1e-9
 
 
+def test_a_replay_reads_no_masked_window_rows(monkeypatch):
+    """A bounded replay starts at its window's lower bound (L1 - W for the encoder, L - KEEP
+    for the truncated decoder), so its first chunk sees no older row: it reads none from the
+    ring (the replay's numbers are pinned in test_bounded_replay.py)."""
+    reads = {"n": 0}
+    read = WindowMirror.read
+
+    def counted(self, *a):
+        reads["n"] += 1
+        return read(self, *a)
+
+    monkeypatch.setattr(WindowMirror, "read", counted)
+    first = random_prompt(150, 11)
+    second = first[:112] + random_prompt(40, 12)       # cap 152 - 22 = 130 -> L1 = 112
+    engine = make_engine(CFG, truncation="compact", keep_tokens=22, swa_policy="zero",
+                         max_batched_tokens=64)
+    engine.add_request(first, SamplingParams(temperature=0, max_tokens=1))
+    run_to_completion(engine)
+    reads["n"] = 0
+    seq = engine.add_request(second, SamplingParams(temperature=0, max_tokens=6))
+    run_to_completion(engine)
+    assert (seq.cached_tokens, seq.replayed_tokens) == (112, 16)
+    assert reads["n"] == 0, reads
+
+
 def test_group_aligned_chunks_feed_the_compressor_without_a_gather(monkeypatch):
     """Chunks ending on group boundaries with no stored tail pool their own rows in place
     (FeedPlan.pick None); unaligned ones and decodes gather; both exact."""
