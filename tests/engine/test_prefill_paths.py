@@ -15,14 +15,26 @@ from tests.engine.test_equivalence import EXACT, max_logit_error
 CFG = small_test_config()
 
 
+def counting(monkeypatch, owner, name: str) -> dict:
+    """Patches owner.name (for this test) to count its calls; returns the counter {"n": ...}."""
+    calls, f = {"n": 0}, getattr(owner, name)
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return f(*a, **k)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def test_continuing_chunks_take_the_mirror_as_it_holds_every_row(monkeypatch):
     """Every row a continuing chunk takes from the mirror is held there at its position and
     equals the ring bytes dequantized. A new prompt's first chunk sees no older row, so it
     takes the mirror too (what it names there is masked); the first chunk after a snapshot
     restore sees restored rows and goes through read, which dequantizes them."""
     engine = make_engine(CFG, num_slots=4, max_batched_tokens=64, long_prefill_chunk=24)
-    calls = {"take": 0, "read": 0, "rows": 0}
-    take, read = WindowMirror.take, WindowMirror.read
+    calls = {"take": 0, "rows": 0}
+    take = WindowMirror.take
 
     def checked_take(self, layer, slots, pos):
         calls["take"] += 1
@@ -35,16 +47,12 @@ def test_continuing_chunks_take_the_mirror_as_it_holds_every_row(monkeypatch):
         calls["rows"] += int(live.sum())
         return got
 
-    def counted_read(self, *a):
-        calls["read"] += 1
-        return read(self, *a)
-
     monkeypatch.setattr(WindowMirror, "take", checked_take)
-    monkeypatch.setattr(WindowMirror, "read", counted_read)
+    reads = counting(monkeypatch, WindowMirror, "read")
     seqs = [engine.add_request(random_prompt(n, n), SamplingParams(temperature=0, max_tokens=5))
             for n in (150, 90, 20)]
     run_to_completion(engine)
-    assert calls["take"] and calls["rows"] and calls["read"] == 0, calls
+    assert calls["take"] and calls["rows"] and reads["n"] == 0, (calls, reads)
     for seq in seqs:
         assert max_logit_error(engine, CFG, seq) <= EXACT
 
@@ -62,10 +70,10 @@ def test_continuing_chunks_take_the_mirror_as_it_holds_every_row(monkeypatch):
         if name == "warm":
             e.add_request(base, greedy)
             run_to_completion(e)
-        calls["read"] = 0
+        reads["n"] = 0
         seq = e.add_request(second, greedy)
         run_to_completion(e)
-        runs[name] = (e, seq, calls["read"])
+        runs[name] = (e, seq, reads["n"])
     (warm, hit, hit_reads), (cold, twin, cold_reads) = runs["warm"], runs["cold"]
     assert hit.cached_tokens == 144 and hit_reads, (hit.cached_tokens, hit_reads)
     assert twin.cached_tokens == 0 and cold_reads == 0, (twin.cached_tokens, cold_reads)
@@ -78,14 +86,7 @@ def test_a_replay_reads_no_masked_window_rows(monkeypatch):
     """A bounded replay starts at its window's lower bound (L1 - W for the encoder, L - KEEP
     for the truncated decoder), so its first chunk sees no older row: it reads none from the
     ring (the replay's numbers are pinned in test_bounded_replay.py)."""
-    reads = {"n": 0}
-    read = WindowMirror.read
-
-    def counted(self, *a):
-        reads["n"] += 1
-        return read(self, *a)
-
-    monkeypatch.setattr(WindowMirror, "read", counted)
+    reads = counting(monkeypatch, WindowMirror, "read")
     first = random_prompt(150, 11)
     second = first[:112] + random_prompt(40, 12)       # cap 152 - 22 = 130 -> L1 = 112
     engine = make_engine(CFG, truncation="compact", keep_tokens=22, swa_policy="zero",
@@ -187,14 +188,7 @@ def test_staged_chunk_keys_give_the_bits_of_the_copied_pool(monkeypatch):
 
     if not cpu_ring.available(torch.zeros(1, CFG.head_dim)):
         pytest.skip("no compiled CPU library")
-    takes = {"n": 0}
-    take = WindowMirror.take
-
-    def counted_take(self, *a):
-        takes["n"] += 1
-        return take(self, *a)
-
-    monkeypatch.setattr(WindowMirror, "take", counted_take)
+    takes = counting(monkeypatch, WindowMirror, "take")
 
     def run(scratch: bool):
         engine = make_engine(CFG, dtype="float32", num_slots=4, max_batched_tokens=64,
