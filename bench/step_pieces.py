@@ -29,7 +29,6 @@ Writes bench/out/step_pieces.{json,png}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -42,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import OUT, plot, table  # noqa: E402
-from bench.step_probe import decoding  # noqa: E402
+from bench.step_probe import batch_args, decoding  # noqa: E402
 from services.engine.core import engine as engine_mod  # noqa: E402
 from services.engine.core.engine import EngineCore  # noqa: E402
 from services.engine.core.scheduler import Scheduler  # noqa: E402
@@ -156,12 +155,7 @@ def plans_alone(cores: dict[int, EngineCore], repeats: int = 300) -> dict[int, f
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=32, help="the larger batch (beside 1)")
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per block")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt", type=int, default=256)
+    ap = batch_args(__doc__.splitlines()[0], steps=6)
     args = ap.parse_args(argv)
     if args.batch < 2 or args.rounds < 1 or args.steps < 1:
         ap.error("--batch must be at least 2, --rounds and --steps at least 1")

@@ -140,14 +140,21 @@ def in_steps(batches: list[int], prompt_len: int, rounds: int, steps: int) -> di
             for b, g in got.items()}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def batch_args(description: str, steps: int) -> argparse.ArgumentParser:
+    """The arguments of the benches that time batch 1 against a larger batch in one process
+    (this one and step_pieces.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--batch", type=int, default=32, help="the larger batch (beside 1)")
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per block")
+    ap.add_argument("--steps", type=int, default=steps, help="timed steps per block")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sweeps", default="16,24,40,64", help="MB read before the probe alone")
     ap.add_argument("--prompt", type=int, default=256)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = batch_args(__doc__.splitlines()[0], steps=3)
+    ap.add_argument("--sweeps", default="16,24,40,64", help="MB read before the probe alone")
     args = ap.parse_args(argv)
     if args.batch < 2 or args.rounds < 2 or args.steps < 1:
         ap.error("--batch and --rounds must be at least 2, --steps at least 1")

@@ -98,7 +98,7 @@ class Scheduler:
         for seq in decoding:           # the running order; some may be preempted on the way
             if seq.status is not Status.RUNNING:
                 continue
-            k = min(drafts.get(seq.request_id, 0), max(0, budget)) if drafts else 0
+            k = min(drafts.get(seq.request_id, 0), max(0, budget))
             if self._make_room(seq, seq.num_tokens + k, plan):
                 plan.decode.append(seq)
                 if k:

@@ -33,7 +33,7 @@ class Segments:
     lo: torch.Tensor           # [N] window lower bound (keys at positions < lo are masked)
     counts: tuple[int, ...] = ()   # n as host ints (decisions without a device sync)
     first_ids: tuple[int, ...] = ()  # first as host ints
-    lo_ids: tuple[int, ...] = ()   # lo as host ints (empty: not known, see sees_older)
+    lo_ids: tuple[int, ...] = ()   # lo as host ints
     cu_ids: tuple[int, ...] = field(init=False)   # cu as host ints
     rows: int = field(init=False)  # T, from the host ints: every layer asks, none may sync
 
@@ -62,9 +62,7 @@ class Segments:
     def sees_older(self, i: int) -> bool:
         """Whether a row of work i can see a key before the work's first row: its first row
         sees positions max(lo, first - W + 1) .. first, so none when first <= lo (a chunk that
-        starts its sequence, or a bounded replay at its bound). Without host bounds: True."""
-        if not self.lo_ids:
-            return True
+        starts its sequence, or a bounded replay at its bound)."""
         return self.first_ids[i] > max(0, self.lo_ids[i])
 
     @property

@@ -106,7 +106,7 @@ def _host_facts(step: StepBatch, seg: Segments, m: int, ring_len: int):
     is not empty, in stream order)."""
     # a row per work, none of its entries cached ahead of it
     if ring_len >= 1 and seg.counts.count(1) == len(seg.counts) and \
-            all(map(int.__le__, step.cmp_ids, seg.first_ids)):
+            all(c <= f for c, f in zip(step.cmp_ids, seg.first_ids, strict=True)):
         return _decode_facts(step, seg, m)
     return _chunk_facts(step, seg, m, ring_len)
 
