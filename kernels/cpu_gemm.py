@@ -4,8 +4,9 @@ cpu_ring.py builds), where torch would call MKL's sgemm / dgemm.
 Why: every projection of the model is a product of a few rows by a weight, and on AMD CPUs
 MKL takes its AVX2 path: ~100 GFLOP/s a core at large M, ~70 at a decode step's 32 rows,
 and at 32 rows it hardly uses a second thread. The C tile (8 rows x 32 columns of AVX-512
-accumulators, column tiles split over the threads, the weight's rows prefetched) measured
-on the development machine (AMD EPYC, 2 threads, weights in cache): 32 x 128 @ 128 x 1024
+accumulators, or 6 rows x 16 columns with AVX2; column tiles split over the threads, the
+weight's rows prefetched) measured on the development machine (AMD EPYC with AVX-512, 2
+threads, weights in cache): 32 x 128 @ 128 x 1024
 77 -> 25 us, 32 x 1024 @ 1024 x 128 56 -> 23 us, 512 x 128 @ 128 x 1024 0.70 -> 0.34 ms;
 weights cold from memory 142 -> 60 us; one row 7 -> 5 us (the call adds ~2.5 us to either).
 
@@ -17,7 +18,8 @@ than a plain one (test_spec_decode failed at ed0130c there). Its error is MKL's 
 within 1.5x, fp32 against float64, fp64 against x87 extended precision).
 
 The model's weights are packed once (`pack_weights`, at the runner's construction) into column
-panels, [ceil(N / T)][K][T] with T = 32 fp32 (16 fp64) columns: each tile of the kernel
+panels, [ceil(N / T)][K][T] with T the tile's columns (`panel_cols`: 32 fp32 and 16 fp64
+with AVX-512, 16 and 8 with AVX2): each tile of the kernel
 then reads one contiguous stream where, as stored, it reads 128 bytes out of every row of
 w. The same FMA chains, so the same bits (tested); the 73 products of a tiny decode step
 1.67 -> 1.28 ms at 32 rows and 0.96 -> 0.76 ms at one row (weights cycling through L3). A
@@ -27,7 +29,7 @@ weight (the tiny preset: 17 MB).
 
 matmul() takes torch's mm wherever the library does not (cpu_ring.library's gate: not a CPU
 float32/float64 tensor, autograd, KVMESH_KERNELS set, no compiler; a weight of another dtype
-or layout; a CPU without AVX-512: the C call says so once).
+or layout; a CPU without AVX2 and FMA: the C call says so once).
 """
 
 from __future__ import annotations
@@ -39,10 +41,9 @@ import torch
 
 from kernels import cpu_ring, host_memory
 
-_refused = False          # the library was built without AVX-512: gemm_* answered -1
+_refused = False          # the library was built without AVX2 + FMA: gemm_* answered -1
 _F32 = torch.float32
 _DTYPES = (torch.float32, torch.float64)
-_PANEL = {torch.float32: 32, torch.float64: 16}    # the C tile's columns (two AVX-512 vectors)
 # id(weight) -> (its version when packed, panels). Keyed by id, not by the tensor (a tensor's
 # == is elementwise); a finalizer drops the entry with the weight, before its id can be
 # reused. Owned here: pack_weights adds entries, _panels refreshes them.
@@ -70,19 +71,30 @@ def pack_weights(weights: Iterable[torch.Tensor]) -> None:
         weakref.finalize(w, _packed.pop, id(w), None)
 
 
+def panel_cols(dtype: torch.dtype) -> int:
+    """The kernel tile's columns for `dtype` (float32 or float64), which packed panels must
+    have: two vectors of the widest kind the library was built for. Asks the library (built
+    for this CPU); a library without the products has no panels."""
+    lib = cpu_ring.load()
+    cols = lib.gemm_panel_cols(dtype.itemsize) if lib is not None else 0
+    if cols <= 0:
+        raise RuntimeError("the CPU library has no matrix products here: nothing to pack for")
+    return cols
+
+
 def _panel_numel(w: torch.Tensor) -> int:
     """Elements of w's panels: a multiple of T (128 bytes), so in an arena each weight's
     panels start on a cache line."""
     k, n = w.shape
-    t = _PANEL[w.dtype]
+    t = panel_cols(w.dtype)
     return k * -(-n // t) * t
 
 
 def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """w [K, N] as panels [ceil(N / T), K, T] (columns past N zero), T = _PANEL[w.dtype];
+    """w [K, N] as panels [ceil(N / T), K, T] (columns past N zero), T = panel_cols(w.dtype);
     written into `out` (a flat tensor of w's dtype, exactly their size) when given."""
     k, n = w.shape
-    t = _PANEL[w.dtype]
+    t = panel_cols(w.dtype)
     wide = w.new_zeros(k, -(-n // t) * t)
     wide[:, :n] = w
     panels = wide.view(k, -1, t).permute(1, 0, 2)

@@ -143,6 +143,8 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, ctypes.c_int]
             fn.restype = ctypes.c_int
+        lib.gemm_panel_cols.argtypes = [ctypes.c_int]
+        lib.gemm_panel_cols.restype = ctypes.c_int
         for name in ("gemm_packed_f32", "gemm_packed_f64"):
             fn = getattr(lib, name)
             fn.argtypes = [p, i64, p, p, i64, i64, i64, i64, ctypes.c_int]

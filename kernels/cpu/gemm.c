@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 /* Products per thread below which the work stays on one thread, and one row always does.
@@ -41,6 +41,10 @@
    never reads, which a prefetch may do (it never faults). */
 #define PREFETCH_ROWS 24
 
+#ifdef __AVX512F__
+#define VECTOR_BYTES 64
+#define MR 8
+#define MASK_OF(n) ((MASK)((1u << (n)) - 1))
 #define T float
 #define V __m512
 #define L 16
@@ -85,6 +89,72 @@
 #include "gemm_body.h"
 
 #else
+/* AVX2 + FMA (AMD Zen 1-3, Intel before Skylake-X, and the AVX-512 parts with it turned off):
+   8 (fp32) or 4 (fp64) lanes and 16 vector registers, so a tile is 6 rows x 2 vectors (12
+   accumulators, two of w, one broadcast), and packed panels are 16 fp32 / 8 fp64 columns
+   wide (gemm_panel_cols). Each output is the same FMA chain as with AVX-512: the same bits
+   on either kind of CPU. Masks are lane vectors: a lane is on where its index < n. */
+#define VECTOR_BYTES 32
+#define MR 6
+#define T float
+#define V __m256
+#define L 8
+#define MASK __m256i
+#define FN(name) name##_f32
+#define MASK_OF(n) _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VLOADZ(mask, p) _mm256_maskload_ps(p, mask)
+#define VSTOREM(p, mask, v) _mm256_maskstore_ps(p, mask, v)
+#define VLOADA(p) _mm256_load_ps(p)
+#define VSTOREA(p, v) _mm256_store_ps(p, v)
+#include "gemm_body.h"
+#undef T
+#undef V
+#undef L
+#undef FN
+#undef MASK_OF
+#undef VZERO
+#undef VSET1
+#undef VFMA
+#undef VADD
+#undef VLOADZ
+#undef VSTOREM
+#undef VLOADA
+#undef VSTOREA
+
+#define T double
+#define V __m256d
+#define L 4
+#define FN(name) name##_f64
+#define MASK_OF(n) _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3))
+#define VZERO() _mm256_setzero_pd()
+#define VSET1(x) _mm256_set1_pd(x)
+#define VFMA(a, b, c) _mm256_fmadd_pd(a, b, c)
+#define VADD(a, b) _mm256_add_pd(a, b)
+#define VLOADZ(mask, p) _mm256_maskload_pd(p, mask)
+#define VSTOREM(p, mask, v) _mm256_maskstore_pd(p, mask, v)
+#define VLOADA(p) _mm256_load_pd(p)
+#define VSTOREA(p, v) _mm256_store_pd(p, v)
+#include "gemm_body.h"
+#endif
+
+/* The packed panels' width in columns (a tile's two vectors) for elements of `elem_bytes`
+   bytes: kernels/cpu_gemm.py packs to it. */
+int gemm_panel_cols(int elem_bytes)
+{
+    return 2 * VECTOR_BYTES / elem_bytes;
+}
+
+#else
+
+int gemm_panel_cols(int elem_bytes)
+{
+    (void)elem_bytes;
+    return 0;
+}
 
 int gemm_f32(const float *a, int64_t lda, const float *w, int64_t ldw, float *out, int64_t ldo,
              int64_t m, int64_t k, int64_t n, int threads)

@@ -1,10 +1,11 @@
 /* The body of kernels/cpu/gemm.c, included once per element type. The includer defines:
-     T            float or double          L      lanes of one AVX-512 vector (16 or 8)
+     T            float or double          L      lanes of one vector (AVX-512 or AVX2)
      V            the vector type          MASK   its lane mask type
      FN(name)     name with the type's suffix
+     MR           rows of a tile (8, or 6 with AVX2's 16 vector registers)
      VZERO() VSET1(x) VFMA(a, b, c) VADD(a, b) VLOADZ(mask, p) VSTOREM(p, mask, v)
-     VLOADA(p) VSTOREA(p, v)
-   A tile is up to 8 rows x 2 vectors of columns; see gemm.c for why. */
+     VLOADA(p) VSTOREA(p, v) MASK_OF(n) (the first n lanes, 0 <= n <= L)
+   A tile is up to MR rows x 2 vectors of columns; see gemm.c for why. */
 
 #define TCOLS (2 * L)
 
@@ -76,9 +77,9 @@ static void (*const FN(tiles)[9])(const T *, int64_t, const T *, int64_t, T *, i
     0, FN(tile_1), FN(tile_2), FN(tile_3), FN(tile_4), FN(tile_5), FN(tile_6), FN(tile_7),
     FN(tile_8)};
 
-static MASK FN(mask_of)(int64_t n)
+static inline MASK FN(mask_of)(int64_t n)
 {
-    return n >= L ? (MASK)((1u << L) - 1) : n <= 0 ? (MASK)0 : (MASK)((1u << n) - 1);
+    return MASK_OF(n >= L ? L : n <= 0 ? 0 : (int)n);
 }
 
 /* One row (a batch-1 decode step) over columns [j0, j1), up to ROW_COLS at a time: each k
@@ -132,19 +133,19 @@ static void FN(block)(const T *a, int64_t lda, const T *w, int64_t ldw, int64_t 
            of a tiny decode step at 32 rows, 20 MB swept between calls, 2 threads, the two
            ways taking turns in one process: 1.29 -> 1.23 ms (per-call median ratio 0.95);
            one row has no later pass and is unchanged (0.77 ms). */
-        int64_t hot = (i1 - i0 + 7) / 8 - 1;     /* passes over a panel after its first */
+        int64_t hot = (i1 - i0 + MR - 1) / MR - 1;   /* passes over a panel after its first */
         for (int64_t t = t0; t < t1; t++) {
             int64_t j = t * TCOLS;
             const T *wt = w + t * tstride;
             const T *next = hot && ldw == TCOLS && t + 1 < t1 ? wt + tstride : 0;
             MASK m0 = FN(mask_of)(n - j), m1 = FN(mask_of)(n - j - L);
-            for (int64_t i = i0, pass = 0; i < i1; i += 8, pass++) {
-                int64_t r = i1 - i < 8 ? i1 - i : 8;
+            for (int64_t i = i0, pass = 0; i < i1; i += MR, pass++) {
+                int64_t r = i1 - i < MR ? i1 - i : MR;
                 const T *pf = 0;
                 int lines = 0;
                 if (next && pass == 1) {
-                    pf = next, lines = hot == 1 ? 2 : 1;
-                } else if (next && pass == 2) {
+                    pf = next, lines = hot == 1 && TCOLS * sizeof(T) > 64 ? 2 : 1;
+                } else if (next && pass == 2 && TCOLS * sizeof(T) > 64) {
                     pf = next + L, lines = 1;
                 }
                 for (int64_t k0 = 0; k0 < k; k0 += K_CHUNK)
@@ -158,7 +159,7 @@ static void FN(block)(const T *a, int64_t lda, const T *w, int64_t ldw, int64_t 
 
 /* The threads split the column tiles, or, where there are fewer tiles than threads (a
    narrow w: the indexer's weights, a prefill chunk's narrow projections), the rows in
-   blocks of 8. One row of w as stored streams w's rows (row_stream) on one thread; one row
+   blocks of MR. One row of w as stored streams w's rows (row_stream) on one thread; one row
    of packed panels takes the tiles (each panel is one stream already). */
 static int FN(run)(const T *a, int64_t lda, const T *w, int64_t ldw, int packed, T *out,
                    int64_t ldo, int64_t m, int64_t k, int64_t n, int threads)
@@ -169,7 +170,7 @@ static int FN(run)(const T *a, int64_t lda, const T *w, int64_t ldw, int packed,
         return 0;
     int stream = m == 1 && !packed;
     int64_t width = stream ? L : TCOLS;
-    int64_t tiles = (n + width - 1) / width, row_blocks = (m + 7) / 8;
+    int64_t tiles = (n + width - 1) / width, row_blocks = (m + MR - 1) / MR;
     int64_t tstride = packed ? k * TCOLS : TCOLS;
     int by_rows = tiles < threads && row_blocks > tiles;
     int64_t parts = by_rows ? row_blocks : tiles;
@@ -185,8 +186,8 @@ static int FN(run)(const T *a, int64_t lda, const T *w, int64_t ldw, int packed,
         if (stream) {
             FN(row_stream)(a, w, ldw, out, k, p0 * L, p1 * L < n ? p1 * L : n);
         } else if (by_rows) {
-            int64_t r1 = 8 * p1 < m ? 8 * p1 : m;
-            FN(block)(a, lda, w, ldw, tstride, out, ldo, k, n, 8 * p0, r1, 0, tiles);
+            int64_t r1 = MR * p1 < m ? MR * p1 : m;
+            FN(block)(a, lda, w, ldw, tstride, out, ldo, k, n, MR * p0, r1, 0, tiles);
         } else {
             FN(block)(a, lda, w, ldw, tstride, out, ldo, k, n, 0, m, p0, p1);
         }

@@ -18,6 +18,7 @@
    relu's zeros among them, fall the same way). */
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
