@@ -15,7 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -75,6 +75,16 @@ static float block_amax(const float *x)
     _mm512_storeu_ps(lanes, m);
     for (int i = 0; i < 16; i++)
         amax = lanes[i] > amax ? lanes[i] : amax;
+#elif defined(__AVX2__)
+    /* max_ps(a, m) is m where a is NaN: the comparison's skip */
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (int q = 0; q < 4; q++)
+        m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + q * 8), magnitude), m);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int i = 0; i < 8; i++)
+        amax = lanes[i] > amax ? lanes[i] : amax;
 #else
     for (int i = 0; i < 32; i++) {
         float a = fabsf(x[i]);
@@ -132,6 +142,43 @@ static void block16(const float *x, float inv, float scale, uint8_t *codes, floa
         _mm512_storeu_ps(values, _mm512_mul_ps(v, _mm512_set1_ps(scale)));
     }
 }
+#define LANES 16
+#define BLOCK_LANES block16
+#elif defined(__AVX2__)
+/* The same on 8 lanes with AVX2. It has no unsigned compares and no mask registers: u has
+   its sign cleared, so signed compares order it alike, and blends take lane masks. */
+static void block8(const float *x, float inv, float scale, uint8_t *codes, float *values)
+{
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+    __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_set1_ps(inv)));
+    __m256i sign = _mm256_andnot_si256(magnitude, u);
+    u = _mm256_and_si256(u, magnitude);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1));
+    __m256i normal = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7ffff)), odd)), 20);
+    __m256i sub = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(u), _mm256_set1_ps(0x1p14f))),
+        _mm256_set1_epi32(141 << 23));
+    __m256i c = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), u));
+    c = _mm256_blendv_epi8(c, _mm256_set1_epi32(0x7f),
+                           _mm256_cmpgt_epi32(u, _mm256_set1_epi32((1087 << 20) - 1)));
+    c = _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi32(0xff)), _mm256_srli_epi32(sign, 24));
+    /* each lane's low byte, in order: bytes 0, 4, 8, 12 of both 128-bit halves */
+    const __m256i low = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i packed = _mm256_shuffle_epi8(c, low);
+    uint32_t lo = (uint32_t)_mm256_extract_epi32(packed, 0), hi = (uint32_t)_mm256_extract_epi32(packed, 4);
+    memcpy(codes, &lo, 4);
+    memcpy(codes + 4, &hi, 4);
+    if (values) {
+        __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24),
+                                       _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7f)), 20));
+        __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+        _mm256_storeu_ps(values, _mm256_mul_ps(v, _mm256_set1_ps(scale)));
+    }
+}
+#define LANES 8
+#define BLOCK_LANES block8
 #endif
 
 /* x [rows, d] fp32 -> out [rows, d + d / 32] bytes and values [rows, d] fp32 (NULL: none).
@@ -152,10 +199,10 @@ int mxfp8_quantize(const float *x, int64_t rows, int64_t d, uint8_t *out, float 
             e = e < -127 ? -127 : e > 127 ? 127 : e;
             /* x / 2^e and x * 2^-e are the same fp32 number: one exact scaling, one rounding */
             float scale = two_to(e), inv = two_to(-e);
-#ifdef __AVX512F__
-            for (int half = 0; half < 2; half++)
-                block16(row + b * 32 + half * 16, inv, scale, codes + b * 32 + half * 16,
-                        values ? values + t * d + b * 32 + half * 16 : NULL);
+#ifdef LANES
+            for (int at = 0; at < 32; at += LANES)
+                BLOCK_LANES(row + b * 32 + at, inv, scale, codes + b * 32 + at,
+                            values ? values + t * d + b * 32 + at : NULL);
             codes[d + b] = (uint8_t)(e + 127);
             continue;
 #endif
