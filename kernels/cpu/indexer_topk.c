@@ -20,7 +20,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -39,6 +39,20 @@ static float dot(const float *a, const float *b, int64_t n)
         for (int64_t d = 0; d < n; d += 16)
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
         return _mm512_reduce_add_ps(acc);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* lanes 0-7 and 8-15 in two registers, then the same tree: i + 8 (the two added), i + 4
+       (the halves), i + 2, i + 1 (gcc left the array loop below scalar here) */
+    if (n % 16 == 0) {
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        for (int64_t d = 0; d < n; d += 16) {
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), hi);
+        }
+        __m256 s8 = _mm256_add_ps(lo, hi);
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
     }
 #endif
     float acc[16] = {0};
