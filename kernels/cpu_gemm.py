@@ -55,7 +55,8 @@ def pack_weights(weights: Iterable[torch.Tensor]) -> None:
     first request's time does not include it). Only 2-D CPU float32 / float64 tensors, and
     only where the products take the kernel; others are left alone."""
     todo = [w for w in weights if not _refused and cpu_ring.library(w, _DTYPES) is not None
-            and w.dim() == 2 and w.dtype in _DTYPES and id(w) not in _packed]
+            and w.dim() == 2 and w.dtype in _DTYPES and id(w) not in _packed
+            and panel_cols(w.dtype) > 0]
     # one arena per dtype on 2 MB pages (kernels/host_memory.py): the weights are many small
     # tensors (0.06-0.5 MB each for tiny) that a batched step reads in full, each a
     # separate run of 4 KB pages otherwise
@@ -74,12 +75,10 @@ def pack_weights(weights: Iterable[torch.Tensor]) -> None:
 def panel_cols(dtype: torch.dtype) -> int:
     """The kernel tile's columns for `dtype` (float32 or float64), which packed panels must
     have: two vectors of the widest kind the library was built for. Asks the library (built
-    for this CPU); a library without the products has no panels."""
+    for this CPU); 0 where it has no products (no library, a CPU without AVX2 + FMA): nothing
+    is packed then."""
     lib = cpu_ring.load()
-    cols = lib.gemm_panel_cols(dtype.itemsize) if lib is not None else 0
-    if cols <= 0:
-        raise RuntimeError("the CPU library has no matrix products here: nothing to pack for")
-    return cols
+    return lib.gemm_panel_cols(dtype.itemsize) if lib is not None else 0
 
 
 def _panel_numel(w: torch.Tensor) -> int:

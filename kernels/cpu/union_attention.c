@@ -44,8 +44,8 @@
 /* Lanes of the vector type: a 64-byte vector is one AVX-512 register, but two AVX2 ones,
    and with AVX2's 16 registers the eight sums of `scores` and `accumulate` then do not fit.
    32 rows x (128 ring + 20 table keys) x 2 heads of 512 on an AVX2 machine (Zen 3), one
-   thread: 1.25 ms with 8 lanes, 4.04 with 16 (both with the AVX2 expand_row below), 4.25
-   with 16 and the generic expand_row. */
+   thread: 1.25 ms with 8 lanes, 4.04 with 16 (with the AVX2 expand_row below; lane sums
+   through memory), 4.25 with 16 and the generic expand_row. */
 #ifdef __AVX512F__
 enum { VL = 16 };
 #else

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from kernels import cpu_ring
+from kernels import cpu_gemm, cpu_ring
 
 needs_cc = pytest.mark.skipif(cpu_ring._compiler() is None, reason="no C compiler on this machine")
 
@@ -39,3 +39,24 @@ def test_every_x86_path_compiles(tmp_path):
         if build.returncode and "unknown value" in err:      # an older compiler's -march
             continue
         assert build.returncode == 0, f"{level}: {err}"
+
+
+@needs_cc
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 levels only")
+def test_a_library_without_products_packs_nothing_and_takes_torch(monkeypatch, tmp_path):
+    """Built for plain x86-64 (no AVX2), the library has no matrix products: the runner's
+    packing packs nothing and every product is torch's, with its numbers."""
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_ring, "FLAGS", [f if not f.startswith("-march") else "-march=x86-64"
+                                            for f in cpu_ring.FLAGS])
+    monkeypatch.setattr(cpu_ring, "_tried", False)
+    monkeypatch.setattr(cpu_ring, "_lib", None)
+    monkeypatch.setattr(cpu_gemm, "_refused", False)
+    monkeypatch.setattr(cpu_gemm, "_packed", {})
+    assert cpu_ring.load() is not None
+    assert cpu_gemm.panel_cols(torch.float32) == 0
+    w, x = torch.randn(64, 48), torch.randn(5, 64)
+    cpu_gemm.pack_weights([w])
+    assert id(w) not in cpu_gemm._packed
+    assert torch.equal(cpu_gemm.matmul(x, w), x @ w)
+    assert cpu_gemm._refused
