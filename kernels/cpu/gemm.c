@@ -44,12 +44,12 @@
 #ifdef __AVX512F__
 #define VECTOR_BYTES 64
 #define MR 8
-#define MASK_OF(n) ((MASK)((1u << (n)) - 1))
 #define T float
 #define V __m512
 #define L 16
 #define MASK __mmask16
 #define FN(name) name##_f32
+#define MASK_OF(n) ((MASK)((1u << (n)) - 1))
 #define VZERO() _mm512_setzero_ps()
 #define VSET1(x) _mm512_set1_ps(x)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
@@ -59,25 +59,13 @@
 #define VLOADA(p) _mm512_load_ps(p)
 #define VSTOREA(p, v) _mm512_store_ps(p, v)
 #include "gemm_body.h"
-#undef T
-#undef V
-#undef L
-#undef MASK
-#undef FN
-#undef VZERO
-#undef VSET1
-#undef VFMA
-#undef VADD
-#undef VLOADZ
-#undef VSTOREM
-#undef VLOADA
-#undef VSTOREA
 
 #define T double
 #define V __m512d
 #define L 8
 #define MASK __mmask8
 #define FN(name) name##_f64
+#define MASK_OF(n) ((MASK)((1u << (n)) - 1))
 #define VZERO() _mm512_setzero_pd()
 #define VSET1(x) _mm512_set1_pd(x)
 #define VFMA(a, b, c) _mm512_fmadd_pd(a, b, c)
@@ -111,23 +99,11 @@
 #define VLOADA(p) _mm256_load_ps(p)
 #define VSTOREA(p, v) _mm256_store_ps(p, v)
 #include "gemm_body.h"
-#undef T
-#undef V
-#undef L
-#undef FN
-#undef MASK_OF
-#undef VZERO
-#undef VSET1
-#undef VFMA
-#undef VADD
-#undef VLOADZ
-#undef VSTOREM
-#undef VLOADA
-#undef VSTOREA
 
 #define T double
 #define V __m256d
 #define L 4
+#define MASK __m256i
 #define FN(name) name##_f64
 #define MASK_OF(n) _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3))
 #define VZERO() _mm256_setzero_pd()

@@ -5,7 +5,8 @@
      MR           rows of a tile (8, or 6 with AVX2's 16 vector registers)
      VZERO() VSET1(x) VFMA(a, b, c) VADD(a, b) VLOADZ(mask, p) VSTOREM(p, mask, v)
      VLOADA(p) VSTOREA(p, v) MASK_OF(n) (the first n lanes, 0 <= n <= L)
-   A tile is up to MR rows x 2 vectors of columns; see gemm.c for why. */
+   and gets them back undefined, ready for the next type. A tile is up to MR rows x 2 vectors
+   of columns; see gemm.c for why. */
 
 #define TCOLS (2 * L)
 
@@ -212,3 +213,17 @@ int FN(gemm_packed)(const T *a, int64_t lda, const T *panels, T *out, int64_t ld
 }
 
 #undef TCOLS
+#undef T
+#undef V
+#undef L
+#undef MASK
+#undef FN
+#undef MASK_OF
+#undef VZERO
+#undef VSET1
+#undef VFMA
+#undef VADD
+#undef VLOADZ
+#undef VSTOREM
+#undef VLOADA
+#undef VSTOREA
