@@ -82,8 +82,8 @@ def panel_cols(dtype: torch.dtype) -> int:
 
 
 def _panel_numel(w: torch.Tensor) -> int:
-    """Elements of w's panels: a multiple of T (128 bytes), so in an arena each weight's
-    panels start on a cache line."""
+    """Elements of w's panels: a multiple of T (128 bytes with AVX-512, 64 with AVX2), so in
+    an arena each weight's panels start on a cache line."""
     k, n = w.shape
     t = panel_cols(w.dtype)
     return k * -(-n // t) * t
