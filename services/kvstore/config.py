@@ -60,6 +60,11 @@ class KvstoreConfig:
     access_flush_s: float = 1.0  # access times reach sqlite at most this late
     s3_connect_timeout_s: float = 1.0
     s3_read_timeout_s: float = 5.0
+    # A late shard read with nothing left to hedge to is awaited max(s3_give_up_s, 8 x its
+    # budget) from its start, then given up on (the get is a miss): three hung locations
+    # must not hold every get for the socket timeout. Raising it to s3_read_timeout_s waits
+    # out a store that is only slow (a loaded machine) instead of missing.
+    s3_give_up_s: float = 2.0
     location_retry_s: float = 2.0  # a down location gets one trial read this often
     # Hedged shard reads (health.py): a shard read is late after hedge_factor x the
     # location's recent p90 latency (at least hedge_floor_s); a late data shard is
@@ -115,8 +120,8 @@ class KvstoreConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         for name in ("ttl_agent_s", "ttl_chatbot_s", "gc_interval_s", "access_flush_s",
-                     "s3_connect_timeout_s", "s3_read_timeout_s", "hedge_factor",
-                     "hedge_floor_s", "health_window_s", "health_min_errors"):
+                     "s3_connect_timeout_s", "s3_read_timeout_s", "s3_give_up_s",
+                     "hedge_factor", "hedge_floor_s", "health_window_s", "health_min_errors"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.orphan_grace_s < 0 or self.location_retry_s < 0:

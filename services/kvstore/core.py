@@ -63,7 +63,8 @@ class KvStore(AdminOps, CompactOps):
         self.mem = MemoryTier(cfg.mem_bytes)
         self.disk = DiskTier(data / "blocks", cfg.disk_bytes)
         self.shards = ShardStore.from_config(cfg)
-        self.durable = DurableStore(cfg.layout, self.shards, cfg.write_quorum)
+        self.durable = DurableStore(cfg.layout, self.shards, cfg.write_quorum,
+                                    give_up_s=cfg.s3_give_up_s)
         self.runs = RunReader(cfg.layout, self.shards, self.durable)
         # S3 reads in flight (config.s3_reads_in_flight says why they are bounded); the
         # late deadlines of a read start when it holds a permit, not while it waits.

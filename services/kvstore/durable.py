@@ -15,7 +15,7 @@ metadata and decides which generation is current. Read path (`get`):
          (only if `still_current()` says the object was not deleted meanwhile)
 
 Scrub (`full`) reads all n shards, also from locations marked down, and
-counts a shard that does not arrive within max(2 s, 8 x budget) as bad (timed
+counts a shard that does not arrive within max(give_up_s, 8 x budget) as bad (timed
 out); its repair writes to every location, down or not.
 """
 
@@ -32,11 +32,11 @@ from services.kvstore import ec
 from services.kvstore.shards import PREFIX, ShardStore
 
 log = logging.getLogger("kvmesh.kvstore.durable")
-# With nothing left to start, a late read is awaited max(GIVE_UP_MIN_S, GIVE_UP_FACTOR x
-# its budget) from its start, then counted as timed out: a hung location must not hold a
-# get for the 5 s socket timeout (more: reads queue behind its 4 hung connections).
+# With nothing left to start, a late read is awaited max(give_up_s, GIVE_UP_FACTOR x its
+# budget) from its start, then counted as timed out: a hung location must not hold a get
+# for the 5 s socket timeout (more: reads queue behind its 4 hung connections).
+# give_up_s is the config's s3_give_up_s.
 GIVE_UP_FACTOR = 8
-GIVE_UP_MIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,12 @@ class _Gathered:
 
 class DurableStore:
     def __init__(self, layout: ec.Layout, shards: ShardStore, write_quorum: int,
-                 put_grace_s: float = 1.0):
+                 put_grace_s: float = 1.0, give_up_s: float = 2.0):
         self.layout = layout
         self.shards = shards
         self.write_quorum = write_quorum
         self.put_grace_s = put_grace_s
+        self.give_up_s = give_up_s
         self._background: set[asyncio.Future] = set()  # late shard reads left to finish
 
     async def encode(self, key: str, generation: int, data: bytes,
@@ -130,7 +131,7 @@ class DurableStore:
         of waiting on them again). A late read is never cancelled: it runs to
         its answer or socket timeout in the background, so the location's
         health sees the real outcome. When nothing else can complete the set,
-        late reads are awaited up to `max(2 s, 8 x budget)` (slow beats a
+        late reads are awaited up to `max(give_up_s, 8 x budget)` (slow beats a
         miss), then counted as timed out."""
         readable = [i for i in order if full or self.shards.readable(i)]
         queue = [i for i in readable if not self.shards.slow(i)]
@@ -151,7 +152,7 @@ class DurableStore:
             budget = self.shards.budget(i)
             if i not in late:
                 return started[i] + budget
-            return started[i] + max(GIVE_UP_MIN_S, GIVE_UP_FACTOR * budget)
+            return started[i] + max(self.give_up_s, GIVE_UP_FACTOR * budget)
 
         try:
             while True:

@@ -23,13 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.kvstore import ec, runs
-from services.kvstore.durable import GIVE_UP_FACTOR, GIVE_UP_MIN_S, DurableStore, ReadResult
+from services.kvstore.durable import GIVE_UP_FACTOR, DurableStore, ReadResult
 from services.kvstore.meta import Record, RunRecord
 from services.kvstore.shards import RUN_PREFIX, ShardStore
 
 log = logging.getLogger("kvmesh.kvstore.runs")
 # Ranged reads are not hedged one by one: the fast path waits as long as a get waits
-# for a late shard (max(2 s, 8 x the slowest budget)), then the hedged full read
+# for a late shard (max(give_up_s, 8 x the slowest budget)), then the hedged full read
 # takes over. A shorter wait (0.5 s was tried) turned queueing under load (16 prefix
 # reads = 160 ranged GETs in flight) into decodes of whole runs: twice the requests.
 # A location already hung or down is not read by the fast path at all (`_fast_ok`).
@@ -58,7 +58,7 @@ class RunReader:
         reads: dict[int, asyncio.Future] = {}
         if self._fast_ok(ranges):
             reads = self._ranged(run, info, ranges)
-            timeout = max(GIVE_UP_MIN_S, GIVE_UP_FACTOR * max(
+            timeout = max(self.durable.give_up_s, GIVE_UP_FACTOR * max(
                 (self.shards.budget(i) for i in ranges), default=0.0))
             if reads:
                 await asyncio.wait(list(reads.values()), timeout=timeout)
@@ -76,7 +76,7 @@ class RunReader:
         try:
             res = await slow
             if res.data is None and late:
-                await asyncio.wait(late, timeout=GIVE_UP_MIN_S)
+                await asyncio.wait(late, timeout=self.durable.give_up_s)
                 todo = self._assemble(run, todo, spans, ranges, reads, out)
         finally:
             for t in late:

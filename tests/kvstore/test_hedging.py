@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import pytest
 
 from kvmesh.backing.seaweed import ensure_bucket, s3_client
-from services.kvstore.config import ShardLocation
+from services.kvstore.config import KvstoreConfig, ShardLocation
 from tests.kvstore.conftest import call, hexkey
 
 SERVER_OF = {0: 0, 1: 1, 2: 0, 3: 3, 4: 4, 5: 1, 6: 0, 7: 2, 8: 1, 9: 0, 10: 1, 11: 0}
@@ -105,7 +105,8 @@ def gets_for(kv, items, seconds: float, lat: list[float]) -> int:
 
 def test_hung_locations_hedged_health_by_rate_scrub_repairs(make_server, own_layout, stopper,
                                                              cluster):
-    kv = make_server(locations=own_layout, mem_bytes=0, disk_bytes=0, run_blocks=1)
+    kv = make_server(locations=own_layout, mem_bytes=0, disk_bytes=0, run_blocks=1,
+                     s3_give_up_s=KvstoreConfig.s3_give_up_s)  # the default
     items = [(hexkey(900 + i), os.urandom(50_000 + 7919 * i)) for i in range(16)]
     call(kv.address, lambda c: c.put(items))
     warm: list[float] = []
