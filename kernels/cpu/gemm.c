@@ -57,6 +57,8 @@
 #define VLOADZ(mask, p) _mm512_maskz_loadu_ps(mask, p)
 #define VSTOREM(p, mask, v) _mm512_mask_storeu_ps(p, mask, v)
 #define VLOADA(p) _mm512_load_ps(p)
+#define VLOADU(p) _mm512_loadu_ps(p)
+#define VSTOREU(p, v) _mm512_storeu_ps(p, v)
 #define VSTOREA(p, v) _mm512_store_ps(p, v)
 #include "gemm_body.h"
 
@@ -73,6 +75,8 @@
 #define VLOADZ(mask, p) _mm512_maskz_loadu_pd(mask, p)
 #define VSTOREM(p, mask, v) _mm512_mask_storeu_pd(p, mask, v)
 #define VLOADA(p) _mm512_load_pd(p)
+#define VLOADU(p) _mm512_loadu_pd(p)
+#define VSTOREU(p, v) _mm512_storeu_pd(p, v)
 #define VSTOREA(p, v) _mm512_store_pd(p, v)
 #include "gemm_body.h"
 
@@ -97,6 +101,8 @@
 #define VLOADZ(mask, p) _mm256_maskload_ps(p, mask)
 #define VSTOREM(p, mask, v) _mm256_maskstore_ps(p, mask, v)
 #define VLOADA(p) _mm256_load_ps(p)
+#define VLOADU(p) _mm256_loadu_ps(p)
+#define VSTOREU(p, v) _mm256_storeu_ps(p, v)
 #define VSTOREA(p, v) _mm256_store_ps(p, v)
 #include "gemm_body.h"
 
@@ -113,6 +119,8 @@
 #define VLOADZ(mask, p) _mm256_maskload_pd(p, mask)
 #define VSTOREM(p, mask, v) _mm256_maskstore_pd(p, mask, v)
 #define VLOADA(p) _mm256_load_pd(p)
+#define VLOADU(p) _mm256_loadu_pd(p)
+#define VSTOREU(p, v) _mm256_storeu_pd(p, v)
 #define VSTOREA(p, v) _mm256_store_pd(p, v)
 #include "gemm_body.h"
 #endif
