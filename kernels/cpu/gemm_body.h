@@ -3,6 +3,7 @@
      V            the vector type          MASK   its lane mask type
      FN(name)     name with the type's suffix
      MR           rows of a tile (8, or 6 with AVX2's 16 vector registers)
+     K_UNROLL_PRAGMA  a pragma for the tile's k loop (unrolling), or nothing
      VZERO() VSET1(x) VFMA(a, b, c) VADD(a, b) VLOADZ(mask, p) VSTOREM(p, mask, v)
      VLOADA(p) VSTOREA(p, v) VLOADU(p) VSTOREU(p, v) MASK_OF(n) (the first n lanes, 0 <= n <= L)
    and gets them back undefined, ready for the next type. A tile is up to MR rows x 2 vectors
@@ -49,6 +50,7 @@ FN(tile)(const int R, const int FULL, const T *a, int64_t lda, const T *w, int64
          int64_t ldo, int64_t k_len, MASK m0, MASK m1, int add, const T *pf, int pf_lines)
 {
     ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
+    K_UNROLL_PRAGMA
     for (int64_t k = 0; k < k_len; k++) {
         const T *wk = w + k * ldw;
         _mm_prefetch((const char *)(wk + PREFETCH_ROWS * ldw), _MM_HINT_T0);
