@@ -12,8 +12,8 @@
    (a chain of 1024 products lost 3x MKL's accuracy): the same bits for a row whichever
    rows share the call and however many threads run it. MKL's are not (on the development
    machine a row alone and the same row among six differ, fp32 and fp64), which broke the
-   promise that a speculative run stores the bytes a plain one does. A CPU without AVX-512
-   gets rc -1 and the caller keeps torch's mm.
+   promise that a speculative run stores the bytes a plain one does. A CPU with neither
+   AVX-512 nor AVX2 + FMA gets rc -1 and the caller keeps torch's mm.
 
    gemm_packed_*: the same products over a weight packed once into column panels (each
    tile's k rows one contiguous stream; kernels/cpu_gemm.py). As stored, a tile reads 128
@@ -90,7 +90,7 @@
 #define VECTOR_BYTES 32
 #define MR 6
 /* The k loop four at a time: its counter, compare and branch and the prefetch's checks were
-   a tenth of a 6 x 16 tile's time on Zen 3 (the FMAs are 12 of about 23 instructions a k).
+   a tenth of a 6 x 16 tile's time on Zen 3 (the FMAs are 12 of 28-32 instructions a k).
    Alternating with the rolled loop, 1 thread: 32 x 128 @ 128 x 512 77 -> 70 us, 32 x 1024 @
    1024 x 128 159 -> 146; 2 threads 0.90-0.92x; one row unchanged; unrolling 2 or 8 no better. */
 #define K_UNROLL_PRAGMA _Pragma("GCC unroll 4")

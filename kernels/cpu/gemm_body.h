@@ -15,9 +15,9 @@
    every k, in order. One inlined body per constant R, with the accumulators as named
    variables: gcc keeps an array of them in memory and stores it back on every k.
    FULL (every tile but a narrow w's last): plain loads and stores, no masks. AVX2 has no
-   mask registers: its masked store is microcoded on AMD, and a tile's 12 of them cost as
-   much as a sixth of its k loop. The same sums: 32 x 128 @ 128 x 1024 on Zen 3, 2 threads,
-   taking turns with the masked build: 113 -> 99 us, 1024 x 128: 115 -> 105 us. */
+   mask registers, and its masked store is microcoded on AMD. The same sums: 32 x 128 @
+   128 x 1024 on Zen 3, 2 threads, taking turns with the masked build: 113 -> 99 us;
+   32 x 1024 @ 1024 x 128: 115 -> 105 us. */
 #define ACC(r) V c0_##r = VZERO(), c1_##r = VZERO();
 #define FMA(r)                                                                               \
     if (R > r) {                                                                             \
