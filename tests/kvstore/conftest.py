@@ -127,6 +127,10 @@ def make_config(locations, data_dir: Path, **kw) -> KvstoreConfig:
         # assert exact hits, so they wait out slowness up to the socket timeout.
         # test_hedging passes the default back: it is the test of giving up.
         s3_give_up_s=5.0,
+        # A fresh server's first reads open their connections all at once (a scrub: 48), on a
+        # loop that shares the GIL with the test; 1 s to connect is tight for that under the
+        # whole suite (test_failures' scrub once read its first two objects as lost).
+        s3_connect_timeout_s=5.0,
     )
     base.update(kw)
     return KvstoreConfig(**base)
