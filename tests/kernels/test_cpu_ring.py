@@ -310,3 +310,30 @@ def test_head_sizes_past_whole_column_tiles(d):
     want, want_lse = _reference(q, values, row_slots, ok, 0.2)
     assert (got.double() - want).abs().max() <= F32_BOUND * want.abs().max()
     assert ((lse.double() - want_lse).abs() / want_lse.abs().clamp(min=1)).max() <= F32_BOUND
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("d", [256, 288])
+def test_block_factors_eight_at_a_time_and_past_e134(dtype, d):
+    """Rows of 8 and 9 scale blocks (the AVX2 widening makes a row's factors 8 blocks at a
+    time, then one by one), each block scaled by up to 2^19, so that some rows hold a scale
+    byte past 134 (their own path: two factors a value), with d = 288 some only in the last
+    block. Every row equals the reference."""
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(S, R, d // 32, 32, generator=g, dtype=torch.float64)
+    x *= 2.0 ** torch.randint(-20, 20, (S, R, d // 32, 1), generator=g)
+    codes = mxfp8.quantize_torch(x.view(S, R, d).float())
+    values = mxfp8.dequantize_torch(codes, torch.float64)
+    row_slots = [0, 3, 3, 7, 9]
+    big = codes[row_slots][..., d:] > 134
+    assert big.any(-1).any() and (~big.any(-1)).any()       # both kinds of rows are read
+    if d == 288:                                            # and rows big in the tail only
+        assert (big[..., 8] & ~big[..., :8].any(-1)).any()
+    q = torch.randn(len(row_slots), H, d, generator=g, dtype=dtype)
+    ok = torch.ones(len(row_slots), R, dtype=torch.bool)
+    got, lse = cpu_ring.ring_attention(q, codes, torch.tensor(row_slots), ok, 0.01)
+    want, want_lse = _reference(q, values, row_slots, ok, 0.01)
+    bound = 1e-12 if dtype == torch.float64 else F32_BOUND
+    assert (got.double() - want).abs().max() <= bound * want.abs().max()
+    assert ((lse.double() - want_lse).abs() / want_lse.abs().clamp(min=1)).max() <= bound
