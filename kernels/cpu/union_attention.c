@@ -10,7 +10,7 @@
    four at a time, so each expanded vector loaded serves two heads and eight sums are in
    flight (one head at a time with one key left the FMA units waiting on their own latency:
    at 32 rows x 128 ring rows x 2 heads of 512, 1 thread, 0.70 -> 0.49 ms with the rest
-   below; 8-row blocks instead of 16 keep the buffer well inside L1).
+   below; 8-row blocks instead of 16 keep the buffer well inside L1, and with AVX2 4 rows).
 
    The other groups are rows of fp32 tables named per query row by an index (at most two):
    a decode row's compressed entries (the block store's, fp32 whatever the engine's dtype),
@@ -51,7 +51,11 @@ enum { VL = 16 };
 #else
 enum { VL = 8 };
 #endif
-enum { MAX_D = 1024, BLOCK = 8 };
+/* Key rows expanded and fed at a time. With AVX2 4: under perf a block's expansion waited
+   mostly on its stores, and 4 rows (8.6 KB of buffer instead of 17) were 0.93-0.98x a call
+   (32 rows x 128 ring + 20 table keys, taking turns, one and two threads, four runs; the
+   online softmax then rescales at other points: the same math, not the same bits). */
+enum { MAX_D = 1024, BLOCK = VL == 16 ? 8 : 4 };
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VL * 4), aligned(4)));
