@@ -102,8 +102,9 @@ static void expand_row(const uint8_t *restrict row, int d, float *restrict out)
    made first, eight blocks at a time, and each block then broadcasts its own from memory:
    computed block by block they were a chain of integer ops, a move to a vector register and
    a test per 32 values (32 rows x 128 ring keys x 2 heads of 512 on a Zen 3, taking turns:
-   0.92-0.99x a call, 1 and 2 threads). A row with a block past e = 134 (far outside what
-   the engine stores) takes the block-by-block path, whose second factor covers it. */
+   0.89-0.999x a call, 1 and 2 threads). A row with a block past e = 134 (past every
+   realistic scale, see block_factors) takes the block-by-block path, whose second factor
+   covers it. */
 static void expand_row(const uint8_t *restrict row, int d, float *restrict out)
 {
     const __m256i keep = _mm256_set1_epi32((int)0x87f00000u);
