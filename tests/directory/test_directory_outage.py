@@ -109,3 +109,25 @@ def test_hung_redis_gives_unavailable_within_the_op_timeout(make_directory, flak
     finally:
         flaky_valkey.resume()
     assert h.run(h.client.lookup([key(1)])) == {key(1): []}
+
+
+def test_stop_ends_even_when_a_sweep_turns_the_cancel_into_unavailable(make_directory):
+    """A sweep pass whose op timeout meets the stop's cancel can end as one more Unavailable
+    (the sweeper then loops on). The stop still ends, within op_timeout_s + grace, and the
+    sweeper with it (its loop checks the stop); a teardown once waited 30 s here."""
+    import asyncio
+
+    h = make_directory(sweep_interval_s=0.05, op_timeout_s=0.5)
+
+    async def stubborn():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise errors.Unavailable("redis unavailable (the cancel, swallowed)") from None
+
+    h.directory.sweep_once = stubborn
+    time.sleep(0.3)                                   # a pass is in flight
+    t0 = time.monotonic()
+    h.run(h.server.stop(grace=0.2))
+    assert time.monotonic() - t0 < 0.5 + 0.2 + 1.0
+    assert h.server._sweeper.done()
