@@ -25,24 +25,24 @@
         c0_##r = VFMA(x, w0, c0_##r);                                                        \
         c1_##r = VFMA(x, w1, c1_##r);                                                        \
     }
+/* A full tile's loads and stores plain, the last tile's masked */
+#define LOAD(m, p) (FULL ? VLOADU(p) : VLOADZ(m, p))
+#define STORE_ONE(p, m, v)                                                                   \
+    do {                                                                                     \
+        if (FULL)                                                                            \
+            VSTOREU(p, v);                                                                   \
+        else                                                                                 \
+            VSTOREM(p, m, v);                                                                \
+    } while (0)
 #define STORE(r)                                                                             \
     if (R > r) {                                                                             \
         T *o = out + r * ldo;                                                                \
-        if (FULL) {                                                                          \
-            if (add) {                                                                       \
-                c0_##r = VADD(VLOADU(o), c0_##r);                                            \
-                c1_##r = VADD(VLOADU(o + L), c1_##r);                                        \
-            }                                                                                \
-            VSTOREU(o, c0_##r);                                                              \
-            VSTOREU(o + L, c1_##r);                                                          \
-        } else {                                                                             \
-            if (add) {                                                                       \
-                c0_##r = VADD(VLOADZ(m0, o), c0_##r);                                        \
-                c1_##r = VADD(VLOADZ(m1, o + L), c1_##r);                                    \
-            }                                                                                \
-            VSTOREM(o, m0, c0_##r);                                                          \
-            VSTOREM(o + L, m1, c1_##r);                                                      \
+        if (add) {                                                                           \
+            c0_##r = VADD(LOAD(m0, o), c0_##r);                                              \
+            c1_##r = VADD(LOAD(m1, o + L), c1_##r);                                          \
         }                                                                                    \
+        STORE_ONE(o, m0, c0_##r);                                                            \
+        STORE_ONE(o + L, m1, c1_##r);                                                        \
     }
 
 static inline __attribute__((always_inline)) void
@@ -61,8 +61,8 @@ FN(tile)(const int R, const int FULL, const T *a, int64_t lda, const T *w, int64
             if (pf_lines > 1)
                 _mm_prefetch((const char *)(pf + k * TCOLS + L), _MM_HINT_T0);
         }
-        V w0 = FULL ? VLOADU(wk) : VLOADZ(m0, wk);
-        V w1 = FULL ? VLOADU(wk + L) : VLOADZ(m1, wk + L);
+        V w0 = LOAD(m0, wk);
+        V w1 = LOAD(m1, wk + L);
         FMA(0) FMA(1) FMA(2) FMA(3) FMA(4) FMA(5) FMA(6) FMA(7)
     }
     STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)
@@ -71,6 +71,8 @@ FN(tile)(const int R, const int FULL, const T *a, int64_t lda, const T *w, int64
 #undef ACC
 #undef FMA
 #undef STORE
+#undef STORE_ONE
+#undef LOAD
 
 #define TILE(R)                                                                              \
     static void FN(tile_##R)(const T *a, int64_t lda, const T *w, int64_t ldw, T *out,       \
@@ -97,12 +99,11 @@ TILE(8)
 
 typedef void (*FN(tile_fn))(const T *, int64_t, const T *, int64_t, T *, int64_t, int64_t,
                             MASK, MASK, int, const T *, int);
-static const FN(tile_fn) FN(tiles)[9] = {
-    0, FN(tile_1), FN(tile_2), FN(tile_3), FN(tile_4), FN(tile_5), FN(tile_6), FN(tile_7),
-    FN(tile_8)};
-static const FN(tile_fn) FN(fulls)[9] = {
-    0, FN(full_1), FN(full_2), FN(full_3), FN(full_4), FN(full_5), FN(full_6), FN(full_7),
-    FN(full_8)};
+static const FN(tile_fn) FN(tiles)[2][9] = {   /* [full][rows] */
+    {0, FN(tile_1), FN(tile_2), FN(tile_3), FN(tile_4), FN(tile_5), FN(tile_6), FN(tile_7),
+     FN(tile_8)},
+    {0, FN(full_1), FN(full_2), FN(full_3), FN(full_4), FN(full_5), FN(full_6), FN(full_7),
+     FN(full_8)}};
 
 static inline MASK FN(mask_of)(int64_t n)
 {
@@ -166,7 +167,7 @@ static void FN(block)(const T *a, int64_t lda, const T *w, int64_t ldw, int64_t 
             const T *wt = w + t * tstride;
             const T *next = hot && ldw == TCOLS && t + 1 < t1 ? wt + tstride : 0;
             MASK m0 = FN(mask_of)(n - j), m1 = FN(mask_of)(n - j - L);
-            const FN(tile_fn) *tiles = n - j >= TCOLS ? FN(fulls) : FN(tiles);
+            const FN(tile_fn) *tiles = FN(tiles)[n - j >= TCOLS];
             for (int64_t i = i0, pass = 0; i < i1; i += MR, pass++) {
                 int64_t r = i1 - i < MR ? i1 - i : MR;
                 const T *pf = 0;
