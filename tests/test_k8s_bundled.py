@@ -107,18 +107,22 @@ def test_bundled_seaweedfs_takes_writes_to_all_12_buckets(tmp_path, monkeypatch)
     # An explicit count: the one weed derives from free space (-volume.max=0) depends on
     # the disk it happens to start on, not on the volume claimed here.
     assert 0 < slots and slots * size_mib * 2**20 <= 0.95 * pvc
-    ports = {f"-{role}.port{grpc}": str(free_port())
-             for role in ("master", "volume", "filer", "s3") for grpc in ("", ".grpc")}
-    local = {"-dir": str(tmp_path), "-ip.bind": "127.0.0.1", "-ip": "127.0.0.1", **ports}
-    cmd = [a for a in argv(res, "seaweedfs")[4:] if a.split("=")[0] not in local]
-    cmd += [f"{k}={v}" for k, v in local.items()]
-    proc = ManagedProcess("weed", [sys.executable, "-m", "kvmesh.backing.seaweed", "server",
-                                   *cmd], tmp_path / "logs", env=keys.env()).start()
-    try:
-        use_env(monkeypatch, {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""})
+    use_env(monkeypatch, {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""})
+    for attempt in range(3):  # a port taken between free_port and weed's bind: new ports
+        ports = {f"-{role}.port{grpc}": str(free_port())
+                 for role in ("master", "volume", "filer", "s3") for grpc in ("", ".grpc")}
+        local = {"-dir": str(tmp_path), "-ip.bind": "127.0.0.1", "-ip": "127.0.0.1", **ports}
+        cmd = [a for a in argv(res, "seaweedfs")[4:] if a.split("=")[0] not in local]
+        cmd += [f"{k}={v}" for k, v in local.items()]
+        proc = ManagedProcess("weed", [sys.executable, "-m", "kvmesh.backing.seaweed",
+                                       "server", *cmd], tmp_path / "logs", env=keys.env()).start()
         endpoint = f"http://127.0.0.1:{ports['-s3.port']}"
         client = s3_client(endpoint, read_timeout=30, keys=keys)
-        wait_s3(client, proc)
+        if wait_s3(client, proc) or attempt == 2:
+            break
+        proc.stop(timeout=3)
+    try:
+        assert proc.alive, proc.tail()
         try:  # unsigned: refused
             urllib.request.urlopen(endpoint + "/", timeout=10)
             raise AssertionError("anonymous S3 request accepted")
@@ -133,14 +137,19 @@ def test_bundled_seaweedfs_takes_writes_to_all_12_buckets(tmp_path, monkeypatch)
         proc.stop(timeout=3)
 
 
-def wait_s3(client, proc, timeout_s: float = 60.0) -> None:
+def wait_s3(client, proc, timeout_s: float = 60.0) -> bool:
+    """True once S3 answers; False if weed lost a port to someone else."""
     import time
+
+    from kvmesh.backing.seaweed import PORT_TAKEN
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             client.list_buckets()
-            return
+            return True
         except Exception:  # noqa: BLE001 - not up yet
+            if PORT_TAKEN in proc.output():  # weed may take a minute more to exit
+                return False
             assert proc.alive and time.monotonic() < deadline, proc.tail()
             time.sleep(0.2)

@@ -3,18 +3,65 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 10000            # below: well-known and registered services
+_port_lock = threading.Lock()
+_next_port: int | None = None
+
+
+def _pick_range() -> tuple[int, int] | None:
+    """[lo, hi) below the kernel's ephemeral range, or None when that range starts too low.
+
+    A port from bind(0) is ephemeral: between our probe and the child's bind, any
+    outgoing connection or any other process's bind(0) may be handed the same port
+    (CI lost a weed S3 listener that way). The kernel never hands out ports below
+    the ephemeral range by itself."""
+    try:
+        low = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return (_LOWEST, low) if low - _LOWEST >= 1000 else None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
 
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that is free on 127.0.0.1 right now, outside the ephemeral range.
+
+    Each process walks the range upward from a random start, so it never hands out
+    the same port twice and two processes (pytest-xdist workers) rarely meet."""
+    global _next_port
+    span = _pick_range()
+    if span is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    lo, hi = span
+    with _port_lock:
+        if _next_port is None or not lo <= _next_port < hi:
+            _next_port = random.randrange(lo, hi)
+        for _ in range(hi - lo):
+            port = _next_port
+            _next_port = lo + (port + 1 - lo) % (hi - lo)
+            if _bindable(port):
+                return port
+    raise OSError(f"no free TCP port in [{lo}, {hi})")
 
 
 def port_open(host: str, port: int) -> bool:
@@ -47,9 +94,11 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.env = env
         self.proc: subprocess.Popen | None = None
+        self._log_start = 0
 
     def start(self) -> ManagedProcess:
         log = open(self.log_path, "ab")
+        self._log_start = log.seek(0, os.SEEK_END)  # a restart appends to the same log
         self.proc = subprocess.Popen(
             self.argv,
             stdout=log,
@@ -79,6 +128,15 @@ class ManagedProcess:
 
     def kill(self) -> None:
         self.stop(timeout=5.0, sig=signal.SIGKILL)
+
+    def output(self) -> str:
+        """What this run (since the last start) has written to the log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def tail(self, n: int = 40) -> str:
         try:

@@ -117,6 +117,13 @@ def s3_client(endpoint: str, connect_timeout: float = 1.0, read_timeout: float =
     )
 
 
+PORT_TAKEN = "bind: address already in use"
+
+
+class PortTaken(RuntimeError):
+    """A port picked for weed was bound by someone else before weed got to it."""
+
+
 @dataclass
 class SeaweedServer:
     """One `weed server -s3` process. Ports are fixed at construction so a
@@ -132,7 +139,7 @@ class SeaweedServer:
         self.data_dir = Path(self.data_dir)
         for role in ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc",
                      "s3", "s3_grpc"):
-            self.ports.setdefault(role, _unique_free_port())
+            self.ports.setdefault(role, free_port())
 
     @property
     def endpoint(self) -> str:
@@ -174,6 +181,10 @@ class SeaweedServer:
         pending = list(buckets) or ["kvmesh-probe"]
         last: Exception | None = None
         while pending:
+            taken = self.proc and [ln for ln in self.proc.output().splitlines() if PORT_TAKEN in ln]
+            if taken:  # weed logs the fatal bind error but can take a minute more to exit
+                self.kill()
+                raise PortTaken(f"{self.name}: {taken[0]}")
             if self.proc is not None and not self.proc.alive:
                 raise RuntimeError(f"{self.name} exited:\n{self.proc.tail()}")
             if time.monotonic() - t0 > timeout:
@@ -200,19 +211,6 @@ class SeaweedServer:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive
-
-
-_handed_out: set[int] = set()
-
-
-def _unique_free_port() -> int:
-    """A free port not given to another server of this process: eight ports per
-    server picked independently would otherwise collide now and then."""
-    while True:
-        port = free_port()
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
 
 
 def ensure_bucket(client, bucket: str) -> None:
@@ -304,12 +302,12 @@ def start_seaweed_cluster(
                 try:
                     cluster.servers[i].wait_ready(cluster.buckets_of(i), timeout=timeout)
                     break
-                except RuntimeError:
-                    # Exited early: almost always a port taken between our probe and
-                    # weed's bind. Retry on fresh ports with the same data dir.
+                except RuntimeError:  # PortTaken, or exited early some other way
+                    # Almost always a port taken between free_port and weed's bind (rare
+                    # since free_port keeps out of the ephemeral range): fresh ports, same data.
                     if attempt == 2:
                         raise
-                    log.warning("weed%d exited at start; retrying on new ports", i)
+                    log.warning("weed%d lost a port at start; retrying on new ports", i)
                     cluster.servers[i] = SeaweedServer(
                         Path(data_dir) / f"weed{i}", name=f"weed{i}", keys=keys).start()
     except BaseException:
