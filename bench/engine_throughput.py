@@ -83,8 +83,10 @@ def prompt(n: int, seed: int) -> list[int]:
 CHUNK: dict = {}       # long_prefill_chunk / itl_ratio when given (newer engines)
 
 
-def engine(slots: int, prompt_len: int, extra: int = 0, budget: int = 512) -> EngineCore:
-    blocks = slots * ((prompt_len + 600) // 128 + 2) + extra // 128 + 8
+def engine(slots: int, prompt_len: int, extra: int = 0, budget: int = 512,
+           grow: int = 600) -> EngineCore:
+    """Blocks for every slot's prompt and `grow` generated tokens, plus one `extra` prompt."""
+    blocks = slots * ((prompt_len + grow) // 128 + 2) + extra // 128 + 8
     kw = dict(num_slots=slots, max_running=slots, num_blocks=blocks, max_batched_tokens=budget,
               swa_policy="zero", **CHUNK)
     try:
@@ -93,7 +95,7 @@ def engine(slots: int, prompt_len: int, extra: int = 0, budget: int = 512) -> En
         if not CHUNK.pop("itl_ratio", None):
             raise
         print("  (this engine has no itl_ratio: measured without it)", flush=True)
-        return engine(slots, prompt_len, extra, budget)
+        return engine(slots, prompt_len, extra, budget, grow)
     return EngineCore(TINY, ecfg)
 
 
@@ -206,7 +208,11 @@ def itl(prompt_len: int, long_len: int, steps: int, repeat: int = 1) -> dict:
     step's time is one gap of every stream; the rounds alternate, so a drifting machine load
     hits both sides alike, and the p99 is taken over every round's steps (their counts are
     reported: p99 of 64 gaps is the second largest, of 192 the third) with the max beside it."""
-    core = engine(17, prompt_len, extra=long_len)
+    # The streams decode through every round: each round's steps, plus one step per chunk of
+    # the long prompt (at least MIN_PREFILL = 16 tokens a chunk). Sized for fewer, later
+    # rounds ran out of blocks and the long prompt waited on them (5 rounds: 144 s a prompt).
+    core = engine(17, prompt_len, extra=long_len,
+                  grow=max(600, repeat * (steps + long_len // 16) + 128))
     for i in range(16):
         core.add_request(prompt(prompt_len, 3000 + i), params(10_000))
     while not decoding_only(core):
