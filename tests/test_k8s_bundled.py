@@ -150,7 +150,7 @@ def wait_s3(client, proc, timeout_s: float = 60.0) -> bool:
             client.list_buckets()
             return True
         except Exception:  # noqa: BLE001 - not up yet
-            if PORT_TAKEN in proc.output():  # weed may take a minute more to exit
+            if proc.logged(PORT_TAKEN):  # weed may take a minute more to exit
                 return False
             assert proc.alive and time.monotonic() < deadline, proc.tail()
             time.sleep(0.2)

@@ -173,9 +173,10 @@ static void FN(block)(const T *a, int64_t lda, const T *w, int64_t ldw, int64_t 
                chains wait on their own latency, so a 2-row last pass cost 2/3 of a full
                one for 1/3 of its work (same chains, same bits; 1 thread, taking turns:
                8 x 128 @ 128 x 1024 0.87x, 32 rows 0.94-0.95x; 2 threads 0.97-1.0x). */
-            for (int64_t pass = 0; pass <= hot; pass++) {
-                int64_t i = i0 + (i1 - i0) * pass / (hot + 1);
-                int64_t r = i0 + (i1 - i0) * (pass + 1) / (hot + 1) - i;
+            const int64_t passes = hot + 1;
+            for (int64_t pass = 0; pass < passes; pass++) {
+                int64_t i = i0 + (i1 - i0) * pass / passes;
+                int64_t r = i0 + (i1 - i0) * (pass + 1) / passes - i;
                 const T *pf = 0;
                 int lines = 0;
                 if (next && pass == 1) {

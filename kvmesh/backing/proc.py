@@ -129,14 +129,15 @@ class ManagedProcess:
     def kill(self) -> None:
         self.stop(timeout=5.0, sig=signal.SIGKILL)
 
-    def output(self) -> str:
-        """What this run (since the last start) has written to the log."""
+    def logged(self, text: str) -> str | None:
+        """The first line this run (since the last start) logged with `text` in it, or None."""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(self._log_start)
-                return f.read().decode(errors="replace")
+                out = f.read().decode(errors="replace")
         except FileNotFoundError:
-            return ""
+            return None
+        return next((line for line in out.splitlines() if text in line), None)
 
     def tail(self, n: int = 40) -> str:
         try:

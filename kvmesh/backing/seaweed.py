@@ -181,10 +181,10 @@ class SeaweedServer:
         pending = list(buckets) or ["kvmesh-probe"]
         last: Exception | None = None
         while pending:
-            taken = self.proc and [ln for ln in self.proc.output().splitlines() if PORT_TAKEN in ln]
+            taken = self.proc.logged(PORT_TAKEN) if self.proc is not None else None
             if taken:  # weed logs the fatal bind error but can take a minute more to exit
                 self.kill()
-                raise PortTaken(f"{self.name}: {taken[0]}")
+                raise PortTaken(f"{self.name}: {taken}")
             if self.proc is not None and not self.proc.alive:
                 raise RuntimeError(f"{self.name} exited:\n{self.proc.tail()}")
             if time.monotonic() - t0 > timeout:
