@@ -268,7 +268,7 @@ def floors(steps: int) -> dict[str, dict[int, float]]:
     mats = [torch.randn(*shape, generator=g) for name, shape in shapes(cfg).items()
             if name.rsplit(".", 1)[-1] in MATMULS or name == "lm_head"]
     # packed into column panels, as the runner packs the model's: as stored, the products
-    # took 5.5-6.1 ms at batch 1 (packed 1.8) and 8.5-14 ms at batch 32 (packed 6.5-8)
+    # took 5.5-6.1 ms at batch 1 (packed 1.7-2.0) and 8.5-14 ms at batch 32 (packed 2.8)
     try:
         from kernels.cpu_gemm import pack_weights
         pack_weights(mats)
