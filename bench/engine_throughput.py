@@ -271,9 +271,10 @@ def floors(steps: int) -> dict[str, dict[int, float]]:
     # took 5.5-6.1 ms at batch 1 (packed 1.7-2.0) and 8.5-14 ms at batch 32 (packed 2.8)
     try:
         from kernels.cpu_gemm import pack_weights
-        pack_weights(mats)
     except ImportError:        # a tree from before packing
         pass
+    else:
+        pack_weights(mats)
     rings = [torch.randn(max(BATCHES), ring, cfg.head_dim) for _ in range(cfg.n_layers)]
     # the rings' MXFP8 bytes too, as the engine passes them (the compiled CPU kernel reads
     # those; the torch path the fp32 values); the values are then exactly the bytes' values
