@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "services.directory.cli",    # kvmesh directory serve
     "kvmesh.mesh",               # kvmesh up
     "services.engine.train.cli", # kvmesh train, kvmesh train-eval
+    "services.engine.score_cli", # kvmesh score (DeepSeek V4 checkpoints)
 ]
 
 

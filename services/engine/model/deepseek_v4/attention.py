@@ -1,0 +1,104 @@
+"""DeepSeek V4 attention over a whole sequence: window rows plus compressed entries, one softmax.
+
+    x ─ wq_a ─ q_norm ─┬─ wq_b ─ per-head unit norm ─ RoPE ─ q [S, H, d]
+                       └─ (q_res: the indexer's query input)
+    x ─ wkv ─ kv_norm ─ RoPE ─ kv [S, d]     one head, used as key and value
+    keys = window rows (i - W < j <= i)  +  compressed entries (HCA: all visible; CSA: the
+           indexer's picks among the visible), then a per-head sink logit joins the softmax
+    out ─ inverse RoPE at the query position ─ grouped wo_a (block diagonal) ─ wo_b
+
+The parts a cache keeps are returned beside the output (`AttentionParts`): the rotated window
+rows and, for compressed layers, the pooled state of the compressor and the indexer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.model.deepseek_v4 import compressor
+from services.engine.model.deepseek_v4.config import CSA, HCA, V4Config
+from services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm, unit_rms_norm
+
+
+class AttentionParts(NamedTuple):
+    out: torch.Tensor                       # [S, D]
+    window_kv: torch.Tensor                 # [S, d] rotated K = V rows
+    pooled: compressor.Pooled | None        # the layer's compressor (CSA / HCA)
+    index_pooled: compressor.Pooled | None  # the indexer's compressor (CSA)
+    chosen: torch.Tensor | None             # [S, T] bool: compressed entries each query saw
+
+
+def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[S, K] bool: key j is in query i's window iff i - W < j <= i."""
+    delta = q_pos.view(-1, 1) - k_pos.view(1, -1)
+    return (delta >= 0) & (delta < window)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """q [S, H, d], keys [K, d] (also the values), allowed [S, K] -> [S, H, d].
+
+    The sink is an extra logit per head that takes probability mass and adds no value."""
+    logits = torch.matmul(q.transpose(0, 1), keys.transpose(0, 1)) * scale      # [H, S, K]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(logits.dtype).view(-1, 1, 1).expand(-1, logits.shape[1], 1)
+    logits = torch.cat([logits, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(keys.dtype), keys).transpose(0, 1)               # [S, H, d]
+
+
+def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, groups: int) -> torch.Tensor:
+    """o [S, H, d] -> [S, D]: heads split into `groups`, each projected by its own block of wo_a."""
+    s = o.shape[0]
+    per_group = o.reshape(s, groups, -1).transpose(0, 1)                        # [g, S, H d / g]
+    blocks = wo_a.view(groups, -1, per_group.shape[-1]).transpose(1, 2)         # [g, H d / g, R]
+    mid = torch.bmm(per_group, blocks).transpose(0, 1).reshape(s, -1)           # [S, g R]
+    return F.linear(mid, wo_b)
+
+
+def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
+              tables) -> AttentionParts:
+    """One attention sub-block over a whole sequence starting at position 0.
+
+    w: the layer's weights under `attn.`; tables: the model's RoPE tables (`RopeTables`).
+    """
+    kind = cfg.layer_kinds[layer]
+    rope = cfg.rope(layer)
+    cos, sin = tables.at(rope, positions)
+    s = x.shape[0]
+    q_res = rms_norm(F.linear(x, w["wq_a.weight"]), w["q_norm.weight"], cfg.rms_eps)
+    q = unit_rms_norm(F.linear(q_res, w["wq_b.weight"]).view(s, cfg.num_heads, cfg.head_dim),
+                      cfg.rms_eps)
+    q = apply_rope(q, cos, sin)
+    kv = apply_rope(rms_norm(F.linear(x, w["wkv.weight"]), w["norm.weight"], cfg.rms_eps), cos, sin)
+
+    keys, allowed = kv, window_visible(positions, positions, cfg.window)
+    pooled = index_pooled = chosen = None
+    if kind in (CSA, HCA):
+        rate = cfg.rate(layer)
+        at = lambda p: tables.at(cfg.compress_rope, p)  # noqa: E731
+        pooled = compressor.pool(x, _sub(w, "compressor."), rate, kind == CSA, 0, at, cfg.rms_eps)
+        entries = pooled.entries
+        if kind == CSA:
+            index_w = _sub(w, "indexer.")
+            index_pooled = compressor.pool(x, _sub(index_w, "compressor."), rate, True, 0, at,
+                                           cfg.rms_eps)
+            chosen = compressor.index_select(x, q_res, index_pooled.entries, index_w, positions,
+                                             rate, cfg.index_topk, at)
+        else:
+            chosen = compressor.visible(positions, entries.shape[0], rate)
+        keys = torch.cat([kv, entries], dim=0)
+        allowed = torch.cat([allowed, chosen], dim=1)
+
+    o = attend(q, keys, allowed, w["attn_sink"], cfg.head_dim ** -0.5)
+    o = apply_rope(o, cos, -sin)
+    out = grouped_output(o, w["wo_a.weight"], w["wo_b.weight"], cfg.o_groups)
+    return AttentionParts(out, kv, pooled, index_pooled, chosen)
+
+
+def _sub(w: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}

@@ -1,0 +1,238 @@
+"""Reading a DeepSeek V4 checkpoint directory into (V4Config, weights).
+
+A directory holds `config.json` and either `model.safetensors` or shards listed in
+`model.safetensors.index.json`. Tensors are read one at a time through `safe_open`, after
+the whole plan (every name, shape and quantization) has been checked against the config
+and the memory the weights will take, so a bad or too-large checkpoint fails before any
+weight is read. Every failure is one `CheckpointError` line naming the file and the tensor.
+
+Names are DeepSeek's or transformers' (`names.py`); FP8 and FP4 weights are dequantized
+(`quant.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.engine.model.deepseek_v4 import names, quant
+from services.engine.model.deepseek_v4.config import V4Config, read_config
+from services.engine.model.deepseek_v4.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+_FP8 = (torch.float8_e4m3fn,)
+_PACKED = (torch.int8, torch.uint8)
+
+
+def tensor_files(directory: Path) -> dict[str, Path]:
+    """stored tensor name -> the safetensors file holding it."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+        files = {name: directory / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.exists():
+                raise CheckpointError(f"{index}: lists {file.name}, which is not in {directory}")
+        return files
+    single = directory / "model.safetensors"
+    if not single.exists():
+        raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+    return {name: single for name in _keys(single)}
+
+
+def _keys(file: Path) -> list[str]:
+    try:
+        with safe_open(file, "pt") as f:
+            return list(f.keys())
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+
+
+class _Reader:
+    """Open safetensors handles, one per file, and the stored tensors' shapes and dtypes."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._handles: dict[Path, object] = {}
+
+    def handle(self, name: str):
+        file = self.files[name]
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(file, "pt")
+            except Exception as exc:
+                raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        try:
+            return tuple(self.handle(name).get_slice(name).get_shape())
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"{self.files[name]}: tensor {name} is missing or unreadable "
+                                  f"({exc})") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        try:
+            return self.handle(name).get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"{self.files[name]}: tensor {name} cannot be read ({exc})") from None
+
+
+def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
+                    ) -> tuple[V4Config, dict[str, torch.Tensor]]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    cfg = read_config(directory)
+    block = _fp8_block(cfg, directory)
+    reader = _Reader(tensor_files(directory))
+    plan, scales = _plan(reader)
+    expected = names.expected_shapes(cfg)
+    _check_memory(expected, dtype, directory)
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in expected.items():
+        pieces = plan.get(name)
+        if not pieces:
+            raise CheckpointError(f"{directory}: missing tensor {name} (expected shape "
+                                  f"{list(shape)}) for the config's {_what(cfg, name)}")
+        value = _assemble(name, shape, pieces, reader, scales, block, cfg)
+        if value.shape != shape:
+            stored = pieces[0][2]
+            raise CheckpointError(f"{reader.files[stored]}: tensor {stored} has shape "
+                                  f"{list(value.shape)}, expected {list(shape)}")
+        weights[name] = _cast(name, value, dtype)
+    unused = sorted(set(plan) - set(expected))
+    if unused:
+        log.warning("%s: %d tensors not used by the config (first: %s)", directory, len(unused),
+                    unused[0])
+    return cfg, weights
+
+
+def _plan(reader: _Reader):
+    """package name -> [(expert, part, stored name)], and weight name -> its scale's name."""
+    plan: dict[str, list[tuple[int | None, str | None, str]]] = {}
+    scales: dict[str, str] = {}
+    for stored in reader.files:
+        owner = names.scale_of(stored)
+        if owner is not None and owner[0] in reader.files:
+            scales[owner[0]] = stored
+            continue
+        src = names.source(stored)
+        if src is not None:
+            plan.setdefault(src.name, []).append((src.expert, src.part, stored))
+    return plan, scales
+
+
+def _assemble(name, shape, pieces, reader, scales, block, cfg) -> torch.Tensor:
+    if pieces[0][0] is None:  # stored whole
+        return _read(pieces[0][2], reader, scales, block)
+    per_expert: dict[int, dict[str, str]] = {}
+    for expert, part, stored in pieces:
+        per_expert.setdefault(expert, {})[part] = stored
+    parts = ("w2",) if name.endswith("w2") else ("w1", "w3")
+    stacked = []
+    for e in range(shape[0]):
+        stored = per_expert.get(e, {})
+        for part in parts:
+            if part not in stored:
+                raise CheckpointError(f"{reader.files[pieces[0][2]]}: missing tensor "
+                                      f"{name.rsplit('.', 1)[0]}.{e}.{part}.weight "
+                                      f"(the config has {cfg.n_experts} experts)")
+        stacked.append(torch.cat([_read(stored[p], reader, scales, block) for p in parts], dim=0))
+    return torch.stack(stacked)
+
+
+def _read(stored: str, reader: _Reader, scales: dict[str, str], block: int) -> torch.Tensor:
+    value = reader.read(stored)
+    scale_name = scales.get(stored)
+    if value.dtype in _FP8 or (value.dtype in _PACKED and scale_name):
+        if scale_name is None:
+            raise CheckpointError(f"{reader.files[stored]}: tensor {stored} is {value.dtype} "
+                                  "without a scale tensor (.scale or .weight_scale_inv)")
+        scale = reader.read(scale_name)
+        if value.dtype in _FP8:
+            want = (-(-value.shape[0] // block), -(-value.shape[1] // block))
+            if tuple(scale.shape) != want:
+                raise CheckpointError(f"{reader.files[scale_name]}: tensor {scale_name} has "
+                                      f"shape {list(scale.shape)}, expected {list(want)} "
+                                      f"({block} x {block} blocks of {stored})")
+            return quant.dequant_fp8(value, scale, block)
+        if not quant.fp4_shape_ok(value.shape, scale.shape):
+            raise CheckpointError(f"{reader.files[scale_name]}: tensor {scale_name} has shape "
+                                  f"{list(scale.shape)}, not one FP4 scale per 32 values of "
+                                  f"{stored} {list(value.shape)}")
+        return quant.dequant_fp4(value, scale)
+    if not (value.is_floating_point() or stored.endswith("tid2eid")):
+        raise CheckpointError(f"{reader.files[stored]}: tensor {stored} has dtype {value.dtype}, "
+                              "expected a floating-point type")
+    return value
+
+
+def _cast(name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if name.endswith("tid2eid"):
+        return value.long()
+    if dtype.itemsize < 4 and names.keeps_fp32(name):
+        return value.float()
+    return value.to(dtype)
+
+
+def _fp8_block(cfg: V4Config, directory: Path) -> int:
+    q = cfg.quantization
+    if q is None:
+        return 128
+    method = q.get("quant_method")
+    if method != "fp8" or q.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{directory / 'config.json'}: unsupported quantization "
+                              f"(quant_method {method!r}, fmt {q.get('fmt')!r}); this reader "
+                              "takes fp8 e4m3 with block scales and fp4 experts")
+    size = q.get("weight_block_size", [128, 128])
+    if len(size) != 2 or size[0] != size[1]:
+        raise CheckpointError(f"{directory / 'config.json'}: unsupported weight_block_size "
+                              f"{size} (expected square blocks such as [128, 128])")
+    expert = q.get("expert_dtype")
+    if expert not in (None, "fp4", "fp8", "bf16"):
+        raise CheckpointError(f"{directory / 'config.json'}: unsupported expert_dtype {expert!r}")
+    return int(size[0])
+
+
+def _check_memory(expected: dict, dtype: torch.dtype, directory: Path) -> None:
+    need = sum(_numel(s) for s in expected.values()) * dtype.itemsize
+    available = _available_bytes()
+    if available is not None and need > available:
+        raise CheckpointError(f"{directory}: the weights take {need / 2**30:.1f} GiB as {dtype}, "
+                              f"more than the {available / 2**30:.1f} GiB of memory available")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _what(cfg: V4Config, name: str) -> str:
+    if name.startswith("layers."):
+        i = int(name.split(".")[1])
+        return f"layer {i} ({cfg.layer_kinds[i]} attention, {cfg.mlp_kinds[i]} MoE)"
+    return "model"

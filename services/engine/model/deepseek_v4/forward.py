@@ -1,0 +1,73 @@
+"""The full-sequence forward of DeepSeek V4: no cache, every mask from positions.
+
+This is the oracle the engine's cached path is tested against, as transformers is this
+file's. One sequence per call, starting at position 0:
+
+    ids ─ embed ─ n copies ─┬─ layer 0 .. L-1 (hyper-connections around attention and MoE)
+                            └─ hc_head collapse ─ norm ─ head ─ logits [S, vocab]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.model.deepseek_v4 import hyper
+from services.engine.model.deepseek_v4.attention import attention
+from services.engine.model.deepseek_v4.config import Rope, V4Config
+from services.engine.model.deepseek_v4.moe import moe
+from services.engine.model.deepseek_v4.numerics import inv_freq, rms_norm, rope_tables
+
+
+class RopeTables:
+    """cos / sin per RoPE setting, from frequencies computed once (read-only after init)."""
+
+    def __init__(self, cfg: V4Config, dtype: torch.dtype):
+        self.dtype = dtype
+        self._freqs = {rope: inv_freq(rope) for rope in (cfg.main_rope, cfg.compress_rope)}
+
+    def at(self, rope: Rope, positions: torch.Tensor):
+        return rope_tables(rope, positions, self.dtype, self._freqs[rope])
+
+
+class V4Model:
+    """A loaded DeepSeek V4: config, weights (read-only) and RoPE tables."""
+
+    def __init__(self, cfg: V4Config, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.cfg, self.weights, self.dtype = cfg, weights, dtype
+        self.tables = RopeTables(cfg, dtype)
+        self.layers = [_sub(weights, f"layers.{i}.") for i in range(cfg.num_layers)]
+
+    def layer(self, i: int, streams: torch.Tensor, positions: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+        """streams [S, n, D] -> [S, n, D]."""
+        cfg, w = self.cfg, self.layers[i]
+        pre, post, comb = self._mix(streams, w, "hc_attn")
+        x = rms_norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
+        parts = attention(cfg, i, _sub(w, "attn."), x, positions, self.tables)
+        streams = hyper.expand(streams, parts.out, post, comb)
+        pre, post, comb = self._mix(streams, w, "hc_ffn")
+        x = rms_norm(hyper.collapse(streams, pre), w["ffn_norm.weight"], cfg.rms_eps)
+        return hyper.expand(streams, moe(cfg, i, _sub(w, "ffn."), x, ids), post, comb)
+
+    def _mix(self, streams, w, name):
+        return hyper.mix_weights(streams, w[f"{name}_fn"], w[f"{name}_base"], w[f"{name}_scale"],
+                                 self.cfg.hc_sinkhorn_iters, self.cfg.hc_eps, self.cfg.rms_eps)
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [S] -> logits [S, vocab] in the model's dtype."""
+        cfg, w = self.cfg, self.weights
+        ids = ids.reshape(-1).long()
+        positions = torch.arange(ids.shape[0])
+        embedded = F.embedding(ids, w["embed.weight"])
+        streams = embedded.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        for i in range(cfg.num_layers):
+            streams = self.layer(i, streams, positions, ids)
+        h = hyper.head_collapse(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"],
+                                cfg.hc_eps, cfg.rms_eps)
+        return F.linear(rms_norm(h, w["norm.weight"], cfg.rms_eps), w["head.weight"])
+
+
+def _sub(w: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}

@@ -1,0 +1,71 @@
+"""DeepSeek V4's MoE block: routed experts as grouped products, plus one shared expert.
+
+Routing: scores s = sqrtsoftplus(gate(x)) (or sigmoid). `moe` layers pick the top k of
+s + bias (the bias only chooses); `hash_moe` layers take the experts fixed per token id
+(`tid2eid`). The chosen scores, normalized and times `routed_scale`, weight the experts.
+Experts are SwiGLU with the gate clamped from above and the up projection clamped both ways.
+
+Tokens are sorted by expert and each expert that has tokens runs one product over all of them;
+a token's expert outputs are added in ascending expert order, as the reference adds them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.model.deepseek_v4.config import HASH, V4Config
+
+
+def route(cfg: V4Config, kind: str, w: dict, x: torch.Tensor, ids: torch.Tensor):
+    """x [N, D], ids [N] -> (experts [N, k] int64, weights [N, k])."""
+    logits = F.linear(x, w["gate.weight"])
+    scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else logits.sigmoid()
+    if kind == HASH:
+        experts = w["gate.tid2eid"][ids].long()
+    else:
+        biased = scores + w["gate.bias"]
+        experts = torch.topk(biased, cfg.experts_per_token, dim=-1, sorted=False).indices
+    weights = scores.gather(1, experts)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return experts, weights * cfg.routed_scale
+
+
+def swiglu(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """h = [gate | up] along the last dim."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def routed(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+           w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """sum_e weight_e * expert_e(x) per token. w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)          # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tokens = order // k
+    slot_weights = weights.reshape(-1)[order].unsqueeze(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = tokens[start:start + count]
+        y = F.linear(swiglu(F.linear(x[rows], w13[e]), limit), w2[e])
+        out.index_add_(0, rows, (y * slot_weights[start:start + count]).to(out.dtype))
+        start += count
+    return out
+
+
+def shared(x: torch.Tensor, w: dict, limit: float) -> torch.Tensor:
+    gate = F.linear(x, w["shared_experts.w1.weight"]).clamp(max=limit)
+    up = F.linear(x, w["shared_experts.w3.weight"]).clamp(min=-limit, max=limit)
+    return F.linear(F.silu(gate) * up, w["shared_experts.w2.weight"])
+
+
+def moe(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """One MoE sub-block. w: the layer's weights under `ffn.`; x [N, D]; ids [N]."""
+    experts, weights = route(cfg, cfg.mlp_kinds[layer], w, x, ids)
+    out = routed(x, experts, weights, w["experts.w13"], w["experts.w2"], cfg.swiglu_limit)
+    return out + shared(x, w, cfg.swiglu_limit)

@@ -1,0 +1,59 @@
+"""Scoring a sequence with the full forward: what `kvmesh score` prints.
+
+logprobs[i] is log-softmax of position i-1's logits at ids[i] (none for the first id);
+argmax[i] is the most likely next id after position i. Users check a checkpoint, or a
+quantization of it, against another implementation with these numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+from services.engine.model.deepseek_v4.config import V4Config
+from services.engine.model.deepseek_v4.errors import CheckpointError
+from services.engine.model.deepseek_v4.forward import V4Model
+
+
+def load_model(directory: str | Path, dtype: torch.dtype) -> V4Model:
+    cfg, weights = load_checkpoint(directory, dtype)
+    return V4Model(cfg, weights, dtype)
+
+
+def score(model: V4Model, ids: list[int]) -> dict:
+    if not ids:
+        raise ValueError("ids: need at least one token id")
+    bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
+    if bad:
+        raise ValueError(f"ids: {bad[0]} is outside the model's vocabulary (0..{model.cfg.vocab_size - 1})")
+    logits = model.logits(torch.tensor(ids))
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    picked = logprobs[:-1].gather(1, torch.tensor(ids[1:]).view(-1, 1)).view(-1).tolist()
+    return {"ids": list(ids), "logprobs": [None, *picked],
+            "argmax": logits.argmax(dim=-1).tolist()}
+
+
+def perplexity(result: dict) -> float:
+    lps = [lp for lp in result["logprobs"] if lp is not None]
+    return math.exp(-sum(lps) / len(lps)) if lps else float("nan")
+
+
+def tokenize(directory: str | Path, text: str, cfg: V4Config) -> list[int]:
+    """The text through the checkpoint's tokenizer.json, begin-of-sentence first when the
+    config names one."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file (pass --ids, or add the tokenizer)")
+    from tokenizers import Tokenizer
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{path}: not a tokenizers file ({exc})") from None
+    if tok.get_vocab_size() > cfg.vocab_size:
+        raise CheckpointError(f"{path}: the tokenizer has {tok.get_vocab_size()} tokens, more "
+                              f"than the model's vocab_size {cfg.vocab_size}")
+    ids = tok.encode(text, add_special_tokens=False).ids
+    return ([cfg.bos_token_id] if cfg.bos_token_id is not None else []) + ids
