@@ -47,6 +47,10 @@ def register(sub) -> None:
     lay.add_argument("--memory", type=_budget, default=None,
                      help="cache memory budget (e.g. 80GiB): slots and blocks that fit it "
                      "(default: none, no budget report)")
+    v4 = lay.add_mutually_exclusive_group()
+    v4.add_argument("--model", help="a DeepSeek V4 checkpoint directory: both ledgers from its "
+                    "config.json (engine flags other than --extra-state and --memory do not apply)")
+    v4.add_argument("--config", help="a DeepSeek V4 config.json, as --model")
     add_engine_args(lay)
     lay.set_defaults(func=_layout)
 
@@ -109,6 +113,8 @@ def _budget(text: str) -> int:
 
 
 def _layout(args) -> int:
+    if args.model or args.config:
+        return _v4_layout(args)
     from services.engine import layout_report
 
     try:
@@ -118,6 +124,21 @@ def _layout(args) -> int:
         return 2
     report = layout_report.to_dict(layout, args.memory)
     print(json.dumps(report, indent=2) if args.json else layout_report.table(report))
+    return 0
+
+
+def _v4_layout(args) -> int:
+    from services.engine.model.deepseek_v4 import layout as v4_layout
+    from services.engine.model.deepseek_v4.config import read_config
+    from services.engine.model.deepseek_v4.errors import CheckpointError
+
+    try:
+        report = v4_layout.report(read_config(args.model or args.config),
+                                  extra_state=bool(args.extra_state), memory=args.memory)
+    except (CheckpointError, ValueError) as exc:
+        print(f"kvmesh engine layout: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else v4_layout.table(report))
     return 0
 
 

@@ -1,0 +1,48 @@
+"""`kvmesh engine layout` for DeepSeek-V4-Flash's published config: the design's byte counts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from services.engine.model.deepseek_v4 import layout
+from services.engine.model.deepseek_v4.config import read_config
+
+FLASH = Path(__file__).resolve().parents[3] / "configs" / "deepseek-v4-flash.json"
+
+
+def test_flash_state_slot_and_blocks():
+    rep = layout.report(read_config(FLASH))
+    s, b = rep["state_slot"], rep["block"]
+    assert (s["swa_row_bytes"], s["swa_ring_rows"]) == (528, 134)
+    assert s["swa_bytes"] == s["state_size_to_disk"] == 43 * 134 * 528 == 3_042_336
+    tails = s["compression_tail_bytes_per_layer"]
+    # CSA: (2 x 4 + 6) rows x (kv, gate) x 2 x 512 fp32; indexer at 128; HCA: (128 + 6) x 2 x 512
+    assert tails["csa"] == {"compressor": 14 * 2 * 1024 * 4, "indexer": 14 * 2 * 256 * 4}
+    assert tails["hca"] == {"compressor": 134 * 2 * 512 * 4}
+    assert s["compression_bytes"] == 21 * (114_688 + 28_672) + 20 * 548_864
+    assert s["bytes"] == 3_042_336 + 13_987_840
+    assert s["mtp_ring_bytes"] == 134 * 528
+    assert b["bytes_per_token_per_layer"] == {"sliding": 0, "csa": (512 + 128) * 4 / 4,
+                                             "hca": 512 * 4 / 128}
+    assert b["bytes"] == 21 * 32 * 640 * 4 + 20 * 2048 == 1_761_280
+    assert b["blocks_per_gib"] == (1 << 30) // 1_761_280
+
+
+def test_extra_state_grows_the_ring_to_396_but_not_what_is_persisted():
+    rep = layout.report(read_config(FLASH), extra_state=True)
+    s = rep["state_slot"]
+    assert s["swa_ring_rows"] == 396 and s["swa_bytes_per_layer"] == 396 * 528
+    assert s["state_size_to_disk"] == 43 * 134 * 528
+
+
+def test_cli_prints_the_same_numbers():
+    run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "engine", "layout", "--config",
+                          str(FLASH), "--json"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == json.loads(json.dumps(layout.report(read_config(FLASH))))
+    table = subprocess.run([sys.executable, "-m", "kvmesh.cli", "engine", "layout", "--config",
+                            str(FLASH)], capture_output=True, text=True, timeout=60).stdout
+    assert "134 rows x 528 B x 43 layers = 3,042,336 B" in table
