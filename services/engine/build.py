@@ -160,7 +160,15 @@ def checkpoint_path(args) -> Path | None:
             raise ValueError("--checkpoint and --random-weights exclude each other")
         return None
     if args.checkpoint:
-        return Path(args.checkpoint)
+        path = Path(args.checkpoint)
+        if path.is_dir():
+            if (path / "config.json").exists():
+                raise ValueError(f"--checkpoint {path} is a Hugging Face checkpoint directory: "
+                                 "the engine does not serve DeepSeek V4 checkpoints yet; "
+                                 f"`kvmesh score --model {path}` runs its forward "
+                                 "(docs/deepseek-v4.md)")
+            raise ValueError(f"--checkpoint {path} is a directory, not a safetensors file")
+        return path
     default = DEFAULT_CHECKPOINTS.get(args.preset)
     if default is None:
         raise ValueError(f"preset {args.preset!r} has no shipped checkpoint: pass --checkpoint "

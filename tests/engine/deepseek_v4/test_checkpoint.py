@@ -148,3 +148,27 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(hf, tmp_path):
         str(d / "tokenizer.json"))
     with pytest.raises(CheckpointError, match="has 150 tokens, more than the model's vocab_size 100"):
         tokenize(d, "w1 w2", cfg)
+
+
+def test_checkpoint_larger_than_memory_fails_before_reading_a_tensor(hf, tmp_path):
+    """V4-Flash's config over a tiny file: the size check comes before any shape or read."""
+    from pathlib import Path
+    flash = Path(__file__).resolve().parents[3] / "configs" / "deepseek-v4-flash.json"
+    (tmp_path / "big").mkdir()
+    shutil.copy(flash, tmp_path / "big" / "config.json")
+    shutil.copy(hf[1] / "model.safetensors", tmp_path / "big")
+    msg = _error(tmp_path / "big")
+    assert "the weights take" in msg and "GiB as torch.float32, more than the" in msg
+
+
+def test_engine_checkpoint_flag_explains_a_deepseek_directory(hf, tmp_path):
+    import argparse
+
+    from services.engine.build import checkpoint_path
+    args = argparse.Namespace(random_weights=False, checkpoint=str(hf[1]), preset="tiny")
+    with pytest.raises(ValueError, match="does not serve DeepSeek V4 checkpoints yet; "
+                                         "`kvmesh score --model"):
+        checkpoint_path(args)
+    args.checkpoint = str(tmp_path)
+    with pytest.raises(ValueError, match="is a directory, not a safetensors file"):
+        checkpoint_path(args)
