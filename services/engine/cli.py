@@ -49,8 +49,9 @@ def register(sub) -> None:
                      "(default: none, no budget report)")
     v4 = lay.add_mutually_exclusive_group()
     v4.add_argument("--model", help="a DeepSeek V4 checkpoint directory: both ledgers from its "
-                    "config.json (engine flags other than --extra-state and --memory do not apply)")
-    v4.add_argument("--config", help="a DeepSeek V4 config.json, as --model")
+                    "config.json (engine flags other than --extra-state and --memory do not apply; "
+                    "default: none, the V4-mini engine flags decide)")
+    v4.add_argument("--config", help="a DeepSeek V4 config.json, as --model (default: none)")
     add_engine_args(lay)
     lay.set_defaults(func=_layout)
 

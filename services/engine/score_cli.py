@@ -19,8 +19,9 @@ def register(sub) -> None:
     p.add_argument("text", nargs="?", help="text to score through the checkpoint's tokenizer.json "
                    "(begin-of-sentence id first)")
     p.add_argument("--model", required=True, help="checkpoint directory (config.json, "
-                   "model.safetensors or shards)")
-    p.add_argument("--ids", help="comma-separated token ids to score instead of text")
+                   "model.safetensors or shards); required, no default")
+    p.add_argument("--ids", help="comma-separated token ids to score instead of text "
+                   "(default: none, TEXT is scored)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="the dtype the forward computes in")
     p.set_defaults(func=_score)
