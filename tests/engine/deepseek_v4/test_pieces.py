@@ -96,24 +96,27 @@ def test_moe_block(captured):
         _close(moe(model.cfg, i, w, x, ids), out[0])
 
 
-def test_compressor_keeps_the_open_window_and_overlap():
-    """What a cache needs beside the entries: the raw tail of the open window, and (CSA) the
-    last closed window's A series, which the next entry pools."""
+@pytest.mark.parametrize("overlapping", [True, False])
+def test_compressor_continues_from_its_kept_state(overlapping):
+    """What a cache keeps beside the entries (the open window's raw projections and, for CSA,
+    the last closed window's A series) is all the next tokens need: pooling 11 tokens and then
+    the rest from that state gives what pooling them all at once gives."""
     torch.manual_seed(0)
-    d, D, m, S = 8, 16, 4, 11
-    w = {"wkv.weight": torch.randn(2 * d, D), "wgate.weight": torch.randn(2 * d, D),
-         "ape": torch.randn(m, 2 * d), "norm.weight": torch.ones(d)}
-    x = torch.randn(S, D)
-    no_rope = lambda p: (torch.ones(len(p), 1), torch.zeros(len(p), 1))  # noqa: E731
-    full = compressor.pool(x, w, m, True, 0, no_rope, 1e-6)
-    assert full.entries.shape == (S // m, d) and full.open_kv.shape == (S % m, 2 * d)
-    # the next window's entry from the kept state equals pooling the longer sequence
-    x2 = torch.cat([x, torch.randn(1, D)])
-    longer = compressor.pool(x2, w, m, True, 0, no_rope, 1e-6)
-    tail_kv = torch.cat([full.open_kv, torch.nn.functional.linear(x2[-1:], w["wkv.weight"])])
-    tail_gate = torch.cat([full.open_gate, torch.nn.functional.linear(x2[-1:], w["wgate.weight"])])
-    slots_kv = torch.cat([full.overlap_kv, tail_kv[:, d:]])
-    slots_gate = torch.cat([full.overlap_gate, tail_gate[:, d:] + w["ape"][:, d:]])
-    pooled = (slots_kv * slots_gate.softmax(dim=0)).sum(dim=0)
-    normed = pooled * torch.rsqrt(pooled.pow(2).mean() + 1e-6)
-    assert torch.allclose(normed, longer.entries[-1], atol=1e-6)
+    d, D, m, S = 8, 16, 4, 23
+    width = 2 * d if overlapping else d
+    w = {"wkv.weight": torch.randn(width, D, dtype=torch.float64),
+         "wgate.weight": torch.randn(width, D, dtype=torch.float64),
+         "ape": torch.randn(m, width, dtype=torch.float64),
+         "norm.weight": torch.ones(d, dtype=torch.float64)}
+    x = torch.randn(S, D, dtype=torch.float64)
+    rope = lambda p: (torch.cos(p.double().view(-1, 1)), torch.sin(p.double().view(-1, 1)))  # noqa: E731
+    first = compressor.pool(x[:11], w, m, overlapping, rope, 1e-6)
+    assert first.entries.shape == (11 // m, d) and first.open_kv.shape == (11 % m, width)
+    assert (first.overlap_kv is not None) == overlapping
+    for split in ([11, 12, 23], [11, 23]):
+        state = first
+        for a, b in zip(split, split[1:], strict=False):
+            state = compressor.pool(x[a:b], w, m, overlapping, rope, 1e-6, state)
+        whole = compressor.pool(x, w, m, overlapping, rope, 1e-6)
+        assert torch.allclose(state.entries, whole.entries, rtol=0, atol=1e-12)
+        assert torch.equal(state.open_kv, whole.open_kv)

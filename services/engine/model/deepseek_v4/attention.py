@@ -61,10 +61,13 @@ def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, grou
 
 
 def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
-              tables) -> AttentionParts:
-    """One attention sub-block over a whole sequence starting at position 0.
+              tables, prior: AttentionParts | None = None) -> AttentionParts:
+    """One attention sub-block over consecutive tokens at `positions`.
 
     w: the layer's weights under `attn.`; tables: the model's RoPE tables (`RopeTables`).
+    prior: what this layer kept of the earlier tokens (None: the sequence starts here):
+    `window_kv` holds at least the last W - 1 of their rows, `pooled` / `index_pooled` the
+    compressors' state. The result's `window_kv` is those rows followed by this call's.
     """
     kind = cfg.layer_kinds[layer]
     rope = cfg.rope(layer)
@@ -76,17 +79,22 @@ def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: to
     q = apply_rope(q, cos, sin)
     kv = apply_rope(rms_norm(F.linear(x, w["wkv.weight"]), w["norm.weight"], cfg.rms_eps), cos, sin)
 
-    keys, allowed = kv, window_visible(positions, positions, cfg.window)
+    if prior is not None:
+        kv = torch.cat([prior.window_kv, kv])
+    end = int(positions[-1]) + 1
+    key_pos = torch.arange(end - kv.shape[0], end)
+    keys, allowed = kv, window_visible(positions, key_pos, cfg.window)
     pooled = index_pooled = chosen = None
     if kind in (CSA, HCA):
         rate = cfg.rate(layer)
         at = lambda p: tables.at(cfg.compress_rope, p)  # noqa: E731
-        pooled = compressor.pool(x, _sub(w, "compressor."), rate, kind == CSA, 0, at, cfg.rms_eps)
+        pooled = compressor.pool(x, _sub(w, "compressor."), rate, kind == CSA, at, cfg.rms_eps,
+                                 prior.pooled if prior else None)
         entries = pooled.entries
         if kind == CSA:
             index_w = _sub(w, "indexer.")
-            index_pooled = compressor.pool(x, _sub(index_w, "compressor."), rate, True, 0, at,
-                                           cfg.rms_eps)
+            index_pooled = compressor.pool(x, _sub(index_w, "compressor."), rate, True, at,
+                                           cfg.rms_eps, prior.index_pooled if prior else None)
             chosen = compressor.index_select(x, q_res, index_pooled.entries, index_w, positions,
                                              rate, cfg.index_topk, at)
         else:

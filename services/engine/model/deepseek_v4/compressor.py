@@ -9,8 +9,9 @@ position w * m. A window yields its entry only once all m tokens are in.
     tokens   | w-1: t0 t1 t2 t3 | w: t4 t5 t6 t7 | w+1: ...
     entry w  =  softmax-pool( A(t0..t3) , B(t4..t7) )          (CSA, m = 4)
 
-`pool` works from a window boundary and returns what a cache keeps besides the entries: the
-raw projections of the open (partial) window and, for CSA, the last closed window's A series.
+`pool` returns what a cache keeps besides the entries: the raw projections of the open
+(partial) window and, for CSA, the last closed window's A series; given them back (`prior`)
+it continues the sequence where it stopped.
 Entry w is visible to the query at position i iff w < (i + 1) // m.
 """
 
@@ -32,21 +33,28 @@ class Pooled(NamedTuple):
     overlap_gate: torch.Tensor | None  # CSA: [m, c] its gate, position bias added
 
 
-def pool(x: torch.Tensor, w: dict, rate: int, overlapping: bool, first_window: int,
-         rope_tables, eps: float) -> Pooled:
-    """Compress x ([S, D], the normed layer input, starting at token first_window * rate).
+def pool(x: torch.Tensor, w: dict, rate: int, overlapping: bool, rope_tables, eps: float,
+         prior: Pooled | None = None) -> Pooled:
+    """Compress x ([S, D], the normed layer input of the tokens after `prior`'s).
 
     w: `wkv.weight`, `wgate.weight`, `ape`, `norm.weight` of one compressor.
     rope_tables(positions) -> (cos, sin) of the compress RoPE.
+    prior: this compressor's state after the earlier tokens (None: the sequence starts here);
+    the result carries all entries so far and the state after x.
     """
     kv = F.linear(x, w["wkv.weight"])
     gate = F.linear(x, w["wgate.weight"])
+    first_window = 0
+    if prior is not None:
+        first_window = prior.entries.shape[0]
+        kv = torch.cat([prior.open_kv, kv])
+        gate = torch.cat([prior.open_gate, gate])
     closed = kv.shape[0] // rate * rate
     n = closed // rate
     width = kv.shape[-1] // 2 if overlapping else kv.shape[-1]
     win_kv = kv[:closed].view(n, rate, kv.shape[-1])
     win_gate = gate[:closed].view(n, rate, gate.shape[-1]) + w["ape"]
-    overlap_kv = overlap_gate = None
+    overlap_kv, overlap_gate = (prior.overlap_kv, prior.overlap_gate) if prior else (None, None)
     if overlapping:
         # slots [0, m): window w-1's A series; [m, 2m): window w's B series
         slots_kv = win_kv.new_zeros((n, 2 * rate, width))
@@ -56,6 +64,9 @@ def pool(x: torch.Tensor, w: dict, rate: int, overlapping: bool, first_window: i
         if n > 1:
             slots_kv[1:, :rate] = win_kv[:-1, :, :width]
             slots_gate[1:, :rate] = win_gate[:-1, :, :width]
+        if n and overlap_kv is not None:  # the window before this call's first
+            slots_kv[0, :rate] = overlap_kv
+            slots_gate[0, :rate] = overlap_gate
         if n:
             overlap_kv, overlap_gate = win_kv[-1, :, :width], win_gate[-1, :, :width]
         win_kv, win_gate = slots_kv, slots_gate
@@ -65,6 +76,8 @@ def pool(x: torch.Tensor, w: dict, rate: int, overlapping: bool, first_window: i
         positions = (torch.arange(n) + first_window) * rate
         cos, sin = rope_tables(positions)
         entries = apply_rope(entries, cos, sin)
+    if prior is not None:
+        entries = torch.cat([prior.entries, entries])
     return Pooled(entries, kv[closed:], gate[closed:], overlap_kv, overlap_gate)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.model.deepseek_v4 import hyper
-from services.engine.model.deepseek_v4.attention import attention
+from services.engine.model.deepseek_v4.attention import AttentionParts, attention
 from services.engine.model.deepseek_v4.config import Rope, V4Config
 from services.engine.model.deepseek_v4.moe import moe
 from services.engine.model.deepseek_v4.numerics import inv_freq, rms_norm, rope_tables
@@ -37,36 +37,46 @@ class V4Model:
         self.cfg, self.weights, self.dtype = cfg, weights, dtype
         self.tables = RopeTables(cfg, dtype)
         self.layers = [_sub(weights, f"layers.{i}.") for i in range(cfg.num_layers)]
+        self.attn = [_sub(w, "attn.") for w in self.layers]
+        self.ffn = [_sub(w, "ffn.") for w in self.layers]
 
-    def layer(self, i: int, streams: torch.Tensor, positions: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
-        """streams [S, n, D] -> [S, n, D]."""
+    def layer(self, i: int, streams: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor,
+              prior: AttentionParts | None = None) -> tuple[torch.Tensor, AttentionParts]:
+        """streams [S, n, D] -> [S, n, D], and what the attention keeps (see `attention`)."""
         cfg, w = self.cfg, self.layers[i]
         pre, post, comb = self._mix(streams, w, "hc_attn")
         x = rms_norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
-        parts = attention(cfg, i, _sub(w, "attn."), x, positions, self.tables)
+        parts = attention(cfg, i, self.attn[i], x, positions, self.tables, prior)
         streams = hyper.expand(streams, parts.out, post, comb)
         pre, post, comb = self._mix(streams, w, "hc_ffn")
         x = rms_norm(hyper.collapse(streams, pre), w["ffn_norm.weight"], cfg.rms_eps)
-        return hyper.expand(streams, moe(cfg, i, _sub(w, "ffn."), x, ids), post, comb)
+        return hyper.expand(streams, moe(cfg, i, self.ffn[i], x, ids), post, comb), parts
 
     def _mix(self, streams, w, name):
         return hyper.mix_weights(streams, w[f"{name}_fn"], w[f"{name}_base"], w[f"{name}_scale"],
                                  self.cfg.hc_sinkhorn_iters, self.cfg.hc_eps, self.cfg.rms_eps)
 
-    @torch.no_grad()
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [S] -> logits [S, vocab] in the model's dtype."""
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [S] -> the hyper-connection streams [S, n, D]: n copies of the embedding."""
+        embedded = F.embedding(ids, self.weights["embed.weight"])
+        return embedded.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def head(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams [S, n, D] -> logits [S, vocab]."""
         cfg, w = self.cfg, self.weights
-        ids = ids.reshape(-1).long()
-        positions = torch.arange(ids.shape[0])
-        embedded = F.embedding(ids, w["embed.weight"])
-        streams = embedded.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        for i in range(cfg.num_layers):
-            streams = self.layer(i, streams, positions, ids)
         h = hyper.head_collapse(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"],
                                 cfg.hc_eps, cfg.rms_eps)
         return F.linear(rms_norm(h, w["norm.weight"], cfg.rms_eps), w["head.weight"])
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [S] -> logits [S, vocab] in the model's dtype."""
+        ids = ids.reshape(-1).long()
+        positions = torch.arange(ids.shape[0])
+        streams = self.embed(ids)
+        for i in range(self.cfg.num_layers):
+            streams, _ = self.layer(i, streams, positions, ids)
+        return self.head(streams)
 
 
 def _sub(w: dict, prefix: str) -> dict:
