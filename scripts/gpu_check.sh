@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (one GPU, under 8 minutes: the step timeouts below add up to 470 s):
-#   1. kernel tests compiled on CUDA: every Triton kernel (ragged attention included) against
+#   1. kernel tests compiled on CUDA: every Triton kernel (ragged attention and the grouped
+#      MoE expert products of DeepSeek V4 included) against
 #      its torch reference, the gpu-marked v41-flash-geometry cases, and the engine on CUDA
 #      with Triton vs the same engine with KVMESH_KERNELS=torch (greedy tokens, logits);
 #   2. the engine placed on CUDA against the CPU engine in float64 (tests/engine/test_device.py:

@@ -21,6 +21,7 @@ if not CUDA:
 try:
     import kernels.triton.attention  # noqa: F401,E402
     import kernels.triton.indexer  # noqa: F401,E402
+    import kernels.triton.moe  # noqa: F401,E402
     import kernels.triton.mxfp8  # noqa: F401,E402
     import kernels.triton.pooling  # noqa: F401,E402
     import kernels.triton.ragged  # noqa: F401,E402

@@ -5,8 +5,9 @@ s + bias (the bias only chooses); `hash_moe` layers take the experts fixed per t
 (`tid2eid`). The chosen scores, normalized and times `routed_scale`, weight the experts.
 Experts are SwiGLU with the gate clamped from above and the up projection clamped both ways.
 
-Tokens are sorted by expert and each expert that has tokens runs one product over all of them;
-a token's expert outputs are added in ascending expert order, as the reference adds them.
+Tokens are sorted by expert and each product is one grouped call over all experts' rows
+(kernels/moe.py: a Triton kernel on CUDA, one product per expert with rows elsewhere); a
+token's expert outputs are added in ascending expert order, as the reference adds them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.moe import grouped_linear
 from services.engine.model.deepseek_v4.config import HASH, V4Config
 
 
@@ -40,22 +42,15 @@ def swiglu(h: torch.Tensor, limit: float) -> torch.Tensor:
 def routed(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
            w2: torch.Tensor, limit: float) -> torch.Tensor:
     """sum_e weight_e * expert_e(x) per token. w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
-    n, k = experts.shape
+    k = experts.shape[1]
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)          # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    offsets = [0, *torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).tolist()]
     tokens = order // k
-    slot_weights = weights.reshape(-1)[order].unsqueeze(-1)
-    out = torch.zeros_like(x)
-    start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = tokens[start:start + count]
-        y = F.linear(swiglu(F.linear(x[rows], w13[e]), limit), w2[e])
-        out.index_add_(0, rows, (y * slot_weights[start:start + count]).to(out.dtype))
-        start += count
-    return out
+    hidden = swiglu(grouped_linear(x[tokens], offsets, w13), limit)
+    y = grouped_linear(hidden, offsets, w2) * weights.reshape(-1)[order].unsqueeze(-1)
+    # rows are in expert order, so each token's outputs are added in ascending expert order
+    return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
 
 
 def shared(x: torch.Tensor, w: dict, limit: float) -> torch.Tensor:
