@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels import mxfp8
 from services.engine.model.deepseek_v4 import compressor
 from services.engine.model.deepseek_v4.config import CSA, HCA, V4Config
 from services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm, unit_rms_norm
@@ -61,13 +62,15 @@ def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, grou
 
 
 def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
-              tables, prior: AttentionParts | None = None) -> AttentionParts:
+              tables, prior: AttentionParts | None = None, stored: bool = False) -> AttentionParts:
     """One attention sub-block over consecutive tokens at `positions`.
 
     w: the layer's weights under `attn.`; tables: the model's RoPE tables (`RopeTables`).
     prior: what this layer kept of the earlier tokens (None: the sequence starts here):
     `window_kv` holds at least the last W - 1 of their rows, `pooled` / `index_pooled` the
     compressors' state. The result's `window_kv` is those rows followed by this call's.
+    stored: round what the engine's ledgers keep as they keep it: window rows through MXFP8
+    (the state slot's ring), compressor projections and entries to fp32 (`compressor.pool`).
     """
     kind = cfg.layer_kinds[layer]
     rope = cfg.rope(layer)
@@ -78,6 +81,8 @@ def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: to
                       cfg.rms_eps)
     q = apply_rope(q, cos, sin)
     kv = apply_rope(rms_norm(F.linear(x, w["wkv.weight"]), w["norm.weight"], cfg.rms_eps), cos, sin)
+    if stored:
+        kv = mxfp8.fake_quantize(kv)
 
     if prior is not None:
         kv = torch.cat([prior.window_kv, kv])
@@ -89,12 +94,13 @@ def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: to
         rate = cfg.rate(layer)
         at = lambda p: tables.at(cfg.compress_rope, p)  # noqa: E731
         pooled = compressor.pool(x, _sub(w, "compressor."), rate, kind == CSA, at, cfg.rms_eps,
-                                 prior.pooled if prior else None)
+                                 prior.pooled if prior else None, stored)
         entries = pooled.entries
         if kind == CSA:
             index_w = _sub(w, "indexer.")
             index_pooled = compressor.pool(x, _sub(index_w, "compressor."), rate, True, at,
-                                           cfg.rms_eps, prior.index_pooled if prior else None)
+                                           cfg.rms_eps, prior.index_pooled if prior else None,
+                                           stored)
             chosen = compressor.index_select(x, q_res, index_pooled.entries, index_w, positions,
                                              rate, cfg.index_topk, at)
         else:

@@ -41,6 +41,13 @@ def extend(model: V4Model, cache: SequenceCache, ids: list[int] | torch.Tensor) 
     for i in range(model.cfg.num_layers):
         streams, parts = model.layer(i, streams, positions, ids, cache.layers[i])
         window = parts.window_kv[max(parts.window_kv.shape[0] - keep, 0):].clone()
-        cache.layers[i] = parts._replace(out=None, chosen=None, window_kv=window)
+        cache.layers[i] = parts._replace(out=None, chosen=None, window_kv=window,
+                                         pooled=_drop_new(parts.pooled),
+                                         index_pooled=_drop_new(parts.index_pooled))
     cache.length += ids.shape[0]
     return model.head(streams)
+
+
+def _drop_new(pooled):
+    """The state without this call's per-token projections (the open window keeps its own)."""
+    return None if pooled is None else pooled._replace(new_kv=None, new_gate=None)

@@ -31,19 +31,27 @@ class Pooled(NamedTuple):
     open_gate: torch.Tensor      # [S mod m, c or 2c] raw gate (before the position bias)
     overlap_kv: torch.Tensor | None    # CSA: [m, c] A series of the last closed window
     overlap_gate: torch.Tensor | None  # CSA: [m, c] its gate, position bias added
+    new_kv: torch.Tensor | None = None     # this call's raw projections, one row per token
+    new_gate: torch.Tensor | None = None
 
 
 def pool(x: torch.Tensor, w: dict, rate: int, overlapping: bool, rope_tables, eps: float,
-         prior: Pooled | None = None) -> Pooled:
+         prior: Pooled | None = None, stored: bool = False) -> Pooled:
     """Compress x ([S, D], the normed layer input of the tokens after `prior`'s).
 
     w: `wkv.weight`, `wgate.weight`, `ape`, `norm.weight` of one compressor.
     rope_tables(positions) -> (cos, sin) of the compress RoPE.
     prior: this compressor's state after the earlier tokens (None: the sequence starts here);
     the result carries all entries so far and the state after x.
+    stored: round the projections and the entries to fp32 where they are made, as the
+    engine's ledgers keep them (tails and blocks are fp32), so a run that reads them back
+    and one that never stored them compute the same.
     """
     kv = F.linear(x, w["wkv.weight"])
     gate = F.linear(x, w["wgate.weight"])
+    if stored:
+        kv, gate = kv.float().to(kv.dtype), gate.float().to(gate.dtype)
+    new_kv, new_gate = kv, gate
     first_window = 0
     if prior is not None:
         first_window = prior.entries.shape[0]
@@ -76,9 +84,11 @@ def pool(x: torch.Tensor, w: dict, rate: int, overlapping: bool, rope_tables, ep
         positions = (torch.arange(n) + first_window) * rate
         cos, sin = rope_tables(positions)
         entries = apply_rope(entries, cos, sin)
+    if stored:
+        entries = entries.float().to(entries.dtype)
     if prior is not None:
         entries = torch.cat([prior.entries, entries])
-    return Pooled(entries, kv[closed:], gate[closed:], overlap_kv, overlap_gate)
+    return Pooled(entries, kv[closed:], gate[closed:], overlap_kv, overlap_gate, new_kv, new_gate)
 
 
 def visible(positions: torch.Tensor, n_entries: int, rate: int) -> torch.Tensor:

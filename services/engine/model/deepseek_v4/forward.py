@@ -31,10 +31,16 @@ class RopeTables:
 
 
 class V4Model:
-    """A loaded DeepSeek V4: config, weights (read-only) and RoPE tables."""
+    """A loaded DeepSeek V4: config, weights (read-only) and RoPE tables.
 
-    def __init__(self, cfg: V4Config, weights: dict[str, torch.Tensor], dtype: torch.dtype):
-        self.cfg, self.weights, self.dtype = cfg, weights, dtype
+    stored: compute with what the engine's ledgers keep (MXFP8 window rows, fp32 compressor
+    state and entries; see `attention`): the oracle of the engine's cached path. Off, the
+    forward is the reference's (what `kvmesh score` runs and transformers computes).
+    """
+
+    def __init__(self, cfg: V4Config, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 stored: bool = False):
+        self.cfg, self.weights, self.dtype, self.stored = cfg, weights, dtype, stored
         self.tables = RopeTables(cfg, dtype)
         self.layers = [_sub(weights, f"layers.{i}.") for i in range(cfg.num_layers)]
         self.attn = [_sub(w, "attn.") for w in self.layers]
@@ -46,7 +52,7 @@ class V4Model:
         cfg, w = self.cfg, self.layers[i]
         pre, post, comb = self._mix(streams, w, "hc_attn")
         x = rms_norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
-        parts = attention(cfg, i, self.attn[i], x, positions, self.tables, prior)
+        parts = attention(cfg, i, self.attn[i], x, positions, self.tables, prior, self.stored)
         streams = hyper.expand(streams, parts.out, post, comb)
         pre, post, comb = self._mix(streams, w, "hc_ffn")
         x = rms_norm(hyper.collapse(streams, pre), w["ffn_norm.weight"], cfg.rms_eps)

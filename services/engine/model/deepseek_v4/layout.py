@@ -68,7 +68,8 @@ def report(cfg: V4Config, extra_state: bool = False, memory: int | None = None) 
     tails = {k: tail_bytes(cfg, k) for k in (CSA, HCA)}
     compression = sum(kinds[k] * sum(tails[k].values()) for k in (CSA, HCA))
     block = sum(kinds[k] * block_bytes_per_layer(cfg, k) for k in (CSA, HCA))
-    slot = swa + compression
+    padding = -swa % FP32  # the fp32 tails start 4-byte aligned (rows of 528 B always are)
+    slot = swa + padding + compression
     out = {
         "model": {"layers": cfg.num_layers, "by_kind": kinds, "window": cfg.window,
                   "head_dim": cfg.head_dim, "csa_rate": cfg.csa_rate, "hca_rate": cfg.hca_rate,
@@ -77,6 +78,7 @@ def report(cfg: V4Config, extra_state: bool = False, memory: int | None = None) 
             "swa_row_bytes": row, "swa_ring_rows": rows, "extra_state": extra_state,
             "swa_bytes_per_layer": rows * row, "swa_bytes": swa,
             "state_size_to_disk": cfg.num_layers * ring_rows(cfg, False) * row,
+            "padding": padding,
             "compression_tail_bytes_per_layer": tails, "compression_bytes": compression,
             "mtp_ring_bytes": cfg.num_mtp_layers * ring_rows(cfg, False) * row,
             "bytes": slot},

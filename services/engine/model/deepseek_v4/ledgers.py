@@ -1,0 +1,225 @@
+"""DeepSeek V4 through the engine's two ledgers: the byte layout sized from the config, and
+a sequence's forward that keeps its state in them and nowhere else.
+
+State ledger: one uint8 tensor [slots, slot_bytes]; each region a typed view, laid out as
+`layout.py` sizes it (`SlotLayout` walks it and insists the two agree):
+
+    | swa[0] | swa[1] | ... | swa[L-1] | cmp / idx of each CSA and HCA layer, in layer order |
+      [R, 528] uint8 rows: MXFP8 K = V,     [rows, 2, width] fp32: a token's raw projections
+      row = position % R                    (kv, then gate), row = position % rows
+
+    R = W + 6 (396 with --extra-state); rows = m + 6 (HCA, width c), 2m + 6 (CSA, width 2c:
+    the last closed window's A series is re-read from it), the indexer's at width 2 c_I.
+
+Block ledger: per compressed layer, entries [blocks, 128 / m, d] fp32 and, for CSA, the
+indexer's keys [blocks, 32, c_I] fp32. Entry j of a sequence is row (j m mod 128) / m of
+block table[j m // 128]; a sequence holds ceil(length / 128) blocks.
+
+`extend` runs a sequence's next tokens reading only these bytes (plus its length and block
+table) and writes back what the tokens add. Its model is built with `stored=True`, so its
+numbers are those of the full forward computed with the same roundings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import mxfp8
+from services.engine.model.deepseek_v4 import layout
+from services.engine.model.deepseek_v4.attention import AttentionParts
+from services.engine.model.deepseek_v4.compressor import Pooled
+from services.engine.model.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
+from services.engine.model.deepseek_v4.forward import V4Model
+
+FP32 = 4
+BLOCK = layout.BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str            # swa / cmp / idx
+    layer: int
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str           # uint8 / float32
+
+
+class SlotLayout:
+    """Every region of one state slot, walked, and checked against layout.py's closed form."""
+
+    def __init__(self, cfg: V4Config, extra_state: bool = False):
+        self.cfg = cfg
+        self.ring = layout.ring_rows(cfg, extra_state)
+        self.row_bytes = layout.row_bytes(cfg)
+        self.regions: list[Region] = []
+        self.slot_bytes = 0
+        for i in range(cfg.num_layers):
+            self._add("swa", i, (self.ring, self.row_bytes), "uint8")
+        self.slot_bytes += -self.slot_bytes % FP32   # rows of odd sizes (tiny configs) pad here
+        for i, kind in enumerate(cfg.layer_kinds):
+            if kind == SLIDING:
+                continue
+            self._add("cmp", i, (self.tail_rows(kind), 2, self._width(kind, cfg.head_dim)),
+                      "float32")
+            if kind == CSA:
+                self._add("idx", i, (self.tail_rows(kind), 2, 2 * cfg.index_head_dim), "float32")
+        closed = layout.report(cfg, extra_state)["state_slot"]["bytes"]
+        if self.slot_bytes != closed:
+            raise AssertionError(f"state layout drift: the regions take {self.slot_bytes} B, "
+                                 f"layout.py computes {closed} B")
+
+    def tail_rows(self, kind: str) -> int:
+        m = self.cfg.csa_rate if kind == CSA else self.cfg.hca_rate
+        return (2 * m if kind == CSA else m) + layout.BACKTRACK
+
+    @staticmethod
+    def _width(kind: str, dim: int) -> int:
+        return 2 * dim if kind == CSA else dim
+
+    def _add(self, name: str, layer: int, shape: tuple[int, ...], dtype: str) -> None:
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * (FP32 if dtype == "float32" else 1)
+        if dtype == "float32" and self.slot_bytes % FP32:
+            raise AssertionError(f"{name}[{layer}] at offset {self.slot_bytes} is not 4-byte aligned")
+        self.regions.append(Region(name, layer, self.slot_bytes, nbytes, shape, dtype))
+        self.slot_bytes += nbytes
+
+
+class Ledgers:
+    """The slots and blocks of one engine. Owns the bytes and both free lists; `extend` is the
+    only writer of a held slot's and block's bytes."""
+
+    def __init__(self, cfg: V4Config, num_slots: int, num_blocks: int, extra_state: bool = False):
+        self.cfg = cfg
+        self.slot_layout = SlotLayout(cfg, extra_state)
+        self.data = torch.zeros(num_slots, self.slot_layout.slot_bytes, dtype=torch.uint8)
+        self.swa: dict[int, torch.Tensor] = {}
+        self.cmp: dict[int, torch.Tensor] = {}
+        self.idx: dict[int, torch.Tensor] = {}
+        for r in self.slot_layout.regions:
+            raw = self.data[:, r.offset:r.offset + r.nbytes]
+            view = (raw.view(torch.float32) if r.dtype == "float32" else raw).view(num_slots, *r.shape)
+            {"swa": self.swa, "cmp": self.cmp, "idx": self.idx}[r.name][r.layer] = view
+        self.entries: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        for i, kind in enumerate(cfg.layer_kinds):
+            if kind in (CSA, HCA):
+                per = BLOCK // cfg.rate(i)
+                self.entries[i] = torch.zeros(num_blocks, per, cfg.head_dim)
+                if kind == CSA:
+                    self.keys[i] = torch.zeros(num_blocks, per, cfg.index_head_dim)
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._free_blocks = list(range(num_blocks - 1, -1, -1))
+
+    def block_bytes(self) -> int:
+        return sum(t[0].numel() * FP32 for t in (*self.entries.values(), *self.keys.values()))
+
+    def open(self) -> Sequence:
+        if not self._free_slots:
+            raise RuntimeError("no free state slot")
+        return Sequence(self._free_slots.pop())
+
+    def close(self, seq: Sequence) -> None:
+        self._free_slots.append(seq.slot)
+        self._free_blocks.extend(reversed(seq.blocks))
+        seq.blocks = []
+
+    def _reserve(self, seq: Sequence, length: int) -> None:
+        need = -(-length // BLOCK) - len(seq.blocks)
+        if need > len(self._free_blocks):
+            raise RuntimeError(f"{need} blocks needed, {len(self._free_blocks)} free")
+        seq.blocks += [self._free_blocks.pop() for _ in range(need)]
+
+
+@dataclass
+class Sequence:
+    """What the engine knows of a sequence besides its ledger bytes."""
+    slot: int
+    blocks: list[int] = field(default_factory=list)   # block table
+    length: int = 0
+
+
+@torch.no_grad()
+def extend(model: V4Model, led: Ledgers, seq: Sequence, ids) -> torch.Tensor:
+    """Run the sequence's next tokens from its ledger state; logits [len(ids), vocab]."""
+    if not model.stored:
+        raise ValueError("the ledger path needs a model built with stored=True")
+    ids = torch.as_tensor(ids).reshape(-1).long()
+    if ids.numel() == 0:
+        raise ValueError("ids: need at least one token")
+    start, n = seq.length, ids.shape[0]
+    positions = torch.arange(start, start + n)
+    led._reserve(seq, start + n)
+    streams = model.embed(ids)
+    for i in range(model.cfg.num_layers):
+        prior = _read(model, led, seq, i) if start else None
+        streams, parts = model.layer(i, streams, positions, ids, prior)
+        _write(model, led, seq, i, positions, parts)
+    seq.length += n
+    return model.head(streams)
+
+
+def _read(model: V4Model, led: Ledgers, seq: Sequence, layer: int) -> AttentionParts:
+    cfg, end = model.cfg, seq.length
+    window_pos = torch.arange(max(0, end - (cfg.window - 1)), end)
+    ring = led.swa[layer][seq.slot]
+    window = mxfp8.dequantize(ring[window_pos % ring.shape[0]], model.dtype)
+    kind = cfg.layer_kinds[layer]
+    pooled = index_pooled = None
+    if kind != SLIDING:
+        rate, w = cfg.rate(layer), model.attn[layer]
+        pooled = _pooled(led.cmp[layer][seq.slot], led.entries[layer], seq, rate, kind == CSA,
+                         w["compressor.ape"], model.dtype)
+        if kind == CSA:
+            index_pooled = _pooled(led.idx[layer][seq.slot], led.keys[layer], seq, rate, True,
+                                   w["indexer.compressor.ape"], model.dtype)
+    return AttentionParts(None, window, pooled, index_pooled, None)
+
+
+def _pooled(tail: torch.Tensor, table: torch.Tensor, seq: Sequence, rate: int, overlapping: bool,
+            ape: torch.Tensor, dtype: torch.dtype) -> Pooled:
+    """A compressor's state at the sequence's end, from its tail ring and its blocks."""
+    n = seq.length // rate
+    starts = torch.arange(n) * rate
+    blocks = torch.tensor(seq.blocks, dtype=torch.long)[starts // BLOCK]
+    entries = table[blocks, (starts % BLOCK) // rate].to(dtype)
+    open_rows = tail[torch.arange(n * rate, seq.length) % tail.shape[0]].to(dtype)
+    overlap_kv = overlap_gate = None
+    if overlapping and n:
+        half = tail.shape[-1] // 2
+        last = tail[torch.arange((n - 1) * rate, n * rate) % tail.shape[0]].to(dtype)
+        overlap_kv, overlap_gate = last[:, 0, :half], last[:, 1, :half] + ape[:, :half]
+    return Pooled(entries, open_rows[:, 0], open_rows[:, 1], overlap_kv, overlap_gate)
+
+
+def _write(model: V4Model, led: Ledgers, seq: Sequence, layer: int, positions: torch.Tensor,
+           parts: AttentionParts) -> None:
+    ring = led.swa[layer][seq.slot]
+    keep = min(positions.shape[0], ring.shape[0])   # a chunk longer than the ring keeps its end
+    ring[positions[-keep:] % ring.shape[0]] = mxfp8.quantize(parts.window_kv[-keep:])
+    if parts.pooled is None:
+        return
+    rate = model.cfg.rate(layer)
+    _write_compressor(led.cmp[layer][seq.slot], led.entries[layer], seq, rate, positions,
+                      parts.pooled)
+    if parts.index_pooled is not None:
+        _write_compressor(led.idx[layer][seq.slot], led.keys[layer], seq, rate, positions,
+                          parts.index_pooled)
+
+
+def _write_compressor(tail: torch.Tensor, table: torch.Tensor, seq: Sequence, rate: int,
+                      positions: torch.Tensor, pooled: Pooled) -> None:
+    keep = min(positions.shape[0], tail.shape[0])
+    rows = positions[-keep:] % tail.shape[0]
+    tail[rows, 0] = pooled.new_kv[-keep:].float()
+    tail[rows, 1] = pooled.new_gate[-keep:].float()
+    old, new = seq.length // rate, (seq.length + positions.shape[0]) // rate
+    if new > old:
+        starts = torch.arange(old, new) * rate
+        blocks = torch.tensor(seq.blocks, dtype=torch.long)[starts // BLOCK]
+        table[blocks, (starts % BLOCK) // rate] = pooled.entries[old:new].float()

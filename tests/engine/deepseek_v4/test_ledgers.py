@@ -1,0 +1,103 @@
+"""DeepSeek V4 through the two ledgers (state slots, paged blocks): the byte layout is the one
+`kvmesh engine layout` prints, and a sequence run from its ledger bytes alone computes what
+the in-memory pieces and the full forward compute with the same storage roundings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.model.deepseek_v4 import layout
+from services.engine.model.deepseek_v4.cached import SequenceCache
+from services.engine.model.deepseek_v4.cached import extend as extend_in_memory
+from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+from services.engine.model.deepseek_v4.config import read_config
+from services.engine.model.deepseek_v4.forward import V4Model
+from services.engine.model.deepseek_v4.ledgers import Ledgers, SlotLayout, extend
+from tests.engine.deepseek_v4 import tiny
+
+pytest.importorskip("transformers")
+FLASH = Path(__file__).resolve().parents[3] / "configs" / "deepseek-v4-flash.json"
+SAME = 1e-12     # float64: the same numbers read back from the ledgers
+TOL = 1e-6
+
+
+@pytest.mark.parametrize("extra_state", [False, True])
+def test_flash_slot_regions_are_what_layout_prints(extra_state):
+    cfg = read_config(FLASH)
+    slot = SlotLayout(cfg, extra_state)
+    rep = layout.report(cfg, extra_state)["state_slot"]
+    assert slot.slot_bytes == rep["bytes"]
+    ends = [r.offset + r.nbytes for r in slot.regions]
+    assert [r.offset for r in slot.regions[1:]] == ends[:-1]            # contiguous
+    swa = [r for r in slot.regions if r.name == "swa"]
+    assert len(swa) == 43 and {r.shape for r in swa} == {(396 if extra_state else 134, 528)}
+    assert sum(r.nbytes for r in swa) == rep["swa_bytes"]
+    cmp_csa = next(r for r in slot.regions if r.name == "cmp" and r.layer == 2)
+    assert cmp_csa.shape == (14, 2, 1024) and cmp_csa.dtype == "float32"
+
+
+@pytest.fixture(scope="module", params=["flash_geometry", "topk_nested_yarn"])
+def model(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    tiny.save(request.param, directory)
+    cfg, weights = load_checkpoint(directory, torch.float64)
+    return request.param, V4Model(cfg, weights, torch.float64, stored=True)
+
+
+def test_block_bytes_match_the_layout(model):
+    _, m = model
+    led = Ledgers(m.cfg, num_slots=2, num_blocks=4)
+    assert led.block_bytes() == layout.report(m.cfg)["block"]["bytes"]
+
+
+def _run(step, prompt, chunk, decode=10):
+    rows = [step(prompt[s:s + chunk]) for s in range(0, len(prompt), chunk)]
+    tokens = list(prompt)
+    for _ in range(decode):
+        tokens.append(int(rows[-1][-1].argmax()))
+        rows.append(step(tokens[-1:]))
+    return torch.cat(rows), tokens
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 300])
+def test_a_sequence_from_its_ledger_bytes_equals_the_pieces_and_the_full_forward(model, chunk):
+    name, m = model
+    prompt = tiny.prompt(name).tolist()
+    led = Ledgers(m.cfg, num_slots=2, num_blocks=8)
+    seq = led.open()
+    got, tokens = _run(lambda ids: extend(m, led, seq, ids), prompt, chunk)
+    assert len(seq.blocks) == -(-len(tokens) // 128)
+    cache = SequenceCache()
+    want, same_tokens = _run(lambda ids: extend_in_memory(m, cache, ids), prompt, chunk)
+    assert same_tokens == tokens
+    assert (got - want).abs().max().item() <= SAME
+    full = m.logits(torch.tensor(tokens))
+    assert (got - full).abs().max().item() <= max(TOL, (want - full).abs().max().item() + SAME)
+
+
+def test_sequences_in_other_slots_do_not_disturb_each_other(model):
+    name, m = model
+    a, b = tiny.prompt(name, seed=1).tolist(), tiny.prompt(name, seed=2).tolist()
+    led = Ledgers(m.cfg, num_slots=2, num_blocks=8)
+    sa, sb = led.open(), led.open()
+    rows_a, rows_b = [], []
+    for s in range(0, len(a), 37):                          # interleaved chunks
+        rows_a.append(extend(m, led, sa, a[s:s + 37]))
+        rows_b.append(extend(m, led, sb, b[s:s + 37]))
+    alone = Ledgers(m.cfg, num_slots=1, num_blocks=8)
+    sc = alone.open()
+    want = torch.cat([extend(m, alone, sc, a[s:s + 37]) for s in range(0, len(a), 37)])
+    assert torch.equal(torch.cat(rows_a), want)
+    led.close(sa)
+    assert sa.blocks == [] and len(led._free_blocks) == 8 - len(sb.blocks)
+
+
+def test_the_ledger_path_needs_the_stored_model(model):
+    _, m = model
+    plain = V4Model(m.cfg, m.weights, torch.float64)
+    led = Ledgers(m.cfg, num_slots=1, num_blocks=2)
+    with pytest.raises(ValueError, match="stored=True"):
+        extend(plain, led, led.open(), [1, 2])
