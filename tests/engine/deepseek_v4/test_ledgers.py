@@ -101,3 +101,50 @@ def test_the_ledger_path_needs_the_stored_model(model):
     led = Ledgers(m.cfg, num_slots=1, num_blocks=2)
     with pytest.raises(ValueError, match="stored=True"):
         extend(plain, led, led.open(), [1, 2])
+
+
+def test_batched_decode_of_eight_beside_a_prefill_chunk_equals_each_alone(model):
+    """8 sequences decode in the same steps as a 9th one's prompt is prefilled in chunks of
+    16; every sequence's logits equal its run alone (same chunks) to the fp32 steps'
+    rounding, which now sees 8 + 16 rows instead of 1, and its greedy tokens are the same."""
+    from services.engine.model.deepseek_v4.ledgers import step
+    name, m = model
+    prompts = [tiny.prompt(name, seed=10 + k).tolist()[: 20 + 3 * k] for k in range(8)]
+    long_prompt = tiny.prompt(name, seed=99).tolist()[:64]
+    led = Ledgers(m.cfg, num_slots=9, num_blocks=9 * 4)
+    seqs = [led.open() for _ in range(8)]
+    batched = [[extend(m, led, s, p)] for s, p in zip(seqs, prompts)]
+    tokens = [list(p) for p in prompts]
+    late, late_rows = led.open(), []
+    for r in range(4):
+        works = [(s, [int(rows[-1][-1].argmax())]) for s, rows in zip(seqs, batched)]
+        for (_, t), toks in zip(works, tokens):
+            toks += t
+        works.append((late, long_prompt[16 * r:16 * r + 16]))
+        out = step(m, led, works)
+        for rows, o in zip(batched, out):
+            rows.append(o)
+        late_rows.append(out[-1])
+    for k in range(8):
+        alone = Ledgers(m.cfg, num_slots=1, num_blocks=4)
+        s = alone.open()
+        want = [extend(m, alone, s, prompts[k])] + [extend(m, alone, s, [t])
+                                                    for t in tokens[k][len(prompts[k]):]]
+        got = torch.cat(batched[k])
+        assert (got - torch.cat(want)).abs().max().item() <= TOL
+        assert got.argmax(-1).tolist() == torch.cat(want).argmax(-1).tolist()
+    alone = Ledgers(m.cfg, num_slots=1, num_blocks=4)
+    s = alone.open()
+    want = torch.cat([extend(m, alone, s, long_prompt[i:i + 16]) for i in range(0, 64, 16)])
+    assert (torch.cat(late_rows) - want).abs().max().item() <= TOL
+
+
+def test_a_step_refuses_a_sequence_twice_and_empty_work(model):
+    from services.engine.model.deepseek_v4.ledgers import step
+    _, m = model
+    led = Ledgers(m.cfg, num_slots=2, num_blocks=4)
+    s = led.open()
+    with pytest.raises(ValueError, match="appears twice"):
+        step(m, led, [(s, [1]), (s, [2])])
+    with pytest.raises(ValueError, match=r"works\[1\].ids"):
+        step(m, led, [(s, [1]), (led.open(), [])])

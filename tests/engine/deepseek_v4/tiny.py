@@ -68,7 +68,7 @@ def hf_model(name: str, seed: int = 0):
     model = DeepseekV4ForCausalLM(hf_config(name)).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            p.normal_(0.0, 0.2 if p.dim() < 2 else 0.05)
+            p.normal_(0.0, 0.15 if p.dim() < 2 else 0.03)
             if pname.endswith(("norm.weight", "hc_scale", ".scale")):
                 p.add_(1.0)
         for bname, b in model.named_buffers():

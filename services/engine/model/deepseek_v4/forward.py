@@ -49,11 +49,24 @@ class V4Model:
     def layer(self, i: int, streams: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor,
               prior: AttentionParts | None = None) -> tuple[torch.Tensor, AttentionParts]:
         """streams [S, n, D] -> [S, n, D], and what the attention keeps (see `attention`)."""
+        streams, (parts,) = self.layer_spans(i, streams, [(positions, prior)], ids)
+        return streams, parts
+
+    def layer_spans(self, i: int, streams: torch.Tensor, spans: list, ids: torch.Tensor):
+        """Several sequences' tokens in one pass: spans[k] = (positions, prior) of the k-th
+        run of rows, in row order. Everything but attention runs over all rows at once
+        (the MoE's grouped products included); attention runs per span."""
         cfg, w = self.cfg, self.layers[i]
         pre, post, comb = self._mix(streams, w, "hc_attn")
         x = rms_norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
-        parts = attention(cfg, i, self.attn[i], x, positions, self.tables, prior, self.stored)
-        streams = hyper.expand(streams, parts.out, post, comb)
+        parts, start = [], 0
+        for positions, prior in spans:
+            end = start + positions.shape[0]
+            parts.append(attention(cfg, i, self.attn[i], x[start:end], positions, self.tables,
+                                   prior, self.stored))
+            start = end
+        out = parts[0].out if len(parts) == 1 else torch.cat([p.out for p in parts])
+        streams = hyper.expand(streams, out, post, comb)
         pre, post, comb = self._mix(streams, w, "hc_ffn")
         x = rms_norm(hyper.collapse(streams, pre), w["ffn_norm.weight"], cfg.rms_eps)
         return hyper.expand(streams, moe(cfg, i, self.ffn[i], x, ids), post, comb), parts

@@ -147,21 +147,37 @@ class Sequence:
 @torch.no_grad()
 def extend(model: V4Model, led: Ledgers, seq: Sequence, ids) -> torch.Tensor:
     """Run the sequence's next tokens from its ledger state; logits [len(ids), vocab]."""
+    return step(model, led, [(seq, ids)])[0]
+
+
+@torch.no_grad()
+def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]]) -> list[torch.Tensor]:
+    """One forward over several sequences' next tokens (decode rows and prefill chunks
+    together, one sequence once): per-token work runs over all rows, attention per sequence.
+    Returns each work's logits [len(ids), vocab]."""
     if not model.stored:
         raise ValueError("the ledger path needs a model built with stored=True")
-    ids = torch.as_tensor(ids).reshape(-1).long()
-    if ids.numel() == 0:
-        raise ValueError("ids: need at least one token")
-    start, n = seq.length, ids.shape[0]
-    positions = torch.arange(start, start + n)
-    led._reserve(seq, start + n)
+    chunks = [torch.as_tensor(ids).reshape(-1).long() for _, ids in works]
+    for k, chunk in enumerate(chunks):
+        if chunk.numel() == 0:
+            raise ValueError(f"works[{k}].ids: need at least one token")
+    seqs = [seq for seq, _ in works]
+    if len({id(s) for s in seqs}) != len(seqs):
+        raise ValueError("works: a sequence appears twice in one step")
+    positions = [torch.arange(s.length, s.length + c.shape[0]) for s, c in zip(seqs, chunks)]
+    for seq, pos in zip(seqs, positions):
+        led._reserve(seq, int(pos[-1]) + 1)
+    ids = torch.cat(chunks)
     streams = model.embed(ids)
     for i in range(model.cfg.num_layers):
-        prior = _read(model, led, seq, i) if start else None
-        streams, parts = model.layer(i, streams, positions, ids, prior)
-        _write(model, led, seq, i, positions, parts)
-    seq.length += n
-    return model.head(streams)
+        spans = [(pos, _read(model, led, seq, i) if seq.length else None)
+                 for seq, pos in zip(seqs, positions)]
+        streams, parts = model.layer_spans(i, streams, spans, ids)
+        for seq, pos, p in zip(seqs, positions, parts):
+            _write(model, led, seq, i, pos, p)
+    for seq, chunk in zip(seqs, chunks):
+        seq.length += chunk.shape[0]
+    return list(model.head(streams).split([c.shape[0] for c in chunks]))
 
 
 def _read(model: V4Model, led: Ledgers, seq: Sequence, layer: int) -> AttentionParts:
