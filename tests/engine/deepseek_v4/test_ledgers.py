@@ -113,16 +113,16 @@ def test_batched_decode_of_eight_beside_a_prefill_chunk_equals_each_alone(model)
     long_prompt = tiny.prompt(name, seed=99).tolist()[:64]
     led = Ledgers(m.cfg, num_slots=9, num_blocks=9 * 4)
     seqs = [led.open() for _ in range(8)]
-    batched = [[extend(m, led, s, p)] for s, p in zip(seqs, prompts)]
+    batched = [[extend(m, led, s, p)] for s, p in zip(seqs, prompts, strict=True)]
     tokens = [list(p) for p in prompts]
     late, late_rows = led.open(), []
     for r in range(4):
-        works = [(s, [int(rows[-1][-1].argmax())]) for s, rows in zip(seqs, batched)]
-        for (_, t), toks in zip(works, tokens):
+        works = [(s, [int(rows[-1][-1].argmax())]) for s, rows in zip(seqs, batched, strict=True)]
+        for (_, t), toks in zip(works, tokens, strict=True):
             toks += t
         works.append((late, long_prompt[16 * r:16 * r + 16]))
         out = step(m, led, works)
-        for rows, o in zip(batched, out):
+        for rows, o in zip(batched, out, strict=True):
             rows.append(o)
         late_rows.append(out[-1])
     for k in range(8):

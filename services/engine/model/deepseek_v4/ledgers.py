@@ -164,18 +164,18 @@ def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]]) 
     seqs = [seq for seq, _ in works]
     if len({id(s) for s in seqs}) != len(seqs):
         raise ValueError("works: a sequence appears twice in one step")
-    positions = [torch.arange(s.length, s.length + c.shape[0]) for s, c in zip(seqs, chunks)]
-    for seq, pos in zip(seqs, positions):
+    positions = [torch.arange(s.length, s.length + c.shape[0]) for s, c in zip(seqs, chunks, strict=True)]
+    for seq, pos in zip(seqs, positions, strict=True):
         led._reserve(seq, int(pos[-1]) + 1)
     ids = torch.cat(chunks)
     streams = model.embed(ids)
     for i in range(model.cfg.num_layers):
         spans = [(pos, _read(model, led, seq, i) if seq.length else None)
-                 for seq, pos in zip(seqs, positions)]
+                 for seq, pos in zip(seqs, positions, strict=True)]
         streams, parts = model.layer_spans(i, streams, spans, ids)
-        for seq, pos, p in zip(seqs, positions, parts):
+        for seq, pos, p in zip(seqs, positions, parts, strict=True):
             _write(model, led, seq, i, pos, p)
-    for seq, chunk in zip(seqs, chunks):
+    for seq, chunk in zip(seqs, chunks, strict=True):
         seq.length += chunk.shape[0]
     return list(model.head(streams).split([c.shape[0] for c in chunks]))
 
