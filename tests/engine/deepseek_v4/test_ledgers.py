@@ -122,7 +122,7 @@ def test_batched_decode_of_eight_beside_a_prefill_chunk_equals_each_alone(model)
             toks += t
         works.append((late, long_prompt[16 * r:16 * r + 16]))
         out = step(m, led, works)
-        for rows, o in zip(batched, out, strict=True):
+        for rows, o in zip(batched, out[:8], strict=True):
             rows.append(o)
         late_rows.append(out[-1])
     for k in range(8):
