@@ -25,6 +25,7 @@ def test_flash_state_slot_and_blocks():
     assert s["compression_bytes"] == 21 * (114_688 + 28_672) + 20 * 548_864
     assert s["bytes"] == 3_042_336 + 13_987_840
     assert s["mtp_ring_bytes"] == 134 * 528
+    assert s["snapshot_bytes"] == 3_042_336 + 21 * 4 * 2 * (512 + 128) * 4     # + 430,080 B
     assert b["bytes_per_token_per_layer"] == {"sliding": 0, "csa": (512 + 128) * 4 / 4,
                                              "hca": 512 * 4 / 128}
     assert b["bytes"] == 21 * 32 * 640 * 4 + 20 * 2048 == 1_761_280

@@ -78,6 +78,10 @@ def report(cfg: V4Config, extra_state: bool = False, memory: int | None = None) 
             "swa_row_bytes": row, "swa_ring_rows": rows, "extra_state": extra_state,
             "swa_bytes_per_layer": rows * row, "swa_bytes": swa,
             "state_size_to_disk": cfg.num_layers * ring_rows(cfg, False) * row,
+            # a snapshot also carries each CSA layer's overlap: the A series (kv, gate) of the
+            # window before its position, for the compressor and the indexer (snapshots.py)
+            "snapshot_bytes": cfg.num_layers * ring_rows(cfg, False) * row
+            + kinds[CSA] * cfg.csa_rate * 2 * (cfg.head_dim + cfg.index_head_dim) * FP32,
             "padding": padding,
             "compression_tail_bytes_per_layer": tails, "compression_bytes": compression,
             "mtp_ring_bytes": cfg.num_mtp_layers * ring_rows(cfg, False) * row,
@@ -105,7 +109,8 @@ def table(rep: dict) -> str:
         "state slot (one per running sequence):",
         f"  SWA ring         {s['swa_ring_rows']} rows x {s['swa_row_bytes']} B x {m['layers']} "
         f"layers = {s['swa_bytes']:,} B" + ("  (--extra-state)" if s["extra_state"] else ""),
-        f"  persisted prefix {s['state_size_to_disk']:,} B (134-row rings)",
+        f"  persisted prefix {s['state_size_to_disk']:,} B (134-row rings); a snapshot "
+        f"{s['snapshot_bytes']:,} B with the CSA overlap",
     ]
     for kind, parts in s["compression_tail_bytes_per_layer"].items():
         if m["by_kind"][kind]:

@@ -115,6 +115,7 @@ class Ledgers:
                     self.keys[i] = torch.zeros(num_blocks, per, cfg.index_head_dim)
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks      # sequences holding each block (prefix sharing)
 
     def block_bytes(self) -> int:
         return sum(t[0].numel() * FP32 for t in (*self.entries.values(), *self.keys.values()))
@@ -126,14 +127,33 @@ class Ledgers:
 
     def close(self, seq: Sequence) -> None:
         self._free_slots.append(seq.slot)
-        self._free_blocks.extend(reversed(seq.blocks))
+        for b in reversed(seq.blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free_blocks.append(b)
         seq.blocks = []
+
+    def share(self, seq: Sequence, blocks: list[int]) -> None:
+        """Start `seq` (empty) on another sequence's complete blocks: a prefix hit."""
+        if seq.length or seq.blocks:
+            raise ValueError("share: the sequence must be empty")
+        for b in blocks:
+            self._refs[b] += 1
+        seq.blocks = list(blocks)
+
+    def take_blocks(self, n: int) -> list[int]:
+        """n fresh blocks (one reference each), e.g. to install blocks fetched by bytes."""
+        if n > len(self._free_blocks):
+            raise RuntimeError(f"{n} blocks needed, {len(self._free_blocks)} free")
+        out = [self._free_blocks.pop() for _ in range(n)]
+        for b in out:
+            self._refs[b] = 1
+        return out
 
     def _reserve(self, seq: Sequence, length: int) -> None:
         need = -(-length // BLOCK) - len(seq.blocks)
-        if need > len(self._free_blocks):
-            raise RuntimeError(f"{need} blocks needed, {len(self._free_blocks)} free")
-        seq.blocks += [self._free_blocks.pop() for _ in range(need)]
+        if need > 0:
+            seq.blocks += self.take_blocks(need)
 
 
 @dataclass

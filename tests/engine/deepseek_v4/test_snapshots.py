@@ -1,0 +1,100 @@
+"""Prefix hits on DeepSeek V4's ledgers: blocks shared (or installed from their bytes) plus
+a window snapshot resume exactly where a cold run with the same chunks is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.model.deepseek_v4 import snapshots
+from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+from services.engine.model.deepseek_v4.forward import V4Model
+from services.engine.model.deepseek_v4.ledgers import Ledgers, extend
+from tests.engine.deepseek_v4 import tiny
+
+pytest.importorskip("transformers")
+SAME = 1e-12
+P = 256
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("flash_geometry")
+    tiny.save("flash_geometry", directory)
+    cfg, weights = load_checkpoint(directory, torch.float64)
+    return V4Model(cfg, weights, torch.float64, stored=True)
+
+
+def _prompts():
+    base = tiny.prompt("flash_geometry", seed=5).tolist()
+    other = tiny.prompt("flash_geometry", seed=6).tolist()
+    return base[:300], base[:P] + other[: 300 - P]      # same first 256 tokens, then apart
+
+
+def _cold(model, prompt, decode=6):
+    """prefill [0, P), then [P, len), then greedy decodes: rows from P on."""
+    led = Ledgers(model.cfg, num_slots=1, num_blocks=4)
+    seq = led.open()
+    extend(model, led, seq, prompt[:P])
+    return _continue(model, led, seq, prompt, decode)
+
+
+def _continue(model, led, seq, prompt, decode=6):
+    rows = [extend(model, led, seq, prompt[P:])]
+    for _ in range(decode):
+        rows.append(extend(model, led, seq, [int(rows[-1][-1].argmax())]))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("past", [0, 5])
+def test_hit_through_shared_blocks_and_snapshot_equals_cold(model, past):
+    first, second = _prompts()
+    led = Ledgers(model.cfg, num_slots=2, num_blocks=8)
+    a = led.open()
+    extend(model, led, a, first[:P])                 # the prefix in the cold run's chunk
+    if past:                                         # a snapshot may lag its boundary by <= 5
+        extend(model, led, a, first[P:P + past])
+    snap = snapshots.take(led, a)
+    assert snap.position == P
+    b = led.open()
+    led.share(b, a.blocks[: P // 128])
+    snapshots.restore(led, b, snap)
+    got = _continue(model, led, b, second)
+    assert (got - _cold(model, second)).abs().max().item() <= SAME
+
+
+def test_hit_from_another_engine_through_bytes_equals_cold(model):
+    first, second = _prompts()
+    here = Ledgers(model.cfg, num_slots=1, num_blocks=4)
+    a = here.open()
+    extend(model, here, a, first[:P])
+    snap, blocks = snapshots.take(here, a), snapshots.block_bytes(here, a.blocks[: P // 128])
+    there = Ledgers(model.cfg, num_slots=1, num_blocks=4)   # a second engine: nothing shared
+    b = there.open()
+    snapshots.install_blocks(there, b, bytes(blocks))
+    snapshots.restore(there, b, snapshots.Snapshot(snap.position, bytes(snap.rings),
+                                                   bytes(snap.overlap)))
+    got = _continue(model, there, b, second)
+    assert (got - _cold(model, second)).abs().max().item() <= SAME
+
+
+def test_snapshot_carries_rings_and_the_csa_overlap(model):
+    led = Ledgers(model.cfg, num_slots=1, num_blocks=4)
+    seq = led.open()
+    extend(model, led, seq, _prompts()[0][:P])
+    snap = snapshots.take(led, seq)
+    cfg = model.cfg
+    assert len(snap.rings) == cfg.num_layers * 134 * 528
+    assert len(snap.overlap) == snapshots.overlap_bytes(led) == (4 * 2 * (512 + 128) * 4
+                                                                  * cfg.layer_kinds.count("csa"))
+    from services.engine.model.deepseek_v4 import layout
+    assert len(snap.rings) + len(snap.overlap) == \
+        layout.report(cfg)["state_slot"]["snapshot_bytes"]
+
+
+def test_no_snapshot_far_from_a_boundary(model):
+    led = Ledgers(model.cfg, num_slots=1, num_blocks=4)
+    seq = led.open()
+    extend(model, led, seq, _prompts()[0][:P + 7])
+    with pytest.raises(ValueError, match="more than 6 tokens back"):
+        snapshots.take(led, seq)
