@@ -62,7 +62,8 @@ def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, grou
 
 
 def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
-              tables, prior: AttentionParts | None = None, stored: bool = False) -> AttentionParts:
+              tables, prior: AttentionParts | None = None, stored: bool = False,
+              given: int = 0) -> AttentionParts:
     """One attention sub-block over consecutive tokens at `positions`.
 
     w: the layer's weights under `attn.`; tables: the model's RoPE tables (`RopeTables`).
@@ -71,6 +72,8 @@ def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: to
     compressors' state. The result's `window_kv` is those rows followed by this call's.
     stored: round what the engine's ledgers keep as they keep it: window rows through MXFP8
     (the state slot's ring), compressor projections and entries to fp32 (`compressor.pool`).
+    given: bounded replay; the first `given` rows' compressed entries are the prior's
+    (`compressor.pool`).
     """
     kind = cfg.layer_kinds[layer]
     rope = cfg.rope(layer)
@@ -94,13 +97,13 @@ def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: to
         rate = cfg.rate(layer)
         at = lambda p: tables.at(cfg.compress_rope, p)  # noqa: E731
         pooled = compressor.pool(x, _sub(w, "compressor."), rate, kind == CSA, at, cfg.rms_eps,
-                                 prior.pooled if prior else None, stored)
+                                 prior.pooled if prior else None, stored, given)
         entries = pooled.entries
         if kind == CSA:
             index_w = _sub(w, "indexer.")
             index_pooled = compressor.pool(x, _sub(index_w, "compressor."), rate, True, at,
                                            cfg.rms_eps, prior.index_pooled if prior else None,
-                                           stored)
+                                           stored, given)
             chosen = compressor.index_select(x, q_res, index_pooled.entries, index_w, positions,
                                              rate, cfg.index_topk, at)
         else:

@@ -36,7 +36,7 @@ class Pooled(NamedTuple):
 
 
 def pool(x: torch.Tensor, w: dict, rate: int, overlapping: bool, rope_tables, eps: float,
-         prior: Pooled | None = None, stored: bool = False) -> Pooled:
+         prior: Pooled | None = None, stored: bool = False, given: int = 0) -> Pooled:
     """Compress x ([S, D], the normed layer input of the tokens after `prior`'s).
 
     w: `wkv.weight`, `wgate.weight`, `ape`, `norm.weight` of one compressor.
@@ -46,12 +46,23 @@ def pool(x: torch.Tensor, w: dict, rate: int, overlapping: bool, rope_tables, ep
     stored: round the projections and the entries to fp32 where they are made, as the
     engine's ledgers keep them (tails and blocks are fp32), so a run that reads them back
     and one that never stored them compute the same.
+    given: bounded replay. The first `given` rows of x end on a window boundary and their
+    entries are already `prior`'s (cached, never recomputed); only the rows after them are
+    pooled, the next CSA entry's A half taken from the last window of the given rows.
     """
     kv = F.linear(x, w["wkv.weight"])
     gate = F.linear(x, w["wgate.weight"])
     if stored:
         kv, gate = kv.float().to(kv.dtype), gate.float().to(gate.dtype)
     new_kv, new_gate = kv, gate
+    if given:
+        if prior is None or prior.open_kv.shape[0] or given % rate or given < rate:
+            raise ValueError("given rows need a prior without open rows, ending on a window")
+        if overlapping:
+            half = kv.shape[-1] // 2
+            last_kv, last_gate = kv[given - rate:given], gate[given - rate:given] + w["ape"]
+            prior = prior._replace(overlap_kv=last_kv[:, :half], overlap_gate=last_gate[:, :half])
+        kv, gate = kv[given:], gate[given:]
     first_window = 0
     if prior is not None:
         first_window = prior.entries.shape[0]

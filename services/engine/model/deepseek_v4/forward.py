@@ -53,17 +53,18 @@ class V4Model:
         return streams, parts
 
     def layer_spans(self, i: int, streams: torch.Tensor, spans: list, ids: torch.Tensor):
-        """Several sequences' tokens in one pass: spans[k] = (positions, prior) of the k-th
-        run of rows, in row order. Everything but attention runs over all rows at once
-        (the MoE's grouped products included); attention runs per span."""
+        """Several sequences' tokens in one pass: spans[k] = (positions, prior) or
+        (positions, prior, given) of the k-th run of rows, in row order (`given`: see
+        `attention`). Everything but attention runs over all rows at once (the MoE's grouped
+        products included); attention runs per span."""
         cfg, w = self.cfg, self.layers[i]
         pre, post, comb = self._mix(streams, w, "hc_attn")
         x = rms_norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
         parts, start = [], 0
-        for positions, prior in spans:
+        for positions, prior, *given in spans:
             end = start + positions.shape[0]
             parts.append(attention(cfg, i, self.attn[i], x[start:end], positions, self.tables,
-                                   prior, self.stored))
+                                   prior, self.stored, *given))
             start = end
         out = parts[0].out if len(parts) == 1 else torch.cat([p.out for p in parts])
         streams = hyper.expand(streams, out, post, comb)

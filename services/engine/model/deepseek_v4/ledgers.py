@@ -200,6 +200,56 @@ def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]]) 
     return list(model.head(streams).split([c.shape[0] for c in chunks]))
 
 
+@torch.no_grad()
+def replay(model: V4Model, led: Ledgers, seq: Sequence, prompt: list[int], hit: int) -> torch.Tensor:
+    """Bounded replay (docs/design.md §3): `seq` holds the blocks of the prompt's first `hit`
+    tokens (a multiple of 128) and nothing else. Tokens [hit - 128, len(prompt)) run as a
+    fresh window (each query sees keys from hit - 128 on) against the cached entries, which
+    are read, never recomputed or overwritten; the CSA overlap at `hit` comes from the
+    replayed rows. The cost does not grow with the prefix. Returns the logits of the
+    replayed rows; the sequence then stands at len(prompt), approximate by design."""
+    if not model.stored:
+        raise ValueError("the ledger path needs a model built with stored=True")
+    if seq.length or hit % BLOCK or not 0 < hit < len(prompt) or len(seq.blocks) != hit // BLOCK:
+        raise ValueError(f"replay: an empty sequence holding the {hit // BLOCK} blocks of a "
+                         f"hit at a positive multiple of {BLOCK} below the prompt's length")
+    start = hit - BLOCK
+    ids = torch.as_tensor(prompt[start:]).long()
+    positions = torch.arange(start, len(prompt))
+    led._reserve(seq, len(prompt))
+    seq.length = start
+    streams = model.embed(ids)
+    for i in range(model.cfg.num_layers):
+        prior = _cached_only(model, led, seq, i, hit)
+        streams, (parts,) = model.layer_spans(i, streams, [(positions, prior, hit - start)], ids)
+        _write(model, led, seq, i, positions, parts, entries_from=hit)
+    seq.length = len(prompt)
+    return model.head(streams)
+
+
+def _cached_only(model: V4Model, led: Ledgers, seq: Sequence, layer: int, hit: int):
+    """A layer's prior for a replay: no window rows, the cached entries before `hit`."""
+    cfg = model.cfg
+    kind = cfg.layer_kinds[layer]
+    pooled = index_pooled = None
+    if kind != SLIDING:
+        rate, width = cfg.rate(layer), led.cmp[layer].shape[-1]
+        pooled = Pooled(_entries(led.entries[layer], seq, hit // rate, rate, model.dtype),
+                        *(2 * [torch.zeros(0, width, dtype=model.dtype)]), None, None)
+        if kind == CSA:
+            index_pooled = Pooled(_entries(led.keys[layer], seq, hit // rate, rate, model.dtype),
+                                  *(2 * [torch.zeros(0, led.idx[layer].shape[-1],
+                                                     dtype=model.dtype)]), None, None)
+    return AttentionParts(None, torch.zeros(0, cfg.head_dim, dtype=model.dtype), pooled,
+                          index_pooled, None)
+
+
+def _entries(table: torch.Tensor, seq: Sequence, n: int, rate: int, dtype) -> torch.Tensor:
+    starts = torch.arange(n) * rate
+    blocks = torch.tensor(seq.blocks, dtype=torch.long)[starts // BLOCK]
+    return table[blocks, (starts % BLOCK) // rate].to(dtype)
+
+
 def _read(model: V4Model, led: Ledgers, seq: Sequence, layer: int) -> AttentionParts:
     cfg, end = model.cfg, seq.length
     window_pos = torch.arange(max(0, end - (cfg.window - 1)), end)
@@ -221,9 +271,7 @@ def _pooled(tail: torch.Tensor, table: torch.Tensor, seq: Sequence, rate: int, o
             ape: torch.Tensor, dtype: torch.dtype) -> Pooled:
     """A compressor's state at the sequence's end, from its tail ring and its blocks."""
     n = seq.length // rate
-    starts = torch.arange(n) * rate
-    blocks = torch.tensor(seq.blocks, dtype=torch.long)[starts // BLOCK]
-    entries = table[blocks, (starts % BLOCK) // rate].to(dtype)
+    entries = _entries(table, seq, n, rate, dtype)
     open_rows = tail[torch.arange(n * rate, seq.length) % tail.shape[0]].to(dtype)
     overlap_kv = overlap_gate = None
     if overlapping and n:
@@ -234,7 +282,9 @@ def _pooled(tail: torch.Tensor, table: torch.Tensor, seq: Sequence, rate: int, o
 
 
 def _write(model: V4Model, led: Ledgers, seq: Sequence, layer: int, positions: torch.Tensor,
-           parts: AttentionParts) -> None:
+           parts: AttentionParts, entries_from: int = 0) -> None:
+    """Store what the rows at `positions` add; entries before token `entries_from` are
+    cached ones (a replay's) and stay as they are."""
     ring = led.swa[layer][seq.slot]
     keep = min(positions.shape[0], ring.shape[0])   # a chunk longer than the ring keeps its end
     ring[positions[-keep:] % ring.shape[0]] = mxfp8.quantize(parts.window_kv[-keep:])
@@ -242,19 +292,20 @@ def _write(model: V4Model, led: Ledgers, seq: Sequence, layer: int, positions: t
         return
     rate = model.cfg.rate(layer)
     _write_compressor(led.cmp[layer][seq.slot], led.entries[layer], seq, rate, positions,
-                      parts.pooled)
+                      parts.pooled, entries_from)
     if parts.index_pooled is not None:
         _write_compressor(led.idx[layer][seq.slot], led.keys[layer], seq, rate, positions,
-                          parts.index_pooled)
+                          parts.index_pooled, entries_from)
 
 
 def _write_compressor(tail: torch.Tensor, table: torch.Tensor, seq: Sequence, rate: int,
-                      positions: torch.Tensor, pooled: Pooled) -> None:
+                      positions: torch.Tensor, pooled: Pooled, entries_from: int = 0) -> None:
     keep = min(positions.shape[0], tail.shape[0])
     rows = positions[-keep:] % tail.shape[0]
     tail[rows, 0] = pooled.new_kv[-keep:].float()
     tail[rows, 1] = pooled.new_gate[-keep:].float()
-    old, new = seq.length // rate, (seq.length + positions.shape[0]) // rate
+    old = max(seq.length, entries_from) // rate
+    new = (seq.length + positions.shape[0]) // rate
     if new > old:
         starts = torch.arange(old, new) * rate
         blocks = torch.tensor(seq.blocks, dtype=torch.long)[starts // BLOCK]
