@@ -121,7 +121,7 @@ def test_unsupported_quantization_and_unknown_layer_type(hf, tmp_path):
                            "unsupported quantization (quant_method 'gptq'"),
                           ({"layer_types": ["sliding_attention", "mamba", "sliding_attention",
                                             "sliding_attention"]},
-                           "unknown layer type(s) ['mamba']")]:
+                           "layer_types: unknown type(s) ['mamba']")]:
         d = tmp_path / str(len(words))
         shutil.copytree(saved, d)
         raw = json.loads((d / "config.json").read_text())

@@ -64,7 +64,7 @@ def test_nested_yarn_without_attention_factor_takes_yarns_mscale():
 @pytest.mark.parametrize("change, words", [
     ({"model_type": "llama"}, "model_type 'llama' is not DeepSeek V4"),
     ({"layer_types": ["sliding_attention", "full_attention"], "num_hidden_layers": 2},
-     "unknown layer type(s) ['full_attention']"),
+     "layer_types: unknown type(s) ['full_attention']"),
     ({"compress_ratios": [0, 8], "num_hidden_layers": 2}, "compress_ratios[1] = 8"),
     ({"num_hidden_layers": "4"}, "'num_hidden_layers' must be an integer"),
     ({"num_key_value_heads": 8}, "num_key_value_heads must be 1"),

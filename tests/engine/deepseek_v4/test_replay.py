@@ -1,4 +1,4 @@
-"""Bounded replay on DeepSeek V4's ledgers (docs/design.md §3): blocks cached, no snapshot.
+"""Bounded replay on DeepSeek V4's ledgers (docs/design.md §6): blocks cached, no snapshot.
 
 The replay runs the last 128 tokens before the hit and the rest of the prompt as a fresh
 window against the cached entries. It is approximate by design: these tests pin what it
@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
-from services.engine.model.deepseek_v4.forward import V4Model
 from services.engine.model.deepseek_v4.ledgers import Ledgers, extend, replay
 from tests.engine.deepseek_v4 import tiny
 
@@ -20,10 +18,8 @@ HIT = 256
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("flash_geometry")
-    tiny.save("flash_geometry", directory)
-    cfg, weights = load_checkpoint(directory, torch.float64)
-    model = V4Model(cfg, weights, torch.float64, stored=True)
+    model = tiny.stored_model("flash_geometry", tmp_path_factory.mktemp("flash_geometry"))
+    cfg = model.cfg
     prompt = tiny.prompt("flash_geometry", seed=7).tolist()[:300]
     led = Ledgers(cfg, num_slots=2, num_blocks=8)
     cold = led.open()

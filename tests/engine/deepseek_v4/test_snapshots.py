@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from services.engine.model.deepseek_v4 import snapshots
-from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
-from services.engine.model.deepseek_v4.forward import V4Model
 from services.engine.model.deepseek_v4.ledgers import Ledgers, extend
 from tests.engine.deepseek_v4 import tiny
 
@@ -19,10 +17,7 @@ P = 256
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("flash_geometry")
-    tiny.save("flash_geometry", directory)
-    cfg, weights = load_checkpoint(directory, torch.float64)
-    return V4Model(cfg, weights, torch.float64, stored=True)
+    return tiny.stored_model("flash_geometry", tmp_path_factory.mktemp("flash_geometry"))
 
 
 def _prompts():

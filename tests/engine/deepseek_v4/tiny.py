@@ -215,3 +215,12 @@ def dequantized_copy(model, naming: str, fp8: str | None, fp4_experts: bool):
             elif fp8 and _fp8_dense(name):
                 p.copy_(round_trip(p, False))
     return out
+
+
+def stored_model(name: str, directory: Path, dtype: torch.dtype = torch.float64):
+    """Config `name` saved by transformers, loaded as the engine's ledger path computes it."""
+    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+    from services.engine.model.deepseek_v4.forward import V4Model
+    save(name, directory)
+    cfg, weights = load_checkpoint(directory, dtype)
+    return V4Model(cfg, weights, dtype, stored=True)

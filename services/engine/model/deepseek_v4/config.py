@@ -189,15 +189,21 @@ def _int(raw: dict, key: str, default: int) -> int:
     return value
 
 
+def _named_types(raw: dict, key: str, names: dict[str, str], n: int) -> tuple[str, ...]:
+    """A per-layer list of type names (`layer_types`, `mlp_layer_types`) -> kinds."""
+    types = list(raw[key])
+    unknown = sorted({str(t) for t in types if t not in names})
+    if unknown:
+        raise CheckpointError(f"{key}: unknown type(s) {unknown} (expected {sorted(names)})")
+    if len(types) != n:
+        raise CheckpointError(f"{key} has {len(types)} entries for num_hidden_layers = {n}")
+    return tuple(names[t] for t in types)
+
+
 def _layer_kinds(raw: dict, n: int) -> tuple[str, ...]:
     if raw.get("layer_types") is not None:
-        types = list(raw["layer_types"])
-        unknown = sorted({str(t) for t in types if t not in ATTENTION_TYPES})
-        if unknown:
-            raise CheckpointError(f"layer_types: unknown layer type(s) {unknown} (expected "
-                                  f"{sorted(ATTENTION_TYPES)})")
-        kinds = [ATTENTION_TYPES[t] for t in types]
-    elif raw.get("compress_ratios") is not None:
+        return _named_types(raw, "layer_types", ATTENTION_TYPES, n)
+    if raw.get("compress_ratios") is not None:
         # DeepSeek's ratios only choose the type (one more entry per MTP layer is dropped);
         # the rates themselves come from compress_rates.
         by_ratio = {0: SLIDING, 4: CSA, 128: HCA}
@@ -210,22 +216,12 @@ def _layer_kinds(raw: dict, n: int) -> tuple[str, ...]:
         kinds = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
     if len(kinds) < n:
         raise CheckpointError(f"{len(kinds)} layer types for num_hidden_layers = {n}")
-    if raw.get("layer_types") is not None and len(kinds) != n:
-        raise CheckpointError(f"layer_types has {len(kinds)} entries for num_hidden_layers = {n}")
     return tuple(kinds[:n])
 
 
 def _mlp_kinds(raw: dict, n: int) -> tuple[str, ...]:
     if raw.get("mlp_layer_types") is not None:
-        types = list(raw["mlp_layer_types"])
-        unknown = sorted({str(t) for t in types if t not in MLP_TYPES})
-        if unknown:
-            raise CheckpointError(f"mlp_layer_types: unknown type(s) {unknown} (expected "
-                                  f"{sorted(MLP_TYPES)})")
-        if len(types) != n:
-            raise CheckpointError(f"mlp_layer_types has {len(types)} entries for "
-                                  f"num_hidden_layers = {n}")
-        return tuple(MLP_TYPES[t] for t in types)
+        return _named_types(raw, "mlp_layer_types", MLP_TYPES, n)
     hashed = _int(raw, "num_hash_layers", 3)
     return tuple([HASH] * min(n, hashed) + [MOE] * max(0, n - hashed))
 

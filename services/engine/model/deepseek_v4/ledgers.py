@@ -202,7 +202,7 @@ def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]]) 
 
 @torch.no_grad()
 def replay(model: V4Model, led: Ledgers, seq: Sequence, prompt: list[int], hit: int) -> torch.Tensor:
-    """Bounded replay (docs/design.md §3): `seq` holds the blocks of the prompt's first `hit`
+    """Bounded replay (docs/design.md §6): `seq` holds the blocks of the prompt's first `hit`
     tokens (a multiple of 128) and nothing else. Tokens [hit - 128, len(prompt)) run as a
     fresh window (each query sees keys from hit - 128 on) against the cached entries, which
     are read, never recomputed or overwritten; the CSA overlap at `hit` comes from the

@@ -1,6 +1,6 @@
 """Window snapshots and block bytes for DeepSeek V4's ledgers: what a prefix hit restores.
 
-A snapshot is taken at a 128-aligned position P (docs/design.md §3): the sequence may have
+A snapshot is taken at a 128-aligned position P (docs/design.md §8): the sequence may have
 run up to 6 tokens past it, which the rings' spare rows still cover. It holds
 
     | SWA ring of every layer, as the slot holds it (R = 134 rows of 528 B) |  the stored cut
