@@ -70,3 +70,29 @@ def test_kvmesh_score_prints_the_same_logprobs(tmp_path):
     got = torch.tensor(out["logprobs"][1:], dtype=torch.float64)
     assert (got - want).abs().max().item() <= FP64_TOL
     assert "perplexity" in run.stderr
+
+
+def test_kvmesh_score_text_through_a_trained_tokenizer_json(tmp_path):
+    """A BPE tokenizer.json trained with `tokenizers`, DeepSeek's special tokens added: text
+    is scored as begin-of-sentence + its ids, the same as --ids of those ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from services.engine.model.deepseek_v4.chat import BOS, SPECIAL_TOKENS
+    directory = tmp_path / "mixed"
+    tiny.save("mixed", directory)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=[BOS, "[UNK]"])
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    tok.add_special_tokens([t for t in SPECIAL_TOKENS if t != BOS])
+    assert tok.token_to_id(BOS) == 0 and tok.get_vocab_size() <= tiny.BASE["vocab_size"]
+    tok.save(str(directory / "tokenizer.json"))
+    run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "score", "--model", str(directory),
+                          "the lazy fox"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["ids"] == [0] + tok.encode("the lazy fox", add_special_tokens=False).ids
+    by_ids = subprocess.run([sys.executable, "-m", "kvmesh.cli", "score", "--model",
+                             str(directory), "--ids", ",".join(map(str, out["ids"]))],
+                            capture_output=True, text=True, timeout=120)
+    assert json.loads(by_ids.stdout) == out
