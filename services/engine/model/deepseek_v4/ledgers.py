@@ -227,6 +227,26 @@ def replay(model: V4Model, led: Ledgers, seq: Sequence, prompt: list[int], hit: 
     return model.head(streams)
 
 
+def rollback(led: Ledgers, seq: Sequence, length: int) -> None:
+    """Take back the last tokens of `seq` (rejected drafts), at most BACKTRACK of them.
+
+    Nothing is erased: every reader goes by the sequence's length. The rings keep W + 6 rows
+    and the tails their 6 spare rows, so the window, open window and CSA overlap at the new
+    end are all still there; entries of windows the rejected tokens closed lie beyond the
+    new end and are overwritten when real tokens close those windows again. Blocks past the
+    new end go back to the pool."""
+    if not seq.length - layout.BACKTRACK <= length <= seq.length or length < 0:
+        raise ValueError(f"rollback to {length}: only the last {layout.BACKTRACK} of "
+                         f"{seq.length} tokens can be taken back")
+    keep = -(-length // BLOCK)
+    for b in reversed(seq.blocks[keep:]):
+        led._refs[b] -= 1
+        if led._refs[b] == 0:
+            led._free_blocks.append(b)
+    del seq.blocks[keep:]
+    seq.length = length
+
+
 def _cached_only(model: V4Model, led: Ledgers, seq: Sequence, layer: int, hit: int):
     """A layer's prior for a replay: no window rows, the cached entries before `hit`."""
     cfg = model.cfg
