@@ -93,3 +93,35 @@ def test_no_snapshot_far_from_a_boundary(model):
     extend(model, led, seq, _prompts()[0][:P + 7])
     with pytest.raises(ValueError, match="more than 6 tokens back"):
         snapshots.take(led, seq)
+
+
+def test_hand_off_from_a_396_row_prefill_engine_decodes_as_a_unified_one(model):
+    """A prefill engine with --extra-state rings (396 rows) prefills, hands the sequence to a
+    decode engine (134 rows) by bytes, which decodes: the same as one engine doing both."""
+    prompt = _prompts()[0]
+    pe = Ledgers(model.cfg, num_slots=1, num_blocks=4, extra_state=True)
+    assert pe.swa[0].shape[1] == 396
+    a = pe.open()
+    extend(model, pe, a, prompt[:P])
+    last = extend(model, pe, a, prompt[P:])
+    ce = Ledgers(model.cfg, num_slots=1, num_blocks=4)
+    b = snapshots.hand_off(pe, a, ce)
+    rows, tok = [], int(last[-1].argmax())
+    for _ in range(6):
+        rows.append(extend(model, ce, b, [tok]))
+        tok = int(rows[-1][-1].argmax())
+    assert (torch.cat(rows) - _cold(model, prompt)[-6:]).abs().max().item() <= SAME
+
+
+def test_a_396_row_engine_snapshot_restores_on_a_134_row_engine(model):
+    first, second = _prompts()
+    pe = Ledgers(model.cfg, num_slots=1, num_blocks=4, extra_state=True)
+    a = pe.open()
+    extend(model, pe, a, first[:P])
+    snap = snapshots.take(pe, a)
+    assert len(snap.rings) == model.cfg.num_layers * 134 * 528          # the inference layout
+    ce = Ledgers(model.cfg, num_slots=1, num_blocks=4)
+    b = ce.open()
+    snapshots.install_blocks(ce, b, snapshots.block_bytes(pe, a.blocks[: P // 128]))
+    snapshots.restore(ce, b, snap)
+    assert (_continue(model, ce, b, second) - _cold(model, second)).abs().max().item() <= SAME

@@ -1,4 +1,5 @@
-"""Window snapshots and block bytes for DeepSeek V4's ledgers: what a prefix hit restores.
+"""Window snapshots, block bytes and hand-offs for DeepSeek V4's ledgers: what a prefix hit
+restores and what a prefill engine gives a decode engine.
 
 A snapshot is taken at a 128-aligned position P (docs/design.md §8): the sequence may have
 run up to 6 tokens past it, which the rings' spare rows still cover. It holds
@@ -10,7 +11,11 @@ run up to 6 tokens past it, which the rings' spare rows still cover. It holds
 The overlap is what a V4 snapshot carries beyond the rings: the first CSA entry after P pools
 the window that ends at P. HCA needs nothing (P is a multiple of its rate), and every entry
 before P is in the blocks, which a hit shares (same engine) or installs from their bytes
-(kvstore, another engine).
+(kvstore, another engine). Rings are stored in the inference layout whatever the engine's
+ring length (`rering`: a prefill engine's 396 rows, --extra-state).
+
+A hand-off (`hand_off`) moves a prefilled sequence to a decode engine: rings re-laid to its
+ring, compressor tails as they are, every block (the open one too) by its bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.model.deepseek_v4 import layout
 from services.engine.model.deepseek_v4.config import CSA
 from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence
 
@@ -44,8 +50,38 @@ def take(led: Ledgers, seq: Sequence) -> Snapshot:
     if position == 0 or seq.length - position > SPARE:
         raise ValueError(f"no snapshot at length {seq.length}: the last 128 boundary "
                          f"({position}) is 0 or more than {SPARE} tokens back")
-    rings = torch.cat([led.swa[i][seq.slot].reshape(-1) for i in sorted(led.swa)])
+    rows = layout.ring_rows(led.cfg, extra_state=False)
+    rings = torch.cat([rering(led.swa[i][seq.slot], seq.length, rows).reshape(-1)
+                       for i in sorted(led.swa)])
     return Snapshot(position, rings.numpy().tobytes(), _overlap(led, seq.slot, position))
+
+
+def rering(ring: torch.Tensor, length: int, rows: int) -> torch.Tensor:
+    """The same positions in a ring of `rows` rows (row p mod rows holds position p): a
+    prefill engine's 396-row ring (--extra-state) into the inference layout, for snapshots
+    and hand-offs. Rows no position fills are zero."""
+    if ring.shape[0] == rows:
+        return ring
+    out = ring.new_zeros(rows, ring.shape[1])
+    pos = torch.arange(max(0, length - min(rows, ring.shape[0])), length)
+    out[pos % rows] = ring[pos % ring.shape[0]]
+    return out
+
+
+def hand_off(src: Ledgers, seq: Sequence, dst: Ledgers) -> Sequence:
+    """Move a prefilled sequence from a prefill engine's ledgers (rings of any length) to a
+    decode engine's: rings rearranged to its layout, compressor tails copied as they are
+    (their layout does not depend on the ring), every block (the open one too) by its bytes.
+    The source keeps its copy until it closes the sequence."""
+    out = dst.open()
+    install_blocks(dst, out, block_bytes(src, seq.blocks))
+    for i in src.swa:
+        dst.swa[i][out.slot].copy_(rering(src.swa[i][seq.slot], seq.length, dst.swa[i].shape[1]))
+    for tails_src, tails_dst in ((src.cmp, dst.cmp), (src.idx, dst.idx)):
+        for i in tails_src:
+            tails_dst[i][out.slot].copy_(tails_src[i][seq.slot])
+    out.length = seq.length
+    return out
 
 
 def _overlap(led: Ledgers, slot: int, position: int) -> bytes:
@@ -64,13 +100,12 @@ def restore(led: Ledgers, seq: Sequence, snap: Snapshot) -> None:
         raise ValueError(f"restore: the sequence needs exactly the prefix's "
                          f"{snap.position // BLOCK} blocks and no tokens")
     rings = torch.frombuffer(bytearray(snap.rings), dtype=torch.uint8)
-    if rings.numel() != sum(led.swa[i][seq.slot].numel() for i in led.swa):
+    rows, row_bytes = layout.ring_rows(led.cfg, extra_state=False), layout.row_bytes(led.cfg)
+    if rings.numel() != len(led.swa) * rows * row_bytes:
         raise ValueError("restore: the snapshot's rings do not fit this engine's slot layout")
-    start = 0
-    for i in sorted(led.swa):
-        ring = led.swa[i][seq.slot]
-        ring.copy_(rings[start:start + ring.numel()].view(ring.shape))
-        start += ring.numel()
+    for k, i in enumerate(sorted(led.swa)):
+        one = rings[k * rows * row_bytes:(k + 1) * rows * row_bytes].view(rows, row_bytes)
+        led.swa[i][seq.slot].copy_(rering(one, snap.position, led.swa[i].shape[1]))
     overlap = torch.frombuffer(bytearray(snap.overlap), dtype=torch.float32) \
         if snap.overlap else torch.empty(0)
     start = 0
