@@ -79,3 +79,18 @@ def test_replay_refuses_what_it_cannot_do(run):
     assert seq is None                                     # both slots are held
     with pytest.raises(ValueError, match="replay: an empty sequence"):
         replay(model, led, cold, [1] * 300, 256)           # cold is not empty
+
+
+@pytest.mark.parametrize("hit", [128, 256])
+def test_replay_equals_the_independent_truncated_window_reference(run, hit):
+    from tests.engine.deepseek_v4.replay_reference import truncated_window_logits
+    model, _, _, _, prompt, _, _, _ = run
+    led = Ledgers(model.cfg, num_slots=2, num_blocks=8)
+    cold = led.open()
+    extend(model, led, cold, prompt[:hit])
+    warm = led.open()
+    led.share(warm, cold.blocks[: hit // 128])
+    got = replay(model, led, warm, prompt, hit)
+    want = truncated_window_logits(model, prompt, hit)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-6
