@@ -66,7 +66,7 @@ def test_hit_from_another_engine_through_bytes_equals_cold(model):
     snap, blocks = snapshots.take(here, a), snapshots.block_bytes(here, a.blocks[: P // 128])
     there = Ledgers(model.cfg, num_slots=1, num_blocks=4)   # a second engine: nothing shared
     b = there.open()
-    snapshots.install_blocks(there, b, bytes(blocks))
+    snapshots.install_blocks(there, b, [bytes(x) for x in blocks])
     snapshots.restore(there, b, snapshots.Snapshot(snap.position, bytes(snap.rings),
                                                    bytes(snap.overlap)))
     got = _continue(model, there, b, second)
@@ -125,3 +125,17 @@ def test_a_396_row_engine_snapshot_restores_on_a_134_row_engine(model):
     snapshots.install_blocks(ce, b, snapshots.block_bytes(pe, a.blocks[: P // 128]))
     snapshots.restore(ce, b, snap)
     assert (_continue(model, ce, b, second) - _cold(model, second)).abs().max().item() <= SAME
+
+
+def test_a_damaged_block_is_refused_and_nothing_is_installed(model):
+    led = Ledgers(model.cfg, num_slots=2, num_blocks=4)
+    a = led.open()
+    extend(model, led, a, _prompts()[0][:P])
+    good = snapshots.block_bytes(led, a.blocks[: P // 128])
+    bad = bytearray(good[1])
+    bad[100] ^= 1
+    b = led.open()
+    free = len(led._free_blocks)
+    with pytest.raises(ValueError, match="digest mismatch"):
+        snapshots.install_blocks(led, b, [good[0], bytes(bad)])
+    assert b.blocks == [] and len(led._free_blocks) == free

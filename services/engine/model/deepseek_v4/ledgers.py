@@ -11,9 +11,10 @@ State ledger: one uint8 tensor [slots, slot_bytes]; each region a typed view, la
     R = W + 6 (396 with --extra-state); rows = m + 6 (HCA, width c), 2m + 6 (CSA, width 2c:
     the last closed window's A series is re-read from it), the indexer's at width 2 c_I.
 
-Block ledger: per compressed layer, entries [blocks, 128 / m, d] fp32 and, for CSA, the
-indexer's keys [blocks, 32, c_I] fp32. Entry j of a sequence is row (j m mod 128) / m of
-block table[j m // 128]; a sequence holds ceil(length / 128) blocks.
+Block ledger: the engine's BlockStore (services/engine/cache/block_store.py) over this
+config: per compressed layer, entries [blocks, 128 / m, d] fp32 and, for CSA, the indexer's
+keys [blocks, 32, c_I] fp32. Entry j of a sequence is row (j m mod 128) / m of block
+table[j m // 128]; a sequence holds ceil(length / 128) blocks.
 
 `extend` runs a sequence's next tokens reading only these bytes (plus its length and block
 table) and writes back what the tokens add. Its model is built with `stored=True`, so its
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import mxfp8
+from services.engine.cache.block_store import BlockStore
 from services.engine.model.deepseek_v4 import layout
 from services.engine.model.deepseek_v4.attention import AttentionParts
 from services.engine.model.deepseek_v4.compressor import Pooled
@@ -90,6 +92,20 @@ class SlotLayout:
         self.slot_bytes += nbytes
 
 
+class BlockGeometry:
+    """What the engine's BlockStore reads of a model config, for a DeepSeek V4 config."""
+
+    def __init__(self, cfg: V4Config):
+        self.block_size = BLOCK
+        self.head_dim, self.index_dim = cfg.head_dim, cfg.index_head_dim
+        self.layers = tuple("swa" if kind == SLIDING else kind for kind in cfg.layer_kinds)
+        self.compressed_layers = [i for i, kind in enumerate(cfg.layer_kinds) if kind != SLIDING]
+        self._rates = [cfg.rate(i) for i in range(cfg.num_layers)]
+
+    def compress_ratio(self, layer: int) -> int | None:
+        return self._rates[layer] or None
+
+
 class Ledgers:
     """The slots and blocks of one engine. Owns the bytes and both free lists; `extend` is the
     only writer of a held slot's and block's bytes."""
@@ -105,20 +121,16 @@ class Ledgers:
             raw = self.data[:, r.offset:r.offset + r.nbytes]
             view = (raw.view(torch.float32) if r.dtype == "float32" else raw).view(num_slots, *r.shape)
             {"swa": self.swa, "cmp": self.cmp, "idx": self.idx}[r.name][r.layer] = view
-        self.entries: dict[int, torch.Tensor] = {}
-        self.keys: dict[int, torch.Tensor] = {}
-        for i, kind in enumerate(cfg.layer_kinds):
-            if kind in (CSA, HCA):
-                per = BLOCK // cfg.rate(i)
-                self.entries[i] = torch.zeros(num_blocks, per, cfg.head_dim)
-                if kind == CSA:
-                    self.keys[i] = torch.zeros(num_blocks, per, cfg.index_head_dim)
+        # the engine's block store (its serialized form is what the kvstore keeps)
+        self.blocks = BlockStore(BlockGeometry(cfg), num_blocks)
+        self.entries: dict[int, torch.Tensor] = self.blocks.entries
+        self.keys: dict[int, torch.Tensor] = self.blocks.index_keys
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._refs = [0] * num_blocks      # sequences holding each block (prefix sharing)
 
     def block_bytes(self) -> int:
-        return sum(t[0].numel() * FP32 for t in (*self.entries.values(), *self.keys.values()))
+        return self.blocks.payload_bytes()
 
     def open(self) -> Sequence:
         if not self._free_slots:

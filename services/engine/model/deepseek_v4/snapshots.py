@@ -121,30 +121,22 @@ def restore(led: Ledgers, seq: Sequence, snap: Snapshot) -> None:
     seq.length = snap.position
 
 
-def block_bytes(led: Ledgers, blocks: list[int]) -> bytes:
-    """The rows of `blocks` (every compressed layer's entries, then CSA keys), as the
-    kvstore would carry them."""
-    idx = torch.tensor(blocks, dtype=torch.long)
-    tables = [led.entries[i] for i in sorted(led.entries)] + [led.keys[i] for i in sorted(led.keys)]
-    return torch.cat([t[idx].reshape(-1) for t in tables]).numpy().tobytes()
+def block_bytes(led: Ledgers, blocks: list[int]) -> list[bytes]:
+    """`blocks` serialized as the kvstore keeps them (header, rows, digest: BlockStore)."""
+    return [led.blocks.serialize(b) for b in blocks]
 
 
-def install_blocks(led: Ledgers, seq: Sequence, data: bytes) -> None:
-    """Give the empty `seq` fresh blocks holding `data` (from `block_bytes` elsewhere)."""
-    tables = [led.entries[i] for i in sorted(led.entries)] + [led.keys[i] for i in sorted(led.keys)]
-    per_block = sum(t[0].numel() for t in tables)
-    values = torch.frombuffer(bytearray(data), dtype=torch.float32)
-    if not per_block or values.numel() % per_block:
-        raise ValueError("install_blocks: the bytes are not whole blocks of this layout")
-    n = values.numel() // per_block
-    blocks = led.take_blocks(n)
-    idx, start = torch.tensor(blocks, dtype=torch.long), 0
-    for t in tables:
-        size = n * t[0].numel()
-        t[idx] = values[start:start + size].view(n, *t.shape[1:])
-        start += size
+def install_blocks(led: Ledgers, seq: Sequence, data: list[bytes]) -> None:
+    """Give the empty `seq` fresh blocks holding serialized blocks (from `block_bytes`
+    elsewhere). Every block is checked (size, layout, digest) before any is installed; a
+    bad one is a ValueError and nothing changes."""
     if seq.length or seq.blocks:
         raise ValueError("install_blocks: the sequence must be empty")
+    for blob in data:
+        led.blocks.check(blob)
+    blocks = led.take_blocks(len(data))
+    for b, blob in zip(blocks, data, strict=True):
+        led.blocks.deserialize(b, blob)
     seq.blocks = blocks
 
 
