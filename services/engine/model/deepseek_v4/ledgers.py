@@ -32,7 +32,7 @@ from services.engine.cache.block_store import BlockStore
 from services.engine.model.deepseek_v4 import layout
 from services.engine.model.deepseek_v4.attention import AttentionParts
 from services.engine.model.deepseek_v4.compressor import Pooled
-from services.engine.model.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
+from services.engine.model.deepseek_v4.config import CSA, SLIDING, V4Config
 from services.engine.model.deepseek_v4.forward import V4Model
 
 FP32 = 4
