@@ -16,9 +16,10 @@ config: per compressed layer, entries [blocks, 128 / m, d] fp32 and, for CSA, th
 keys [blocks, 32, c_I] fp32. Entry j of a sequence is row (j m mod 128) / m of block
 table[j m // 128]; a sequence holds ceil(length / 128) blocks.
 
-`extend` runs a sequence's next tokens reading only these bytes (plus its length and block
-table) and writes back what the tokens add. Its model is built with `stored=True`, so its
-numbers are those of the full forward computed with the same roundings.
+`extend` / `step` run sequences' next tokens reading only these bytes (plus each one's
+length and block table) and write back what the tokens add; `replay` is the bounded replay
+from a block hit, `rollback` takes back rejected drafts. The model is built with
+`stored=True`, so its numbers are those of the full forward with the same roundings.
 """
 
 from __future__ import annotations
@@ -107,8 +108,10 @@ class BlockGeometry:
 
 
 class Ledgers:
-    """The slots and blocks of one engine. Owns the bytes and both free lists; `extend` is the
-    only writer of a held slot's and block's bytes."""
+    """The slots and blocks of one engine. Owns the bytes, both free lists and the blocks'
+    reference counts. A held slot's and block's bytes are written only by this module's
+    `step` / `extend` / `replay` and by snapshots.py's `restore`, `install_blocks` and
+    `hand_off`; `rollback` changes nothing but lengths and block tables."""
 
     def __init__(self, cfg: V4Config, num_slots: int, num_blocks: int, extra_state: bool = False):
         self.cfg = cfg
