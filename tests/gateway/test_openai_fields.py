@@ -146,3 +146,24 @@ def test_template_failures_are_invalid_argument_and_body_errors_have_null_param(
     with pytest.raises(fields.FieldError) as err:
         fields.completion_request("not an object")
     assert err.value.param is None
+
+
+def test_deepseek_v4_checkpoint_dir_gets_its_chat_encoding(tmp_path):
+    """A tokenizer in a DeepSeek V4 checkpoint directory (no chat_template: DeepSeek ships
+    none) renders chat with DeepSeek V4's encoding; a chat_template still wins; bad roles
+    are a 400 naming the field."""
+    from services.gateway.openai_api.chat import deepseek_v4_template
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    t = load_template(str(tok))
+    assert t is deepseek_v4_template
+    assert t([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]) == (
+        "<｜begin▁of▁sentence｜>S<｜User｜>U<｜Assistant｜></think>")
+    with pytest.raises(InvalidArgument, match=r"messages\[0\]\.role"):
+        t([{"role": "tool", "content": "x"}])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    assert isinstance(load_template(str(tok)), JinjaTemplate)
+    (tmp_path / "config.json").write_text("{broken")
+    (tmp_path / "tokenizer_config.json").unlink()
+    assert load_template(str(tok)) is plain_template

@@ -1,10 +1,13 @@
 """Chat messages -> prompt text.
 
-Two templates:
+Three templates, the first that applies:
 - the tokenizer config's `chat_template` (HuggingFace `tokenizer_config.json` beside
   the gateway's `--tokenizer tokenizer.json`), a Jinja template rendered in a sandbox
   with `messages`, `add_generation_prompt=True`, `bos_token`, `eos_token` and
   `raise_exception`, as `transformers`' `apply_chat_template` does;
+- otherwise, for a tokenizer in a DeepSeek V4 checkpoint directory (`config.json` with
+  `model_type: deepseek_v4`, whose checkpoints ship no template), DeepSeek V4's chat
+  encoding (kvmesh/chat_deepseek_v4.py, non-thinking mode);
 - otherwise, for the byte-level model, `PLAIN`: each message as `<|role|>\\n` + content
   + `\\n`, then `<|assistant|>\\n` for the reply. Plain bytes, no special tokens: the
   byte-level vocabulary has none for roles.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvmesh.chat_deepseek_v4 import encode_chat
 from kvmesh.errors import InvalidArgument
 
 
@@ -58,21 +62,37 @@ class JinjaTemplate:
                                   f"{type(exc).__name__}: {exc}") from None
 
 
+def deepseek_v4_template(messages: list[dict]) -> str:
+    try:
+        return encode_chat(messages)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 def load_template(tokenizer_path: str):
     """The chat template for a gateway's `tokenizer` setting: the Jinja one from
     `tokenizer_config.json` next to the tokenizer file when it has `chat_template`
-    (a string, or a list of {name, template}: the one named "default"), else `plain`."""
+    (a string, or a list of {name, template}: the one named "default"); else DeepSeek V4's
+    encoding when the tokenizer is in a DeepSeek V4 checkpoint directory; else `plain`."""
     if not tokenizer_path:
         return plain_template
     cfg_path = Path(tokenizer_path).with_name("tokenizer_config.json")
-    if not cfg_path.is_file():
-        return plain_template
-    cfg = json.loads(cfg_path.read_text())
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     source = cfg.get("chat_template")
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
-    if not isinstance(source, str) or not source:
-        return plain_template
-    return JinjaTemplate(source, _token_text(cfg.get("bos_token")),
-                         _token_text(cfg.get("eos_token")))
+    if isinstance(source, str) and source:
+        return JinjaTemplate(source, _token_text(cfg.get("bos_token")),
+                             _token_text(cfg.get("eos_token")))
+    if _model_type(Path(tokenizer_path).with_name("config.json")) == "deepseek_v4":
+        return deepseek_v4_template
+    return plain_template
+
+
+def _model_type(path: Path) -> str | None:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return raw.get("model_type") if isinstance(raw, dict) else None

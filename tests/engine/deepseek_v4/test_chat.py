@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from services.engine.model.deepseek_v4.chat import SPECIAL_TOKENS, encode_chat
+from kvmesh.chat_deepseek_v4 import SPECIAL_TOKENS, encode_chat
 
 
 def test_multi_turn_non_thinking_drops_nothing_but_reasoning():

@@ -77,7 +77,7 @@ def test_kvmesh_score_text_through_a_trained_tokenizer_json(tmp_path):
     is scored as begin-of-sentence + its ids, the same as --ids of those ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from services.engine.model.deepseek_v4.chat import BOS, SPECIAL_TOKENS
+    from kvmesh.chat_deepseek_v4 import BOS, SPECIAL_TOKENS
     directory = tmp_path / "mixed"
     tiny.save("mixed", directory)
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))

@@ -11,7 +11,6 @@
     moe.py         routing, grouped expert products, the shared expert
     forward.py     the whole model over one sequence: the oracle for the cached path
     score.py       `kvmesh score`: log-probabilities and argmax of a sequence
-    chat.py        DeepSeek V4's chat encoding
     layout.py      both ledgers' sizes from a config (`kvmesh engine layout --model`)
     cached.py      the model in pieces, each layer's state kept in memory between calls
     ledgers.py     the same state in the engine's slots and blocks; batched steps, bounded
@@ -19,6 +18,7 @@
     snapshots.py   block-boundary snapshots, block bytes, prefill -> decode hand-off
     speculate.py   greedy verification of drafted tokens
 
+DeepSeek V4's chat encoding is kvmesh/chat_deepseek_v4.py (the gateway needs it too).
 Pinned against transformers 5.23.0 (tests/engine/deepseek_v4/), which is never imported here.
 May import: torch, safetensors, kernels, kvmesh.errors.
 """

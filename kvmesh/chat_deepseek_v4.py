@@ -1,4 +1,5 @@
-"""DeepSeek V4's chat encoding (its checkpoints ship no Jinja template).
+"""DeepSeek V4's chat encoding (its checkpoints ship no Jinja template). Here in kvmesh/
+because both the gateway (/v1/chat/completions) and the engine's tools need it.
 
     <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜></think>{reply}<｜end▁of▁sentence｜>
         <｜User｜>{user}<｜Assistant｜></think>          <- the model continues from here
