@@ -92,7 +92,7 @@ def test_sequences_in_other_slots_do_not_disturb_each_other(model):
     want = torch.cat([extend(m, alone, sc, a[s:s + 37]) for s in range(0, len(a), 37)])
     assert torch.equal(torch.cat(rows_a), want)
     led.close(sa)
-    assert sa.blocks == [] and len(led._free_blocks) == 8 - len(sb.blocks)
+    assert sa.blocks == [] and led.pool.num_free == 8 - len(sb.blocks)
 
 
 def test_the_ledger_path_needs_the_stored_model(model):

@@ -135,7 +135,7 @@ def test_a_damaged_block_is_refused_and_nothing_is_installed(model):
     bad = bytearray(good[1])
     bad[100] ^= 1
     b = led.open()
-    free = len(led._free_blocks)
+    free = led.pool.num_free
     with pytest.raises(ValueError, match="digest mismatch"):
         snapshots.install_blocks(led, b, [good[0], bytes(bad)])
-    assert b.blocks == [] and len(led._free_blocks) == free
+    assert b.blocks == [] and led.pool.num_free == free

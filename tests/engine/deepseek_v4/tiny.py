@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from services.engine.model.deepseek_v4 import quant
+
 BASE = dict(vocab_size=100, hidden_size=64, num_attention_heads=4, head_dim=32,
             partial_rotary_factor=0.25, q_lora_rank=32, o_groups=2, o_lora_rank=16,
             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -168,16 +170,15 @@ def _fp8_dense(name: str) -> bool:
 
 
 def _quantize(state: dict, naming: str, fp8: str | None, fp4_experts: bool) -> dict:
-    from services.engine.model.deepseek_v4 import quant
     from services.engine.model.deepseek_v4.names import source
     out = {}
     for k, v in state.items():
         expert = source(k).expert is not None
         scale_name = k[: -len(".weight")] + ".scale" if naming == "deepseek" else k + "_scale_inv"
         if expert and fp4_experts:
-            out[k], out[scale_name] = quant.quant_fp4(v)
+            out[k], out[scale_name] = quant_fp4(v)
         elif fp8 and (_fp8_dense(source(k).name) or expert):
-            out[k], out[scale_name] = quant.quant_fp8(v, 128, ue8m0=fp8 == "ue8m0")
+            out[k], out[scale_name] = quant_fp8(v, 128, ue8m0=fp8 == "ue8m0")
         else:
             out[k] = v
     return out
@@ -193,9 +194,9 @@ def dequantized_copy(model, naming: str, fp8: str | None, fp4_experts: bool):
 
     def round_trip(w: torch.Tensor, experts: bool) -> torch.Tensor:
         if experts and fp4_experts:
-            return quant.dequant_fp4(*quant.quant_fp4(w))
+            return quant.dequant_fp4(*quant_fp4(w))
         if fp8:
-            return quant.dequant_fp8(*quant.quant_fp8(w, 128, fp8 == "ue8m0"), 128)
+            return quant.dequant_fp8(*quant_fp8(w, 128, fp8 == "ue8m0"), 128)
         return w
 
     out = copy.deepcopy(model)
@@ -224,3 +225,33 @@ def stored_model(name: str, directory: Path, dtype: torch.dtype = torch.float64)
     save(name, directory)
     cfg, weights = load_checkpoint(directory, dtype)
     return V4Model(cfg, weights, dtype, stored=True)
+
+
+# The inverses of services/engine/model/deepseek_v4/quant.py, for writing test checkpoints.
+def quant_fp8(w: torch.Tensor, block: int, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse, for writing test checkpoints: per-tile scale = amax / 448 (a power of two
+    when `ue8m0`), q = e4m3(w / scale)."""
+    out, inp = w.shape
+    rows, cols = -(-out // block), -(-inp // block)
+    padded = w.float().new_zeros(rows * block, cols * block)
+    padded[:out, :inp] = w.float()
+    tiles = padded.view(rows, block, cols, block)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / 448.0
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (tiles / scale.view(rows, 1, cols, 1)).view(rows * block, cols * block)[:out, :inp]
+    q = q.to(torch.float8_e4m3fn)
+    return q, scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
+
+
+def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For test checkpoints: the nearest e2m1 code per value, UE8M0 scale per 32-run."""
+    out, inp = w.shape
+    runs = w.float().view(out, inp // quant.FP4_RUN, quant.FP4_RUN)
+    amax = runs.abs().amax(dim=-1).clamp(min=1e-12)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 6.0)))
+    scaled = (runs / scale.unsqueeze(-1)).reshape(out, inp)
+    codes = (scaled.unsqueeze(-1) - quant.FP4_VALUES).abs().argmin(dim=-1).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)

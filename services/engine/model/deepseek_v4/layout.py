@@ -20,9 +20,9 @@ the engine's block store keeps them. Sliding-only layers put nothing in blocks.
 
 from __future__ import annotations
 
+from kernels import mxfp8
 from services.engine.model.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 
-MXFP8_BLOCK = 32
 FP32 = 4
 BLOCK_TOKENS = 128
 BACKTRACK = 6            # speculative rollback tokens (B)
@@ -31,7 +31,7 @@ KEEP_TOKENS = 134
 
 
 def row_bytes(cfg: V4Config) -> int:
-    return cfg.head_dim + cfg.head_dim // MXFP8_BLOCK
+    return mxfp8.token_bytes(cfg.head_dim)
 
 
 def ring_rows(cfg: V4Config, extra_state: bool) -> int:

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import mxfp8
+from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
+from services.engine.cache.state_layout import Region
 from services.engine.model.deepseek_v4 import layout
 from services.engine.model.deepseek_v4.attention import AttentionParts
 from services.engine.model.deepseek_v4.compressor import Pooled
@@ -38,16 +40,6 @@ from services.engine.model.deepseek_v4.forward import V4Model
 
 FP32 = 4
 BLOCK = layout.BLOCK_TOKENS
-
-
-@dataclass(frozen=True)
-class Region:
-    name: str            # swa / cmp / idx
-    layer: int
-    offset: int
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str           # uint8 / float32
 
 
 class SlotLayout:
@@ -129,8 +121,7 @@ class Ledgers:
         self.entries: dict[int, torch.Tensor] = self.blocks.entries
         self.keys: dict[int, torch.Tensor] = self.blocks.index_keys
         self._free_slots = list(range(num_slots - 1, -1, -1))
-        self._free_blocks = list(range(num_blocks - 1, -1, -1))
-        self._refs = [0] * num_blocks      # sequences holding each block (prefix sharing)
+        self.pool = BlockPool(num_blocks)  # block ids, reference counts, the free queue
 
     def block_bytes(self) -> int:
         return self.blocks.payload_bytes()
@@ -142,10 +133,7 @@ class Ledgers:
 
     def close(self, seq: Sequence) -> None:
         self._free_slots.append(seq.slot)
-        for b in reversed(seq.blocks):
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free_blocks.append(b)
+        self.pool.release(reversed(seq.blocks))
         seq.blocks = []
 
     def share(self, seq: Sequence, blocks: list[int]) -> None:
@@ -153,17 +141,12 @@ class Ledgers:
         if seq.length or seq.blocks:
             raise ValueError("share: the sequence must be empty")
         for b in blocks:
-            self._refs[b] += 1
+            self.pool.acquire(b)
         seq.blocks = list(blocks)
 
     def take_blocks(self, n: int) -> list[int]:
         """n fresh blocks (one reference each), e.g. to install blocks fetched by bytes."""
-        if n > len(self._free_blocks):
-            raise RuntimeError(f"{n} blocks needed, {len(self._free_blocks)} free")
-        out = [self._free_blocks.pop() for _ in range(n)]
-        for b in out:
-            self._refs[b] = 1
-        return out
+        return self.pool.allocate(n)
 
     def _reserve(self, seq: Sequence, length: int) -> None:
         need = -(-length // BLOCK) - len(seq.blocks)
@@ -254,35 +237,16 @@ def rollback(led: Ledgers, seq: Sequence, length: int) -> None:
         raise ValueError(f"rollback to {length}: only the last {layout.BACKTRACK} of "
                          f"{seq.length} tokens can be taken back")
     keep = -(-length // BLOCK)
-    for b in reversed(seq.blocks[keep:]):
-        led._refs[b] -= 1
-        if led._refs[b] == 0:
-            led._free_blocks.append(b)
+    led.pool.release(reversed(seq.blocks[keep:]))
     del seq.blocks[keep:]
     seq.length = length
 
 
 def _cached_only(model: V4Model, led: Ledgers, seq: Sequence, layer: int, hit: int):
-    """A layer's prior for a replay: no window rows, the cached entries before `hit`."""
-    cfg = model.cfg
-    kind = cfg.layer_kinds[layer]
-    pooled = index_pooled = None
-    if kind != SLIDING:
-        rate, width = cfg.rate(layer), led.cmp[layer].shape[-1]
-        pooled = Pooled(_entries(led.entries[layer], seq, hit // rate, rate, model.dtype),
-                        *(2 * [torch.zeros(0, width, dtype=model.dtype)]), None, None)
-        if kind == CSA:
-            index_pooled = Pooled(_entries(led.keys[layer], seq, hit // rate, rate, model.dtype),
-                                  *(2 * [torch.zeros(0, led.idx[layer].shape[-1],
-                                                     dtype=model.dtype)]), None, None)
-    return AttentionParts(None, torch.zeros(0, cfg.head_dim, dtype=model.dtype), pooled,
-                          index_pooled, None)
-
-
-def _entries(table: torch.Tensor, seq: Sequence, n: int, rate: int, dtype) -> torch.Tensor:
-    starts = torch.arange(n) * rate
-    blocks = torch.tensor(seq.blocks, dtype=torch.long)[starts // BLOCK]
-    return table[blocks, (starts % BLOCK) // rate].to(dtype)
+    """A layer's prior for a replay: no window rows, the cached entries before `hit` (the
+    replay rebuilds the CSA overlap itself: `compressor.pool(given=...)`)."""
+    return _prior(model, led, seq, layer, hit, torch.zeros(0, model.cfg.head_dim,
+                                                          dtype=model.dtype), overlap=False)
 
 
 def _read(model: V4Model, led: Ledgers, seq: Sequence, layer: int) -> AttentionParts:
@@ -290,26 +254,33 @@ def _read(model: V4Model, led: Ledgers, seq: Sequence, layer: int) -> AttentionP
     window_pos = torch.arange(max(0, end - (cfg.window - 1)), end)
     ring = led.swa[layer][seq.slot]
     window = mxfp8.dequantize(ring[window_pos % ring.shape[0]], model.dtype)
-    kind = cfg.layer_kinds[layer]
+    return _prior(model, led, seq, layer, end, window, overlap=True)
+
+
+def _prior(model: V4Model, led: Ledgers, seq: Sequence, layer: int, length: int,
+           window: torch.Tensor, overlap: bool) -> AttentionParts:
+    kind = model.cfg.layer_kinds[layer]
     pooled = index_pooled = None
     if kind != SLIDING:
-        rate, w = cfg.rate(layer), model.attn[layer]
-        pooled = _pooled(led.cmp[layer][seq.slot], led.entries[layer], seq, rate, kind == CSA,
-                         w["compressor.ape"], model.dtype)
+        ape = model.attn[layer]
+        pooled = _pooled(led, seq, layer, False, length, kind == CSA and overlap,
+                         ape["compressor.ape"], model.dtype)
         if kind == CSA:
-            index_pooled = _pooled(led.idx[layer][seq.slot], led.keys[layer], seq, rate, True,
-                                   w["indexer.compressor.ape"], model.dtype)
+            index_pooled = _pooled(led, seq, layer, True, length, overlap,
+                                   ape["indexer.compressor.ape"], model.dtype)
     return AttentionParts(None, window, pooled, index_pooled, None)
 
 
-def _pooled(tail: torch.Tensor, table: torch.Tensor, seq: Sequence, rate: int, overlapping: bool,
+def _pooled(led: Ledgers, seq: Sequence, layer: int, index: bool, length: int, overlap: bool,
             ape: torch.Tensor, dtype: torch.dtype) -> Pooled:
-    """A compressor's state at the sequence's end, from its tail ring and its blocks."""
-    n = seq.length // rate
-    entries = _entries(table, seq, n, rate, dtype)
-    open_rows = tail[torch.arange(n * rate, seq.length) % tail.shape[0]].to(dtype)
+    """A compressor's state after `length` tokens, from its blocks and its tail ring."""
+    tail = (led.idx if index else led.cmp)[layer][seq.slot]
+    rate = led.cfg.rate(layer)
+    n = length // rate
+    entries = led.blocks.gather(seq.blocks, layer, n, keys=index).to(dtype)
+    open_rows = tail[torch.arange(n * rate, length) % tail.shape[0]].to(dtype)
     overlap_kv = overlap_gate = None
-    if overlapping and n:
+    if overlap and n:
         half = tail.shape[-1] // 2
         last = tail[torch.arange((n - 1) * rate, n * rate) % tail.shape[0]].to(dtype)
         overlap_kv, overlap_gate = last[:, 0, :half], last[:, 1, :half] + ape[:, :half]
@@ -325,23 +296,19 @@ def _write(model: V4Model, led: Ledgers, seq: Sequence, layer: int, positions: t
     ring[positions[-keep:] % ring.shape[0]] = mxfp8.quantize(parts.window_kv[-keep:])
     if parts.pooled is None:
         return
-    rate = model.cfg.rate(layer)
-    _write_compressor(led.cmp[layer][seq.slot], led.entries[layer], seq, rate, positions,
-                      parts.pooled, entries_from)
+    _write_compressor(led, seq, layer, False, positions, parts.pooled, entries_from)
     if parts.index_pooled is not None:
-        _write_compressor(led.idx[layer][seq.slot], led.keys[layer], seq, rate, positions,
-                          parts.index_pooled, entries_from)
+        _write_compressor(led, seq, layer, True, positions, parts.index_pooled, entries_from)
 
 
-def _write_compressor(tail: torch.Tensor, table: torch.Tensor, seq: Sequence, rate: int,
-                      positions: torch.Tensor, pooled: Pooled, entries_from: int = 0) -> None:
+def _write_compressor(led: Ledgers, seq: Sequence, layer: int, index: bool,
+                      positions: torch.Tensor, pooled: Pooled, entries_from: int) -> None:
+    tail = (led.idx if index else led.cmp)[layer][seq.slot]
     keep = min(positions.shape[0], tail.shape[0])
     rows = positions[-keep:] % tail.shape[0]
     tail[rows, 0] = pooled.new_kv[-keep:].float()
     tail[rows, 1] = pooled.new_gate[-keep:].float()
+    rate = led.cfg.rate(layer)
     old = max(seq.length, entries_from) // rate
     new = (seq.length + positions.shape[0]) // rate
-    if new > old:
-        starts = torch.arange(old, new) * rate
-        blocks = torch.tensor(seq.blocks, dtype=torch.long)[starts // BLOCK]
-        table[blocks, (starts % BLOCK) // rate] = pooled.entries[old:new].float()
+    led.blocks.scatter(seq.blocks, layer, old, pooled.entries[old:new], keys=index)

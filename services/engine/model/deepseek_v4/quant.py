@@ -42,32 +42,3 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     low, high = codes & 0x0F, codes >> 4
     values = FP4_VALUES[torch.stack([low, high], dim=-1).flatten(-2).long()]
     return values * scale_values(scale).repeat_interleave(FP4_RUN, dim=1)
-
-
-def quant_fp8(w: torch.Tensor, block: int, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse, for writing test checkpoints: per-tile scale = amax / 448 (a power of two
-    when `ue8m0`), q = e4m3(w / scale)."""
-    out, inp = w.shape
-    rows, cols = -(-out // block), -(-inp // block)
-    padded = w.float().new_zeros(rows * block, cols * block)
-    padded[:out, :inp] = w.float()
-    tiles = padded.view(rows, block, cols, block)
-    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale = amax / 448.0
-    if ue8m0:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (tiles / scale.view(rows, 1, cols, 1)).view(rows * block, cols * block)[:out, :inp]
-    q = q.to(torch.float8_e4m3fn)
-    return q, scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
-
-
-def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For test checkpoints: the nearest e2m1 code per value, UE8M0 scale per 32-run."""
-    out, inp = w.shape
-    runs = w.float().view(out, inp // FP4_RUN, FP4_RUN)
-    amax = runs.abs().amax(dim=-1).clamp(min=1e-12)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / 6.0)))
-    scaled = (runs / scale.unsqueeze(-1)).reshape(out, inp)
-    codes = (scaled.unsqueeze(-1) - FP4_VALUES).abs().argmin(dim=-1).to(torch.uint8)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)
