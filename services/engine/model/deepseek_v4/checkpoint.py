@@ -2,9 +2,11 @@
 
 A directory holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json`. Tensors are read one at a time through `safe_open`, after
-the whole plan (every name, shape and quantization) has been checked against the config
-and the memory the weights will take, so a bad or too-large checkpoint fails before any
-weight is read. Every failure is one `CheckpointError` line naming the file and the tensor.
+the plan has been checked against the config from the files' headers (the quantization
+settings, the memory the weights will take, every name, every unquantized tensor's shape),
+so those failures come before any weight is read; a quantized tensor's shape is checked
+once it is dequantized. Every failure is one `CheckpointError` line naming the file and
+the tensor.
 
 Names are DeepSeek's or transformers' (`names.py`); FP8 and FP4 weights are dequantized
 (`quant.py`).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -100,14 +103,12 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
     plan, scales = _plan(reader)
     expected = names.expected_shapes(cfg)
     _check_memory(expected, dtype, directory)
+    _check_plan(cfg, expected, plan, scales, reader, directory)
     weights: dict[str, torch.Tensor] = {}
     for name, shape in expected.items():
-        pieces = plan.get(name)
-        if not pieces:
-            raise CheckpointError(f"{directory}: missing tensor {name} (expected shape "
-                                  f"{list(shape)}) for the config's {_what(cfg, name)}")
-        value = _assemble(name, shape, pieces, reader, scales, block, cfg)
-        if value.shape != shape:
+        pieces = plan[name]
+        value = _assemble(name, shape, pieces, reader, scales, block)
+        if value.shape != shape:  # quantized or stacked: known once read
             stored = pieces[0][2]
             raise CheckpointError(f"{reader.files[stored]}: tensor {stored} has shape "
                                   f"{list(value.shape)}, expected {list(shape)}")
@@ -134,23 +135,46 @@ def _plan(reader: _Reader):
     return plan, scales
 
 
-def _assemble(name, shape, pieces, reader, scales, block, cfg) -> torch.Tensor:
+def _check_plan(cfg, expected, plan, scales, reader, directory) -> None:
+    """Before any tensor is read: every expected tensor (and every expert's part) is there,
+    and every one stored whole and unquantized has its expected shape (from the header)."""
+    for name, shape in expected.items():
+        pieces = plan.get(name)
+        if not pieces:
+            raise CheckpointError(f"{directory}: missing tensor {name} (expected shape "
+                                  f"{list(shape)}) for the config's {_what(cfg, name)}")
+        if pieces[0][0] is None:
+            stored = pieces[0][2]
+            if stored not in scales and reader.shape(stored) != shape:
+                raise CheckpointError(f"{reader.files[stored]}: tensor {stored} has shape "
+                                      f"{list(reader.shape(stored))}, expected {list(shape)}")
+            continue
+        have = _per_expert(pieces)
+        for e in range(shape[0]):
+            for part in _parts(name):
+                if part not in have.get(e, {}):
+                    raise CheckpointError(f"{reader.files[pieces[0][2]]}: missing tensor "
+                                          f"{name.rsplit('.', 1)[0]}.{e}.{part}.weight "
+                                          f"(the config has {cfg.n_experts} experts)")
+
+
+def _per_expert(pieces) -> dict[int, dict[str, str]]:
+    out: dict[int, dict[str, str]] = {}
+    for expert, part, stored in pieces:
+        out.setdefault(expert, {})[part] = stored
+    return out
+
+
+def _parts(name: str) -> tuple[str, ...]:
+    return ("w2",) if name.endswith("w2") else ("w1", "w3")
+
+
+def _assemble(name, shape, pieces, reader, scales, block) -> torch.Tensor:
     if pieces[0][0] is None:  # stored whole
         return _read(pieces[0][2], reader, scales, block)
-    per_expert: dict[int, dict[str, str]] = {}
-    for expert, part, stored in pieces:
-        per_expert.setdefault(expert, {})[part] = stored
-    parts = ("w2",) if name.endswith("w2") else ("w1", "w3")
-    stacked = []
-    for e in range(shape[0]):
-        stored = per_expert.get(e, {})
-        for part in parts:
-            if part not in stored:
-                raise CheckpointError(f"{reader.files[pieces[0][2]]}: missing tensor "
-                                      f"{name.rsplit('.', 1)[0]}.{e}.{part}.weight "
-                                      f"(the config has {cfg.n_experts} experts)")
-        stacked.append(torch.cat([_read(stored[p], reader, scales, block) for p in parts], dim=0))
-    return torch.stack(stacked)
+    have = _per_expert(pieces)
+    return torch.stack([torch.cat([_read(have[e][p], reader, scales, block) for p in _parts(name)])
+                        for e in range(shape[0])])
 
 
 def _read(stored: str, reader: _Reader, scales: dict[str, str], block: int) -> torch.Tensor:
@@ -207,18 +231,11 @@ def _fp8_block(cfg: V4Config, directory: Path) -> int:
 
 
 def _check_memory(expected: dict, dtype: torch.dtype, directory: Path) -> None:
-    need = sum(_numel(s) for s in expected.values()) * dtype.itemsize
+    need = sum(math.prod(s) for s in expected.values()) * dtype.itemsize
     available = _available_bytes()
     if available is not None and need > available:
         raise CheckpointError(f"{directory}: the weights take {need / 2**30:.1f} GiB as {dtype}, "
                               f"more than the {available / 2**30:.1f} GiB of memory available")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _available_bytes() -> int | None:
