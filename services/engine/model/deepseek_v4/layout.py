@@ -50,6 +50,13 @@ def tail_bytes(cfg: V4Config, kind: str) -> dict[str, int]:
     return {}
 
 
+def overlap_bytes(cfg: V4Config) -> int:
+    """What a snapshot carries beyond the rings: per CSA layer, the A series (kv and gate,
+    fp32) of the m tokens before its position, for the compressor and the indexer."""
+    return (cfg.layer_kinds.count(CSA) * cfg.csa_rate * 2
+            * (cfg.head_dim + cfg.index_head_dim) * FP32)
+
+
 def block_bytes_per_layer(cfg: V4Config, kind: str) -> int:
     if kind == CSA:
         return BLOCK_TOKENS // cfg.csa_rate * (cfg.head_dim + cfg.index_head_dim) * FP32
@@ -80,8 +87,7 @@ def report(cfg: V4Config, extra_state: bool = False, memory: int | None = None) 
             "state_size_to_disk": cfg.num_layers * ring_rows(cfg, False) * row,
             # a snapshot also carries each CSA layer's overlap: the A series (kv, gate) of the
             # window before its position, for the compressor and the indexer (snapshots.py)
-            "snapshot_bytes": cfg.num_layers * ring_rows(cfg, False) * row
-            + kinds[CSA] * cfg.csa_rate * 2 * (cfg.head_dim + cfg.index_head_dim) * FP32,
+            "snapshot_bytes": cfg.num_layers * ring_rows(cfg, False) * row + overlap_bytes(cfg),
             "padding": padding,
             "compression_tail_bytes_per_layer": tails, "compression_bytes": compression,
             "mtp_ring_bytes": cfg.num_mtp_layers * ring_rows(cfg, False) * row,

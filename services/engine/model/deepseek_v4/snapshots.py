@@ -39,9 +39,7 @@ class Snapshot:
 
 
 def overlap_bytes(led: Ledgers) -> int:
-    cfg = led.cfg
-    return sum(cfg.csa_rate * (cfg.head_dim + cfg.index_head_dim) * 4 * 2
-               for kind in cfg.layer_kinds if kind == CSA)
+    return layout.overlap_bytes(led.cfg)
 
 
 def take(led: Ledgers, seq: Sequence) -> Snapshot:
@@ -99,10 +97,11 @@ def restore(led: Ledgers, seq: Sequence, snap: Snapshot) -> None:
     if len(seq.blocks) != snap.position // BLOCK or seq.length:
         raise ValueError(f"restore: the sequence needs exactly the prefix's "
                          f"{snap.position // BLOCK} blocks and no tokens")
-    rings = torch.frombuffer(bytearray(snap.rings), dtype=torch.uint8)
     rows, row_bytes = layout.ring_rows(led.cfg, extra_state=False), layout.row_bytes(led.cfg)
-    if rings.numel() != len(led.swa) * rows * row_bytes:
-        raise ValueError("restore: the snapshot's rings do not fit this engine's slot layout")
+    if len(snap.rings) != len(led.swa) * rows * row_bytes \
+            or len(snap.overlap) != layout.overlap_bytes(led.cfg):
+        raise ValueError("restore: the snapshot does not fit this engine's slot layout")
+    rings = torch.frombuffer(bytearray(snap.rings), dtype=torch.uint8)
     for k, i in enumerate(sorted(led.swa)):
         one = rings[k * rows * row_bytes:(k + 1) * rows * row_bytes].view(rows, row_bytes)
         led.swa[i][seq.slot].copy_(rering(one, snap.position, led.swa[i].shape[1]))
@@ -116,8 +115,6 @@ def restore(led: Ledgers, seq: Sequence, snap: Snapshot) -> None:
             n = rows.numel() * 2 * half
             tail[seq.slot][rows, :, :half] = overlap[start:start + n].view(-1, 2, half)
             start += n
-    if start != overlap.numel():
-        raise ValueError("restore: the snapshot's overlap does not fit this engine's layout")
     seq.length = snap.position
 
 
