@@ -38,7 +38,9 @@ class ByteTokenizer:
 class HFTokenizer:
     """A tokenizer.json loaded through the `tokenizers` library."""
 
-    def __init__(self, path: str | Path, eos_token: str | None = None):
+    def __init__(self, path: str | Path, eos_token: str | None = None, eos_id: int | None = None):
+        """`eos_id` (a checkpoint config's eos_token_id) wins over `eos_token`, which wins
+        over the usual end-of-text names."""
         from tokenizers import Tokenizer
 
         self.path = str(path)
@@ -46,7 +48,7 @@ class HFTokenizer:
         self.vocab_size = self.tok.get_vocab_size()
         eos = eos_token or next((t for t in ("</s>", "<|endoftext|>", "<eos>")
                                  if self.tok.token_to_id(t) is not None), None)
-        self._eos = self.tok.token_to_id(eos) if eos else None
+        self._eos = eos_id if eos_id is not None else (self.tok.token_to_id(eos) if eos else None)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

@@ -35,7 +35,12 @@ ITL_RATIO = 1.6
 def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     """Adds the group of model and cache flags; returns it."""
     g = p.add_argument_group(title)
-    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
+    g.add_argument("--model", default=None,
+                   help="a DeepSeek V4 checkpoint directory (config.json, safetensors, "
+                        "tokenizer.json): served instead of a V4-mini preset (default: none, "
+                        "the --preset model; docs/deepseek-v4.md)")
+    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="V4-mini model size (without --model)")
     g.add_argument("--checkpoint", help="safetensors file (default for tiny: the shipped "
                                         "models/v4-mini-tiny checkpoint)")
     g.add_argument("--random-weights", action="store_true",
@@ -134,8 +139,10 @@ def runtime_layout(args, env=None) -> tuple[ModelConfig, EngineConfig, RuntimeLa
 
 
 def build_core(args):
-    """-> EngineCore. torch is imported here, not at module import: `kvmesh --help` and the
-    remote `kvmesh generate` stay fast."""
+    """-> EngineCore, or V4Engine for --model. torch is imported here, not at module
+    import: `kvmesh --help` and the remote `kvmesh generate` stay fast."""
+    if getattr(args, "model", None):
+        return build_v4_core(args)
     import torch
 
     from kernels import cpu_ring
@@ -164,9 +171,7 @@ def checkpoint_path(args) -> Path | None:
         if path.is_dir():
             if (path / "config.json").exists():
                 raise ValueError(f"--checkpoint {path} is a Hugging Face checkpoint directory: "
-                                 "the engine does not serve DeepSeek V4 checkpoints yet; "
-                                 f"`kvmesh score --model {path}` runs its forward "
-                                 "(docs/deepseek-v4.md)")
+                                 f"serve it with --model {path} (docs/deepseek-v4.md)")
             raise ValueError(f"--checkpoint {path} is a directory, not a safetensors file")
         return path
     default = DEFAULT_CHECKPOINTS.get(args.preset)
@@ -187,3 +192,41 @@ def default_weights(preset_name: str = "tiny", random_weights: bool = False):
     args = argparse.Namespace(preset=preset_name, checkpoint=None, random_weights=random_weights)
     path = checkpoint_path(args)
     return weights_mod.load(path, preset(preset_name)) if path else None
+
+
+def build_v4_core(args):
+    """A V4Engine serving the DeepSeek V4 checkpoint in --model DIR, with its tokenizer."""
+    import torch
+
+    from services.engine.core.v4_engine import V4Engine
+    from services.engine.model.deepseek_v4 import window_rows
+    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+    from services.engine.model.deepseek_v4.forward import V4Model
+
+    given = [flag for flag, on in (("--checkpoint", args.checkpoint),
+                                   ("--random-weights", args.random_weights),
+                                   ("--preset", args.preset != "tiny")) if on]
+    if given:
+        raise ValueError(f"--model excludes {', '.join(given)} (those choose a V4-mini model)")
+    if args.device not in (None, "auto", "cpu"):
+        raise ValueError(f"--device {args.device}: DeepSeek V4 checkpoints run on the CPU for now")
+    directory = Path(args.model)
+    ecfg = engine_config(args)
+    dtype = getattr(torch, ecfg.dtype)
+    cfg, weights = load_checkpoint(directory, dtype)
+    tokenizer = v4_tokenizer(directory, cfg, args.tokenizer)
+    model = V4Model(cfg, weights, dtype, stored=True, rows=window_rows.for_dtype(dtype))
+    return V4Engine(model, ecfg, tokenizer, name=directory.resolve().name)
+
+
+def v4_tokenizer(directory: Path, cfg, path: str | None = None):
+    """--tokenizer, else the checkpoint's tokenizer.json; its end token is the config's
+    eos_token_id. ValueError when there is neither."""
+    from kvmesh.tokenizer import HFTokenizer
+
+    path = Path(path) if path else directory / "tokenizer.json"
+    if not path.exists():
+        raise ValueError(f"{path}: no such file (a DeepSeek V4 checkpoint directory needs its "
+                         "tokenizer.json, or pass --tokenizer)")
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
+    return HFTokenizer(path, eos_id=eos)

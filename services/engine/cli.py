@@ -47,11 +47,9 @@ def register(sub) -> None:
     lay.add_argument("--memory", type=_budget, default=None,
                      help="cache memory budget (e.g. 80GiB): slots and blocks that fit it "
                      "(default: none, no budget report)")
-    v4 = lay.add_mutually_exclusive_group()
-    v4.add_argument("--model", help="a DeepSeek V4 checkpoint directory: both ledgers from its "
-                    "config.json (engine flags other than --extra-state and --memory do not apply; "
-                    "default: none, the V4-mini engine flags decide)")
-    v4.add_argument("--config", help="a DeepSeek V4 config.json, as --model (default: none)")
+    lay.add_argument("--config", help="a DeepSeek V4 config.json: both ledgers from it, as "
+                     "--model DIR (engine flags other than --extra-state and --memory do not "
+                     "apply; default: none)")
     add_engine_args(lay)
     lay.set_defaults(func=_layout)
 
@@ -92,6 +90,9 @@ def _serve(args) -> int:
     from services.engine.rpc.server import serve
 
     try:
+        if args.model and (args.directory or args.kvstore):
+            raise ValueError("--directory and --kvstore: not served for DeepSeek V4 "
+                             "checkpoints yet (docs/deepseek-v4.md)")
         core = build_core(args)
     except ValueError as exc:
         print(f"kvmesh engine: {exc}", file=sys.stderr)
@@ -130,12 +131,17 @@ def _layout(args) -> int:
 
 def _v4_layout(args) -> int:
     from services.engine.model.deepseek_v4 import layout as v4_layout
+    from services.engine.model.deepseek_v4 import window_rows
     from services.engine.model.deepseek_v4.config import read_config
     from services.engine.model.deepseek_v4.errors import CheckpointError
 
+    if args.model and args.config:
+        print("kvmesh engine layout: give --model or --config, not both", file=sys.stderr)
+        return 2
     try:
         report = v4_layout.report(read_config(args.model or args.config),
-                                  extra_state=bool(args.extra_state), memory=args.memory)
+                                  extra_state=bool(args.extra_state), memory=args.memory,
+                                  rows_format=window_rows.for_dtype(args.dtype))
     except (CheckpointError, ValueError) as exc:
         print(f"kvmesh engine layout: {exc}", file=sys.stderr)
         return 2

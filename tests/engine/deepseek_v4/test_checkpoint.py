@@ -166,8 +166,8 @@ def test_engine_checkpoint_flag_explains_a_deepseek_directory(hf, tmp_path):
 
     from services.engine.build import checkpoint_path
     args = argparse.Namespace(random_weights=False, checkpoint=str(hf[1]), preset="tiny")
-    with pytest.raises(ValueError, match="does not serve DeepSeek V4 checkpoints yet; "
-                                         "`kvmesh score --model"):
+    with pytest.raises(ValueError, match="is a Hugging Face checkpoint directory: serve it "
+                                         "with --model"):
         checkpoint_path(args)
     args.checkpoint = str(tmp_path)
     with pytest.raises(ValueError, match="is a directory, not a safetensors file"):

@@ -46,4 +46,4 @@ def test_cli_prints_the_same_numbers():
     assert json.loads(run.stdout) == json.loads(json.dumps(layout.report(read_config(FLASH))))
     table = subprocess.run([sys.executable, "-m", "kvmesh.cli", "engine", "layout", "--config",
                             str(FLASH)], capture_output=True, text=True, timeout=60).stdout
-    assert "134 rows x 528 B x 43 layers = 3,042,336 B" in table
+    assert "134 rows x 528 B (mxfp8) x 43 layers = 3,042,336 B" in table

@@ -18,8 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import mxfp8
-from services.engine.model.deepseek_v4 import compressor
+from services.engine.model.deepseek_v4 import compressor, window_rows
 from services.engine.model.deepseek_v4.config import CSA, HCA, V4Config
 from services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm, unit_rms_norm
 
@@ -63,15 +62,16 @@ def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, grou
 
 def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
               tables, prior: AttentionParts | None = None, stored: bool = False,
-              given: int = 0) -> AttentionParts:
+              given: int = 0, rows: str = "mxfp8") -> AttentionParts:
     """One attention sub-block over consecutive tokens at `positions`.
 
     w: the layer's weights under `attn.`; tables: the model's RoPE tables (`RopeTables`).
     prior: what this layer kept of the earlier tokens (None: the sequence starts here):
     `window_kv` holds at least the last W - 1 of their rows, `pooled` / `index_pooled` the
     compressors' state. The result's `window_kv` is those rows followed by this call's.
-    stored: round what the engine's ledgers keep as they keep it: window rows through MXFP8
-    (the state slot's ring), compressor projections and entries to fp32 (`compressor.pool`).
+    stored: round what the engine's ledgers keep as they keep it: window rows in the ring's
+    format `rows` (window_rows.py), compressor projections and entries to fp32
+    (`compressor.pool`).
     given: bounded replay; the first `given` rows' compressed entries are the prior's
     (`compressor.pool`).
     """
@@ -85,7 +85,7 @@ def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: to
     q = apply_rope(q, cos, sin)
     kv = apply_rope(rms_norm(F.linear(x, w["wkv.weight"]), w["norm.weight"], cfg.rms_eps), cos, sin)
     if stored:
-        kv = mxfp8.fake_quantize(kv)
+        kv = window_rows.round_like_stored(rows, kv)
 
     if prior is not None:
         kv = torch.cat([prior.window_kv, kv])

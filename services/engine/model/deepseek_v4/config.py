@@ -78,6 +78,7 @@ class V4Config:
     num_mtp_layers: int = 1
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
+    max_position: int = 1048576            # max_position_embeddings: prompt + output at most
     # None, or the checkpoint's quantization_config (the loader decides what it can read)
     quantization: dict | None = None
 
@@ -179,6 +180,7 @@ def config_from_dict(raw: dict) -> V4Config:
         num_mtp_layers=_int(raw, "num_nextn_predict_layers", 1),
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        max_position=_int(raw, "max_position_embeddings", 1048576),
         quantization=_quantization(raw))
 
 

@@ -33,14 +33,16 @@ class RopeTables:
 class V4Model:
     """A loaded DeepSeek V4: config, weights (read-only) and RoPE tables.
 
-    stored: compute with what the engine's ledgers keep (MXFP8 window rows, fp32 compressor
-    state and entries; see `attention`): the oracle of the engine's cached path. Off, the
-    forward is the reference's (what `kvmesh score` runs and transformers computes).
+    stored: compute with what the engine's ledgers keep (window rows in the ring's format
+    `rows`, window_rows.py; fp32 compressor state and entries; see `attention`): the oracle
+    of the engine's cached path. Off, the forward is the reference's (what `kvmesh score`
+    runs and transformers computes).
     """
 
     def __init__(self, cfg: V4Config, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 stored: bool = False):
+                 stored: bool = False, rows: str = "mxfp8"):
         self.cfg, self.weights, self.dtype, self.stored = cfg, weights, dtype, stored
+        self.rows = rows
         self.tables = RopeTables(cfg, dtype)
         self.layers = [_sub(weights, f"layers.{i}.") for i in range(cfg.num_layers)]
         self.attn = [_sub(w, "attn.") for w in self.layers]
@@ -64,7 +66,7 @@ class V4Model:
         for positions, prior, *given in spans:
             end = start + positions.shape[0]
             parts.append(attention(cfg, i, self.attn[i], x[start:end], positions, self.tables,
-                                   prior, self.stored, *given))
+                                   prior, self.stored, *given, rows=self.rows))
             start = end
         out = parts[0].out if len(parts) == 1 else torch.cat([p.out for p in parts])
         streams = hyper.expand(streams, out, post, comb)

@@ -20,7 +20,7 @@ the engine's block store keeps them. Sliding-only layers put nothing in blocks.
 
 from __future__ import annotations
 
-from kernels import mxfp8
+from services.engine.model.deepseek_v4 import window_rows
 from services.engine.model.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 
 FP32 = 4
@@ -30,8 +30,9 @@ PREFILL_STORE_EXTRA = 128
 KEEP_TOKENS = 134
 
 
-def row_bytes(cfg: V4Config) -> int:
-    return mxfp8.token_bytes(cfg.head_dim)
+def row_bytes(cfg: V4Config, rows: str = "mxfp8") -> int:
+    """One ring row (window_rows.py: 528 B MXFP8 at head_dim 512; exact in float64)."""
+    return window_rows.row_bytes(rows, cfg.head_dim)
 
 
 def ring_rows(cfg: V4Config, extra_state: bool) -> int:
@@ -65,11 +66,12 @@ def block_bytes_per_layer(cfg: V4Config, kind: str) -> int:
     return 0
 
 
-def report(cfg: V4Config, extra_state: bool = False, memory: int | None = None) -> dict:
+def report(cfg: V4Config, extra_state: bool = False, memory: int | None = None,
+           rows_format: str = "mxfp8") -> dict:
     for rate in (cfg.csa_rate, cfg.hca_rate):
         if BLOCK_TOKENS % rate:
             raise ValueError(f"compress rate {rate} does not divide the {BLOCK_TOKENS}-token block")
-    rows, row = ring_rows(cfg, extra_state), row_bytes(cfg)
+    rows, row = ring_rows(cfg, extra_state), row_bytes(cfg, rows_format)
     kinds = {k: cfg.layer_kinds.count(k) for k in (SLIDING, CSA, HCA)}
     swa = cfg.num_layers * rows * row
     tails = {k: tail_bytes(cfg, k) for k in (CSA, HCA)}
@@ -82,7 +84,7 @@ def report(cfg: V4Config, extra_state: bool = False, memory: int | None = None) 
                   "head_dim": cfg.head_dim, "csa_rate": cfg.csa_rate, "hca_rate": cfg.hca_rate,
                   "index_head_dim": cfg.index_head_dim, "mtp_layers": cfg.num_mtp_layers},
         "state_slot": {
-            "swa_row_bytes": row, "swa_ring_rows": rows, "extra_state": extra_state,
+            "swa_row_format": rows_format, "swa_row_bytes": row, "swa_ring_rows": rows, "extra_state": extra_state,
             "swa_bytes_per_layer": rows * row, "swa_bytes": swa,
             "state_size_to_disk": cfg.num_layers * ring_rows(cfg, False) * row,
             # a snapshot also carries each CSA layer's overlap: the A series (kv, gate) of the
@@ -113,8 +115,9 @@ def table(rep: dict) -> str:
         f"CSA m={m['csa_rate']}, {m['by_kind']['hca']} HCA m={m['hca_rate']}), window "
         f"{m['window']}, head_dim {m['head_dim']}",
         "state slot (one per running sequence):",
-        f"  SWA ring         {s['swa_ring_rows']} rows x {s['swa_row_bytes']} B x {m['layers']} "
-        f"layers = {s['swa_bytes']:,} B" + ("  (--extra-state)" if s["extra_state"] else ""),
+        f"  SWA ring         {s['swa_ring_rows']} rows x {s['swa_row_bytes']} B "
+        f"({s['swa_row_format']}) x {m['layers']} layers = {s['swa_bytes']:,} B"
+        + ("  (--extra-state)" if s["extra_state"] else ""),
         f"  persisted prefix {s['state_size_to_disk']:,} B (134-row rings); a snapshot "
         f"{s['snapshot_bytes']:,} B with the CSA overlap",
     ]

@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import mxfp8
 from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_layout import Region
-from services.engine.model.deepseek_v4 import layout
+from services.engine.model.deepseek_v4 import layout, window_rows
 from services.engine.model.deepseek_v4.attention import AttentionParts
 from services.engine.model.deepseek_v4.compressor import Pooled
 from services.engine.model.deepseek_v4.config import CSA, SLIDING, V4Config
@@ -45,10 +44,10 @@ BLOCK = layout.BLOCK_TOKENS
 class SlotLayout:
     """Every region of one state slot, walked, and checked against layout.py's closed form."""
 
-    def __init__(self, cfg: V4Config, extra_state: bool = False):
-        self.cfg = cfg
+    def __init__(self, cfg: V4Config, extra_state: bool = False, rows: str = "mxfp8"):
+        self.cfg, self.rows = cfg, rows
         self.ring = layout.ring_rows(cfg, extra_state)
-        self.row_bytes = layout.row_bytes(cfg)
+        self.row_bytes = layout.row_bytes(cfg, rows)
         self.regions: list[Region] = []
         self.slot_bytes = 0
         for i in range(cfg.num_layers):
@@ -61,7 +60,7 @@ class SlotLayout:
                       "float32")
             if kind == CSA:
                 self._add("idx", i, (self.tail_rows(kind), 2, 2 * cfg.index_head_dim), "float32")
-        closed = layout.report(cfg, extra_state)["state_slot"]["bytes"]
+        closed = layout.report(cfg, extra_state, rows_format=rows)["state_slot"]["bytes"]
         if self.slot_bytes != closed:
             raise AssertionError(f"state layout drift: the regions take {self.slot_bytes} B, "
                                  f"layout.py computes {closed} B")
@@ -105,9 +104,11 @@ class Ledgers:
     `step` / `extend` / `replay` and by snapshots.py's `restore`, `install_blocks` and
     `hand_off`; `rollback` changes nothing but lengths and block tables."""
 
-    def __init__(self, cfg: V4Config, num_slots: int, num_blocks: int, extra_state: bool = False):
+    def __init__(self, cfg: V4Config, num_slots: int, num_blocks: int, extra_state: bool = False,
+                 rows: str = "mxfp8"):
         self.cfg = cfg
-        self.slot_layout = SlotLayout(cfg, extra_state)
+        self.slot_layout = SlotLayout(cfg, extra_state, rows)
+        self.rows = rows                   # the rings' row format (window_rows.py)
         self.data = torch.zeros(num_slots, self.slot_layout.slot_bytes, dtype=torch.uint8)
         self.swa: dict[int, torch.Tensor] = {}
         self.cmp: dict[int, torch.Tensor] = {}
@@ -125,6 +126,10 @@ class Ledgers:
 
     def block_bytes(self) -> int:
         return self.blocks.payload_bytes()
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
 
     def open(self) -> Sequence:
         if not self._free_slots:
@@ -173,8 +178,7 @@ def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]]) 
     """One forward over several sequences' next tokens (decode rows and prefill chunks
     together, one sequence once): per-token work runs over all rows, attention per sequence.
     Returns each work's logits [len(ids), vocab]."""
-    if not model.stored:
-        raise ValueError("the ledger path needs a model built with stored=True")
+    _check_model(model, led)
     chunks = [torch.as_tensor(ids).reshape(-1).long() for _, ids in works]
     for k, chunk in enumerate(chunks):
         if chunk.numel() == 0:
@@ -206,8 +210,7 @@ def replay(model: V4Model, led: Ledgers, seq: Sequence, prompt: list[int], hit: 
     are read, never recomputed or overwritten; the CSA overlap at `hit` comes from the
     replayed rows. The cost does not grow with the prefix. Returns the logits of the
     replayed rows; the sequence then stands at len(prompt), approximate by design."""
-    if not model.stored:
-        raise ValueError("the ledger path needs a model built with stored=True")
+    _check_model(model, led)
     if seq.length or hit % BLOCK or not 0 < hit < len(prompt) or len(seq.blocks) != hit // BLOCK:
         raise ValueError(f"replay: an empty sequence holding the {hit // BLOCK} blocks of a "
                          f"hit at a positive multiple of {BLOCK} below the prompt's length")
@@ -242,6 +245,12 @@ def rollback(led: Ledgers, seq: Sequence, length: int) -> None:
     seq.length = length
 
 
+def _check_model(model: V4Model, led: Ledgers) -> None:
+    if not model.stored or model.rows != led.rows:
+        raise ValueError(f"the ledger path needs a model built with stored=True and "
+                         f"rows={led.rows!r}, the rings' format")
+
+
 def _cached_only(model: V4Model, led: Ledgers, seq: Sequence, layer: int, hit: int):
     """A layer's prior for a replay: no window rows, the cached entries before `hit` (the
     replay rebuilds the CSA overlap itself: `compressor.pool(given=...)`)."""
@@ -253,7 +262,7 @@ def _read(model: V4Model, led: Ledgers, seq: Sequence, layer: int) -> AttentionP
     cfg, end = model.cfg, seq.length
     window_pos = torch.arange(max(0, end - (cfg.window - 1)), end)
     ring = led.swa[layer][seq.slot]
-    window = mxfp8.dequantize(ring[window_pos % ring.shape[0]], model.dtype)
+    window = window_rows.decode(led.rows, ring[window_pos % ring.shape[0]], model.dtype)
     return _prior(model, led, seq, layer, end, window, overlap=True)
 
 
@@ -293,7 +302,7 @@ def _write(model: V4Model, led: Ledgers, seq: Sequence, layer: int, positions: t
     cached ones (a replay's) and stay as they are."""
     ring = led.swa[layer][seq.slot]
     keep = min(positions.shape[0], ring.shape[0])   # a chunk longer than the ring keeps its end
-    ring[positions[-keep:] % ring.shape[0]] = mxfp8.quantize(parts.window_kv[-keep:])
+    ring[positions[-keep:] % ring.shape[0]] = window_rows.encode(led.rows, parts.window_kv[-keep:])
     if parts.pooled is None:
         return
     _write_compressor(led, seq, layer, False, positions, parts.pooled, entries_from)

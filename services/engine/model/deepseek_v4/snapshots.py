@@ -97,7 +97,7 @@ def restore(led: Ledgers, seq: Sequence, snap: Snapshot) -> None:
     if len(seq.blocks) != snap.position // BLOCK or seq.length:
         raise ValueError(f"restore: the sequence needs exactly the prefix's "
                          f"{snap.position // BLOCK} blocks and no tokens")
-    rows, row_bytes = layout.ring_rows(led.cfg, extra_state=False), layout.row_bytes(led.cfg)
+    rows, row_bytes = layout.ring_rows(led.cfg, extra_state=False), led.slot_layout.row_bytes
     if len(snap.rings) != len(led.swa) * rows * row_bytes \
             or len(snap.overlap) != layout.overlap_bytes(led.cfg):
         raise ValueError("restore: the snapshot does not fit this engine's slot layout")

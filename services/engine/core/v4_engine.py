@@ -1,0 +1,341 @@
+"""V4Engine: what EngineCore is for V4-mini, for a DeepSeek V4 checkpoint.
+
+The same interface (add_request / step / abort / has_work / stats / counters / cfg /
+tokenizer / prefix), so AsyncEngine, the gRPC service and `kvmesh generate --local` run it
+unchanged; `build.build_core` picks it by the checkpoint's model_type. Underneath it is the
+model package's ledger path (services/engine/model/deepseek_v4/ledgers.py): every token's
+state lives in the engine's state slots and blocks, and one step is one `ledgers.step` over
+all running sequences (decode rows first, then prefill chunks, within the token budget).
+
+Owners, all on the engine thread: V4Engine owns `requests`, `outputs`, `waiting`,
+`running`, `counters` and every V4Request's fields; the Ledgers own slots and blocks;
+V4Prefix owns the snapshot store.
+
+Admission is by worst case: a request is admitted only when a slot is free and the blocks
+its whole generation can need (prompt + max_tokens) are free beside what running requests
+may still take, so a running request never waits for a block and nothing is preempted.
+
+Not yet on this path (refused at start-up, naming the flag): speculative decoding, PD
+roles and --extra-state, YOCO truncation, the kvstore and the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvmesh import cachekeys
+from kvmesh.errors import InvalidArgument
+from kvmesh.generation import check_traffic_class
+from services.engine.config import EngineConfig
+from services.engine.core.events import COUNTERS, Event, Hooks
+from services.engine.core.output import OutputState
+from services.engine.core.sampling import SamplingParams, draw_batch, read_ids
+from services.engine.core.sequence import Finish
+from services.engine.core.v4_prefix import Match, V4Prefix
+from services.engine.model.deepseek_v4 import ledgers
+from services.engine.model.deepseek_v4.config import V4Config
+from services.engine.model.deepseek_v4.forward import V4Model
+from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the mesh reads of the served model: GetModelInfo's fields (the gateway parses
+    name, vocab_size, block_size, window and max_seq_len from the JSON), and the model
+    fingerprint every block hash and snapshot key carries."""
+    name: str
+    model: V4Config
+    block_size: int = BLOCK
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def window(self) -> int:
+        return self.model.window
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.max_position
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "model_type": "deepseek_v4",
+                           "vocab_size": self.vocab_size, "block_size": self.block_size,
+                           "window": self.window, "max_seq_len": self.max_seq_len,
+                           "config": asdict(self.model)}, sort_keys=True)
+
+    def fingerprint(self) -> str:
+        return cachekeys.model_fingerprint(json.loads(self.to_json()))
+
+
+@dataclass(eq=False)
+class V4Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    salt: str = ""
+    traffic_class: str = ""
+    output: list[int] = field(default_factory=list)
+    finish: Finish | None = None
+    seq: ledgers.Sequence | None = None      # slot and block table while admitted
+    chain: list[bytes] = field(default_factory=list)   # hashes of its complete blocks
+    registered: int = 0                       # blocks registered for sharing
+    snapshot_at: int | None = None            # the prompt boundary to snapshot at
+    replay: Match | None = None               # a bounded replay the next step runs
+    cached_tokens: int = 0
+    replayed_tokens: int = 0
+    recomputed_tokens: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def pending(self) -> int:
+        """Tokens to compute before the next sample."""
+        return len(self.prompt) + len(self.output) - self.seq.length
+
+    def max_blocks(self) -> int:
+        """Blocks its whole generation can need: every token but the last one is computed."""
+        return -(-(len(self.prompt) + self.params.max_tokens) // BLOCK)
+
+
+class V4Engine:
+    def __init__(self, model: V4Model, ecfg: EngineConfig, tokenizer, name: str):
+        _refuse_unsupported(ecfg)
+        if not model.stored:
+            raise ValueError("V4Engine needs a model built with stored=True (ledger roundings)")
+        self.model, self.ecfg, self.tokenizer = model, ecfg, tokenizer
+        self.cfg = ServedModel(name, model.cfg)
+        if tokenizer.vocab_size > model.cfg.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
+                             f"{model.cfg.vocab_size}")
+        self.ledgers = Ledgers(model.cfg, ecfg.num_slots, ecfg.num_blocks, rows=model.rows)
+        self.prefix = V4Prefix(self.ledgers, self.cfg.fingerprint(), ecfg.snapshot_period,
+                               ecfg.snapshot_bytes, ecfg.snapshot_ttl_min)
+        self.prefix.store.on_put = lambda snap: self.counters.update(snapshot_stores=1)
+        self.hooks = Hooks()
+        self.requests: dict[str, V4Request] = {}
+        self.outputs: dict[str, OutputState] = {}
+        self.waiting: deque[V4Request] = deque()
+        self.running: list[V4Request] = []
+        self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
+        self.prefill_token_s = 0.0
+
+    # --- requests ----------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
+                    salt: str = "", traffic_class: str = "", prefetched=None, resume: int = 0,
+                    handoff: bool = False) -> V4Request:
+        """As EngineCore.add_request. `prefetched` (remote tiers) is never given here: the
+        engine refuses --kvstore and --directory for DeepSeek V4 at start-up."""
+        params.validate(self.cfg.vocab_size)
+        if handoff:
+            raise InvalidArgument("handoff: prefill/decode disaggregation is not served for "
+                                  "DeepSeek V4 yet")
+        if not prompt_ids:
+            raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise InvalidArgument(f"prompt_token_ids {bad[:5]} are outside [0, {self.cfg.vocab_size})")
+        if not 0 <= resume < min(len(prompt_ids), params.max_tokens):
+            raise InvalidArgument(f"resume_generated must be in [0, min(prompt length, max_tokens)) "
+                                  f"= [0, {min(len(prompt_ids), params.max_tokens)}), got {resume}")
+        n_prompt = len(prompt_ids) - resume
+        if n_prompt + params.max_tokens > self.cfg.max_seq_len:
+            raise InvalidArgument(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) "
+                                  f"exceeds the model's maximum of {self.cfg.max_seq_len} tokens")
+        check_traffic_class(traffic_class)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidArgument(f"request_id {request_id!r} is already running")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        req = V4Request(request_id, list(prompt_ids[:n_prompt]), params, seed, salt,
+                        traffic_class, output=list(prompt_ids[n_prompt:]))
+        if req.max_blocks() > self.ecfg.num_blocks:
+            raise InvalidArgument(f"prompt + max_tokens need {req.max_blocks()} cache blocks, "
+                                  f"this engine has {self.ecfg.num_blocks} x {BLOCK} tokens")
+        out = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
+        out.resume(req.output)            # raises InvalidArgument if they already finished
+        self.requests[request_id] = req
+        self.outputs[request_id] = out
+        self.waiting.append(req)
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(prompt_ids)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and req.finish is None:
+            self._release(req, Finish.ABORTED)
+            self.counters["aborted"] += 1
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        self._admit()
+        logits: dict[str, torch.Tensor] = {}
+        for req in [r for r in self.running if r.replay is not None]:
+            logits[req.request_id] = self._replay(req)
+        works = self._plan([r for r in self.running if r.request_id not in logits])
+        if works:
+            outs = ledgers.step(self.model, self.ledgers, [(r.seq, ids) for r, ids in works])
+            for (req, ids), out in zip(works, outs, strict=True):
+                self.counters["computed_tokens"] += len(ids)
+                self._after(req)
+                if req.pending == 0:
+                    logits[req.request_id] = out[-1]
+        self.counters["steps"] += 1
+        if self.counters["steps"] % 256 == 0:
+            self.prefix.store.expire()
+        ready = [r for r in self.running if r.request_id in logits]
+        parts, where = draw_batch([(logits[r.request_id], r.params, len(r.output), r.seed)
+                                   for r in ready])
+        read = read_ids(parts)
+        return [self._emit(req, read[part][at]) for req, (part, at) in
+                zip(ready, where, strict=True)]
+
+    def _admit(self) -> None:
+        """Waiting requests in order, while a slot and their worst-case blocks are free."""
+        pool = self.ledgers.pool
+        while self.waiting and len(self.running) < self.ecfg.max_running \
+                and self.ledgers.free_slots:
+            req = self.waiting[0]
+            match = self.prefix.match(req.chain, req.tokens, req.salt)
+            revived = sum(1 for b in match.blocks if pool.ref_cnt[b] == 0)
+            owed = sum(r.max_blocks() - len(r.seq.blocks) for r in self.running)
+            if req.max_blocks() - len(match.blocks) > pool.num_free - revived - owed:
+                return
+            self.waiting.popleft()
+            req.seq = self.ledgers.open()
+            self.prefix.start(req.seq, match)
+            req.registered = len(match.blocks)
+            req.cached_tokens = match.tokens
+            at = self.prefix.snapshot_position(len(req.tokens))
+            req.snapshot_at = at if at is not None and at > match.tokens else None
+            if match.replay:
+                req.replay = match
+            self._count_hit(match)
+            self.running.append(req)
+
+    def _count_hit(self, match: Match) -> None:
+        if not match.blocks:
+            return
+        c = self.counters
+        c["cache_hit_tokens"] += match.tokens
+        c["block_hits_local"] += len(match.blocks)
+        if match.replay:
+            c["snapshot_misses"] += 1
+            c["replayed_tokens"] += BLOCK
+        else:
+            c["snapshot_hits"] += 1
+
+    def _plan(self, reqs: list[V4Request]) -> list[tuple[V4Request, list[int]]]:
+        """This step's tokens per request: every decode row first (one token each), then
+        prefill chunks in admission order within --max-batched-tokens and
+        --long-prefill-chunk, a chunk ending at its request's snapshot position."""
+        budget = self.ecfg.max_batched_tokens
+        decodes = [r for r in reqs if r.pending == 1]
+        works = [(r, r.tokens[-1:]) for r in decodes]
+        budget -= len(works)
+        for req in reqs:
+            if req.pending <= 1 or budget <= 0:
+                continue
+            n = min(req.pending, budget)
+            if self.ecfg.long_prefill_chunk:
+                n = min(n, self.ecfg.long_prefill_chunk)
+            if req.snapshot_at is not None:
+                n = min(n, req.snapshot_at - req.seq.length)
+            start = req.seq.length
+            works.append((req, req.tokens[start:start + n]))
+            budget -= n
+        return works
+
+    def _replay(self, req: V4Request) -> torch.Tensor:
+        """The bounded replay of a block hit without a snapshot: one forward of the last
+        cached block's tokens and the rest of the prompt; logits of its last row."""
+        hit = req.replay.tokens
+        req.replay = None
+        out = ledgers.replay(self.model, self.ledgers, req.seq, req.tokens, hit)
+        req.replayed_tokens = BLOCK
+        self.counters["computed_tokens"] += len(req.tokens) - hit + BLOCK
+        if self.ecfg.replay_blocks == "share":
+            self._after(req)
+        else:                 # isolate: blocks completed after a replay are never shared
+            req.registered = req.seq.length // BLOCK
+        return out[-1]
+
+    def _after(self, req: V4Request) -> None:
+        """Register the blocks the step completed; snapshot the prompt boundary it reached."""
+        for h, block in self.prefix.register(req.seq, req.chain, req.tokens, req.registered,
+                                             req.salt):
+            if self.hooks.wants_blocks:
+                self.hooks.block_done(h, self.ledgers.blocks.serialize(block), req.traffic_class)
+        req.registered = max(req.registered, req.seq.length // BLOCK)
+        if req.snapshot_at is not None and req.seq.length == req.snapshot_at:
+            self.prefix.take(req.seq, req.chain[req.snapshot_at // BLOCK - 1])
+            req.snapshot_at = None
+
+    def _emit(self, req: V4Request, token: int) -> Event:
+        out = self.outputs[req.request_id]
+        req.output.append(token)
+        self.counters["generated_tokens"] += 1
+        text, finish = out.push(token, len(req.output))
+        if finish is not None:
+            self._release(req, finish)
+            self.counters["finished"] += 1
+        return Event(req.request_id, [token], text, finish, req)
+
+    def _release(self, req: V4Request, finish: Finish) -> None:
+        req.finish = finish
+        if req.seq is not None:
+            self.ledgers.close(req.seq)
+            req.seq = None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.outputs.pop(req.request_id, None)
+
+    def check_integrity(self) -> None:
+        """The block pool's own invariants, and every held slot and block belonging to a
+        running request (AssertionError otherwise)."""
+        led = self.ledgers
+        led.pool.check_integrity()
+        assert led.free_slots + len(self.running) == self.ecfg.num_slots, "a slot leaked"
+        held = Counter(b for r in self.running for b in r.seq.blocks)
+        for b, refs in enumerate(led.pool.ref_cnt):
+            assert refs == held[b], f"block {b}: {refs} references, {held[b]} holders"
+
+    def stats(self) -> dict[str, float]:
+        pool = self.ledgers.pool.stats()
+        out = {k: float(v) for k, v in self.counters.items()}
+        out.update(blocks_total=pool.total, blocks_in_use=pool.in_use, blocks_cached=pool.cached,
+                   slots_total=self.ecfg.num_slots,
+                   slots_in_use=self.ecfg.num_slots - self.ledgers.free_slots,
+                   running=len(self.running), waiting=len(self.waiting),
+                   snapshot_bytes=self.prefix.store.bytes, snapshots=len(self.prefix.store))
+        return out
+
+
+def _refuse_unsupported(ecfg: EngineConfig) -> None:
+    """Settings the DeepSeek V4 path does not serve yet: refused, never ignored."""
+    refused = [(ecfg.speculative != "off", "--speculative"),
+               (ecfg.role != "unified", "--role"),
+               (ecfg.extra_state, "--extra-state"),
+               (ecfg.truncation != "off", "--truncation")]
+    named = [flag for on, flag in refused if on]
+    if named:
+        raise ValueError(f"{', '.join(named)}: not served for DeepSeek V4 checkpoints yet "
+                         "(docs/deepseek-v4.md)")
