@@ -70,6 +70,10 @@ def register(sub) -> None:
     up.add_argument("--kvstores", type=int, default=1,
                     help="kvstore replicas over the same shard locations and one shared index "
                     "in the mesh's Valkey; engines spread over them (default 1)")
+    up.add_argument("--model", default="",
+                    help="a DeepSeek V4 checkpoint directory the engines serve (float32, MXFP8 "
+                    "window rows); the gateway uses its tokenizer.json and chat encoding "
+                    "(default: none, the shipped V4-mini tiny model; docs/deepseek-v4.md)")
     up.add_argument("--num-slots", type=int, default=8, help="state slots per engine")
     up.add_argument("--num-blocks", type=int, default=512, help="cache blocks per engine")
     up.add_argument("--pd", action="store_true",
@@ -163,11 +167,15 @@ def run_up(args: argparse.Namespace) -> int:
         console.print(f"[red]kvmesh up:[/red] {exc}", highlight=False)
         return 2
     pd = getattr(args, "pd", False)
+    if pd and getattr(args, "model", ""):
+        console.print("[red]kvmesh up:[/red] --pd is not served for DeepSeek V4 checkpoints yet "
+                      "(docs/deepseek-v4.md)", highlight=False)
+        return 2
     engines = 3 if pd and args.engines == 2 else args.engines   # --pd: 1 PE + 2 CEs by default
     cfg = MeshConfig(engines=engines, pd=pd, gateway_port=args.gateway_port,
                      http_port=args.http_port, metrics_port=args.metrics_port, log_dir=Path(args.log_dir),
                      num_slots=args.num_slots, num_blocks=args.num_blocks,
-                     kvstores=args.kvstores,
+                     kvstores=args.kvstores, model=getattr(args, "model", ""),
                      # Fresh random tokens per run: internal RPCs refuse anyone without them.
                      service_token=secrets.token_urlsafe(32),
                      admin_token=secrets.token_urlsafe(32),

@@ -42,6 +42,9 @@ class MeshConfig:
     http_port: int = 0               # gateway OpenAI-compatible HTTP API; 0 = a free port, -1 = off
     log_dir: Path = Path(".kvmesh/logs")
     preset: str = "tiny"
+    # A DeepSeek V4 checkpoint directory the engines serve instead of the preset (--model);
+    # the gateway then tokenizes with its tokenizer.json and renders its chat encoding.
+    model: str = ""
     num_slots: int = 8
     num_blocks: int = 512
     engine_extra: tuple[str, ...] = ()
@@ -90,11 +93,12 @@ class MeshConfig:
 def engine_argv(cfg: MeshConfig, engine_id: str, port: int, directory: str, kvstore: str,
                 role: str = "unified") -> list[str]:
     """The one place that decides how engines are launched."""
+    model = ["--model", cfg.model] if cfg.model else \
+        ["--preset", cfg.preset, "--truncation", "compact", "--keep-tokens", "134"]
     return [*KVMESH, "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--engine-id", engine_id, "--directory", directory, "--kvstore", kvstore,
-            "--preset", cfg.preset, "--num-slots", str(cfg.num_slots),
-            "--num-blocks", str(cfg.num_blocks),
-            "--truncation", "compact", "--keep-tokens", "134", "--role", role, *cfg.engine_extra]
+            *model, "--num-slots", str(cfg.num_slots), "--num-blocks", str(cfg.num_blocks),
+            "--role", role, *cfg.engine_extra]
 
 
 def kvstore_argv(port: int, locations: list[str], data_dir: Path, index: str = "sqlite",
@@ -204,7 +208,7 @@ class Mesh:
                            "--metrics-port", str(metrics_port), "--http-port", str(http_port),
                            *(("--api-keys", api_keys) if api_keys else ()),
                            *(("--allow-unauthenticated",) if cfg.allow_unauthenticated else ()),
-                           *self._pd_args(), *cfg.gateway_extra],
+                           *self._pd_args(), *self._tokenizer_args(), *cfg.gateway_extra],
                     port, host=self.gateway_host)
         self._wait_healthy([name])
         host = self.gateway_host
@@ -213,6 +217,10 @@ class Mesh:
             self._wait_port(name, host, http_port)
             scheme = "https" if self.tls.server_enabled else "http"
             self.endpoints[f"{name}-http"] = f"{scheme}://{host}:{http_port}"
+
+    def _tokenizer_args(self) -> list[str]:
+        tokenizer = Path(self.cfg.model) / "tokenizer.json"
+        return ["--tokenizer", str(tokenizer)] if self.cfg.model and tokenizer.exists() else []
 
     def _pd_args(self) -> list[str]:
         if not self.cfg.pd:

@@ -90,9 +90,6 @@ def _serve(args) -> int:
     from services.engine.rpc.server import serve
 
     try:
-        if args.model and (args.directory or args.kvstore):
-            raise ValueError("--directory and --kvstore: not served for DeepSeek V4 "
-                             "checkpoints yet (docs/deepseek-v4.md)")
         core = build_core(args)
     except ValueError as exc:
         print(f"kvmesh engine: {exc}", file=sys.stderr)

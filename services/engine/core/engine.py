@@ -157,6 +157,16 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    # --- what the remote tiers ask (rpc/remote.py), on the engine thread -------------
+    @property
+    def snapshot_size(self) -> int:
+        """Bytes of one stored snapshot (a peer's is refused unless it has this size)."""
+        return self.cache.states.block.state_size_to_disk
+
+    def local_view(self, prompt_ids: list[int], salt: str):
+        """The prompt's block hashes and what of them this engine holds (cache.LocalView)."""
+        return self.cache.local_view(prompt_ids, salt)
+
     # --- one step ------------------------------------------------------------------
     def step(self) -> list[Event]:
         t_step = time.perf_counter()

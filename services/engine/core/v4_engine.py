@@ -15,8 +15,12 @@ Admission is by worst case: a request is admitted only when a slot is free and t
 its whole generation can need (prompt + max_tokens) are free beside what running requests
 may still take, so a running request never waits for a block and nothing is preempted.
 
+With --kvstore, completed blocks are written through (hooks.block_done) and a prompt's
+missing blocks come back from it; with --directory, stored snapshots are published and a
+peer's is fetched (rpc/remote.py, unchanged: it only enqueues and prefetches).
+
 Not yet on this path (refused at start-up, naming the flag): speculative decoding, PD
-roles and --extra-state, YOCO truncation, the kvstore and the directory.
+roles and --extra-state, YOCO truncation.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from __future__ import annotations
 import json
 import random
 import uuid
+import weakref
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -90,6 +96,7 @@ class V4Request:
     registered: int = 0                       # blocks registered for sharing
     snapshot_at: int | None = None            # the prompt boundary to snapshot at
     replay: Match | None = None               # a bounded replay the next step runs
+    prefetched: Any = None                    # cache.prefix.Prefetched, until admission
     cached_tokens: int = 0
     replayed_tokens: int = 0
     recomputed_tokens: int = 0
@@ -121,8 +128,11 @@ class V4Engine:
         self.ledgers = Ledgers(model.cfg, ecfg.num_slots, ecfg.num_blocks, rows=model.rows)
         self.prefix = V4Prefix(self.ledgers, self.cfg.fingerprint(), ecfg.snapshot_period,
                                ecfg.snapshot_bytes, ecfg.snapshot_ttl_min)
-        self.prefix.store.on_put = lambda snap: self.counters.update(snapshot_stores=1)
         self.hooks = Hooks()
+        # through a weak proxy, as EngineCore: callbacks holding the engine made a cycle
+        me = weakref.proxy(self)
+        self.prefix.store.on_put = lambda snap: me._snapshot_stored(snap)
+        self.prefix.store.on_evict = lambda key: me.hooks.snapshot_evicted(key)
         self.requests: dict[str, V4Request] = {}
         self.outputs: dict[str, OutputState] = {}
         self.waiting: deque[V4Request] = deque()
@@ -134,8 +144,8 @@ class V4Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
                     salt: str = "", traffic_class: str = "", prefetched=None, resume: int = 0,
                     handoff: bool = False) -> V4Request:
-        """As EngineCore.add_request. `prefetched` (remote tiers) is never given here: the
-        engine refuses --kvstore and --directory for DeepSeek V4 at start-up."""
+        """As EngineCore.add_request. `prefetched`: blocks from the kvstore and a peer's
+        snapshot for this prompt (rpc/remote.py), used by its admission."""
         params.validate(self.cfg.vocab_size)
         if handoff:
             raise InvalidArgument("handoff: prefill/decode disaggregation is not served for "
@@ -158,7 +168,9 @@ class V4Engine:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = V4Request(request_id, list(prompt_ids[:n_prompt]), params, seed, salt,
-                        traffic_class, output=list(prompt_ids[n_prompt:]))
+                        traffic_class, output=list(prompt_ids[n_prompt:]), prefetched=prefetched,
+                        # hashed for the prefetch from these very ids and salt: the chain's start
+                        chain=list(prefetched.hashes) if prefetched else [])
         if req.max_blocks() > self.ecfg.num_blocks:
             raise InvalidArgument(f"prompt + max_tokens need {req.max_blocks()} cache blocks, "
                                   f"this engine has {self.ecfg.num_blocks} x {BLOCK} tokens")
@@ -170,6 +182,18 @@ class V4Engine:
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(prompt_ids)
         return req
+
+    def _snapshot_stored(self, snap) -> None:
+        self.counters["snapshot_stores"] += 1
+        self.hooks.snapshot_stored(snap.key, snap)
+
+    # --- what the remote tiers ask (rpc/remote.py) -------------------------------------
+    @property
+    def snapshot_size(self) -> int:
+        return self.prefix.snapshot_bytes
+
+    def local_view(self, prompt_ids: list[int], salt: str):
+        return self.prefix.local_view([], prompt_ids, salt)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -211,15 +235,18 @@ class V4Engine:
         while self.waiting and len(self.running) < self.ecfg.max_running \
                 and self.ledgers.free_slots:
             req = self.waiting[0]
-            match = self.prefix.match(req.chain, req.tokens, req.salt)
+            refused = self.prefix.refused
+            match = self.prefix.match(req.chain, req.tokens, req.salt, req.prefetched)
+            self.counters["remote_blocks_refused"] += self.prefix.refused - refused
             revived = sum(1 for b in match.blocks if pool.ref_cnt[b] == 0)
             owed = sum(r.max_blocks() - len(r.seq.blocks) for r in self.running)
             if req.max_blocks() - len(match.blocks) > pool.num_free - revived - owed:
                 return
             self.waiting.popleft()
+            req.prefetched = None
             req.seq = self.ledgers.open()
             self.prefix.start(req.seq, match)
-            req.registered = len(match.blocks)
+            req.registered = match.tokens // BLOCK
             req.cached_tokens = match.tokens
             at = self.prefix.snapshot_position(len(req.tokens))
             req.snapshot_at = at if at is not None and at > match.tokens else None
@@ -229,11 +256,12 @@ class V4Engine:
             self.running.append(req)
 
     def _count_hit(self, match: Match) -> None:
-        if not match.blocks:
+        if not match.tokens:
             return
         c = self.counters
         c["cache_hit_tokens"] += match.tokens
         c["block_hits_local"] += len(match.blocks)
+        c["block_hits_remote"] += len(match.fetched)
         if match.replay:
             c["snapshot_misses"] += 1
             c["replayed_tokens"] += BLOCK

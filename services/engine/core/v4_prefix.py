@@ -25,9 +25,10 @@ runs: the engine ends that chunk there (`snapshot_due`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvmesh import cachekeys
+from services.engine.cache.manager import LocalView
 from services.engine.cache.snapshots import Snapshot, SnapshotStore
 from services.engine.model.deepseek_v4 import layout, snapshots
 from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence
@@ -35,18 +36,20 @@ from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence
 
 @dataclass
 class Match:
-    """How an admitted prompt starts: `blocks` to share (in order), the snapshot to restore
-    at len(blocks) * 128, or, with blocks and no snapshot, a bounded replay."""
+    """How an admitted prompt starts: local `blocks` to share, then `fetched` blocks
+    ((hash, serialized block) from the kvstore) to install after them, and the snapshot to
+    restore at the end of both; with blocks and no snapshot, a bounded replay."""
     blocks: list[int]
     snapshot: snapshots.Snapshot | None
+    fetched: list[tuple[bytes, bytes]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
-        return len(self.blocks) * BLOCK
+        return (len(self.blocks) + len(self.fetched)) * BLOCK
 
     @property
     def replay(self) -> bool:
-        return bool(self.blocks) and self.snapshot is None
+        return self.tokens > 0 and self.snapshot is None
 
 
 class V4Prefix:
@@ -62,6 +65,7 @@ class V4Prefix:
         self.layout_fp = cachekeys.layout_fingerprint(
             model_fp, layout.ring_rows(cfg, False), row, cfg.num_layers, self.snapshot_bytes)
         self.store = SnapshotStore(capacity_bytes, ttl_min, self.layout_fp, model_fp)
+        self.refused = 0          # fetched blocks that failed their checks
 
     # --- hashes -------------------------------------------------------------------------
     def hashes(self, chain: list[bytes], tokens, n_blocks: int, salt: str) -> list[bytes]:
@@ -72,28 +76,58 @@ class V4Prefix:
         return cachekeys.snapshot_key(block_hash, self.layout_fp)
 
     # --- admission ----------------------------------------------------------------------
-    def match(self, chain: list[bytes], tokens, salt: str) -> Match:
-        """The longest run of this prompt's leading blocks cached here, cut back to the
-        deepest boundary with a snapshot when there is one (an exact start beats a longer
-        approximate one)."""
+    def local_view(self, chain: list[bytes], tokens, salt: str) -> LocalView:
+        """What a prefetch from the other tiers needs to know (rpc/remote.py)."""
         hashes = self.hashes(chain, tokens, (len(tokens) - 1) // BLOCK, salt)
+        n = len(self._local(hashes))
+        return LocalView(list(hashes), n, {k for k in map(self.key, hashes) if k in self.store})
+
+    def match(self, chain: list[bytes], tokens, salt: str, fetched=None) -> Match:
+        """The longest run of this prompt's leading blocks cached here, continued by blocks
+        the kvstore returned (`fetched`: a cache.prefix.Prefetched), cut back to the deepest
+        boundary with a snapshot here or fetched from a peer when there is one (an exact
+        start beats a longer approximate one). A fetched block that fails its checks ends
+        the run there (`refused` counts it)."""
+        hashes = self.hashes(chain, tokens, (len(tokens) - 1) // BLOCK, salt)
+        blocks = self._local(hashes)
+        more = []
+        for h in hashes[len(blocks):] if fetched is not None else ():
+            blob = fetched.blocks.get(h)
+            if blob is None:
+                break
+            try:
+                self.led.blocks.check(blob)
+            except ValueError:
+                self.refused += 1
+                break
+            more.append((h, blob))
+        for k in range(len(blocks) + len(more), 0, -1):
+            key = self.key(hashes[k - 1])
+            snap = self.store.get(key) or (fetched.snapshots.get(key) if fetched else None)
+            if snap is not None and len(snap.data) == self.snapshot_bytes:
+                return Match(blocks[:k], self._unpack(snap), more[:max(0, k - len(blocks))])
+        return Match(blocks, None, more)
+
+    def start(self, seq: Sequence, match: Match) -> None:
+        """Give the empty `seq` the matched blocks (fetched ones installed in fresh blocks
+        and registered), and the snapshot's window state."""
+        self.led.share(seq, match.blocks)
+        fresh = self.led.take_blocks(len(match.fetched))
+        for b, (h, blob) in zip(fresh, match.fetched, strict=True):
+            self.led.blocks.deserialize(b, blob)
+            self.led.pool.register(b, h)
+        seq.blocks += fresh
+        if match.snapshot is not None:
+            snapshots.restore(self.led, seq, match.snapshot)
+
+    def _local(self, hashes: list[bytes]) -> list[int]:
         blocks = []
         for h in hashes:
             b = self.led.pool.lookup(h)
             if b is None:
                 break
             blocks.append(b)
-        for k in range(len(blocks), 0, -1):
-            snap = self.store.get(self.key(hashes[k - 1]))
-            if snap is not None:
-                return Match(blocks[:k], self._unpack(snap))
-        return Match(blocks, None)
-
-    def start(self, seq: Sequence, match: Match) -> None:
-        """Give the empty `seq` the matched blocks, and the snapshot's window state."""
-        self.led.share(seq, match.blocks)
-        if match.snapshot is not None:
-            snapshots.restore(self.led, seq, match.snapshot)
+        return blocks
 
     # --- after a step ---------------------------------------------------------------------
     def snapshot_position(self, n_prompt: int) -> int | None:

@@ -55,7 +55,7 @@ class RemoteTiers(Hooks):
         core = engine.core            # start-up facts only; they never change
         self.block_size, self.window = core.cfg.block_size, core.cfg.window
         self.model_fp, self.layout_fp = core.cfg.fingerprint(), core.prefix.layout_fp
-        self.snapshot_size = core.cache.states.block.state_size_to_disk
+        self.snapshot_size = core.snapshot_size
         self.engine_id, self.address = engine_id, address
         self.directory, self.kvstore = directory, kvstore
         self.policy = policy or FetchPolicy()
@@ -113,7 +113,7 @@ class RemoteTiers(Hooks):
         if self.kvstore is None and self.directory is None:
             return None
         view, prefill_token_s = await self.engine.call(
-            lambda core: (core.cache.local_view(prompt_ids, salt), core.prefill_token_s))
+            lambda core: (core.local_view(prompt_ids, salt), core.prefill_token_s))
         hashes = view.hashes
         if not hashes:
             return None

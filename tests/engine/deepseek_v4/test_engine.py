@@ -238,3 +238,43 @@ def test_layout_prints_what_the_engine_allocates(flash):
             == {"float32": 528, "float64": 4096}[dtype]
         assert rep["block"]["bytes"] == led.block_bytes()
         assert rep["state_slot"]["snapshot_bytes"] == core.prefix.snapshot_bytes
+
+
+def test_fetched_blocks_and_snapshot_hit_and_a_damaged_block_is_refused(flash):
+    """What rpc/remote.py prefetches (kvstore blocks, a peer's snapshot) starts a prompt on
+    another engine exactly where a cold run is; a damaged block ends the run of fetched blocks
+    before it (counted), and the request still runs."""
+    from services.engine.cache.prefix import Prefetched
+
+    directory, hf = flash
+    a = engine(directory)
+    first = random_prompt(300, seed=41)
+    run(a, [first], 2)
+    second = first[:256] + random_prompt(40, seed=42)
+
+    def prefetched(b, damage: bool) -> Prefetched:
+        view = b.local_view(second, "")
+        blocks = {h: a.ledgers.blocks.serialize(a.ledgers.pool.lookup(h)) for h in view.hashes}
+        if damage:
+            last = view.hashes[-1]
+            blocks[last] = blocks[last][:-1] + bytes([blocks[last][-1] ^ 1])
+        keys = {a.prefix.key(h): a.prefix.store.get(a.prefix.key(h)) for h in view.hashes}
+        return Prefetched(view.hashes, blocks, {k: s for k, s in keys.items() if s})
+
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    b = engine(directory)
+    req = b.add_request(second, params, prefetched=prefetched(b, damage=False))
+    while b.has_work:
+        b.step()
+    stats = b.stats()
+    assert (stats["block_hits_remote"], stats["snapshot_hits"], stats["computed_tokens"]) \
+        == (2, 1, 40 + TOKENS - 1)
+    assert req.output == hf_greedy(hf, second)
+    c = engine(directory, "--swa-policy", "zero")
+    req = c.add_request(second, params, prefetched=prefetched(c, damage=True))
+    while c.has_work:
+        c.step()
+    stats = c.stats()
+    assert (stats["remote_blocks_refused"], stats["block_hits_remote"],
+            stats["snapshot_misses"]) == (1, 1, 1)          # one good block: a bounded replay
+    assert len(req.output) == TOKENS

@@ -1,0 +1,87 @@
+"""A mesh of two DeepSeek V4 engines (`kvmesh up --model DIR`'s processes: real SeaweedFS,
+Valkey, kvstore, directory and gateway): a prompt's blocks written through to the kvstore
+and its snapshot published by one engine make the other engine's hit, equal to transformers'
+greedy tokens; the gateway's OpenAI API names the checkpoint and continues a prompt as
+transformers does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvmesh.mesh_runner import Mesh, MeshConfig
+from services.engine.rpc.client import EngineClient
+from tests.engine.deepseek_v4.test_engine import checkpoint, hf_greedy, random_prompt
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-v4")
+    hf = checkpoint("flash_geometry", directory)
+    cfg = MeshConfig(log_dir=tmp_path_factory.mktemp("v4mesh") / "logs", engines=2,
+                     num_slots=4, num_blocks=64, model=str(directory),
+                     engine_extra=("--dtype", "float64", "--fetch-deadline-ms", "5000",
+                                   "--swa-fetch", "always"))
+    m = Mesh(cfg).start()
+    try:
+        yield m, directory, hf
+    finally:
+        m.stop()
+
+
+def _engine_call(address: str, fn):
+    async def go():
+        client = EngineClient(address)
+        try:
+            return await fn(client)
+        finally:
+            await client.close()
+    return asyncio.run(go())
+
+
+def _stats(address: str) -> dict:
+    return _engine_call(address, lambda c: c.stats())
+
+
+def test_one_engines_blocks_and_snapshot_make_the_others_hit(mesh):
+    m, _, hf = mesh
+    a, b = (m.endpoints[n] for n in m.engine_names)
+    first = random_prompt(300, seed=31)
+    _engine_call(a, lambda c: c.complete(first, max_tokens=2, temperature=0.0, ignore_eos=True))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:       # write-through and publish run beside the engine
+        s = _stats(a)
+        if s.get("kvstore_blocks_written", 0) >= 2 and s.get("directory_published", 0) >= 1:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"engine a did not write its blocks and publish: {_stats(a)}")
+    second = first[:256] + random_prompt(40, seed=32)
+    ids, _, last = _engine_call(b, lambda c: c.complete(second, max_tokens=16, temperature=0.0,
+                                                        ignore_eos=True))
+    assert ids == hf_greedy(hf, second, 16)
+    s = _stats(b)
+    assert (s["block_hits_remote"], s["snapshot_hits"], s["peer_snapshot_fetches"]) == (2, 1, 1), \
+        ({k: v for k, v in s.items() if v}, {k: v for k, v in _stats(a).items() if v})
+    assert last.usage.cached_tokens == 256
+
+
+def test_openai_client_through_the_gateway(mesh):
+    import openai
+    from tokenizers import Tokenizer
+
+    m, directory, hf = mesh
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    client = openai.OpenAI(base_url=m.endpoints["gateway-http"] + "/v1", api_key="unused")
+    assert [model.id for model in client.models.list().data] == [directory.name]
+    prompt = random_prompt(50, seed=33)
+    expected = hf_greedy(hf, prompt, 12)
+    if hf.config.eos_token_id in expected:
+        expected = expected[:expected.index(hf.config.eos_token_id)]
+    out = client.completions.create(model=directory.name, prompt=tok.decode(prompt),
+                                    max_tokens=12, temperature=0)
+    assert out.choices[0].text.strip() == tok.decode(expected)
