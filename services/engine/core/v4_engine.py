@@ -19,8 +19,12 @@ With --kvstore, completed blocks are written through (hooks.block_done) and a pr
 missing blocks come back from it; with --directory, stored snapshots are published and a
 peer's is fetched (rpc/remote.py, unchanged: it only enqueues and prefetches).
 
-Not yet on this path (refused at start-up, naming the flag): speculative decoding, PD
-roles and --extra-state, YOCO truncation.
+--speculative ngram:K drafts by prompt lookup (core/speculative.py, as for V4-mini): a
+decode row carries its drafts, verification keeps a prefix of them, and the rows of the
+rejected ones are taken back (ledgers.rollback, at most 6) before any block is registered.
+
+Not yet on this path (refused at start-up, naming the flag): MTP drafts, PD roles and
+--extra-state, YOCO truncation.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ from services.engine.core.events import COUNTERS, Event, Hooks
 from services.engine.core.output import OutputState
 from services.engine.core.sampling import SamplingParams, draw_batch, read_ids
 from services.engine.core.sequence import Finish
+from services.engine.core.speculative import Speculator, engine_setting
 from services.engine.core.v4_prefix import Match, V4Prefix
-from services.engine.model.deepseek_v4 import ledgers
+from services.engine.model.deepseek_v4 import layout, ledgers
 from services.engine.model.deepseek_v4.config import V4Config
 from services.engine.model.deepseek_v4.forward import V4Model
 from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers
@@ -106,6 +111,14 @@ class V4Request:
         return self.prompt + self.output
 
     @property
+    def prefilling(self) -> bool:      # what the Speculator asks (with slot and tokens)
+        return self.seq is None or self.pending > 1
+
+    @property
+    def slot(self) -> int | None:
+        return None if self.seq is None else self.seq.slot
+
+    @property
     def pending(self) -> int:
         """Tokens to compute before the next sample."""
         return len(self.prompt) + len(self.output) - self.seq.length
@@ -139,6 +152,9 @@ class V4Engine:
         self.running: list[V4Request] = []
         self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
         self.prefill_token_s = 0.0
+        # speculative decoding: ngram:K, K <= the 6 tokens a slot can take back
+        self.spec = Speculator(engine_setting(ecfg.speculative, layout.BACKTRACK, False),
+                               ecfg.ngram_min, ecfg.ngram_max)
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
@@ -176,6 +192,7 @@ class V4Engine:
                                   f"this engine has {self.ecfg.num_blocks} x {BLOCK} tokens")
         out = OutputState(params, self.tokenizer.eos_id, self.tokenizer.stream())
         out.resume(req.output)            # raises InvalidArgument if they already finished
+        self.spec.add(request_id, params)    # InvalidArgument naming `speculative`
         self.requests[request_id] = req
         self.outputs[request_id] = out
         self.waiting.append(req)
@@ -211,23 +228,43 @@ class V4Engine:
         logits: dict[str, torch.Tensor] = {}
         for req in [r for r in self.running if r.replay is not None]:
             logits[req.request_id] = self._replay(req)
-        works = self._plan([r for r in self.running if r.request_id not in logits])
+        drafts = self.spec.propose([r for r in self.running if r.request_id not in logits])
+        works = self._plan([r for r in self.running if r.request_id not in logits], drafts)
+        verifying: list[tuple[V4Request, list[int], torch.Tensor]] = []
         if works:
             outs = ledgers.step(self.model, self.ledgers, [(r.seq, ids) for r, ids in works])
             for (req, ids), out in zip(works, outs, strict=True):
                 self.counters["computed_tokens"] += len(ids)
+                if len(ids) > 1 and req.request_id in drafts:     # committed once judged
+                    verifying.append((req, ids[1:], out))
+                    continue
                 self._after(req)
                 if req.pending == 0:
                     logits[req.request_id] = out[-1]
         self.counters["steps"] += 1
         if self.counters["steps"] % 256 == 0:
             self.prefix.store.expire()
+        # one host read for every sampled id and every verdict (sampling.read_ids)
         ready = [r for r in self.running if r.request_id in logits]
         parts, where = draw_batch([(logits[r.request_id], r.params, len(r.output), r.seed)
                                    for r in ready])
-        read = read_ids(parts)
-        return [self._emit(req, read[part][at]) for req, (part, at) in
-                zip(ready, where, strict=True)]
+        read = read_ids(parts + [self.spec.judge(r, out, d) for r, d, out in verifying])
+        events = [self._emit(req, [read[part][at]]) for req, (part, at) in
+                  zip(ready, where, strict=True)]
+        for (req, d, _), verdict in zip(verifying, read[len(parts):], strict=True):
+            events.append(self._verified(req, d, verdict))
+        return events
+
+    def _verified(self, req: V4Request, drafts: list[int], verdict: list[int]) -> Event:
+        """Emit what verification kept (accepted drafts, then one more token); the rows of
+        rejected drafts are taken back before any block is registered."""
+        tokens = self.spec.settle(req, drafts, verdict)
+        rejected = len(drafts) - (len(tokens) - 1)
+        event = self._emit(req, tokens)
+        if event.finish is None:
+            ledgers.rollback(self.ledgers, req.seq, req.seq.length - rejected)
+            self._after(req)
+        return event
 
     def _admit(self) -> None:
         """Waiting requests in order, while a slot and their worst-case blocks are free."""
@@ -268,14 +305,15 @@ class V4Engine:
         else:
             c["snapshot_hits"] += 1
 
-    def _plan(self, reqs: list[V4Request]) -> list[tuple[V4Request, list[int]]]:
-        """This step's tokens per request: every decode row first (one token each), then
-        prefill chunks in admission order within --max-batched-tokens and
-        --long-prefill-chunk, a chunk ending at its request's snapshot position."""
+    def _plan(self, reqs: list[V4Request], drafts: dict[str, list[int]]
+              ) -> list[tuple[V4Request, list[int]]]:
+        """This step's tokens per request: every decode row first (one token and its
+        drafts each), then prefill chunks in admission order within --max-batched-tokens
+        and --long-prefill-chunk, a chunk ending at its request's snapshot position."""
         budget = self.ecfg.max_batched_tokens
         decodes = [r for r in reqs if r.pending == 1]
-        works = [(r, r.tokens[-1:]) for r in decodes]
-        budget -= len(works)
+        works = [(r, r.tokens[-1:] + drafts.get(r.request_id, [])) for r in decodes]
+        budget -= sum(len(ids) for _, ids in works)
         for req in reqs:
             if req.pending <= 1 or budget <= 0:
                 continue
@@ -314,18 +352,28 @@ class V4Engine:
             self.prefix.take(req.seq, req.chain[req.snapshot_at // BLOCK - 1])
             req.snapshot_at = None
 
-    def _emit(self, req: V4Request, token: int) -> Event:
+    def _emit(self, req: V4Request, tokens: list[int]) -> Event:
+        """Append the tokens up to the first that finishes the request."""
         out = self.outputs[req.request_id]
-        req.output.append(token)
-        self.counters["generated_tokens"] += 1
-        text, finish = out.push(token, len(req.output))
+        emitted, text, finish = [], "", None
+        for token in tokens:
+            req.output.append(token)
+            emitted.append(token)
+            piece, finish = out.push(token, len(req.output))
+            text += piece
+            if finish is not None:
+                break
+        self.counters["generated_tokens"] += len(emitted)
+        drafted = accepted = 0
         if finish is not None:
+            drafted, accepted = self.spec.usage.get(req.request_id, (0, 0))
             self._release(req, finish)
             self.counters["finished"] += 1
-        return Event(req.request_id, [token], text, finish, req)
+        return Event(req.request_id, emitted, text, finish, req, None, drafted, accepted)
 
     def _release(self, req: V4Request, finish: Finish) -> None:
         req.finish = finish
+        self.spec.forget(req.request_id)
         if req.seq is not None:
             self.ledgers.close(req.seq)
             req.seq = None
@@ -349,6 +397,7 @@ class V4Engine:
     def stats(self) -> dict[str, float]:
         pool = self.ledgers.pool.stats()
         out = {k: float(v) for k, v in self.counters.items()}
+        out.update(self.spec.stats())
         out.update(blocks_total=pool.total, blocks_in_use=pool.in_use, blocks_cached=pool.cached,
                    slots_total=self.ecfg.num_slots,
                    slots_in_use=self.ecfg.num_slots - self.ledgers.free_slots,
@@ -359,7 +408,7 @@ class V4Engine:
 
 def _refuse_unsupported(ecfg: EngineConfig) -> None:
     """Settings the DeepSeek V4 path does not serve yet: refused, never ignored."""
-    refused = [(ecfg.speculative != "off", "--speculative"),
+    refused = [(ecfg.speculative.startswith("mtp"), "--speculative mtp"),
                (ecfg.role != "unified", "--role"),
                (ecfg.extra_state, "--extra-state"),
                (ecfg.truncation != "off", "--truncation")]
