@@ -1,4 +1,4 @@
-"""DeepSeek V4 through the ledgers beside V4-mini's engine, in one run: does it scale?
+"""DeepSeek V4's engine beside V4-mini's, in one run: does it scale?
 
     1. prefill of a 1K / 2K / 4K-token prompt in 256-token chunks (seconds, ms per token):
        linear in the prompt (window + CSA top-k + HCA entries), or it is a bug;
@@ -6,8 +6,8 @@
 
 DeepSeek V4: random weights of a small config with V4-Flash's attention geometry (head_dim
 512, window 128, CSA m = 4 with a 4 x 128 indexer, HCA m = 128, hyper-connections, routed
-and hash MoE), run through `deepseek_v4/ledgers.py` (MXFP8 rings, fp32 tails and blocks).
-V4-mini: the engine's `tiny` preset through EngineCore. Different models and code paths:
+and hash MoE), served by V4Engine (core/v4_engine.py: MXFP8 rings, fp32 tails and blocks,
+float32). V4-mini: the engine's `tiny` preset through EngineCore. Different models and code paths:
 the table says how each scales, not which is faster for the same work.
 
     python bench/deepseek_v4.py [--lengths 1024,2048,4096] [--decode-steps 32]
@@ -28,10 +28,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import OUT, plot, table  # noqa: E402
+from kvmesh.tokenizer import ByteTokenizer  # noqa: E402
+from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.core.sampling import SamplingParams  # noqa: E402
+from services.engine.core.v4_engine import V4Engine  # noqa: E402
 from services.engine.model.deepseek_v4 import names  # noqa: E402
 from services.engine.model.deepseek_v4.config import config_from_dict  # noqa: E402
 from services.engine.model.deepseek_v4.forward import V4Model  # noqa: E402
-from services.engine.model.deepseek_v4.ledgers import Ledgers, extend, step  # noqa: E402
 
 CONFIG = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
               head_dim=512, qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=128,
@@ -41,6 +44,7 @@ CONFIG = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attenti
                                               "heavily_compressed_attention",
                                               "compressed_sparse_attention"])
 CHUNK = 256
+GREEDY_ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
 def v4_model() -> V4Model:
@@ -61,24 +65,33 @@ def tokens(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def v4_engine(model: V4Model, blocks: int) -> V4Engine:
+    ecfg = EngineConfig(num_slots=8, num_blocks=blocks, max_batched_tokens=CHUNK,
+                        long_prefill_chunk=CHUNK)
+    return V4Engine(model, ecfg, ByteTokenizer(), "bench")
+
+
 def v4_prefill(model: V4Model, length: int) -> float:
-    led = Ledgers(model.cfg, num_slots=1, num_blocks=length // 128 + 2)
-    seq, ids = led.open(), tokens(length, 1, model.cfg.vocab_size)
+    """Seconds from the request to its first token (the prompt in CHUNK-token chunks)."""
+    core = v4_engine(model, length // 128 + 2)
+    core.add_request(tokens(length, 1, model.cfg.vocab_size), GREEDY_ONE)
     t0 = time.perf_counter()
-    for s in range(0, length, CHUNK):
-        extend(model, led, seq, ids[s:s + CHUNK])
+    while core.has_work:
+        core.step()
     return time.perf_counter() - t0
 
 
 def v4_decode(model: V4Model, streams: int, steps: int) -> float:
-    led = Ledgers(model.cfg, num_slots=streams, num_blocks=streams * 6)
-    seqs = [led.open() for _ in range(streams)]
-    last = [int(extend(model, led, s, tokens(256, 10 + k, model.cfg.vocab_size))[-1].argmax())
-            for k, s in enumerate(seqs)]
+    """Tokens/s of `streams` sequences decoding together after 256-token prompts."""
+    core = v4_engine(model, streams * 6)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    reqs = [core.add_request(tokens(256, 10 + k, model.cfg.vocab_size), params)
+            for k in range(streams)]
+    while any(not r.output for r in reqs):       # the prefills and their first tokens
+        core.step()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        out = step(model, led, [(s, [t]) for s, t in zip(seqs, last, strict=True)])
-        last = [int(o[-1].argmax()) for o in out]
+    while core.has_work:
+        core.step()
     return streams * steps / (time.perf_counter() - t0)
 
 

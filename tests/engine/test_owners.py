@@ -17,8 +17,11 @@ WRITERS = {
                          "lineage"},
     "core/scheduler.py": {"status", "finish", "preemptions", "admitted_at"},
 }
-# same names on other objects: a GenerateRequest's `prompt` field
-NOT_SEQUENCES = {"rpc/client.py": {"prompt"}, "cli.py": {"prompt"}}  # argparse args too
+# same names on other objects: a GenerateRequest's `prompt` field, argparse args, and the
+# DeepSeek V4 engine's own request record (V4Request, whose fields V4Engine alone writes)
+NOT_SEQUENCES = {"rpc/client.py": {"prompt"}, "cli.py": {"prompt"},
+                 "core/v4_engine.py": {"output", "finish", "cached_tokens", "replayed_tokens",
+                                       "prefetched"}}
 FIELDS = {f.name for f in dataclasses.fields(Sequence)}
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear"}
 
