@@ -167,10 +167,6 @@ def run_up(args: argparse.Namespace) -> int:
         console.print(f"[red]kvmesh up:[/red] {exc}", highlight=False)
         return 2
     pd = getattr(args, "pd", False)
-    if pd and getattr(args, "model", ""):
-        console.print("[red]kvmesh up:[/red] --pd is not served for DeepSeek V4 checkpoints yet "
-                      "(docs/deepseek-v4.md)", highlight=False)
-        return 2
     engines = 3 if pd and args.engines == 2 else args.engines   # --pd: 1 PE + 2 CEs by default
     cfg = MeshConfig(engines=engines, pd=pd, gateway_port=args.gateway_port,
                      http_port=args.http_port, metrics_port=args.metrics_port, log_dir=Path(args.log_dir),

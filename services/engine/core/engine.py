@@ -349,6 +349,15 @@ class EngineCore:
         return handoff_block(self.cache.states.block).slot_bytes
 
     @property
+    def block_bytes(self) -> int:
+        """Bytes of one serialized block (the handoff stream's unit)."""
+        return self.cache.store.bytes_per_block()
+
+    def held_blocks(self, hashes: list[bytes]) -> list[bytes]:
+        """Which of these block hashes this engine's pool holds (a handoff skips them)."""
+        return [h for h in hashes if self.cache.pool.lookup(h) is not None]
+
+    @property
     def handoff_max_bytes(self) -> int:
         """The most a handoff adopted here can weigh: the state and every block of the pool."""
         return self.handoff_state_bytes + self.ecfg.num_blocks * self.cache.store.bytes_per_block()

@@ -23,8 +23,11 @@ peer's is fetched (rpc/remote.py, unchanged: it only enqueues and prefetches).
 decode row carries its drafts, verification keeps a prefix of them, and the rows of the
 rejected ones are taken back (ledgers.rollback, at most 6) before any block is registered.
 
-Not yet on this path (refused at start-up, naming the flag): MTP drafts, PD roles and
---extra-state, YOCO truncation.
+--role prefill / decode hand a request from a prefill engine (rings of 396 rows with
+--extra-state) to a decode engine after its first token (core/v4_handoff.py), in the wire
+form V4-mini engines use.
+
+Not yet on this path (refused at start-up, naming the flag): MTP drafts and YOCO truncation.
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ from typing import Any
 import torch
 
 from kvmesh import cachekeys
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.generation import check_traffic_class
 from services.engine.config import EngineConfig
+from services.engine.core import v4_handoff
 from services.engine.core.events import COUNTERS, Event, Hooks
+from services.engine.core.handoff import Handoff, HandoffStore, handoff_problem
 from services.engine.core.output import OutputState
 from services.engine.core.sampling import SamplingParams, draw_batch, read_ids
 from services.engine.core.sequence import Finish
@@ -94,6 +99,7 @@ class V4Request:
     seed: int
     salt: str = ""
     traffic_class: str = ""
+    handoff: bool = False      # stop after the first token and keep it for a decode engine
     output: list[int] = field(default_factory=list)
     finish: Finish | None = None
     seq: ledgers.Sequence | None = None      # slot and block table while admitted
@@ -138,7 +144,8 @@ class V4Engine:
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
                              f"{model.cfg.vocab_size}")
-        self.ledgers = Ledgers(model.cfg, ecfg.num_slots, ecfg.num_blocks, rows=model.rows)
+        self.ledgers = Ledgers(model.cfg, ecfg.num_slots, ecfg.num_blocks, ecfg.extra_state,
+                               rows=model.rows)
         self.prefix = V4Prefix(self.ledgers, self.cfg.fingerprint(), ecfg.snapshot_period,
                                ecfg.snapshot_bytes, ecfg.snapshot_ttl_min)
         self.hooks = Hooks()
@@ -155,6 +162,8 @@ class V4Engine:
         # speculative decoding: ngram:K, K <= the 6 tokens a slot can take back
         self.spec = Speculator(engine_setting(ecfg.speculative, layout.BACKTRACK, False),
                                ecfg.ngram_min, ecfg.ngram_max)
+        # handoffs waiting for a decode engine to fetch them (prefill engines), as EngineCore
+        self.handoffs = HandoffStore(ecfg.snapshot_bytes, ttl_s=60.0)
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
@@ -163,9 +172,6 @@ class V4Engine:
         """As EngineCore.add_request. `prefetched`: blocks from the kvstore and a peer's
         snapshot for this prompt (rpc/remote.py), used by its admission."""
         params.validate(self.cfg.vocab_size)
-        if handoff:
-            raise InvalidArgument("handoff: prefill/decode disaggregation is not served for "
-                                  "DeepSeek V4 yet")
         if not prompt_ids:
             raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
@@ -184,7 +190,8 @@ class V4Engine:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         req = V4Request(request_id, list(prompt_ids[:n_prompt]), params, seed, salt,
-                        traffic_class, output=list(prompt_ids[n_prompt:]), prefetched=prefetched,
+                        traffic_class, handoff, output=list(prompt_ids[n_prompt:]),
+                        prefetched=prefetched,
                         # hashed for the prefetch from these very ids and salt: the chain's start
                         chain=list(prefetched.hashes) if prefetched else [])
         if req.max_blocks() > self.ecfg.num_blocks:
@@ -364,12 +371,74 @@ class V4Engine:
             if finish is not None:
                 break
         self.counters["generated_tokens"] += len(emitted)
+        handoff = None
+        if finish is None and req.handoff:
+            finish, handoff = Finish.HANDOFF, self._hand_off(req)
         drafted = accepted = 0
         if finish is not None:
             drafted, accepted = self.spec.usage.get(req.request_id, (0, 0))
             self._release(req, finish)
             self.counters["finished"] += 1
-        return Event(req.request_id, emitted, text, finish, req, None, drafted, accepted)
+        return Event(req.request_id, emitted, text, finish, req, handoff, drafted, accepted)
+
+    # --- prefill/decode handoff (core/v4_handoff.py) ---------------------------------
+    def _hand_off(self, req: V4Request) -> Handoff:
+        """Prefill done and the first token sampled: keep the request for a decode engine
+        (FetchHandoff reads self.handoffs)."""
+        h = v4_handoff.export(self.ledgers, req, self.prefix.layout_fp, self.cfg.fingerprint())
+        self.handoffs.put(h)
+        self.counters["handoffs_out"] += 1
+        self.counters["handoff_out_bytes"] += h.nbytes
+        return h
+
+    @property
+    def handoff_state_bytes(self) -> int:
+        """Size of the slot state a handoff to this (134-row) engine carries."""
+        return self.ledgers.slot_layout.slot_bytes
+
+    @property
+    def handoff_max_bytes(self) -> int:
+        return self.handoff_state_bytes + self.ecfg.num_blocks * self.ledgers.blocks.bytes_per_block()
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one serialized block (the handoff stream's unit)."""
+        return self.ledgers.blocks.bytes_per_block()
+
+    def held_blocks(self, hashes: list[bytes]) -> list[bytes]:
+        """Which of these block hashes this engine's pool holds (a handoff skips them)."""
+        return [h for h in hashes if self.ledgers.pool.lookup(h) is not None]
+
+    def adopt(self, h: Handoff) -> V4Request:
+        """Continue a request a prefill engine prefilled: decoding starts at the next step.
+        InvalidArgument for a malformed handoff, Unavailable when there is no room here."""
+        h.params.validate(self.cfg.vocab_size)
+        problem = handoff_problem(h, self.prefix.layout_fp, self.cfg.fingerprint(),
+                                  self.cfg.vocab_size) or v4_handoff.problem(self.ledgers, h.slot)
+        if problem is not None:
+            raise InvalidArgument(f"handoff refused: {problem}")
+        if h.request_id in self.requests:
+            raise InvalidArgument(f"request_id {h.request_id!r} is already running")
+        req = V4Request(h.request_id, list(h.prompt), h.params, h.seed, h.salt, h.traffic_class,
+                        output=list(h.output), chain=list(h.slot.hashes))
+        owed = sum(r.max_blocks() - len(r.seq.blocks) for r in self.running)
+        if len(self.running) >= self.ecfg.max_running or \
+                not v4_handoff.room(self.ledgers, h.slot, owed, req.max_blocks()):
+            raise Unavailable("handoff refused: no free slot, blocks or running place here")
+        self.spec.add(h.request_id, h.params)
+        out = OutputState(h.params, self.tokenizer.eos_id, self.tokenizer.stream())
+        out.resume(req.output)                # the PE sent the first token's text already
+        req.seq, local = v4_handoff.adopt(self.ledgers, h.slot)
+        req.registered = len(h.slot.hashes)
+        self.requests[req.request_id] = req
+        self.outputs[req.request_id] = out
+        self.running.append(req)
+        c = self.counters
+        c["requests"] += 1
+        c["handoffs_in"] += 1
+        c["handoff_in_bytes"] += h.nbytes
+        c["handoff_blocks_local"] += local
+        return req
 
     def _release(self, req: V4Request, finish: Finish) -> None:
         req.finish = finish
@@ -409,8 +478,6 @@ class V4Engine:
 def _refuse_unsupported(ecfg: EngineConfig) -> None:
     """Settings the DeepSeek V4 path does not serve yet: refused, never ignored."""
     refused = [(ecfg.speculative.startswith("mtp"), "--speculative mtp"),
-               (ecfg.role != "unified", "--role"),
-               (ecfg.extra_state, "--extra-state"),
                (ecfg.truncation != "off", "--truncation")]
     named = [flag for on, flag in refused if on]
     if named:

@@ -124,12 +124,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         handoff_rpc.check_source(src)
         core = self.engine.core
         hashes = list(src.block_hashes)
-        skip = await self.engine.call(lambda c: [x for x in hashes if c.cache.pool.lookup(x) is not None])
+        skip = await self.engine.call(lambda c: c.held_blocks(hashes))
         try:
             h, seconds = await handoff_rpc.fetch_handoff(
                 src, params_from_proto, HANDOFF_TIMEOUT_S, core.prefix.layout_fp,
                 core.cfg.fingerprint(), core.handoff_state_bytes, core.handoff_max_bytes,
-                skip, core.cache.store.bytes_per_block())
+                skip, core.block_bytes)
         except Exception:
             self.engine.post(lambda c: c.counters.update(handoff_refused=1))
             raise

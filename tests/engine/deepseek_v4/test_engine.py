@@ -293,3 +293,41 @@ def test_ngram_speculation_with_rejected_drafts_gives_the_same_tokens(saved, k):
     if name != "topk_nested_yarn":          # its 64 tokens hardly repeat: every draft fails
         assert stats["spec_accepted_tokens"] > 0, stats
     assert stats["computed_tokens"] > len(prompt) + TOKENS - 1     # rejected rows ran too
+
+
+def test_prefill_engine_hands_off_to_a_decode_engine(flash):
+    """A prefill engine (396-row rings) prefills and samples the first token; a decode engine
+    (134 rows) adopts the handoff (its first block already held, so shared) and decodes:
+    transformers' tokens. A damaged block is refused by name; a prefill engine's rings are
+    refused as a decode engine's."""
+    from dataclasses import replace
+
+    from kvmesh.errors import InvalidArgument
+
+    directory, hf = flash
+    pe = engine(directory, "--role", "prefill")
+    assert pe.ledgers.swa[0].shape[1] == 396
+    prompt = tiny.prompt("flash_geometry").tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    pe.add_request(prompt, params, request_id="r1", handoff=True)
+    events = []
+    while pe.has_work:
+        events += pe.step()
+    (last,) = [e for e in events if e.finish is not None]
+    h = last.handoff
+    assert last.finish.value == "handoff" and pe.handoffs.get("r1") is h
+    assert (len(h.slot.blocks), len(h.slot.hashes)) == (3, 2)      # 310 tokens: 2 full + 1
+    ce = engine(directory, "--role", "decode")
+    run(ce, [prompt[:128] + [5]], 1)                  # holds the first block
+    damaged = list(h.slot.blocks)
+    damaged[2] = damaged[2][:-1] + bytes([damaged[2][-1] ^ 1])
+    with pytest.raises(InvalidArgument, match="handoff refused: .*digest"):
+        ce.adopt(replace(h, slot=replace(h.slot, blocks=tuple(damaged))))
+    with pytest.raises(InvalidArgument, match="rings are 396 rows"):
+        engine(directory, "--role", "prefill").adopt(h)
+    req = ce.adopt(h)
+    while ce.has_work:
+        ce.step()
+    ce.check_integrity()
+    assert req.output == hf_greedy(hf, prompt)
+    assert ce.stats()["handoff_blocks_local"] == 1

@@ -85,3 +85,37 @@ def test_openai_client_through_the_gateway(mesh):
     out = client.completions.create(model=directory.name, prompt=tok.decode(prompt),
                                     max_tokens=12, temperature=0)
     assert out.choices[0].text.strip() == tok.decode(expected)
+
+
+@pytest.fixture(scope="module")
+def pd_mesh(tmp_path_factory):
+    """`kvmesh up --pd --model DIR`: engine-a prefills (396-row rings), two engines decode."""
+    directory = tmp_path_factory.mktemp("tiny-v4-pd")
+    hf = checkpoint("mixed", directory)
+    cfg = MeshConfig(log_dir=tmp_path_factory.mktemp("v4pd") / "logs", engines=3, pd=True,
+                     num_slots=4, num_blocks=64, model=str(directory),
+                     engine_extra=("--dtype", "float64"))
+    m = Mesh(cfg).start()
+    try:
+        yield m, directory, hf
+    finally:
+        m.stop()
+
+
+def test_prefill_decode_handoff_over_grpc(pd_mesh):
+    import openai
+    from tokenizers import Tokenizer
+
+    m, directory, hf = pd_mesh
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    prompt = random_prompt(60, seed=34)
+    expected = hf_greedy(hf, prompt, 16)
+    if hf.config.eos_token_id in expected:
+        expected = expected[:expected.index(hf.config.eos_token_id)]
+    client = openai.OpenAI(base_url=m.endpoints["gateway-http"] + "/v1", api_key="unused")
+    out = client.completions.create(model=directory.name, prompt=tok.decode(prompt),
+                                    max_tokens=16, temperature=0)
+    assert out.choices[0].text.strip() == tok.decode(expected)
+    pe, *ces = (m.endpoints[n] for n in m.engine_names)
+    assert _stats(pe)["handoffs_out"] == 1
+    assert sum(_stats(ce)["handoffs_in"] for ce in ces) == 1

@@ -82,6 +82,44 @@ def hand_off(src: Ledgers, seq: Sequence, dst: Ledgers) -> Sequence:
     return out
 
 
+def export_state(led: Ledgers, seq: Sequence) -> bytes:
+    """`seq`'s slot as a decode engine lays it out (rings of W + 6 rows: `rering`, tails as
+    they are), in the slot's region order: the state of a hand-off by bytes, which a decode
+    engine writes into a free slot as it is (`adopt_state`)."""
+    rows = layout.ring_rows(led.cfg, extra_state=False)
+    parts = []
+    for r in led.slot_layout.regions:
+        if r.name == "swa":
+            parts.append(rering(led.swa[r.layer][seq.slot], seq.length, rows).reshape(-1))
+        else:
+            tails = led.cmp if r.name == "cmp" else led.idx
+            parts.append(tails[r.layer][seq.slot].reshape(-1).view(torch.uint8))
+        if r.name == "swa" and r.layer == led.cfg.num_layers - 1:
+            pad = (-sum(p.numel() for p in parts)) % 4      # SlotLayout's alignment padding
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+    return torch.cat(parts).numpy().tobytes()
+
+
+def state_problem(led: Ledgers, state: bytes) -> str | None:
+    """Why `state` (from `export_state`) cannot be adopted into these ledgers, or None."""
+    if led.swa[0].shape[1] != layout.ring_rows(led.cfg, extra_state=False):
+        return f"this engine's rings are {led.swa[0].shape[1]} rows; a decode engine keeps " \
+               f"{layout.ring_rows(led.cfg, extra_state=False)}"
+    if len(state) != led.slot_layout.slot_bytes:
+        return f"handoff state is {len(state)} B, this engine's slot is " \
+               f"{led.slot_layout.slot_bytes} B"
+    return None
+
+
+def adopt_state(led: Ledgers, seq: Sequence, state: bytes, length: int) -> None:
+    """Write a checked `export_state` image into `seq`'s slot; it then stands at `length`."""
+    problem = state_problem(led, state)
+    if problem is not None:
+        raise ValueError(problem)
+    led.data[seq.slot] = torch.frombuffer(bytearray(state), dtype=torch.uint8)
+    seq.length = length
+
+
 def _overlap(led: Ledgers, slot: int, position: int) -> bytes:
     parts = []
     for _, tails in _csa_tails(led):
