@@ -37,7 +37,7 @@ from tests.k8s_env import (
 )
 from tests.kustomize import render
 
-OVERLAYS = ["bundled", "external"]
+OVERLAYS = ["bundled", "external", "deepseek-v4"]
 SERVICES = ["gateway", "engine", "directory", "kvstore"]
 # Oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) and newest.
 K8S_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
@@ -321,3 +321,16 @@ def test_containers_have_requests_within_limits_and_run_as_the_image_user(overla
             threads = {e["name"]: e.get("value") for e in c.get("env", [])}.get("OMP_NUM_THREADS")
             if threads:
                 assert int(threads) == quantity(r["requests"]["cpu"])
+
+
+def test_deepseek_v4_overlay_serves_the_mounted_checkpoint():
+    res = rendered("deepseek-v4")
+    assert parse(res, "engine").model == "/model"
+    assert parse(res, "gateway").tokenizer == "/model/tokenizer.json"
+    for name in ("engine", "gateway"):
+        w = workload(res, name)
+        (vol,) = w["spec"]["template"]["spec"]["volumes"]
+        assert vol["persistentVolumeClaim"] == {"claimName": "deepseek-v4-model", "readOnly": True}
+        assert main_container(w)["volumeMounts"] == [{"name": "model", "mountPath": "/model",
+                                                      "readOnly": True}]
+    assert parse(rendered("bundled"), "engine").model is None     # the shipped model

@@ -92,6 +92,18 @@ def test_pd_profile_runs_one_prefill_and_two_decode_engines():
     assert all(parse(n).role == "unified" for n in ("engine-a", "engine-b"))
 
 
+def test_deepseek_v4_profile_serves_the_mounted_checkpoint():
+    v4 = {n for n, s in SERVICES.items() if "deepseek-v4" in s.get("profiles", [])}
+    assert v4 == {"v4-engine-a", "v4-engine-b", "gateway-v4"}
+    for name in v4:
+        (mount,) = SERVICES[name]["volumes"]
+        assert mount.endswith(":/model:ro"), mount
+    assert all(parse(n).model == "/model" for n in ("v4-engine-a", "v4-engine-b"))
+    assert parse("gateway-v4").tokenizer == "/model/tokenizer.json"
+    assert parse("gateway-v4").engines == "v4-engine-a:7221,v4-engine-b:7222"
+    assert all(parse(n).model is None for n in ("engine-a", "engine-b"))
+
+
 @pytest.mark.parametrize("name", sorted(IMAGE_PORTS))
 def test_image_services_publish_their_ports(name):
     assert container_ports(SERVICES[name]) == IMAGE_PORTS[name]
@@ -124,6 +136,10 @@ SECRETS = {"REDIS_PASSWORD": "pw-1", "S3_ACCESS_KEY": "ak-2", "S3_SECRET_KEY": "
            "KVMESH_SERVICE_TOKEN": "tok-4"}
 
 
+# settings that are not secrets: the deepseek-v4 profile's checkpoint directory
+SETTINGS = {"DEEPSEEK_V4_DIR"}
+
+
 def interpolate(text: str) -> str:
     """Compose's ${VAR} / ${VAR:?message} substitution with SECRETS."""
     return re.sub(r"\$\{(\w+)(:\?[^}]*)?\}", lambda m: SECRETS[m.group(1)], text)
@@ -132,7 +148,9 @@ def interpolate(text: str) -> str:
 def test_credentials_come_from_the_environment_and_are_required():
     text = (ROOT / "docker-compose.yml").read_text()
     used = set(re.findall(r"\$\{(\w+)", text))
-    assert used == set(SECRETS)
+    assert used == set(SECRETS) | set(SETTINGS)
+    for name in SETTINGS:  # not a secret: a default keeps the other profiles starting
+        assert re.search(r"\$\{" + name + r":-", text), name
     for name in SECRETS:  # compose refuses to start without each one
         assert re.search(r"\$\{" + name + r":\?", text), name
     assert "scripts/backing_secrets.py" in text
