@@ -119,3 +119,25 @@ def test_prefill_decode_handoff_over_grpc(pd_mesh):
     pe, *ces = (m.endpoints[n] for n in m.engine_names)
     assert _stats(pe)["handoffs_out"] == 1
     assert sum(_stats(ce)["handoffs_in"] for ce in ces) == 1
+
+
+def test_chat_completions_render_deepseek_v4s_encoding(mesh):
+    """/v1/chat/completions: the gateway renders DeepSeek V4's chat encoding (the checkpoint
+    directory has no chat_template) and tokenizes it with the checkpoint's tokenizer."""
+    import openai
+    from tokenizers import Tokenizer
+
+    from kvmesh.chat_deepseek_v4 import encode_chat
+
+    m, directory, hf = mesh
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    messages = [{"role": "system", "content": "w7 w8"}, {"role": "user", "content": "w1 w2 w3"}]
+    ids = tok.encode(encode_chat(messages), add_special_tokens=False).ids
+    expected = hf_greedy(hf, ids, 10)
+    if hf.config.eos_token_id in expected:
+        expected = expected[:expected.index(hf.config.eos_token_id)]
+    client = openai.OpenAI(base_url=m.endpoints["gateway-http"] + "/v1", api_key="unused")
+    out = client.chat.completions.create(model=directory.name, messages=messages,
+                                         max_tokens=10, temperature=0)
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].message.content.strip() == tok.decode(expected)
