@@ -122,9 +122,15 @@ class MtpDrafter:
 
     @staticmethod
     def _pick(seq, logits: torch.Tensor, depth: int) -> torch.Tensor:
-        """The draft at this depth as a 0-d long tensor on the logits' device."""
-        if seq.params.greedy:
-            return torch.argmax(logits)
-        p = target_probs(logits, seq.params)
-        g = generator(seq.params, len(seq.output) + depth, seq.seed, DRAFT_STREAM, p.device)
-        return draw_one(p, g)[0]
+        return pick_draft(seq, logits, depth)
+
+
+def pick_draft(seq, logits: torch.Tensor, depth: int) -> torch.Tensor:
+    """The draft at this depth as a 0-d long tensor on the logits' device: the argmax for a
+    greedy request, else a draw from target_probs(q) seeded by (request seed, token index,
+    DRAFT_STREAM). `seq`: anything with params, output and seed."""
+    if seq.params.greedy:
+        return torch.argmax(logits)
+    p = target_probs(logits, seq.params)
+    g = generator(seq.params, len(seq.output) + depth, seq.seed, DRAFT_STREAM, p.device)
+    return draw_one(p, g)[0]

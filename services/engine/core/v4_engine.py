@@ -27,7 +27,10 @@ rejected ones are taken back (ledgers.rollback, at most 6) before any block is r
 --extra-state) to a decode engine after its first token (core/v4_handoff.py), in the wire
 form V4-mini engines use.
 
-Not yet on this path (refused at start-up, naming the flag): MTP drafts and YOCO truncation.
+--speculative mtp:K drafts from the checkpoint's MTP module (core/v4_mtp_draft.py), fed
+the trunk's last streams of every committed position.
+
+Not yet on this path (refused at start-up, naming the flag): YOCO truncation.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ from services.engine.core.output import OutputState
 from services.engine.core.sampling import SamplingParams, draw_batch, read_ids
 from services.engine.core.sequence import Finish
 from services.engine.core.speculative import Speculator, engine_setting
+from services.engine.core.v4_mtp_draft import V4MtpDrafter
 from services.engine.core.v4_prefix import Match, V4Prefix
-from services.engine.model.deepseek_v4 import layout, ledgers
+from services.engine.model.deepseek_v4 import layout, ledgers, mtp
 from services.engine.model.deepseek_v4.config import V4Config
 from services.engine.model.deepseek_v4.forward import V4Model
 from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers
@@ -160,8 +164,10 @@ class V4Engine:
         self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
         self.prefill_token_s = 0.0
         # speculative decoding: ngram:K, K <= the 6 tokens a slot can take back
-        self.spec = Speculator(engine_setting(ecfg.speculative, layout.BACKTRACK, False),
-                               ecfg.ngram_min, ecfg.ngram_max)
+        setting = engine_setting(ecfg.speculative, layout.BACKTRACK, mtp.has_mtp(model.weights))
+        drafter = V4MtpDrafter(mtp.MtpModule(model), model.cfg.window) \
+            if setting.method == "mtp" else None
+        self.spec = Speculator(setting, ecfg.ngram_min, ecfg.ngram_max, drafter)
         # handoffs waiting for a decode engine to fetch them (prefill engines), as EngineCore
         self.handoffs = HandoffStore(ecfg.snapshot_bytes, ttl_s=60.0)
 
@@ -237,15 +243,18 @@ class V4Engine:
             logits[req.request_id] = self._replay(req)
         drafts = self.spec.propose([r for r in self.running if r.request_id not in logits])
         works = self._plan([r for r in self.running if r.request_id not in logits], drafts)
-        verifying: list[tuple[V4Request, list[int], torch.Tensor]] = []
+        verifying: list[tuple[V4Request, list[int], torch.Tensor, tuple]] = []
         if works:
-            outs = ledgers.step(self.model, self.ledgers, [(r.seq, ids) for r, ids in works])
-            for (req, ids), out in zip(works, outs, strict=True):
+            starts = [r.seq.length for r, _ in works]
+            outs, streams = ledgers.step(self.model, self.ledgers,
+                                         [(r.seq, ids) for r, ids in works], streams_too=True)
+            for (req, ids), out, start, h in zip(works, outs, starts, streams, strict=True):
                 self.counters["computed_tokens"] += len(ids)
                 if len(ids) > 1 and req.request_id in drafts:     # committed once judged
-                    verifying.append((req, ids[1:], out))
+                    verifying.append((req, ids[1:], out, (start, h)))
                     continue
                 self._after(req)
+                self.spec.observe(req, req, (start, h), req.seq.length)     # MTP drafter
                 if req.pending == 0:
                     logits[req.request_id] = out[-1]
         self.counters["steps"] += 1
@@ -255,22 +264,25 @@ class V4Engine:
         ready = [r for r in self.running if r.request_id in logits]
         parts, where = draw_batch([(logits[r.request_id], r.params, len(r.output), r.seed)
                                    for r in ready])
-        read = read_ids(parts + [self.spec.judge(r, out, d) for r, d, out in verifying])
+        read = read_ids(parts + [self.spec.judge(r, out, d) for r, d, out, _ in verifying])
         events = [self._emit(req, [read[part][at]]) for req, (part, at) in
                   zip(ready, where, strict=True)]
-        for (req, d, _), verdict in zip(verifying, read[len(parts):], strict=True):
-            events.append(self._verified(req, d, verdict))
+        for (req, d, _, hidden), verdict in zip(verifying, read[len(parts):], strict=True):
+            events.append(self._verified(req, d, verdict, hidden))
         return events
 
-    def _verified(self, req: V4Request, drafts: list[int], verdict: list[int]) -> Event:
+    def _verified(self, req: V4Request, drafts: list[int], verdict: list[int],
+                  hidden: tuple) -> Event:
         """Emit what verification kept (accepted drafts, then one more token); the rows of
-        rejected drafts are taken back before any block is registered."""
+        rejected drafts are taken back before any block is registered, and only the kept
+        rows' streams reach the MTP drafter."""
         tokens = self.spec.settle(req, drafts, verdict)
         rejected = len(drafts) - (len(tokens) - 1)
         event = self._emit(req, tokens)
         if event.finish is None:
             ledgers.rollback(self.ledgers, req.seq, req.seq.length - rejected)
             self._after(req)
+            self.spec.observe(req, req, hidden, req.seq.length)
         return event
 
     def _admit(self) -> None:
@@ -477,8 +489,7 @@ class V4Engine:
 
 def _refuse_unsupported(ecfg: EngineConfig) -> None:
     """Settings the DeepSeek V4 path does not serve yet: refused, never ignored."""
-    refused = [(ecfg.speculative.startswith("mtp"), "--speculative mtp"),
-               (ecfg.truncation != "off", "--truncation")]
+    refused = [(ecfg.truncation != "off", "--truncation")]
     named = [flag for on, flag in refused if on]
     if named:
         raise ValueError(f"{', '.join(named)}: not served for DeepSeek V4 checkpoints yet "

@@ -77,6 +77,7 @@ def test_model_info_and_bad_input(served):
 def test_unserved_flags_exit_2_by_name(served):
     _, directory, _ = served
     out = subprocess.run([*KVMESH, "engine", "serve", "--model", str(directory),
-                          "--speculative", "mtp:2"], capture_output=True, text=True, timeout=120)
+                          "--truncation", "mask", "--keep-tokens", "200"],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert "--speculative mtp: not served for DeepSeek V4 checkpoints yet" in out.stderr
+    assert "--truncation: not served for DeepSeek V4 checkpoints yet" in out.stderr

@@ -102,6 +102,8 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
     reader = _Reader(tensor_files(directory))
     plan, scales = _plan(reader)
     expected = names.expected_shapes(cfg)
+    if any(name.startswith("mtp.") for name in plan):   # optional: read whole when present
+        expected.update(names.mtp_shapes(cfg))
     _check_memory(expected, dtype, directory)
     _check_plan(cfg, expected, plan, scales, reader, directory)
     weights: dict[str, torch.Tensor] = {}
@@ -252,4 +254,6 @@ def _what(cfg: V4Config, name: str) -> str:
     if name.startswith("layers."):
         i = int(name.split(".")[1])
         return f"layer {i} ({cfg.layer_kinds[i]} attention, {cfg.mlp_kinds[i]} MoE)"
+    if name.startswith("mtp."):
+        return f"MTP module {name.split('.')[1]} (its other mtp.* tensors are there)"
     return "model"

@@ -76,6 +76,7 @@ class V4Config:
     swiglu_limit: float = 10.0
     rms_eps: float = 1e-6
     num_mtp_layers: int = 1
+    mtp_kind: str = SLIDING                # the MTP block's attention (DeepSeek's last ratio)
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
     max_position: int = 1048576            # max_position_embeddings: prompt + output at most
@@ -114,7 +115,10 @@ class V4Config:
 
     def rate(self, layer: int) -> int:
         """Tokens per compressed entry of `layer` (0 for a sliding-only layer)."""
-        return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_kinds[layer]]
+        return self.rate_of(self.layer_kinds[layer])
+
+    def rate_of(self, kind: str) -> int:
+        return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[kind]
 
     def rope(self, layer: int) -> Rope:
         return self.main_rope if self.layer_kinds[layer] == SLIDING else self.compress_rope
@@ -178,6 +182,7 @@ def config_from_dict(raw: dict) -> V4Config:
         swiglu_limit=float(raw.get("swiglu_limit", 10.0)),
         rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
         num_mtp_layers=_int(raw, "num_nextn_predict_layers", 1),
+        mtp_kind=_mtp_kind(raw, n),
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         max_position=_int(raw, "max_position_embeddings", 1048576),
@@ -219,6 +224,13 @@ def _layer_kinds(raw: dict, n: int) -> tuple[str, ...]:
     if len(kinds) < n:
         raise CheckpointError(f"{len(kinds)} layer types for num_hidden_layers = {n}")
     return tuple(kinds[:n])
+
+
+def _mtp_kind(raw: dict, n: int) -> str:
+    """The MTP block's attention: DeepSeek's compress_ratios carry it after the layers'
+    (0 on V4-Flash); sliding when the config does not say."""
+    ratios = raw.get("compress_ratios") or []
+    return {4: CSA, 128: HCA}.get(ratios[n], SLIDING) if len(ratios) > n else SLIDING
 
 
 def _mlp_kinds(raw: dict, n: int) -> tuple[str, ...]:

@@ -93,12 +93,18 @@ class V4Model:
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [S] -> logits [S, vocab] in the model's dtype."""
+        return self.head(self.final_streams(ids))
+
+    @torch.no_grad()
+    def final_streams(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [S] -> the last layer's streams [S, n, D] (what `head` collapses, and what
+        the MTP module reads)."""
         ids = ids.reshape(-1).long()
         positions = torch.arange(ids.shape[0])
         streams = self.embed(ids)
         for i in range(self.cfg.num_layers):
             streams, _ = self.layer(i, streams, positions, ids)
-        return self.head(streams)
+        return streams
 
 
 def _sub(w: dict, prefix: str) -> dict:

@@ -4,7 +4,8 @@ State ledger, one slot per running sequence (fixed size, freed whole):
 
     | SWA ring, layer 0 | ... | layer L-1 |   every layer: R rows x 528 B (MXFP8)     stored
     | CSA l: compressor | indexer | HCA l': compressor | ...  fp32 open tails           dropped
-    (| MTP ring |  W + B rows x 528 B, only when drafting with the MTP layer)          dropped
+    (MTP window:   W + B rows x 528 B a drafting request; V4Engine keeps it outside the
+                   slot, in host memory (core/v4_mtp_draft.py), so the slot has no region for it)
 
   - a ring row is one token's K = V vector as MXFP8: head_dim E4M3 bytes + one E8M0 scale per
     32 values (512 + 16 = 528 B at head_dim 512); R = W + B = 134 (B = 6 rollback tokens), or
@@ -127,7 +128,8 @@ def table(rep: dict) -> str:
             lines.append(f"  {kind.upper() + ' tails':<16} {desc} per layer")
     lines += [f"  compression      {s['compression_bytes']:,} B",
               f"  slot total       {s['bytes']:,} B",
-              f"  MTP ring         {s['mtp_ring_bytes']:,} B (only when drafting with MTP)",
+              f"  MTP window       {s['mtp_ring_bytes']:,} B a request drafting with MTP "
+              "(host memory, outside the slot)",
               f"block ledger ({b['tokens']} tokens a block): {b['bytes']:,} B a block, "
               f"{b['blocks_per_gib']} blocks per GiB",
               "  bytes per token per layer: " + ", ".join(

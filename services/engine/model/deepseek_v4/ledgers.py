@@ -174,10 +174,12 @@ def extend(model: V4Model, led: Ledgers, seq: Sequence, ids) -> torch.Tensor:
 
 
 @torch.no_grad()
-def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]]) -> list[torch.Tensor]:
+def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]],
+         streams_too: bool = False):
     """One forward over several sequences' next tokens (decode rows and prefill chunks
     together, one sequence once): per-token work runs over all rows, attention per sequence.
-    Returns each work's logits [len(ids), vocab]."""
+    Returns each work's logits [len(ids), vocab]; with `streams_too`, (logits, the last
+    layer's streams [len(ids), n, D] of each work: what the MTP module reads)."""
     _check_model(model, led)
     chunks = [torch.as_tensor(ids).reshape(-1).long() for _, ids in works]
     for k, chunk in enumerate(chunks):
@@ -199,7 +201,9 @@ def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]]) 
             _write(model, led, seq, i, pos, p)
     for seq, chunk in zip(seqs, chunks, strict=True):
         seq.length += chunk.shape[0]
-    return list(model.head(streams).split([c.shape[0] for c in chunks]))
+    sizes = [c.shape[0] for c in chunks]
+    logits = list(model.head(streams).split(sizes))
+    return (logits, list(streams.split(sizes))) if streams_too else logits
 
 
 @torch.no_grad()

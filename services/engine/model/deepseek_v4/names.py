@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from services.engine.model.deepseek_v4.config import CSA, HASH, HCA, V4Config
+from services.engine.model.deepseek_v4.config import CSA, HASH, HCA, MOE, V4Config
 
 # transformers' module path within a layer -> DeepSeek's
 _LAYER_RENAMES = {
@@ -53,7 +53,10 @@ _TOP_RENAMES = {
     "hc_head.hc_scale": "hc_head_scale",
 }
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
+_EXPERT = re.compile(r"(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
+# DeepSeek's copies of the shared embedding and head inside each MTP module: the main ones
+# are read instead
+_MTP_SHARED = re.compile(r"mtp\.\d+\.(emb\.tok_emb|head)\.weight")
 
 
 class Source(NamedTuple):
@@ -63,9 +66,11 @@ class Source(NamedTuple):
 
 
 def source(stored: str) -> Source | None:
-    """What a stored tensor is; None for tensors this package does not read (mtp.*)."""
+    """What a stored tensor is; None for tensors this package does not read (the MTP
+    modules' copies of the embedding and head). An MTP module keeps DeepSeek's names under
+    `mtp.N.` (its block's as a layer's, its experts stacked likewise)."""
     name = stored[len("model."):] if stored.startswith("model.") else stored
-    if name.startswith("mtp."):
+    if _MTP_SHARED.fullmatch(name):
         return None
     name = _TOP_RENAMES.get(name, name)
     m = _LAYER.fullmatch(name)
@@ -73,8 +78,8 @@ def source(stored: str) -> Source | None:
         name = f"layers.{m[1]}.{_LAYER_RENAMES.get(m[2], m[2])}"
     e = _EXPERT.fullmatch(name)
     if e:
-        return Source(f"layers.{e[1]}.ffn.experts.{'w2' if e[3] == 'w2' else 'w13'}",
-                      int(e[2]), e[3])
+        return Source(f"{e[1]}.{e[2]}.ffn.experts.{'w2' if e[4] == 'w2' else 'w13'}",
+                      int(e[3]), e[4])
     return Source(name)
 
 
@@ -90,43 +95,65 @@ def scale_of(stored: str) -> tuple[str, str] | None:
 def expected_shapes(cfg: V4Config) -> dict[str, tuple[int, ...]]:
     """Every tensor the forward reads, with its shape."""
     D, n, V = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
-    H, d, r = cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
-    mix = (2 + n) * n
     out: dict[str, tuple[int, ...]] = {
         "embed.weight": (V, D), "head.weight": (V, D), "norm.weight": (D,),
         "hc_head_fn": (n, n * D), "hc_head_base": (n,), "hc_head_scale": (1,),
     }
     for i, kind in enumerate(cfg.layer_kinds):
-        p = f"layers.{i}."
-        out.update({
-            p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,),
-            p + "hc_attn_fn": (mix, n * D), p + "hc_attn_base": (mix,), p + "hc_attn_scale": (3,),
-            p + "hc_ffn_fn": (mix, n * D), p + "hc_ffn_base": (mix,), p + "hc_ffn_scale": (3,),
-            p + "attn.attn_sink": (H,), p + "attn.wq_a.weight": (r, D),
-            p + "attn.q_norm.weight": (r,), p + "attn.wq_b.weight": (H * d, r),
-            p + "attn.wkv.weight": (d, D), p + "attn.norm.weight": (d,),
-            p + "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
-            p + "attn.wo_b.weight": (D, cfg.o_groups * cfg.o_lora_rank),
-        })
-        if kind in (CSA, HCA):
-            out.update(_compressor(p + "attn.compressor.", d, D, cfg.rate(i), kind == CSA))
-        if kind == CSA:
-            c, hi = cfg.index_head_dim, cfg.index_heads
-            out.update(_compressor(p + "attn.indexer.compressor.", c, D, cfg.csa_rate, True))
-            out[p + "attn.indexer.wq_b.weight"] = (hi * c, r)
-            out[p + "attn.indexer.weights_proj.weight"] = (hi, D)
-        E, inter = cfg.n_experts, cfg.moe_inter
-        out[p + "ffn.gate.weight"] = (E, D)
-        if cfg.mlp_kinds[i] == HASH:
-            out[p + "ffn.gate.tid2eid"] = (V, cfg.experts_per_token)
-        else:
-            out[p + "ffn.gate.bias"] = (E,)
-        out.update({
-            p + "ffn.experts.w13": (E, 2 * inter, D), p + "ffn.experts.w2": (E, D, inter),
-            p + "ffn.shared_experts.w1.weight": (inter, D),
-            p + "ffn.shared_experts.w2.weight": (D, inter),
-            p + "ffn.shared_experts.w3.weight": (inter, D),
-        })
+        out.update(_block(cfg, f"layers.{i}.", kind, cfg.rate(i), cfg.mlp_kinds[i]))
+    return out
+
+
+def mtp_shapes(cfg: V4Config) -> dict[str, tuple[int, ...]]:
+    """The tensors of the checkpoint's MTP modules (`mtp.N.`): a block of the kind the
+    config's last compress ratio names, with routed MoE, and the module's own input
+    projections, norms and stream collapse. The embedding and head are the model's."""
+    D, n = cfg.hidden_size, cfg.hc_mult
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.num_mtp_layers):
+        p = f"mtp.{i}."
+        out.update(_block(cfg, p, cfg.mtp_kind, cfg.rate_of(cfg.mtp_kind), MOE))
+        out.update({p + "e_proj.weight": (D, D), p + "h_proj.weight": (D, D),
+                    p + "enorm.weight": (D,), p + "hnorm.weight": (D,), p + "norm.weight": (D,),
+                    p + "hc_head_fn": (n, n * D), p + "hc_head_base": (n,),
+                    p + "hc_head_scale": (1,)})
+    return out
+
+
+def _block(cfg: V4Config, p: str, kind: str, rate: int, mlp: str) -> dict[str, tuple[int, ...]]:
+    """One decoder block's tensors under prefix `p`."""
+    D, n, V = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
+    H, d, r = cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+    mix = (2 + n) * n
+    out: dict[str, tuple[int, ...]] = {
+        p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,),
+        p + "hc_attn_fn": (mix, n * D), p + "hc_attn_base": (mix,), p + "hc_attn_scale": (3,),
+        p + "hc_ffn_fn": (mix, n * D), p + "hc_ffn_base": (mix,), p + "hc_ffn_scale": (3,),
+        p + "attn.attn_sink": (H,), p + "attn.wq_a.weight": (r, D),
+        p + "attn.q_norm.weight": (r,), p + "attn.wq_b.weight": (H * d, r),
+        p + "attn.wkv.weight": (d, D), p + "attn.norm.weight": (d,),
+        p + "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
+        p + "attn.wo_b.weight": (D, cfg.o_groups * cfg.o_lora_rank),
+    }
+    if kind in (CSA, HCA):
+        out.update(_compressor(p + "attn.compressor.", d, D, rate, kind == CSA))
+    if kind == CSA:
+        c, hi = cfg.index_head_dim, cfg.index_heads
+        out.update(_compressor(p + "attn.indexer.compressor.", c, D, cfg.csa_rate, True))
+        out[p + "attn.indexer.wq_b.weight"] = (hi * c, r)
+        out[p + "attn.indexer.weights_proj.weight"] = (hi, D)
+    E, inter = cfg.n_experts, cfg.moe_inter
+    out[p + "ffn.gate.weight"] = (E, D)
+    if mlp == HASH:
+        out[p + "ffn.gate.tid2eid"] = (V, cfg.experts_per_token)
+    else:
+        out[p + "ffn.gate.bias"] = (E,)
+    out.update({
+        p + "ffn.experts.w13": (E, 2 * inter, D), p + "ffn.experts.w2": (E, D, inter),
+        p + "ffn.shared_experts.w1.weight": (inter, D),
+        p + "ffn.shared_experts.w2.weight": (D, inter),
+        p + "ffn.shared_experts.w3.weight": (inter, D),
+    })
     return out
 
 

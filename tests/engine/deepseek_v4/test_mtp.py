@@ -1,0 +1,128 @@
+"""MTP drafts on a DeepSeek V4 engine (`--speculative mtp:K`).
+
+transformers builds no MTP module (it drops `mtp.*`), so there is no outside oracle for the
+module itself. The tests hold what can be held: the loader reads DeepSeek-named `mtp.N.*`
+tensors (and names a missing one); every draft's logits equal the module run over the whole
+final sequence at once (the trunk's full forward gives its streams), the chained ones
+included; and output with MTP drafts is transformers' greedy output, token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.engine.core.sampling import SamplingParams
+from services.engine.core.v4_mtp_draft import V4MtpDrafter
+from services.engine.model.deepseek_v4 import names
+from services.engine.model.deepseek_v4.attention import AttentionParts
+from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+from services.engine.model.deepseek_v4.errors import CheckpointError
+from services.engine.model.deepseek_v4.mtp import MtpModule
+from tests.engine.deepseek_v4 import tiny
+from tests.engine.deepseek_v4.test_engine import checkpoint, engine, hf_greedy, run
+
+pytest.importorskip("transformers")
+TOKENS = 40
+
+
+def add_mtp(directory, cfg, seed: int = 5) -> None:
+    """Random MTP tensors in DeepSeek's naming (per-expert w1 / w2 / w3) in the checkpoint."""
+    g = torch.Generator().manual_seed(seed)
+    state = load_file(str(directory / "model.safetensors"))
+    for name, shape in names.mtp_shapes(cfg).items():
+        if name.endswith("experts.w13") or name.endswith("experts.w2"):
+            base = name[: -len("w13" if name.endswith("w13") else "w2")]
+            w = torch.randn(shape, generator=g) * 0.03
+            for e in range(shape[0]):
+                if name.endswith("w13"):
+                    half = shape[1] // 2
+                    state[f"{base}{e}.w1.weight"] = w[e, :half].contiguous()
+                    state[f"{base}{e}.w3.weight"] = w[e, half:].contiguous()
+                else:
+                    state[f"{base}{e}.w2.weight"] = w[e].contiguous()
+            continue
+        value = torch.randn(shape, generator=g) * (0.15 if len(shape) < 2 else 0.03)
+        if name.endswith(("norm.weight", "hc_head_scale")) or name.endswith("_scale"):
+            value += 1.0
+        state[name] = value
+    save_file(state, str(directory / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mixed-mtp")
+    hf = checkpoint("mixed", directory)
+    cfg, _ = load_checkpoint(directory, torch.float32)
+    add_mtp(directory, cfg)
+    return directory, hf
+
+
+def test_the_loader_reads_mtp_tensors_and_names_a_missing_one(saved, tmp_path):
+    directory, _ = saved
+    cfg, weights = load_checkpoint(directory, torch.float64)
+    want = names.mtp_shapes(cfg)
+    assert {k: tuple(v.shape) for k, v in weights.items() if k.startswith("mtp.")} == want
+    state = load_file(str(directory / "model.safetensors"))
+    del state["mtp.0.h_proj.weight"]
+    for f in directory.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing tensor mtp.0.h_proj.weight .*MTP module 0"):
+        load_checkpoint(tmp_path, torch.float32)
+
+
+def test_mtp_drafts_equal_the_module_over_the_whole_sequence(saved, monkeypatch):
+    directory, hf = saved
+    core = engine(directory, "--speculative", "mtp:3")
+    seen = []
+    real = V4MtpDrafter.propose
+
+    def recording(self, wanted):
+        out = real(self, wanted)
+        for req, _ in wanted:
+            if req.request_id in out:
+                seen.append((req.seq.length, list(out[req.request_id]),
+                             self.q[req.request_id].clone()))
+        return out
+    monkeypatch.setattr(V4MtpDrafter, "propose", recording)
+    prompt = tiny.prompt("mixed").tolist()
+    (output,) = run(core, [prompt], TOKENS)
+    assert output == hf_greedy(hf, prompt, TOKENS)                # lossless
+    assert len(seen) > 5 and core.stats()["spec_drafted_tokens"] > 0
+    module = MtpModule(core.model)
+    tokens = torch.tensor(prompt + output)
+    trunk = core.model.final_streams(tokens)
+    n = len(tokens)
+    y, parts = module.rows(torch.arange(n - 1), tokens[1:], trunk[:-1])
+    reference = module.logits(y)                   # row p predicts token p + 2
+    worst = 0.0
+    for end, drafts, q in seen:
+        worst = max(worst, (q[0] - reference[end - 1]).abs().max().item())
+        if len(drafts) > 1:                        # the chained row after it
+            prior = AttentionParts(None, parts.window_kv[:end], None, None, None)
+            y2, _ = module.rows(torch.tensor([end]), torch.tensor(drafts[:1]), y[end - 1:end],
+                                prior)
+            worst = max(worst, (q[1] - module.logits(y2)[0]).abs().max().item())
+    assert worst <= 1e-6, worst
+
+
+def test_mtp_needs_mtp_tensors(tmp_path):
+    from kvmesh.errors import InvalidArgument
+
+    checkpoint("mixed", tmp_path)
+    with pytest.raises(InvalidArgument, match="mtp needs MTP weights"):
+        engine(tmp_path, "--speculative", "mtp:2")
+
+
+def test_sampled_requests_with_mtp_drafts_run(saved):
+    directory, _ = saved
+    core = engine(directory, "--speculative", "mtp:2")
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    req = core.add_request(tiny.prompt("mixed").tolist(), params)
+    while core.has_work:
+        core.step()
+    core.check_integrity()
+    assert len(req.output) == 20 and core.stats()["spec_verify_steps"] > 0
