@@ -43,6 +43,7 @@ from services.engine.core.handoff import (
 )
 from services.engine.core.mtp_draft import MtpDrafter
 from services.engine.core.output import OutputState
+from services.engine.core.request_checks import check_prompt
 from services.engine.core.sampling import SamplingParams, draw_batch, read_ids, sample
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Finish, Sequence
@@ -110,19 +111,8 @@ class EngineCore:
         seed, same tokens as an uninterrupted run), and their text, already delivered,
         only sets the stop-string state. `handoff`: stop after the first token and keep
         the request for a decode engine (core/handoff.py)."""
-        params.validate(self.cfg.vocab_size)
-        if not prompt_ids:
-            raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise InvalidArgument(f"prompt_token_ids {bad[:5]} are outside [0, {self.cfg.vocab_size})")
-        if not 0 <= resume < min(len(prompt_ids), params.max_tokens):
-            raise InvalidArgument(f"resume_generated must be in [0, min(prompt length, max_tokens)) "
-                                  f"= [0, {min(len(prompt_ids), params.max_tokens)}), got {resume}")
-        limit, n_prompt = self.cfg.max_seq_len, len(prompt_ids) - resume
-        if n_prompt + params.max_tokens > limit:
-            raise InvalidArgument(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) "
-                                  f"exceeds the model's maximum of {limit} tokens")
+        n_prompt = check_prompt(prompt_ids, params, resume, self.cfg.vocab_size,
+                                self.cfg.max_seq_len)
         if self.cache.blocks_for(len(prompt_ids) + 1) > self.ecfg.num_blocks:
             raise InvalidArgument(f"prompt needs more cache blocks than this engine has "
                                   f"({self.ecfg.num_blocks} x {self.cfg.block_size} tokens)")

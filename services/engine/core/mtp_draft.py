@@ -61,10 +61,7 @@ class MtpDrafter:
         r = self.rings.get(request_id)
         if r is None or r.owner != owner:
             r = self.rings[request_id] = _Ring(owner, lo=first, done=first, first=first)
-        if r.h is not None and r.first <= first <= r.first + len(r.h):
-            h, first = torch.cat([r.h[: first - r.first], h]), r.first     # continues the stash
-        keep = min(len(h), self.window)
-        r.first, r.h = first + len(h) - keep, h[len(h) - keep:]
+        r.first, r.h = stash(r.first, r.h, first, h, self.window)
 
     def forget(self, request_id: str) -> None:
         self.rings.pop(request_id, None)
@@ -123,6 +120,17 @@ class MtpDrafter:
     @staticmethod
     def _pick(seq, logits: torch.Tensor, depth: int) -> torch.Tensor:
         return pick_draft(seq, logits, depth)
+
+
+def stash(old_first: int, old: torch.Tensor | None, first: int, h: torch.Tensor,
+          window: int) -> tuple[int, torch.Tensor]:
+    """A stash of rows of positions [old_first, ...) given rows of [first, first + len(h)):
+    continued when they start inside it or right after it, else replaced; at most the last
+    `window` rows are kept (no draft reads further back). Returns (first, rows)."""
+    if old is not None and old_first <= first <= old_first + len(old):
+        h, first = torch.cat([old[: first - old_first], h]), old_first
+    keep = min(len(h), window)
+    return first + len(h) - keep, h[len(h) - keep:]
 
 
 def pick_draft(seq, logits: torch.Tensor, depth: int) -> torch.Tensor:

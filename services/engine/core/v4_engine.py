@@ -53,6 +53,7 @@ from services.engine.core import v4_handoff
 from services.engine.core.events import COUNTERS, Event, Hooks
 from services.engine.core.handoff import Handoff, HandoffStore, handoff_problem
 from services.engine.core.output import OutputState
+from services.engine.core.request_checks import check_prompt
 from services.engine.core.sampling import SamplingParams, draw_batch, read_ids
 from services.engine.core.sequence import Finish
 from services.engine.core.speculative import Speculator, engine_setting
@@ -177,19 +178,8 @@ class V4Engine:
                     handoff: bool = False) -> V4Request:
         """As EngineCore.add_request. `prefetched`: blocks from the kvstore and a peer's
         snapshot for this prompt (rpc/remote.py), used by its admission."""
-        params.validate(self.cfg.vocab_size)
-        if not prompt_ids:
-            raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise InvalidArgument(f"prompt_token_ids {bad[:5]} are outside [0, {self.cfg.vocab_size})")
-        if not 0 <= resume < min(len(prompt_ids), params.max_tokens):
-            raise InvalidArgument(f"resume_generated must be in [0, min(prompt length, max_tokens)) "
-                                  f"= [0, {min(len(prompt_ids), params.max_tokens)}), got {resume}")
-        n_prompt = len(prompt_ids) - resume
-        if n_prompt + params.max_tokens > self.cfg.max_seq_len:
-            raise InvalidArgument(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) "
-                                  f"exceeds the model's maximum of {self.cfg.max_seq_len} tokens")
+        n_prompt = check_prompt(prompt_ids, params, resume, self.cfg.vocab_size,
+                                self.cfg.max_seq_len)
         check_traffic_class(traffic_class)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:

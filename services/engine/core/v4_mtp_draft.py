@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.core.mtp_draft import pick_draft
+from services.engine.core.mtp_draft import pick_draft, stash
 from services.engine.core.sampling import read_ids
 from services.engine.model.deepseek_v4.attention import AttentionParts
 from services.engine.model.deepseek_v4.mtp import MtpModule
@@ -53,10 +53,7 @@ class V4MtpDrafter:
         s = self.states.get(request_id)
         if s is None or s.owner is not owner:
             s = self.states[request_id] = _State(owner, done=first, first=first)
-        if s.h is not None and s.first <= first <= s.first + len(s.h):
-            h, first = torch.cat([s.h[: first - s.first], h]), s.first     # continues it
-        keep = min(len(h), self.window)
-        s.first, s.h = first + len(h) - keep, h[len(h) - keep:]
+        s.first, s.h = stash(s.first, s.h, first, h, self.window)
 
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
