@@ -47,7 +47,7 @@ async def _stream(address: str, engine: str | None, args) -> int:
     else:
         from services.gateway.client import GatewayClient
 
-        client, served_by = GatewayClient(address), address
+        client, served_by = GatewayClient(address, getattr(args, "api_key", None)), address
         stream = client.stream(args.prompt, **kw)
     last = None
     try:

@@ -74,6 +74,18 @@ def register(sub) -> None:
                     help="a DeepSeek V4 checkpoint directory the engines serve (float32, MXFP8 "
                     "window rows); the gateway uses its tokenizer.json and chat encoding "
                     "(default: none, the shipped V4-mini tiny model; docs/deepseek-v4.md)")
+    up.add_argument("--tokenizer", default="",
+                    help="tokenizer.json for every engine and the gateway (default: the "
+                    "--model checkpoint's, else byte-level)")
+    up.add_argument("--dtype", default="", choices=["", "float32", "float64"],
+                    help="every engine's weights and activations (default: the engine's, "
+                    "float32)")
+    up.add_argument("--device", default="",
+                    help="every engine's device: auto | cpu | cuda | cuda:N (default: the "
+                    "engine's, auto)")
+    up.add_argument("--speculative", default="",
+                    help="every engine's speculative decoding: off | ngram:K | mtp:K (default: "
+                    "the engine's, off)")
     up.add_argument("--num-slots", type=int, default=8, help="state slots per engine")
     up.add_argument("--num-blocks", type=int, default=512, help="cache blocks per engine")
     up.add_argument("--pd", action="store_true",
@@ -132,17 +144,20 @@ def endpoint_table(mesh: Mesh) -> Table:
 
 def address_lines(mesh: Mesh) -> list[str]:
     """Where to point clients and admin commands (printed under the table)."""
-    lines = [f"gateway gRPC: {mesh.gateway}    kvmesh generate \"Hello\" --gateway {mesh.gateway}"]
+    key = " --api-key KEY" if mesh.cfg.api_keys else ""       # KEY: one of the keys file's
+    lines = [f"gateway gRPC: {mesh.gateway}    kvmesh generate \"Hello\" --gateway {mesh.gateway}{key}"]
     if "gateway-http" in mesh.endpoints:
         url = mesh.endpoints["gateway-http"]
-        lines.append(f"OpenAI-compatible HTTP API: {url}/v1    curl {url}/v1/models")
+        auth = " -H 'authorization: Bearer KEY'" if mesh.cfg.api_keys else ""
+        lines.append(f"OpenAI-compatible HTTP API: {url}/v1    curl{auth} {url}/v1/models")
     kv = mesh.endpoints["kvstore"]
     found = Path(mesh.cfg.log_dir).parent / "running.json" == Path(RUNNING_MESH_FILE)
     lines.append(f"kvstore admin: {kv}    kvmesh admin --kvstore {kv} gc stats   " + (
         "(run from this directory, `kvmesh admin gc stats` finds it)" if found
         else f"(or export KVMESH_KVSTORE_ADDR={kv})"))
     lines.append("auth: gateway API keys " + (
-        f"required ({mesh.cfg.api_keys})" if mesh.cfg.api_keys else
+        f"required (KEY: a key of {mesh.cfg.api_keys}; or export KVMESH_API_KEY=KEY)"
+        if mesh.cfg.api_keys else
         "OFF (every service listens on 127.0.0.1 only; --api-keys FILE turns them on)"
         if mesh.cfg.public_host == "127.0.0.1" else "OFF on a public address "
         "(--allow-unauthenticated)") +
@@ -166,19 +181,7 @@ def run_up(args: argparse.Namespace) -> int:
     except InvalidArgument as exc:
         console.print(f"[red]kvmesh up:[/red] {exc}", highlight=False)
         return 2
-    pd = getattr(args, "pd", False)
-    engines = 3 if pd and args.engines == 2 else args.engines   # --pd: 1 PE + 2 CEs by default
-    cfg = MeshConfig(engines=engines, pd=pd, gateway_port=args.gateway_port,
-                     http_port=args.http_port, metrics_port=args.metrics_port, log_dir=Path(args.log_dir),
-                     num_slots=args.num_slots, num_blocks=args.num_blocks,
-                     kvstores=args.kvstores, model=getattr(args, "model", ""),
-                     # Fresh random tokens per run: internal RPCs refuse anyone without them.
-                     service_token=secrets.token_urlsafe(32),
-                     admin_token=secrets.token_urlsafe(32),
-                     api_keys=args.api_keys, public_host=args.host,
-                     allow_unauthenticated=args.allow_unauthenticated,
-                     # Valkey and S3 with random credentials only the mesh's processes get.
-                     lock_backing=True)
+    cfg = mesh_config(args)
     signal.signal(signal.SIGTERM, _on_sigterm)
     status = console.status("starting kvmesh ...")
     mesh = Mesh(cfg, on_progress=lambda name, state: status.update(f"{name}: {state} ..."))
@@ -211,6 +214,26 @@ def run_up(args: argparse.Namespace) -> int:
         mesh.stop()
         console.print("kvmesh stopped")
     return 0
+
+
+def mesh_config(args: argparse.Namespace) -> MeshConfig:
+    """The MeshConfig `kvmesh up`'s flags ask for, with fresh random internal tokens."""
+    pd = getattr(args, "pd", False)
+    engines = 3 if pd and args.engines == 2 else args.engines   # --pd: 1 PE + 2 CEs by default
+    return MeshConfig(engines=engines, pd=pd, gateway_port=args.gateway_port,
+                      http_port=args.http_port, metrics_port=args.metrics_port,
+                      log_dir=Path(args.log_dir), num_slots=args.num_slots,
+                      num_blocks=args.num_blocks, kvstores=args.kvstores,
+                      model=getattr(args, "model", ""),
+                      **{k: getattr(args, k, "") for k in ("tokenizer", "dtype", "device",
+                                                           "speculative")},
+                      # Fresh random tokens per run: internal RPCs refuse anyone without them.
+                      service_token=secrets.token_urlsafe(32),
+                      admin_token=secrets.token_urlsafe(32),
+                      api_keys=args.api_keys, public_host=args.host,
+                      allow_unauthenticated=args.allow_unauthenticated,
+                      # Valkey and S3 with random credentials only the mesh's processes get.
+                      lock_backing=True)
 
 
 async def _demo(gateway: str, prompt: str, console: Console) -> int:

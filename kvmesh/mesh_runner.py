@@ -45,6 +45,12 @@ class MeshConfig:
     # A DeepSeek V4 checkpoint directory the engines serve instead of the preset (--model);
     # the gateway then tokenizes with its tokenizer.json and renders its chat encoding.
     model: str = ""
+    # Engine settings every engine gets (`kvmesh up` flags of the same names); "" = the
+    # engine's default. tokenizer goes to the gateway too (its routing keys, chat template).
+    tokenizer: str = ""
+    dtype: str = ""
+    device: str = ""
+    speculative: str = ""
     num_slots: int = 8
     num_blocks: int = 512
     engine_extra: tuple[str, ...] = ()
@@ -95,10 +101,13 @@ def engine_argv(cfg: MeshConfig, engine_id: str, port: int, directory: str, kvst
     """The one place that decides how engines are launched."""
     model = ["--model", cfg.model] if cfg.model else \
         ["--preset", cfg.preset, "--truncation", "compact", "--keep-tokens", "134"]
+    given = [(flag, value) for flag, value in (
+        ("--tokenizer", cfg.tokenizer), ("--dtype", cfg.dtype), ("--device", cfg.device),
+        ("--speculative", cfg.speculative)) if value]
     return [*KVMESH, "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--engine-id", engine_id, "--directory", directory, "--kvstore", kvstore,
             *model, "--num-slots", str(cfg.num_slots), "--num-blocks", str(cfg.num_blocks),
-            "--role", role, *cfg.engine_extra]
+            "--role", role, *[x for pair in given for x in pair], *cfg.engine_extra]
 
 
 def kvstore_argv(port: int, locations: list[str], data_dir: Path, index: str = "sqlite",
@@ -219,6 +228,9 @@ class Mesh:
             self.endpoints[f"{name}-http"] = f"{scheme}://{host}:{http_port}"
 
     def _tokenizer_args(self) -> list[str]:
+        """The engines' tokenizer: --tokenizer, else a --model checkpoint's tokenizer.json."""
+        if self.cfg.tokenizer:
+            return ["--tokenizer", self.cfg.tokenizer]
         tokenizer = Path(self.cfg.model) / "tokenizer.json"
         return ["--tokenizer", str(tokenizer)] if self.cfg.model and tokenizer.exists() else []
 

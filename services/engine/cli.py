@@ -69,6 +69,9 @@ def register(sub) -> None:
                        "gateway (debugging; default: through the gateway)")
     where.add_argument("--gateway", default=None, help="gateway address (default "
                        "$KVMESH_GATEWAY_ADDR or 127.0.0.1:7000)")
+    gen.add_argument("--api-key", default=None,
+                     help="gateway API key, for a gateway with API keys on (default "
+                     "$KVMESH_API_KEY; none: unauthenticated)")
     samp = gen.add_argument_group("sampling")
     samp.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
     samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -6,11 +6,13 @@
         resp = await gw.generate([72, 105], max_tokens=8)   # token ids work too
 
 Errors arrive as grpc.aio.AioRpcError with the gateway's status and message
-(INVALID_ARGUMENT names the field). The client owns its channel; `close()` it.
+(INVALID_ARGUMENT names the field). The client owns its channel; `close()` it. Against a
+gateway with API keys on, give `api_key=` or set $KVMESH_API_KEY.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 from kvmesh.generation import set_sampling, traffic_class_to_proto
@@ -35,14 +37,24 @@ def gateway_request(prompt: str | list[int], max_tokens: int | None = None,
     return set_sampling(req, max_tokens, temperature, top_k, top_p, seed)
 
 
+API_KEY_ENV = "KVMESH_API_KEY"
+
+
 class GatewayClient(RpcClient):
-    def __init__(self, address: str):
+    """`api_key`: sent as `authorization: Bearer <key>` on every call, for a gateway with
+    API keys on (--api-keys); None reads $KVMESH_API_KEY, "" sends none."""
+
+    def __init__(self, address: str, api_key: str | None = None):
         super().__init__(address, pb_grpc.GatewayServiceStub)
+        key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
+        self.metadata = (("authorization", f"Bearer {key}"),) if key else None
 
     async def stream(self, prompt, timeout: float | None = None, **kw
                      ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        async for msg in self.stub.GenerateStream(gateway_request(prompt, **kw), timeout=timeout):
+        async for msg in self.stub.GenerateStream(gateway_request(prompt, **kw), timeout=timeout,
+                                                  metadata=self.metadata):
             yield msg
 
     async def generate(self, prompt, timeout: float | None = None, **kw) -> pb.GenerateResponse:
-        return await self.stub.Generate(gateway_request(prompt, **kw), timeout=timeout)
+        return await self.stub.Generate(gateway_request(prompt, **kw), timeout=timeout,
+                                        metadata=self.metadata)

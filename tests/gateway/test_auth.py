@@ -67,6 +67,34 @@ def test_grpc_without_a_valid_key_is_unauthenticated(gw, metadata):
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
 
 
+def test_the_cli_and_the_client_send_a_key(mesh):
+    """`kvmesh generate --api-key` / $KVMESH_API_KEY and GatewayClient(api_key=...)"""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    from services.gateway.client import GatewayClient
+
+    cmd = [sys.executable, "-m", "kvmesh.cli", "generate", "hi", "--gateway", mesh.gateway,
+           "--max-tokens", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "KVMESH_API_KEY"}
+    runs = {"none": subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60),
+            "flag": subprocess.run(cmd + ["--api-key", KEYS["bob"]], env=env,
+                                   capture_output=True, text=True, timeout=60),
+            "env": subprocess.run(cmd, env={**env, "KVMESH_API_KEY": KEYS["bob"]},
+                                  capture_output=True, text=True, timeout=60)}
+    assert runs["none"].returncode == 1 and "UNAUTHENTICATED" in runs["none"].stderr
+    for name in ("flag", "env"):
+        assert runs[name].returncode == 0, runs[name].stderr
+        assert "2 generated" in runs[name].stderr
+
+    async def call():
+        async with GatewayClient(mesh.gateway, api_key=KEYS["alice"]) as gw:
+            return await gw.generate("hi", max_tokens=2)
+    assert asyncio.run(call()).usage.generated_tokens == 2
+
+
 def _http(mesh, path, body=None, key=None):
     req = urllib.request.Request(mesh.endpoints["gateway-http"] + path,
                                  data=None if body is None else json.dumps(body).encode(),

@@ -1,0 +1,36 @@
+"""`kvmesh up`'s engine flags reach every engine it starts (and the gateway, for the
+tokenizer): the mesh's launch lines are parsed back by the same `kvmesh` parser."""
+
+from __future__ import annotations
+
+from kvmesh.cli import build_parser
+from kvmesh.mesh import mesh_config
+from kvmesh.mesh_runner import Mesh, engine_argv
+
+
+def _engine_args(argv: list[str]):
+    return build_parser().parse_args(argv[3:])       # past `python -m kvmesh.cli`
+
+
+def test_up_flags_pass_through_to_every_engine(tmp_path):
+    args = build_parser().parse_args(
+        ["up", "--model", str(tmp_path), "--tokenizer", "tok.json", "--dtype", "float64",
+         "--device", "cpu", "--speculative", "ngram:3", "--engines", "3", "--pd"])
+    cfg = mesh_config(args)
+    for i, role in enumerate(("prefill", "decode", "decode")):
+        e = _engine_args(engine_argv(cfg, f"engine-{i}", 7200 + i, "d:1", "k:2", role))
+        assert (e.model, e.tokenizer, e.dtype, e.device, e.speculative, e.role) == \
+            (str(tmp_path), "tok.json", "float64", "cpu", "ngram:3", role)
+    assert Mesh(cfg)._tokenizer_args() == ["--tokenizer", "tok.json"]
+
+
+def test_without_them_engines_keep_their_defaults(tmp_path):
+    cfg = mesh_config(build_parser().parse_args(["up"]))
+    e = _engine_args(engine_argv(cfg, "engine-a", 7201, "d:1", "k:2"))
+    defaults = build_parser().parse_args(["engine", "serve"])
+    assert (e.model, e.tokenizer, e.dtype, e.device, e.speculative) == \
+        (defaults.model, defaults.tokenizer, defaults.dtype, defaults.device, defaults.speculative)
+    assert e.preset == "tiny" and e.truncation == "compact"      # V4-mini's shipped setting
+    (tmp_path / "tokenizer.json").write_text("{}")
+    cfg = mesh_config(build_parser().parse_args(["up", "--model", str(tmp_path)]))
+    assert Mesh(cfg)._tokenizer_args() == ["--tokenizer", str(tmp_path / "tokenizer.json")]
