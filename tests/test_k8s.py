@@ -203,7 +203,12 @@ def test_service_configs_build_from_the_rendered_environment(overlay, monkeypatc
     assert d.redis_url == env["KVMESH_DIRECTORY_REDIS_URL"]
     model, ecfg, _layout = runtime_layout(parse(res, "engine"))  # the engine's start-up sizes
     ecfg.check_model(model)  # KEEP >= W + B for the configured truncation
-    assert (ecfg.truncation, ecfg.keep_tokens) == ("compact", 134)
+    # V4-mini's shipped setting; a DeepSeek V4 engine turns it off by flag (and starts)
+    assert ecfg.truncation == ("off" if overlay == "deepseek-v4" else "compact")
+    assert ecfg.keep_tokens == 134
+    if overlay == "deepseek-v4":
+        from services.engine.core.v4_engine import refuse_unsupported
+        refuse_unsupported(ecfg)
 
     args = parse(res, "kvstore")
     kv = KvstoreConfig.from_env(host=args.host, port=args.port, locations=args.locations,

@@ -141,7 +141,7 @@ class V4Request:
 
 class V4Engine:
     def __init__(self, model: V4Model, ecfg: EngineConfig, tokenizer, name: str):
-        _refuse_unsupported(ecfg)
+        refuse_unsupported(ecfg)
         if not model.stored:
             raise ValueError("V4Engine needs a model built with stored=True (ledger roundings)")
         self.model, self.ecfg, self.tokenizer = model, ecfg, tokenizer
@@ -477,7 +477,7 @@ class V4Engine:
         return out
 
 
-def _refuse_unsupported(ecfg: EngineConfig) -> None:
+def refuse_unsupported(ecfg: EngineConfig) -> None:
     """Settings the DeepSeek V4 path does not serve yet: refused, never ignored."""
     refused = [(ecfg.truncation != "off", "--truncation")]
     named = [flag for on, flag in refused if on]
