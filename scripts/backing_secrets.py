@@ -4,8 +4,9 @@
     python3 scripts/backing_secrets.py --k8s > backing.env     # deploy/k8s/overlays/bundled
 
 Compose: REDIS_PASSWORD (the Redis ACL user `kvmesh`, used by the directory),
-S3_ACCESS_KEY/S3_SECRET_KEY (SeaweedFS's one S3 identity, used by the kvstore) and
-KVMESH_SERVICE_TOKEN (every internal RPC). --k8s: the keys of the `kvmesh-backing`
+S3_ACCESS_KEY/S3_SECRET_KEY (SeaweedFS's one S3 identity, used by the kvstore),
+KVMESH_SERVICE_TOKEN (every internal RPC) and KVMESH_ADMIN_TOKEN (the kvstore's admin
+RPCs: `docker compose exec kvstore kvmesh admin ...`). --k8s: the keys of the `kvmesh-backing`
 Secret under the names the containers read (backing.env.example beside the overlay).
 Keep the output private (both file names are git-ignored); running this again replaces
 every credential.
@@ -17,7 +18,8 @@ import secrets
 
 def credentials() -> dict[str, str]:
     return {"redis": secrets.token_urlsafe(30), "s3_key": f"kvmesh-{secrets.token_hex(8)}",
-            "s3_secret": secrets.token_urlsafe(30), "service": secrets.token_urlsafe(32)}
+            "s3_secret": secrets.token_urlsafe(30), "service": secrets.token_urlsafe(32),
+            "admin": secrets.token_urlsafe(32)}
 
 
 if __name__ == "__main__":
@@ -26,7 +28,8 @@ if __name__ == "__main__":
     c = credentials()
     names = (("KVMESH_DIRECTORY_REDIS_PASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
              if ap.parse_args().k8s else
-             ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY", "KVMESH_SERVICE_TOKEN"))
-    for name, value in zip(names, (c["redis"], c["s3_key"], c["s3_secret"], c["service"]),
-                           strict=False):  # --k8s: no service token row
+             ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY", "KVMESH_SERVICE_TOKEN",
+              "KVMESH_ADMIN_TOKEN"))
+    values = (c["redis"], c["s3_key"], c["s3_secret"], c["service"], c["admin"])
+    for name, value in zip(names, values, strict=False):  # --k8s: no token rows (yet)
         print(f"{name}={value}")

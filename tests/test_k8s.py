@@ -339,3 +339,17 @@ def test_deepseek_v4_overlay_serves_the_mounted_checkpoint():
         assert main_container(w)["volumeMounts"] == [{"name": "model", "mountPath": "/model",
                                                       "readOnly": True}]
     assert parse(rendered("bundled"), "engine").model is None     # the shipped model
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_service_exposes_the_openai_http_api(overlay, monkeypatch):
+    from services.gateway.cli import config_from_args as gateway_config
+
+    res = rendered(overlay)
+    c = main_container(workload(res, "gateway"))
+    use_env(monkeypatch, container_env(res, c))
+    port = gateway_config(parse(res, "gateway")).http_port
+    assert port == named_port(c, "http") == 8000
+    (svc,) = [r for r in res if r["kind"] == "Service" and r["metadata"]["name"] == "gateway"]
+    assert {"name": "http", "port": port, "targetPort": "http", "appProtocol": "http"} in \
+        svc["spec"]["ports"]

@@ -133,7 +133,7 @@ def test_dockerfile_builds_cpu_image():
 
 # -- backing-server credentials (README, "Backing-server credentials") ------------------
 SECRETS = {"REDIS_PASSWORD": "pw-1", "S3_ACCESS_KEY": "ak-2", "S3_SECRET_KEY": "sk-3",
-           "KVMESH_SERVICE_TOKEN": "tok-4"}
+           "KVMESH_SERVICE_TOKEN": "tok-4", "KVMESH_ADMIN_TOKEN": "adm-5"}
 
 
 # settings that are not secrets: the deepseek-v4 profile's checkpoint directory
@@ -196,10 +196,11 @@ def test_s3_runs_with_the_identities_kvmesh_writes(tmp_path):
 def test_each_credential_reaches_only_the_containers_that_use_it():
     where = {name: {n for n, svc in SERVICES.items()
                     if "${" + name in yaml.safe_dump(svc.get("environment", {}))}
-             for name in ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY")}
+             for name in ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY",
+                          "KVMESH_ADMIN_TOKEN")}
     kv = {"kvstore", "kvstore-b"}  # replicas on the shared index in Redis
     assert where == {"REDIS_PASSWORD": {"redis", "directory"} | kv, "S3_ACCESS_KEY": kv,
-                     "S3_SECRET_KEY": kv}
+                     "S3_SECRET_KEY": kv, "KVMESH_ADMIN_TOKEN": kv}
 
 
 def test_every_port_is_published_on_loopback_only():
