@@ -2,6 +2,8 @@
 
     python3 scripts/backing_secrets.py > .env                 # docker-compose.yml
     python3 scripts/backing_secrets.py --k8s > backing.env     # deploy/k8s/overlays/bundled
+    python3 scripts/backing_secrets.py --k8s-token service > service-token.env   # deploy/k8s
+    python3 scripts/backing_secrets.py --k8s-token admin > admin-token.env
 
 Compose: REDIS_PASSWORD (the Redis ACL user `kvmesh`, used by the directory),
 S3_ACCESS_KEY/S3_SECRET_KEY (SeaweedFS's one S3 identity, used by the kvstore),
@@ -25,11 +27,18 @@ def credentials() -> dict[str, str]:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k8s", action="store_true", help="the kvmesh-backing Secret's keys")
+    ap.add_argument("--k8s-token", choices=["service", "admin"], default=None,
+                    help="the kvmesh-service-token or kvmesh-admin-token Secret's one key "
+                    "(default: none)")
+    args = ap.parse_args()
     c = credentials()
+    if args.k8s_token:
+        print(f"KVMESH_{args.k8s_token.upper()}_TOKEN={c[args.k8s_token]}")
+        raise SystemExit(0)
     names = (("KVMESH_DIRECTORY_REDIS_PASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-             if ap.parse_args().k8s else
+             if args.k8s else
              ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY", "KVMESH_SERVICE_TOKEN",
               "KVMESH_ADMIN_TOKEN"))
     values = (c["redis"], c["s3_key"], c["s3_secret"], c["service"], c["admin"])
-    for name, value in zip(names, values, strict=False):  # --k8s: no token rows (yet)
+    for name, value in zip(names, values, strict=False):  # --k8s: tokens by --k8s-token
         print(f"{name}={value}")

@@ -49,7 +49,13 @@ def container_env(resources: list[dict], container: dict) -> dict[str, str]:
     maps = {r["metadata"]["name"]: r.get("data", {}) for r in resources if r["kind"] == "ConfigMap"}
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
-        env.update(maps[source["configMapRef"]["name"]])
+        if "configMapRef" in source:
+            env.update(maps[source["configMapRef"]["name"]])
+        else:       # the token Secrets (scripts/backing_secrets.py --k8s-token): one key each
+            name = source["secretRef"]["name"]
+            key = {"kvmesh-service-token": "KVMESH_SERVICE_TOKEN",
+                   "kvmesh-admin-token": "KVMESH_ADMIN_TOKEN"}[name]
+            env[key] = "token-of-" + name
     for e in container.get("env", []):
         ref = e.get("valueFrom", {})
         if "secretKeyRef" in ref:

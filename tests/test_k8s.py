@@ -353,3 +353,22 @@ def test_the_gateway_service_exposes_the_openai_http_api(overlay, monkeypatch):
     (svc,) = [r for r in res if r["kind"] == "Service" and r["metadata"]["name"] == "gateway"]
     assert {"name": "http", "port": port, "targetPort": "http", "appProtocol": "http"} in \
         svc["spec"]["ports"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_kvmesh_container_reads_the_service_token_and_only_kvstores_the_admin(overlay):
+    import subprocess
+    import sys
+
+    res = rendered(overlay)
+    for name in SERVICES:
+        refs = {e["secretRef"]["name"] for e in main_container(workload(res, name))["envFrom"]
+                if "secretRef" in e}
+        want = {"kvmesh-service-token"} | ({"kvmesh-admin-token"} if name == "kvstore" else set())
+        assert refs == want, (name, refs)
+    for token in ("service", "admin"):     # the documented command makes the Secret's one key
+        out = subprocess.run([sys.executable, str(ROOT / "scripts/backing_secrets.py"),
+                              "--k8s-token", token], capture_output=True, text=True,
+                             check=True).stdout
+        key, value = out.strip().split("=", 1)
+        assert key == f"KVMESH_{token.upper()}_TOKEN" and len(value) >= 32
