@@ -311,3 +311,33 @@ def test_client_disconnect_cancels_the_engine_request(base, gw, mesh, stream):
     sock.close()
     assert wait_for(lambda: _engines_idle(gw, mesh), timeout=20), "engine slot not freed"
     assert _aborted(gw, mesh) >= before + 1
+
+
+# --- vLLM's tokenizer routes and /version ---------------------------------------------------
+def test_tokenize_and_detokenize_round_trip(base):
+    status, out, _ = raw(base, "POST", "/tokenize", {"model": MODEL, "prompt": "héllo"})
+    assert status == 200 and out["tokens"] == list("héllo".encode()) and out["count"] == 6
+    assert out["max_model_len"] > 0
+    status, back, _ = raw(base, "POST", "/detokenize", {"tokens": out["tokens"]})
+    assert (status, back) == (200, {"prompt": "héllo"})
+    chat = [{"role": "user", "content": "hi"}]
+    status, out, _ = raw(base, "POST", "/tokenize", {"messages": chat})
+    assert status == 200 and out["tokens"] == list(plain_template(chat).encode())
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "x", "frob": 1}, "frob"),
+    ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+    ("/detokenize", {"tokens": [1, 1000]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_tokenizer_routes_name_the_bad_field(base, path, body, param):
+    status, out, _ = raw(base, "POST", path, body)
+    assert status in (400, 404) and out["error"]["param"] == param, out
+
+
+def test_version(base):
+    status, out, _ = raw(base, "GET", "/version")
+    assert status == 200 and out["version"]

@@ -3,6 +3,7 @@
     POST /v1/completions        text or token-id prompt -> text_completion (or SSE chunks)
     POST /v1/chat/completions   messages -> chat template -> chat.completion (or SSE chunks)
     GET  /v1/models[/{id}]      the one model the engines serve (id = the preset's name)
+    POST /tokenize, /detokenize  vLLM's tokenizer routes (tokenize.py); GET /version
     GET  /health                200 while an engine is routable, else 503
     GET  /metrics               Prometheus text: the same registry as the gateway's --metrics-port
 
@@ -40,7 +41,7 @@ from starlette.routing import Route
 
 from kvmesh.errors import KvmeshError, NotFound, TooLarge, Unavailable
 from services.gateway.core import GatewayCore
-from services.gateway.openai_api import fields
+from services.gateway.openai_api import fields, tokenize
 from services.gateway.openai_api.chat import load_template
 from services.gateway.openai_api.render import DONE, Renderer, error_body, http_error, sse
 
@@ -156,6 +157,9 @@ class OpenAIApp:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={HTTPException: self._http_exception})
@@ -240,6 +244,38 @@ class OpenAIApp:
         except KvmeshError as exc:
             return error_response(exc)
         return JSONResponse(self._model_obj(name))
+
+    # --- tokenizer routes (openai_api/tokenize.py) ----------------------------------------
+    async def tokenize(self, request: Request):
+        try:
+            self.core.authenticate(request.headers.get("authorization"))
+            text, model = tokenize.tokenize_text(await self._json_body(request), self.template)
+            await self._model_id(model)
+        except KvmeshError as exc:
+            return error_response(exc)
+        ids = self.core.tokenizer.encode(text)
+        return JSONResponse({"count": len(ids), "max_model_len": self.core.info.max_seq_len,
+                             "tokens": ids})
+
+    async def detokenize(self, request: Request):
+        try:
+            self.core.authenticate(request.headers.get("authorization"))
+            body = await self._json_body(request)
+            await self._model_id()                      # the vocabulary is the model's
+            ids, model = tokenize.detokenize_ids(body, self.core.info.vocab_size)
+            await self._model_id(model)
+        except KvmeshError as exc:
+            return error_response(exc)
+        return JSONResponse({"prompt": self.core.tokenizer.decode(ids)})
+
+    async def version(self, request: Request):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("kvmesh")
+        except PackageNotFoundError:      # a source tree without `pip install -e`
+            v = "unknown"
+        return JSONResponse({"version": v})
 
     async def health(self, request: Request):
         n = len(self.core.router.candidates(self.core.clock()))
