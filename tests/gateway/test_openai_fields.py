@@ -60,7 +60,9 @@ def test_chat_max_completion_tokens_wins_and_parts_join():
     ({"model": "m", "prompt": "x", "temperature": float("nan")}, "temperature"),
     ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
+    ({"model": "m", "prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids"),
+    ({"model": "m", "prompt": "x", "stop_token_ids": 7}, "stop_token_ids"),
     ({"model": "m", "prompt": "x", "best_of": 2}, "best_of"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": "m", "prompt": [1, -1]}, "prompt"), ({"model": "m", "prompt": None}, "prompt"),
@@ -167,3 +169,9 @@ def test_deepseek_v4_checkpoint_dir_gets_its_chat_encoding(tmp_path):
     (tmp_path / "config.json").write_text("{broken")
     (tmp_path / "tokenizer_config.json").unlink()
     assert load_template(str(tok)) is plain_template
+
+
+def test_echo_and_stop_token_ids_are_read():
+    req, opts = fields.completion_request({"model": "m", "prompt": "x", "echo": True,
+                                           "stop_token_ids": [5, 9]})
+    assert opts.echo and req.stop_token_ids == (5, 9)

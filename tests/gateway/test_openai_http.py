@@ -341,3 +341,27 @@ def test_tokenizer_routes_name_the_bad_field(base, path, body, param):
 def test_version(base):
     status, out, _ = raw(base, "GET", "/version")
     assert status == 200 and out["version"]
+
+
+def test_echo_puts_the_prompt_first_unary_and_streamed(client):
+    prompt = uniq("echo me: ")
+    plain = client.completions.create(model=MODEL, prompt=prompt, **GREEDY).choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt=prompt, echo=True, **GREEDY)
+    assert echoed.choices[0].text == prompt + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, echo=True, stream=True, **GREEDY))
+    assert streamed == prompt + plain
+    ids = list(prompt.encode())                          # token ids: echoed as their text
+    by_ids = client.completions.create(model=MODEL, prompt=ids, echo=True, **GREEDY)
+    assert by_ids.choices[0].text == prompt + plain
+
+
+def test_stop_token_ids_end_the_generation(client):
+    prompt = uniq("stop tokens: ")
+    full = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    first = full.choices[0].text.encode()[0]           # byte-level: its first token's id
+    out = client.completions.create(model=MODEL, prompt=prompt,
+                                    extra_body={"stop_token_ids": [first], "ignore_eos": True},
+                                    temperature=0, max_tokens=8)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == ("", "stop")
+    assert out.usage.completion_tokens == 1

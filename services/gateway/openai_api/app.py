@@ -185,7 +185,9 @@ class OpenAIApp:
         except ClientDisconnect:  # gone while sending the body: nobody to answer
             return Response(status_code=499)
         gr = self.core.open(req, None, method, principal)
-        r = Renderer(chat, gr.req.request_id, opts.model, opts.include_usage)
+        echo = "" if not opts.echo else req.prompt if req.prompt is not None else \
+            self.core.tokenizer.decode(req.prompt_token_ids)
+        r = Renderer(chat, gr.req.request_id, opts.model, opts.include_usage, echo)
         return Generation(self, gr, r, opts.stream)
 
     async def _json_body(self, request: Request):

@@ -2,11 +2,11 @@
 
 kvmesh follows the OpenAI field names and types, and refuses what it cannot honour
 with a 400 naming the field (`n` > 1, `logprobs`, `tools`, penalties, ...) instead of
-answering something else. The ranges the gateway core checks again (max_tokens limit,
+answering something else. `echo` (completions) puts the prompt's text before the answer. The ranges the gateway core checks again (max_tokens limit,
 prompt size, stop counts) are left to it, so there is one rule for gRPC and HTTP.
 
 Extension fields (not in OpenAI's API): `cache_salt` (prefix-cache namespace),
-`top_k`, `ignore_eos`, `traffic_class` (agent | chatbot). `user` is accepted and
+`top_k`, `ignore_eos`, `stop_token_ids` (as vLLM's), `traffic_class` (agent | chatbot). `user` is accepted and
 ignored: it is not a cache salt (a salt must be chosen on purpose; see README).
 """
 
@@ -32,13 +32,15 @@ class Options:
     model: str
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False          # completions: the prompt's text comes first in the answer
 
 
 # Accepted and without effect here (clients send them by habit).
 IGNORED = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
 COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
                     "stream_options", "presence_penalty", "frequency_penalty", "logit_bias",
-                    "logprobs", "cache_salt", "top_k", "ignore_eos", "traffic_class"}) | IGNORED
+                    "logprobs", "cache_salt", "top_k", "ignore_eos", "traffic_class",
+                    "stop_token_ids"}) | IGNORED
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                         "tool_choice", "response_format"}
@@ -104,8 +106,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise FieldError("logprobs", "logprobs are not supported")
     if body.get("top_logprobs") is not None:
         raise FieldError("top_logprobs", "top_logprobs is not supported")
-    if body.get("echo"):
-        raise FieldError("echo", "echo is not supported")
     if body.get("best_of") not in (None, 1):
         raise FieldError("best_of", "best_of must be 1 (one choice per request)")
     if body.get("suffix") is not None:
@@ -130,6 +130,17 @@ def _stop(body: dict) -> tuple[str, ...]:
     raise FieldError("stop", "stop must be a string or a list of strings")
 
 
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    """vLLM's extension: generation also ends at any of these token ids (the gateway core
+    checks them against the vocabulary and their count)."""
+    v = body.get("stop_token_ids")
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
+        raise FieldError("stop_token_ids", "stop_token_ids must be a list of token ids >= 0")
+    return tuple(v)
+
+
 def _options(body: dict) -> Options:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -146,7 +157,8 @@ def _options(body: dict) -> Options:
         if not isinstance(so, dict) or set(so) - {"include_usage"}:
             raise FieldError("stream_options", "stream_options must be {\"include_usage\": bool}")
         include_usage = bool(_opt_bool(so, "include_usage"))
-    return Options(model=model, stream=stream, include_usage=include_usage)
+    return Options(model=model, stream=stream, include_usage=include_usage,
+                   echo=bool(_opt_bool(body, "echo")))
 
 
 def _sampling(body: dict, max_tokens: int | None) -> dict:
@@ -166,7 +178,8 @@ def _sampling(body: dict, max_tokens: int | None) -> dict:
         raise FieldError("seed", f"seed must be in [0, 2**63), got {seed}")
     _opt_str(body, "user")
     return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                seed=seed, stop=_stop(body), cache_salt=_opt_str(body, "cache_salt") or "",
+                seed=seed, stop=_stop(body), stop_token_ids=_stop_token_ids(body),
+                cache_salt=_opt_str(body, "cache_salt") or "",
                 traffic_class=_opt_str(body, "traffic_class") or "",
                 ignore_eos=bool(_opt_bool(body, "ignore_eos")))
 

@@ -50,8 +50,11 @@ def usage_json(u: Usage) -> dict:
 class Renderer:
     """Shapes of one response: `chat` picks chat.completion(.chunk) over text_completion."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool = False):
+    def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool = False,
+                 echo: str = ""):
+        """`echo`: text put before the generated text (completions' `echo`)."""
         self.chat = chat
+        self.echo = echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
@@ -67,7 +70,7 @@ class Renderer:
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = self.echo + text
         choice["logprobs"] = None
         out["choices"] = [choice]
         out["usage"] = usage_json(usage)
@@ -80,7 +83,7 @@ class Renderer:
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
-            choice["text"] = text
+            choice["text"] = self.echo + text if first else text
         choice["logprobs"] = None
         choice["finish_reason"] = FINISH.get(finish, finish)
         out["choices"] = [choice]
