@@ -55,7 +55,7 @@ def test_chat_max_completion_tokens_wins_and_parts_join():
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "x"}, "model"), ({"model": "m", "prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x"}, "model"), ({"model": "m", "prompt": "x", "n": 17}, "n"),
     ({"model": "m", "prompt": "x", "temperature": True}, "temperature"),
     ({"model": "m", "prompt": "x", "temperature": float("nan")}, "temperature"),
     ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),

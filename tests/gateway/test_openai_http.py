@@ -151,7 +151,7 @@ def test_models_list_and_retrieve(client):
 
 def test_openai_client_raises_the_mapped_errors(client):
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="x", n=2)
+        client.completions.create(model=MODEL, prompt="x", n=17)
     assert err.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
@@ -160,7 +160,7 @@ def test_openai_client_raises_the_mapped_errors(client):
 # --- raw HTTP: error shape, limits, disconnects ---------------------------------------------
 
 BAD_FIELDS = [
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -365,3 +365,26 @@ def test_stop_token_ids_end_the_generation(client):
                                     temperature=0, max_tokens=8)
     assert (out.choices[0].text, out.choices[0].finish_reason) == ("", "stop")
     assert out.usage.completion_tokens == 1
+
+
+def test_n_choices_unary_and_streamed(client):
+    prompt = uniq("three ways: ")
+    one = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    three = client.completions.create(model=MODEL, prompt=prompt, n=3, **GREEDY)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.text for c in three.choices} == {one.choices[0].text}         # greedy: the same
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens              # counted once
+    sampled = dict(model=MODEL, prompt=prompt, n=3, temperature=1.0, seed=11, max_tokens=8,
+                   extra_body={"ignore_eos": True})
+    a = [c.text for c in client.completions.create(**sampled).choices]
+    assert a == [c.text for c in client.completions.create(**sampled).choices]  # reproducible
+    assert len(set(a)) > 1                          # choice i samples with seed + i
+    texts = {}
+    for chunk in client.completions.create(stream=True, **sampled):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(3)] == a
+    chat = client.chat.completions.create(model=MODEL, n=2, messages=[
+        {"role": "user", "content": prompt}], **GREEDY)
+    assert [c.index for c in chat.choices] == [0, 1]

@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import time
+from dataclasses import replace
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.applications import Starlette
@@ -43,7 +44,14 @@ from kvmesh.errors import KvmeshError, NotFound, TooLarge, Unavailable
 from services.gateway.core import GatewayCore
 from services.gateway.openai_api import fields, tokenize
 from services.gateway.openai_api.chat import load_template
-from services.gateway.openai_api.render import DONE, Renderer, error_body, http_error, sse
+from services.gateway.openai_api.render import (
+    DONE,
+    Renderer,
+    error_body,
+    http_error,
+    sse,
+    total_usage,
+)
 
 log = logging.getLogger("kvmesh.gateway.http")
 JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -52,17 +60,28 @@ DRAIN_FACTOR = 16
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
+def choices(req, n: int) -> list:
+    """The n requests of `n` choices: with a seed, choice i samples with seed + i (so they
+    differ and are reproducible); without one each draws its own."""
+    if n == 1:
+        return [req]
+    return [replace(req, seed=None if req.seed is None else (req.seed + i) % 2**63)
+            for i in range(n)]
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     status, body = http_error(exc)
     return JSONResponse(body, status_code=status)
 
 
 class Generation:
-    """ASGI response for one generation: runs it in the handler's task and cancels that
-    task if the client disconnects first (so the engine frees the request's slot)."""
+    """ASGI response for one request's generations (`n` choices, each its own gateway
+    request): runs them in the handler's task and cancels that task if the client
+    disconnects first (so the engines free every choice's slot)."""
 
-    def __init__(self, app: OpenAIApp, gr, renderer: Renderer, stream: bool):
-        self.app, self.gr, self.r, self.stream = app, gr, renderer, stream
+    def __init__(self, app: OpenAIApp, grs: list, renderer: Renderer, stream: bool):
+        self.app, self.grs, self.r, self.stream = app, grs, renderer, stream
+        self.gr = grs[0]           # the response's id and log lines are the first choice's
         self.complete = False
         self.gone = False
 
@@ -105,35 +124,43 @@ class Generation:
         await self._body(send, json.dumps(body).encode())
 
     async def _unary(self, send) -> None:
-        parts, finish = [], None
-        try:
-            async for c in self.gr:
+        async def collect(gr) -> tuple[str, str | None]:
+            parts, finish = [], None
+            async for c in gr:
                 parts.append(c.text)
                 finish = c.finish or finish
+            return "".join(parts), finish
+        try:
+            results = await asyncio.gather(*map(collect, self.grs))
         except Exception as exc:  # noqa: BLE001 - mapped to a status, 500 if unknown
             await self._error(send, exc)
             return
-        out = self.r.full("".join(parts), finish, self.gr.usage)
+        out = self.r.full(results, total_usage([gr.usage for gr in self.grs]))
         await self._start(send, 200, JSON_HEADERS)
         await self._body(send, json.dumps(out, separators=(",", ":")).encode())
 
     async def _stream(self, send) -> None:
-        # aclosing: whatever ends this handler early, the generation is closed here (and
+        # aclosing: whatever ends this handler early, every generation is closed here (and
         # its engine tag cancelled), not whenever the garbage collector gets to it.
-        async with contextlib.aclosing(aiter(self.gr)) as it:
+        async with contextlib.AsyncExitStack() as stack:
+            its = [await stack.enter_async_context(contextlib.aclosing(aiter(gr)))
+                   for gr in self.grs]
             try:
-                # The status goes out with the first event: errors found before it
+                # The status goes out with the first events: errors found before them
                 # (validation, no engine) are plain HTTP errors, not a 200 that fails.
-                first = await anext(it)
+                firsts = await asyncio.gather(*map(anext, its))
             except Exception as exc:  # noqa: BLE001 - mapped to a status, 500 if unknown
                 await self._error(send, exc)
                 return
             await self._start(send, 200, SSE_HEADERS)
-            await self._body(send, self.r.chunk(first.text, first.finish, first=True), more=True)
+            for index, first in enumerate(firsts):
+                await self._body(send, self.r.chunk(first.text, first.finish, True, index),
+                                 more=True)
             try:
-                async for c in it:
+                async for index, c in _merged(its):
                     if c.text or c.finish is not None:
-                        await self._body(send, self.r.chunk(c.text, c.finish), more=True)
+                        await self._body(send, self.r.chunk(c.text, c.finish, index=index),
+                                         more=True)
             except Exception as exc:  # noqa: BLE001 - after the 200: an error event, as OpenAI
                 if not isinstance(exc, KvmeshError):
                     log.exception("internal error mid-stream (request %s)",
@@ -141,8 +168,28 @@ class Generation:
                 await self._body(send, sse(http_error(exc)[1]), more=True)
             else:
                 if self.r.include_usage:
-                    await self._body(send, self.r.usage_chunk(self.gr.usage), more=True)
+                    usage = total_usage([gr.usage for gr in self.grs])
+                    await self._body(send, self.r.usage_chunk(usage), more=True)
         await self._body(send, DONE)
+
+
+async def _merged(its: list):
+    """(index, chunk) from several chunk iterators as each arrives, until all are done."""
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(its)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=pending.get):
+                i = pending.pop(fut)
+                try:
+                    chunk = fut.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, chunk
+                pending[asyncio.ensure_future(anext(its[i]))] = i
+    finally:
+        for fut in pending:
+            fut.cancel()
 
 
 class OpenAIApp:
@@ -184,11 +231,11 @@ class OpenAIApp:
             return self._refused(method, exc, t0)
         except ClientDisconnect:  # gone while sending the body: nobody to answer
             return Response(status_code=499)
-        gr = self.core.open(req, None, method, principal)
+        grs = [self.core.open(choice, None, method, principal) for choice in choices(req, opts.n)]
         echo = "" if not opts.echo else req.prompt if req.prompt is not None else \
             self.core.tokenizer.decode(req.prompt_token_ids)
-        r = Renderer(chat, gr.req.request_id, opts.model, opts.include_usage, echo)
-        return Generation(self, gr, r, opts.stream)
+        r = Renderer(chat, grs[0].req.request_id, opts.model, opts.include_usage, echo)
+        return Generation(self, grs, r, opts.stream)
 
     async def _json_body(self, request: Request):
         chunks, n = [], 0

@@ -1,7 +1,7 @@
 """OpenAI request bodies -> `GenRequest` plus how to answer (`Options`).
 
 kvmesh follows the OpenAI field names and types, and refuses what it cannot honour
-with a 400 naming the field (`n` > 1, `logprobs`, `tools`, penalties, ...) instead of
+with a 400 naming the field (`logprobs`, `tools`, penalties, ...) instead of
 answering something else. `echo` (completions) puts the prompt's text before the answer. The ranges the gateway core checks again (max_tokens limit,
 prompt size, stop counts) are left to it, so there is one rule for gRPC and HTTP.
 
@@ -33,6 +33,7 @@ class Options:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False          # completions: the prompt's text comes first in the answer
+    n: int = 1                  # choices: n generations of the prompt
 
 
 # Accepted and without effect here (clients send them by habit).
@@ -45,6 +46,8 @@ COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                         "tool_choice", "response_format"}
 ROLES = ("system", "developer", "user", "assistant")
+# choices per request: each is a generation of its own, with its own slot on an engine
+MAX_N = 16
 
 
 def _type_name(v) -> str:
@@ -146,8 +149,8 @@ def _options(body: dict) -> Options:
     if not isinstance(model, str) or not model:
         raise FieldError("model", "model is required: a model id from GET /v1/models")
     n = _opt_int(body, "n")
-    if n not in (None, 1):
-        raise FieldError("n", f"n must be 1 (one choice per request), got {n}")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise FieldError("n", f"n must be in [1, {MAX_N}], got {n}")
     stream = bool(_opt_bool(body, "stream"))
     so = body.get("stream_options")
     include_usage = False
@@ -158,7 +161,7 @@ def _options(body: dict) -> Options:
             raise FieldError("stream_options", "stream_options must be {\"include_usage\": bool}")
         include_usage = bool(_opt_bool(so, "include_usage"))
     return Options(model=model, stream=stream, include_usage=include_usage,
-                   echo=bool(_opt_bool(body, "echo")))
+                   echo=bool(_opt_bool(body, "echo")), n=n or 1)
 
 
 def _sampling(body: dict, max_tokens: int | None) -> dict:

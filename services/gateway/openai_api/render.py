@@ -40,6 +40,13 @@ def http_error(exc: BaseException) -> tuple[int, dict]:
     return status, error_body(status, message, name.lower(), getattr(exc, "param", None))
 
 
+def total_usage(usages: list[Usage]) -> Usage:
+    """The usage of n choices of one prompt: the prompt counted once (as OpenAI does), the
+    completions added up."""
+    first = usages[0]
+    return first._replace(generated_tokens=sum(u.generated_tokens for u in usages))
+
+
 def usage_json(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.generated_tokens,
             "total_tokens": u.prompt_tokens + u.generated_tokens,
@@ -63,23 +70,27 @@ class Renderer:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish: str | None, usage: Usage) -> dict:
-        """The whole (non-streaming) response."""
+    def full(self, results: list[tuple[str, str | None]], usage: Usage) -> dict:
+        """The whole (non-streaming) response: one choice per (text, finish) of `results`."""
         out = self._head("chat.completion" if self.chat else "text_completion")
-        choice = {"index": 0, "finish_reason": FINISH.get(finish, finish)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = self.echo + text
-        choice["logprobs"] = None
-        out["choices"] = [choice]
+        out["choices"] = []
+        for index, (text, finish) in enumerate(results):
+            choice = {"index": index, "finish_reason": FINISH.get(finish, finish)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = self.echo + text
+            choice["logprobs"] = None
+            out["choices"].append(choice)
         out["usage"] = usage_json(usage)
         return out
 
-    def chunk(self, text: str, finish: str | None = None, first: bool = False) -> bytes:
-        """One stream event with `text` (chat: the first delta also carries the role)."""
+    def chunk(self, text: str, finish: str | None = None, first: bool = False,
+              index: int = 0) -> bytes:
+        """One stream event with `text` for choice `index` (chat: a choice's first delta
+        also carries the role)."""
         out = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        choice = {"index": 0}
+        choice = {"index": index}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
