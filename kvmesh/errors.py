@@ -6,7 +6,12 @@ no domain module imports grpc.
 
 
 class KvmeshError(Exception):
-    """Base class: the message is shown to the caller as is."""
+    """Base class: the message is shown to the caller as is. `param`: the request field
+    it is about (the OpenAI API's error `param`), None when it is about none."""
+
+    def __init__(self, *args, param: str | None = None):
+        super().__init__(*args)
+        self.param = param
 
 
 class InvalidArgument(KvmeshError, ValueError):

@@ -24,37 +24,43 @@ REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 def check_sampling(req: GenRequest, cfg: GatewayConfig) -> None:
     t = req.temperature
     if t is not None and not (math.isfinite(t) and t >= 0):
-        raise InvalidArgument(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {t}")
+        raise InvalidArgument(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {t}",
+                              param="temperature")
     p = req.top_p
     if p is not None and not (0 < p <= 1):  # NaN fails both comparisons
-        raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {p}")
+        raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {p}", param="top_p")
     if req.top_k is not None and req.top_k < 0:
-        raise InvalidArgument(f"sampling.top_k must be >= 0 (0 = off), got {req.top_k}")
+        raise InvalidArgument(f"sampling.top_k must be >= 0 (0 = off), got {req.top_k}",
+                              param="top_k")
     if req.seed is not None and not 0 <= req.seed < 2**63:
-        raise InvalidArgument(f"sampling.seed must be in [0, 2**63), got {req.seed}")
+        raise InvalidArgument(f"sampling.seed must be in [0, 2**63), got {req.seed}", param="seed")
     if req.speculative is not None:
         parse_speculative(req.speculative)      # the engine checks it against its own setting
     if req.max_tokens is not None:
         if req.max_tokens <= 0:
-            raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}")
+            raise InvalidArgument(f"max_tokens must be > 0, got {req.max_tokens}", param="max_tokens")
         if req.max_tokens > cfg.max_tokens_limit:
-            raise InvalidArgument(f"max_tokens must be <= {cfg.max_tokens_limit}, got {req.max_tokens}")
+            raise InvalidArgument(f"max_tokens must be <= {cfg.max_tokens_limit}, got {req.max_tokens}",
+                                  param="max_tokens")
 
 
 def check_stops(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None) -> None:
     if len(req.stop) > cfg.max_stop:
-        raise InvalidArgument(f"stop has {len(req.stop)} strings; at most {cfg.max_stop}")
+        raise InvalidArgument(f"stop has {len(req.stop)} strings; at most {cfg.max_stop}",
+                              param="stop")
     for i, s in enumerate(req.stop):
         if not s:
-            raise InvalidArgument(f"stop[{i}] must not be empty")
+            raise InvalidArgument(f"stop[{i}] must not be empty", param="stop")
         if len(s.encode()) > cfg.max_stop_bytes:
-            raise InvalidArgument(f"stop[{i}] is longer than {cfg.max_stop_bytes} bytes")
+            raise InvalidArgument(f"stop[{i}] is longer than {cfg.max_stop_bytes} bytes", param="stop")
     if len(req.stop_token_ids) > cfg.max_stop:
-        raise InvalidArgument(f"stop_token_ids has {len(req.stop_token_ids)} ids; at most {cfg.max_stop}")
+        raise InvalidArgument(f"stop_token_ids has {len(req.stop_token_ids)} ids; at most {cfg.max_stop}",
+                              param="stop_token_ids")
     if vocab_size is not None:
         bad = [t for t in req.stop_token_ids if t >= vocab_size]
         if bad:
-            raise InvalidArgument(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+            raise InvalidArgument(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                                  param="stop_token_ids")
 
 
 def check_request(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None = None) -> None:
@@ -63,27 +69,29 @@ def check_request(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None = 
         raise InvalidArgument("request_id must be 1-128 characters of [A-Za-z0-9._:-]")
     check_traffic_class(req.traffic_class)
     if not SALT_RE.fullmatch(req.cache_salt):
-        raise InvalidArgument("cache_salt must be at most 128 characters of [A-Za-z0-9._:-]")
+        raise InvalidArgument("cache_salt must be at most 128 characters of [A-Za-z0-9._:-]",
+                              param="cache_salt")
     if req.prompt is not None:
         if not req.prompt:
-            raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids")
+            raise InvalidArgument("prompt is empty: give prompt text or prompt_token_ids", param="prompt")
         size = len(req.prompt.encode("utf-8", "surrogatepass"))
         if size > cfg.max_prompt_bytes:
-            raise TooLarge(f"prompt is {size} bytes; the limit is {cfg.max_prompt_bytes}")
+            raise TooLarge(f"prompt is {size} bytes; the limit is {cfg.max_prompt_bytes}", param="prompt")
     else:
         ids = req.prompt_token_ids or ()
         if not ids:
-            raise InvalidArgument("prompt_token_ids is empty: give prompt text or token ids")
+            raise InvalidArgument("prompt_token_ids is empty: give prompt text or token ids",
+                                  param="prompt")
         check_prompt_tokens(len(ids), cfg)
         if vocab_size is not None:
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise InvalidArgument(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {vocab_size})")
+                                      f"[0, {vocab_size})", param="prompt")
     check_sampling(req, cfg)
     check_stops(req, cfg, vocab_size)
 
 
 def check_prompt_tokens(n: int, cfg: GatewayConfig) -> None:
     if n > cfg.max_prompt_tokens:
-        raise TooLarge(f"prompt is {n} tokens; the limit is {cfg.max_prompt_tokens}")
+        raise TooLarge(f"prompt is {n} tokens; the limit is {cfg.max_prompt_tokens}", param="prompt")

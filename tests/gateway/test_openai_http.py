@@ -161,6 +161,7 @@ def test_openai_client_raises_the_mapped_errors(client):
 
 BAD_FIELDS = [
     ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "max_tokens": 10_000}, "max_tokens"),          # the core's limit
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -172,9 +173,9 @@ BAD_FIELDS = [
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": "x", "cache_salt": "no spaces allowed"}, None),  # the core's check
-    ({"prompt": "", "max_tokens": 4}, None),
-    ({"prompt": "x", "stop": [""]}, None),
+    ({"prompt": "x", "cache_salt": "no spaces allowed"}, "cache_salt"),  # the core's checks
+    ({"prompt": "", "max_tokens": 4}, "prompt"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
 ]
 
 
@@ -208,8 +209,8 @@ def test_not_json_unknown_model_unknown_route_wrong_method(base):
     status, out, _ = raw(base, "POST", "/v1/completions", b"{not json")
     assert status == 400 and "JSON" in out["error"]["message"]
     status, out, _ = raw(base, "POST", "/v1/completions", {"model": "gpt-4", "prompt": "x"})
-    assert (status, out["error"]["type"], out["error"]["param"]) == (404, "not_found_error",
-                                                                     "model")
+    assert (status, out["error"]["type"], out["error"]["code"], out["error"]["param"]) == \
+        (404, "invalid_request_error", "model_not_found", "model")      # as OpenAI answers
     status, out, _ = raw(base, "GET", "/v2/nothing")
     assert status == 404 and out["error"]["code"] == "not_found"
     status, out, _ = raw(base, "GET", "/v1/completions")
@@ -388,3 +389,12 @@ def test_n_choices_unary_and_streamed(client):
     chat = client.chat.completions.create(model=MODEL, n=2, messages=[
         {"role": "user", "content": prompt}], **GREEDY)
     assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_limits_are_advertised_as_enforced_and_errors_name_the_field(base, mesh):
+    status, models, _ = raw(base, "GET", "/v1/models")
+    cfg_limit = 65536 + 8192                     # the gateway's defaults: prompt + max_tokens
+    assert models["data"][0]["max_model_len"] <= cfg_limit
+    status, out, _ = raw(base, "POST", "/v1/completions",
+                         {"model": MODEL, "prompt": "x", "max_tokens": 10_000})
+    assert (status, out["error"]["param"]) == (400, "max_tokens")

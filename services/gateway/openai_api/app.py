@@ -40,12 +40,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvmesh.errors import KvmeshError, NotFound, TooLarge, Unavailable
+from kvmesh.errors import KvmeshError, TooLarge, Unavailable
 from services.gateway.core import GatewayCore
 from services.gateway.openai_api import fields, tokenize
 from services.gateway.openai_api.chat import load_template
 from services.gateway.openai_api.render import (
     DONE,
+    ModelNotFound,
     Renderer,
     error_body,
     http_error,
@@ -269,14 +270,17 @@ class OpenAIApp:
             raise Unavailable("no engine available: the model is not known yet")
         name = info.name
         if wanted is not None and wanted != name:
-            err = NotFound(f"the model {wanted!r} does not exist; this gateway serves {name!r}")
-            err.param = "model"
-            raise err
+            raise ModelNotFound(f"the model {wanted!r} does not exist; this gateway serves "
+                                f"{name!r}", param="model")
         return name
 
     def _model_obj(self, name: str) -> dict:
+        """`max_model_len`: the most tokens (prompt + output) a request can have here, the
+        model's limit or the gateway's (--max-prompt-tokens + --max-tokens-limit)."""
+        cfg = self.core.cfg
+        limit = min(self.core.info.max_seq_len, cfg.max_prompt_tokens + cfg.max_tokens_limit)
         return {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh",
-                "max_model_len": self.core.info.max_seq_len}
+                "max_model_len": limit}
 
     async def models(self, request: Request):
         try:
@@ -303,8 +307,8 @@ class OpenAIApp:
         except KvmeshError as exc:
             return error_response(exc)
         ids = self.core.tokenizer.encode(text)
-        return JSONResponse({"count": len(ids), "max_model_len": self.core.info.max_seq_len,
-                             "tokens": ids})
+        return JSONResponse({"count": len(ids), "tokens": ids,
+                             "max_model_len": self._model_obj("")["max_model_len"]})
 
     async def detokenize(self, request: Request):
         try:

@@ -23,8 +23,7 @@ class FieldError(InvalidArgument):
     """A bad request field: HTTP 400 with `param` set to the field's name."""
 
     def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param or None  # "" = the body as a whole: JSON null
+        super().__init__(message, param=param or None)  # "" = the body as a whole: JSON null
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-from kvmesh.errors import TooLarge
+from kvmesh.errors import NotFound, TooLarge
 from services.gateway.model import Usage, status_name
 
 # gRPC status name -> HTTP status. A size limit on the request (TooLarge) is 413; other
@@ -32,12 +32,20 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
                       "param": param, "code": code}}
 
 
+class ModelNotFound(NotFound):
+    """A `model` this gateway does not serve: 404 with OpenAI's own type and code for it
+    (invalid_request_error, model_not_found)."""
+
+
 def http_error(exc: BaseException) -> tuple[int, dict]:
     """(HTTP status, OpenAI error body) for a domain error; the gRPC status name is the code."""
     name = status_name(exc)
     status = 413 if isinstance(exc, TooLarge) else HTTP_STATUS.get(name, 500)
     message = str(exc) if name != "INTERNAL" else f"internal error: {type(exc).__name__}: {exc}"
-    return status, error_body(status, message, name.lower(), getattr(exc, "param", None))
+    body = error_body(status, message, name.lower(), getattr(exc, "param", None))
+    if isinstance(exc, ModelNotFound):
+        body["error"].update(type="invalid_request_error", code="model_not_found")
+    return status, body
 
 
 def total_usage(usages: list[Usage]) -> Usage:
