@@ -21,7 +21,15 @@ from rich.table import Table
 from kvmesh.auth import check_public_bind
 from kvmesh.errors import InvalidArgument
 from kvmesh.mesh_runner import Mesh, MeshConfig
-from kvmesh.running import RUNNING_MESH_FILE, remove_running, write_running, write_tokens
+from kvmesh.running import (
+    RUNNING_MESH_FILE,
+    AlreadyRunning,
+    claim,
+    release,
+    remove_running,
+    write_running,
+    write_tokens,
+)
 from kvmesh.tls import add_flags as add_tls_flags
 
 # A Python snippet the shipped model (models/v4-mini-tiny, trained on the standard library)
@@ -181,6 +189,18 @@ def run_up(args: argparse.Namespace) -> int:
     except InvalidArgument as exc:
         console.print(f"[red]kvmesh up:[/red] {exc}", highlight=False)
         return 2
+    try:
+        claimed = claim(args.log_dir)
+    except AlreadyRunning as exc:
+        console.print(f"[red]kvmesh up:[/red] {exc}", highlight=False)
+        return 1
+    try:
+        return _run(args, console)
+    finally:
+        release(claimed)
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
     cfg = mesh_config(args)
     signal.signal(signal.SIGTERM, _on_sigterm)
     status = console.status("starting kvmesh ...")

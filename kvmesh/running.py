@@ -38,6 +38,40 @@ def running_endpoints(path: str | Path = RUNNING_MESH_FILE) -> dict[str, str]:
         return {}
 
 
+# -- one `kvmesh up` per log directory ------------------------------------------------------
+class AlreadyRunning(RuntimeError):
+    pass
+
+
+def claim(log_dir: str | Path) -> Path:
+    """Mark `log_dir` as this process's (`<log_dir>/kvmesh-up.pid`) before anything starts:
+    a second `kvmesh up` on the same directory (its SeaweedFS data, its ports) is refused
+    by name instead of failing halfway. A mark whose process is gone is taken over.
+    AlreadyRunning names the pid that holds it."""
+    path = Path(log_dir) / "kvmesh-up.pid"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                pid = int(path.read_text().strip() or 0)
+                os.kill(pid, 0)
+            except (OSError, ValueError):
+                path.unlink(missing_ok=True)      # its process is gone: take it over
+                continue
+            raise AlreadyRunning(f"kvmesh up is already running on {log_dir} (pid {pid}); "
+                                 "stop it first, or give another --log-dir") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return path
+    raise AlreadyRunning(f"{path}: could not be claimed")
+
+
+def release(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
 # -- tokens ------------------------------------------------------------------------------
 # The random service/admin tokens of a running `kvmesh up`, so `kvmesh admin` beside it
 # works without copying secrets: one file per launcher, readable only by its user

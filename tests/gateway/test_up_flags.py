@@ -34,3 +34,32 @@ def test_without_them_engines_keep_their_defaults(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     cfg = mesh_config(build_parser().parse_args(["up", "--model", str(tmp_path)]))
     assert Mesh(cfg)._tokenizer_args() == ["--tokenizer", str(tmp_path / "tokenizer.json")]
+
+
+def test_a_second_up_on_the_same_log_dir_is_refused_by_pid(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from kvmesh.running import AlreadyRunning, claim, release
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "kvmesh-up.pid").write_text(str(holder.pid))
+        out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "up", "--log-dir",
+                              str(tmp_path)], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "COLUMNS": "200"})
+        assert out.returncode == 1
+        assert f"already running on {tmp_path} (pid {holder.pid})" in out.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    mark = claim(tmp_path)                   # its process is gone: taken over
+    assert mark.read_text() == str(os.getpid())
+    try:
+        claim(tmp_path)
+        raise AssertionError("a live mark was claimed twice")
+    except AlreadyRunning:
+        pass
+    release(mark)
+    assert not mark.exists()
