@@ -13,6 +13,7 @@ import secrets
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -94,6 +95,9 @@ def register(sub) -> None:
     up.add_argument("--speculative", default="",
                     help="every engine's speculative decoding: off | ngram:K | mtp:K (default: "
                     "the engine's, off)")
+    up.add_argument("--restart", action="store_true",
+                    help="start a service that exits again, on its port (default: off, its "
+                    "exit is reported and it stays down)")
     up.add_argument("--num-slots", type=int, default=8, help="state slots per engine")
     up.add_argument("--num-blocks", type=int, default=512, help="cache blocks per engine")
     up.add_argument("--pd", action="store_true",
@@ -211,7 +215,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
             mesh.start()
         # Beside the logs: with the default --log-dir, .kvmesh/running.json, where
         # `kvmesh admin` looks for the kvstore (kvmesh/running.py).
-        running = write_running(mesh.endpoints, Path(args.log_dir).parent / "running.json")
+        running = write_running(mesh.endpoints, Path(args.log_dir).parent / "running.json",
+                                service_pids(mesh))
         tokens = write_tokens(mesh.endpoints, {"KVMESH_SERVICE_TOKEN": cfg.service_token,
                                                "KVMESH_ADMIN_TOKEN": cfg.admin_token})
         console.print(endpoint_table(mesh))
@@ -220,7 +225,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         if args.demo:
             return asyncio.run(_demo(mesh.gateway, args.prompt, console))
         console.print("kvmesh is running (Ctrl-C stops the mesh)")
-        threading.Event().wait()  # until SIGINT (KeyboardInterrupt) or SIGTERM (_Stop)
+        supervise(mesh, console, getattr(args, "restart", False),
+                  lambda: write_running(mesh.endpoints, running, service_pids(mesh)))
+        # until SIGINT (KeyboardInterrupt) or SIGTERM (_Stop)
     except (KeyboardInterrupt, _Stop):
         console.print("stopping kvmesh ...")
     except (RuntimeError, TimeoutError) as exc:
@@ -234,6 +241,40 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         mesh.stop()
         console.print("kvmesh stopped")
     return 0
+
+
+def service_pids(mesh: Mesh) -> dict[str, int]:
+    return {name: mesh.pid(name) for name in mesh.procs}
+
+
+def supervise(mesh: Mesh, console: Console, restart: bool, on_restart=lambda: None,
+              every_s: float = 0.5, stop: threading.Event | None = None) -> None:
+    """Watch the mesh's processes until `stop` (or forever): one that exits is reported
+    at once (name, exit status, its last log lines) and, with `restart`, started again on
+    the same port (`on_restart` then runs, e.g. to rewrite running.json)."""
+    reported: set[str] = set()
+    while stop is None or not stop.is_set():
+        for name, proc in list(mesh.procs.items()):
+            if proc.alive:        # (alive polls the child: an exited one is reaped at once)
+                reported.discard(name)
+                continue
+            if name in reported:
+                continue
+            reported.add(name)
+            console.print(f"[red]{name} exited with status {proc.proc.returncode}[/red]; its "
+                          f"last log lines:\n{proc.tail(10)}", highlight=False)
+            if not restart:
+                continue
+            console.print(f"restarting {name} ...", highlight=False)
+            try:
+                mesh.restart(name)
+            except (RuntimeError, TimeoutError) as exc:
+                console.print(f"[red]{name} did not come back:[/red] {exc}", highlight=False)
+                continue
+            reported.discard(name)
+            on_restart()
+            console.print(f"{name} is back (pid {mesh.pid(name)})", highlight=False)
+        time.sleep(every_s)
 
 
 def mesh_config(args: argparse.Namespace) -> MeshConfig:

@@ -1,6 +1,7 @@
 """The running `kvmesh up`'s endpoints, for commands started beside it (`kvmesh admin`).
 
-`kvmesh up` writes `.kvmesh/running.json` ({"pid": ..., "endpoints": {name: address}})
+`kvmesh up` writes `.kvmesh/running.json` ({"pid": ..., "endpoints": {name: address},
+"pids": {name: pid}})
 once the mesh is healthy and removes it when it stops; a file whose pid is gone (the
 launcher was SIGKILLed) is ignored. Paths are relative to the working directory, like
 `kvmesh up`'s default `--log-dir .kvmesh/logs`.
@@ -15,11 +16,14 @@ from pathlib import Path
 RUNNING_MESH_FILE = ".kvmesh/running.json"
 
 
-def write_running(endpoints: dict[str, str], path: str | Path = RUNNING_MESH_FILE) -> Path:
+def write_running(endpoints: dict[str, str], path: str | Path = RUNNING_MESH_FILE,
+                  pids: dict[str, int] | None = None) -> Path:
+    """`pids`: each service's process id (a restart writes the file again)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "endpoints": endpoints}, indent=2))
+    tmp.write_text(json.dumps({"pid": os.getpid(), "endpoints": endpoints, "pids": pids or {}},
+                              indent=2))
     tmp.replace(p)  # readers never see half a file
     return p
 

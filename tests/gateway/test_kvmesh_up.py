@@ -76,8 +76,8 @@ def check_printed_addresses(text: str) -> None:
 def test_up_stops_everything_on_sigterm(tmp_path):
     log = tmp_path / "up.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen([*UP, "--log-dir", str(tmp_path / "logs")], env=ENV, stdout=f,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*UP, "--restart", "--log-dir", str(tmp_path / "logs")],
+                                env=ENV, stdout=f, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while "Ctrl-C stops the mesh" not in log.read_text():
@@ -88,6 +88,16 @@ def test_up_stops_everything_on_sigterm(tmp_path):
         check_printed_addresses(log.read_text())
         running = json.loads((tmp_path / "running.json").read_text())  # beside --log-dir
         assert running["pid"] == proc.pid and running["endpoints"]["kvstore"] in log.read_text()
+        # supervision: an engine SIGKILLed is reported at once and (--restart) started again
+        os.kill(running["pids"]["engine-a"], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while "engine-a is back" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        text = log.read_text()
+        assert "engine-a exited with status -9" in text and "restarting engine-a" in text
+        again = json.loads((tmp_path / "running.json").read_text())["pids"]["engine-a"]
+        assert again != running["pids"]["engine-a"] and os.kill(again, 0) is None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
     finally:
