@@ -14,10 +14,7 @@ import sys
 import grpc
 
 from kvmesh.generation import finish_name
-
-# Statuses that mean "fix the request": `kvmesh generate` exits 2 on them.
-BAD_INPUT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.OUT_OF_RANGE)
+from kvmesh.rpc import exit_code
 
 
 def generate_remote(args: argparse.Namespace) -> int:
@@ -31,7 +28,7 @@ def generate_remote(args: argparse.Namespace) -> int:
     except grpc.aio.AioRpcError as exc:
         print(f"\nkvmesh generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
         # Bad input exits 2, as `--local` does; anything else (unreachable, failed) 1.
-        return 2 if exc.code() in BAD_INPUT else 1
+        return exit_code(exc)
     except KeyboardInterrupt:
         return 130
 

@@ -298,6 +298,16 @@ def channel(address: str, tls: TlsFiles | None = None) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
+# Statuses that mean "fix the request": command-line clients exit 2 on them (the usage-error
+# code), 1 on every other failure (unreachable, refused, failed).
+BAD_INPUT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.OUT_OF_RANGE)
+
+
+def exit_code(exc: grpc.aio.AioRpcError) -> int:
+    return 2 if exc.code() in BAD_INPUT else 1
+
+
 class RpcClient:
     """Base of the typed clients: one channel to `address` and the service's stub on it.
     Use as `async with Client(addr) as c:` or call `close()`."""

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from kvmesh.clihelp import env_default
 from kvmesh.generation import traffic_class_name
+from kvmesh.rpc import exit_code
 from kvmesh.running import RUNNING_MESH_FILE
 from kvmesh.tls import add_flags as add_tls_flags
 from services.kvstore.client import KvstoreClient
@@ -72,10 +73,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                        f"the `kvmesh up` running from this directory ({RUNNING_MESH_FILE}), "
                        f"else {DEFAULT_ADDR})")
     admin.add_argument("--timeout", type=float, default=600.0, help="seconds per admin call")
+    admin.add_argument("--json", action="store_true",
+                       help="print each command's result as JSON (the RPC's reply) instead of "
+                       "tables (default: tables)")
     add_tls_flags(admin)
-    admin_sub = admin.add_subparsers(dest="admin_command", required=True)
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True,
+                                     metavar="{gc,ls,scrub,reindex}")
     gc = admin_sub.add_parser("gc", help="garbage collection")
-    gc_sub = gc.add_subparsers(dest="gc_command", required=True)
+    gc_sub = gc.add_subparsers(dest="gc_command", required=True, metavar="{run,stats}")
     run = gc_sub.add_parser("run", help="run GC now (TTL, LRU over capacity, orphans)")
     run.add_argument("--dry-run", action="store_true", help="report only, change nothing")
     run.set_defaults(func=_gc_run)
@@ -200,13 +205,28 @@ def _run(args, fn) -> int:
         return asyncio.run(go()) or 0
     except grpc.aio.AioRpcError as exc:
         Console(stderr=True).print(f"[red]{exc.code().name}[/red]: {exc.details()}")
-        return 2
+        return exit_code(exc)       # as `kvmesh generate`: 2 for bad input, else 1
 
 
-def _console() -> Console:
+def _json(message) -> None:
+    """--json: the reply as JSON on stdout (field names as in the proto)."""
+    import json
+    import sys
+
+    from google.protobuf.json_format import MessageToDict
+
+    body = message if isinstance(message, dict | list) else MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    sys.stdout.write(json.dumps(body, indent=2) + "\n")
+
+
+def _console(args) -> Console:
+    """Tables on stdout; with --json, progress on stderr and stdout holds the JSON only."""
     # Piped output (grep, tests) gets full-width rows: 64-hex keys must not be cut.
     import sys
 
+    if getattr(args, "json", False):
+        return Console(stderr=True)
     return Console(width=None if sys.stdout.isatty() else 220)
 
 
@@ -230,10 +250,12 @@ async def _drain(stream, console: Console, label: str):
 
 
 def _gc_run(args) -> int:
-    console = _console()
+    console = _console(args)
 
     async def go(client: KvstoreClient):
         r = await _drain(client.run_gc_stream(args.dry_run), console, "gc")
+        if args.json:
+            return _json(r)
         verb = "would remove" if r.dry_run else "removed"
         table = Table(title=f"GC ({'dry run' if r.dry_run else 'applied'})")
         table.add_column("reason")
@@ -249,10 +271,12 @@ def _gc_run(args) -> int:
 
 
 def _stats(args) -> int:
-    console = _console()
+    console = _console(args)
 
     async def go(client: KvstoreClient):
         s = await client.stats()
+        if args.json:
+            return _json(s)
         table = Table(title="kvstore")
         table.add_column("")
         table.add_column("objects", justify="right")
@@ -278,9 +302,16 @@ def _stats(args) -> int:
 
 
 def _ls(args) -> int:
-    console = _console()
+    console = _console(args)
 
     async def go(client: KvstoreClient):
+        if args.json:
+            from google.protobuf.json_format import MessageToDict
+
+            rows = [MessageToDict(o, preserving_proto_field_name=True,
+                                  always_print_fields_with_no_presence=True)
+                    async for o in client.list_all()]
+            return _json(rows[: args.limit] if args.limit else rows)
         table = Table()
         for col in ("key", "size", "class", "last access (UTC)", "state"):
             table.add_column(col, justify="right" if col == "size" else "left", no_wrap=True)
@@ -300,10 +331,13 @@ def _ls(args) -> int:
 
 
 def _scrub(args) -> int:
-    console = _console()
+    console = _console(args)
 
     async def go(client: KvstoreClient):
         r = await _drain(client.scrub_stream(args.repair), console, "scrub")
+        if args.json:
+            _json(r)
+            return 1 if r.lost or (r.degraded and not args.repair) else 0
         console.print(
             f"scrubbed {r.objects} objects: {r.healthy} healthy, {len(r.degraded)} degraded, "
             f"{len(r.lost)} lost; {r.shards_bad} bad shards, {r.shards_repaired} repaired"
@@ -318,10 +352,13 @@ def _scrub(args) -> int:
 
 
 def _reindex(args) -> int:
-    console = _console()
+    console = _console(args)
 
     async def go(client: KvstoreClient):
         r = await _drain(client.reindex_stream(), console, "reindex")
+        if args.json:
+            _json(r)
+            return 1 if r.unreadable else 0
         console.print(f"found {r.objects} objects and {r.runs} runs holding {r.blocks_found} "
                       f"blocks; {r.restored} index records restored")
         for name in r.unreadable:

@@ -1,5 +1,6 @@
 """The real `kvmesh kvstore serve` process and the admin commands against it."""
 
+import json
 import os
 import subprocess
 import sys
@@ -34,8 +35,19 @@ def test_serve_then_admin_commands(locations, tmp_path):
         assert "6,000" in stats.stdout  # 1000 + 2000 + 3000 bytes
         dry = kvmesh("admin", "gc", "run", "--dry-run", env=env)
         assert dry.returncode == 0 and "would remove 0 of 6,000 bytes" in dry.stdout
+        as_json = {cmd: json.loads(kvmesh("admin", "--json", *cmd.split(), env=env).stdout)
+                   for cmd in ("ls", "gc stats", "gc run --dry-run", "scrub")}
+        assert sorted(o["key"] for o in as_json["ls"]) == sorted(k for k, _ in items)
+        assert int(as_json["gc stats"]["bytes"]) == 6000
+        assert as_json["gc run --dry-run"]["dry_run"] is True
+        scrub = as_json["scrub"]            # int64 fields are JSON strings (proto3 JSON)
+        assert int(scrub["healthy"]) == int(scrub["objects"]) >= 1 and scrub["lost"] == []
+        # unreachable: 1 (a failure), as `kvmesh generate`; 2 is for usage errors
         bad = kvmesh("admin", "--kvstore", "127.0.0.1:1", "--timeout", "2", "gc", "stats")
-        assert bad.returncode == 2 and "UNAVAILABLE" in bad.stderr
+        assert bad.returncode == 1 and "UNAVAILABLE" in bad.stderr
+        usage = kvmesh("admin")
+        assert usage.returncode == 2 and "admin_command" not in usage.stderr
+        assert "{gc,ls,scrub,reindex}" in usage.stderr
     finally:
         proc.stop()
     assert proc.proc.returncode == 0, proc.tail()
