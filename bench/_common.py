@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
+import copy
 import os
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows every option's default (those without a help text too), and the
+    description as written."""
+
+    def _format_action(self, action):
+        if not action.help and action.option_strings and action.default is not argparse.SUPPRESS:
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """Every benchmark's argument parser: its --help shows each option's default."""
+    return argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
 
 
 def cpu_s(pid: int) -> float:

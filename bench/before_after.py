@@ -15,7 +15,6 @@ the old numbers are the old code's. Writes bench/out/before_after.{json,png}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, plot, table  # noqa: E402
+from bench._common import OUT, parser, plot, table  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[1]
 LABEL = re.compile(r"L=(\d+)")
@@ -49,7 +48,7 @@ def measure(checkout: Path, script: str) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="the older checkout")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("scripts", nargs="+", help='"script.py args" (quoted), from bench/')

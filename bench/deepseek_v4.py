@@ -17,7 +17,6 @@ Writes bench/out/deepseek_v4.{json,png}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, plot, table  # noqa: E402
+from bench._common import OUT, parser, plot, table  # noqa: E402
 from kvmesh.tokenizer import ByteTokenizer  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.core.sampling import SamplingParams  # noqa: E402
@@ -112,7 +111,7 @@ def mini_decode(streams: int, steps: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths to prefill")
     ap.add_argument("--decode-steps", type=int, default=32, help="decode steps per measurement")
     args = ap.parse_args(argv)

@@ -33,7 +33,6 @@ printed with its standard error. growth = cost(b) - cost(1): what the piece adds
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -51,7 +50,7 @@ import kernels.ragged as ragged  # noqa: E402
 import services.engine.model.compressor as compressor  # noqa: E402
 import services.engine.model.runner as runner  # noqa: E402
 import services.engine.model.window_mirror as window_mirror  # noqa: E402
-from bench._common import OUT, plot, table  # noqa: E402
+from bench._common import OUT, parser, plot, table  # noqa: E402
 from bench.engine_throughput import decoding_only, engine, params, prompt  # noqa: E402
 from services.engine.model import ops  # noqa: E402
 
@@ -161,7 +160,7 @@ def cost(core, piece: str, pairs: int, steps: int, clock) -> tuple[float, float,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--pieces", default=",".join(PIECES))
     ap.add_argument("--pairs", type=int, default=12, help="block pairs per piece and batch")

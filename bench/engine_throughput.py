@@ -40,7 +40,6 @@ with their range (the rates are the rounds' medians too).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -56,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if os.environ.get("PYTHONPATH"):        # an older checkout under test goes first
     sys.path.insert(0, os.environ["PYTHONPATH"].split(":")[0])
 
-from bench._common import OUT  # noqa: E402
+from bench._common import OUT, parser  # noqa: E402
 from services.engine.config import TINY  # noqa: E402
 
 try:
@@ -348,7 +347,7 @@ def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--label", default="after")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--gen", type=int, default=64,

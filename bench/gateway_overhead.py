@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import OUT, cpu_s, pct  # noqa: E402
+from bench._common import OUT, cpu_s, parser, pct  # noqa: E402
 from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
 from services.engine.rpc.client import EngineClient  # noqa: E402
 from services.gateway.client import GatewayClient  # noqa: E402
@@ -309,7 +309,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=600, help="sequential requests per path")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--requests", type=int, default=64, help="requests per path at concurrency")

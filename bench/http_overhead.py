@@ -30,7 +30,6 @@ bench/out/http_overhead.{png,json}.   Target: <= +1.5 ms at p50 for http and htt
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -44,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import OUT, cpu_s, pct, table  # noqa: E402
+from bench._common import OUT, cpu_s, parser, pct, table  # noqa: E402
 from kvmesh.auth import ApiKeys  # noqa: E402
 from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
 from services.gateway.client import GatewayClient, gateway_request  # noqa: E402
@@ -263,7 +262,7 @@ def plot(lat: dict[str, list[float]], res: dict, path: Path) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=200, help="rounds (one request per path each)")
     ap.add_argument("--cpu-n", type=int, default=100,
                     help="requests per path in the gateway-CPU phase")

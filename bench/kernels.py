@@ -22,7 +22,6 @@ On CPU:    python bench/kernels.py --smoke   (tiny sizes; Triton under its inter
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -39,7 +38,7 @@ if not CUDA:                       # before triton is imported: Triton runs in i
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import _decode_stack  # noqa: E402
-from bench._common import OUT, plot, table  # noqa: E402
+from bench._common import OUT, parser, plot, table  # noqa: E402
 from kernels import attention, indexer, mxfp8, ragged  # noqa: E402
 from kernels.triton import attention as tri_att  # noqa: E402
 from kernels.triton import indexer as tri_idx  # noqa: E402
@@ -154,7 +153,7 @@ def indexer_case(batch: int, dev: str, heads: int, dim: int, entries: int, topk:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (the CPU check)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--peak-gbs", type=float, default=None)

@@ -34,7 +34,6 @@ bench/out/kvstore_runs.png.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -46,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import OUT, cpu_s  # noqa: E402
+from bench._common import OUT, cpu_s, parser  # noqa: E402
 from kvmesh.backing.proc import ManagedProcess, free_port, wait_port  # noqa: E402
 from kvmesh.backing.seaweed import s3_client, start_seaweed_cluster  # noqa: E402
 from services.kvstore.client import KvstoreClient  # noqa: E402
@@ -209,7 +208,7 @@ def start_kvstore(cluster, tmp: Path, name: str, tiers: bool, run_blocks: int = 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--size-mib", type=float, default=4.0)
     ap.add_argument("--objects", type=int, default=32)
     ap.add_argument("--codec-mib", type=int, default=64)

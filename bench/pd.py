@@ -22,7 +22,6 @@ Usage: python bench/pd.py [--long 4] [--short 6] [--long-len 4096] [--short-toke
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import threading
@@ -33,7 +32,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, pct, plot, table  # noqa: E402
+from bench._common import OUT, parser, pct, plot, table  # noqa: E402
 from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
 from kvmesh.proto import engine_pb2, engine_pb2_grpc, gateway_pb2_grpc  # noqa: E402
 from services.gateway.client import gateway_request  # noqa: E402
@@ -114,7 +113,7 @@ def start(pd: bool, tmp: Path) -> Mesh:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--long", type=int, default=4)
     ap.add_argument("--short", type=int, default=6)
     ap.add_argument("--long-len", type=int, default=4096)

@@ -37,7 +37,6 @@ Usage: python bench/replay_quality.py [--prompts 200] [--lengths 1024,4096] [--g
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -47,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT  # noqa: E402
+from bench._common import OUT, parser  # noqa: E402
 from bench._replay_engine import (  # noqa: E402
     CHUNK,
     Req,
@@ -174,7 +173,7 @@ def single_variants(a, cfg, w, val, wanted: set[int]) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINTS["tiny"]))
     p.add_argument("--prompts", type=int, default=200, help="held-out prompts per length (variants 1-3)")
     p.add_argument("--lengths", default="1024,4096", help="prompt lengths in tokens")

@@ -17,7 +17,6 @@ an engine keeps a slot or a block.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import grpc
 
-from bench._common import OUT, pct, table
+from bench._common import OUT, parser, pct, table
 from kvmesh.mesh_runner import Mesh, MeshConfig
 from kvmesh.proto import engine_pb2, engine_pb2_grpc, gateway_pb2_grpc
 from services.gateway.client import gateway_request
@@ -320,8 +319,7 @@ def report(args, run: Run, stats: list[dict], tracebacks: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = parser(__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=8, help="concurrent client streams")
     ap.add_argument("--minutes", type=float, default=30.0, help="run time")
     ap.add_argument("--requests", type=int, default=10**9, help="stop after this many requests")

@@ -21,7 +21,6 @@ tokens emitted per verify step. Targets: best method >= 1.8x off at batch 1 on `
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, plot, table  # noqa: E402
+from bench._common import OUT, parser, plot, table  # noqa: E402
 from services.engine.build import default_weights  # noqa: E402
 from services.engine.config import TINY, EngineConfig  # noqa: E402
 from services.engine.core.engine import EngineCore  # noqa: E402
@@ -88,7 +87,7 @@ def run(weights, method: str, prompts: list[list[int]], tokens: int) -> dict:
 
 def main() -> None:
     global clock
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--prompt-bytes", type=int, default=600, help="held-out bytes per prompt")
     ap.add_argument("--k", type=int, default=4, help="drafts per step for ngram")

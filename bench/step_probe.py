@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, plot, table  # noqa: E402
+from bench._common import OUT, parser, plot, table  # noqa: E402
 from bench.engine_throughput import decoding_only, engine, params, prompt  # noqa: E402
 from services.engine.config import TINY  # noqa: E402
 from services.engine.model import ops  # noqa: E402
@@ -143,7 +143,7 @@ def in_steps(batches: list[int], prompt_len: int, rounds: int, steps: int) -> di
 def batch_args(description: str, steps: int) -> argparse.ArgumentParser:
     """The arguments of the benches that time batch 1 against a larger batch in one process
     (this one and step_pieces.py)."""
-    ap = argparse.ArgumentParser(description=description)
+    ap = parser(description)
     ap.add_argument("--batch", type=int, default=32, help="the larger batch (beside 1)")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps", type=int, default=steps, help="timed steps per block")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, plot, table  # noqa: E402
+from bench._common import OUT, parser, plot, table  # noqa: E402
 
 STEPS = 6            # steps per block; a round is one block at batch 1 and one at batch 32
 BATCHES = (1, 32)
@@ -107,7 +107,7 @@ def _child(tree: Path, rounds: int, threads: int, split: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--before", help="an older checkout, measured in turns with this one")
     ap.add_argument("--runs", type=int, default=3, help="runs per tree (taking turns)")
     ap.add_argument("--rounds", type=int, default=30, help="rounds per run")

@@ -11,7 +11,6 @@ Usage: python bench/swa_fetch.py [--repeats 20]
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, plot, table  # noqa: E402
+from bench._common import OUT, parser, plot, table  # noqa: E402
 from bench.replay_ttft import engine, ttft  # noqa: E402
 from kvmesh.proto import engine_pb2_grpc  # noqa: E402
 from kvmesh.rpc import Server  # noqa: E402
@@ -77,7 +76,7 @@ def replay_times(repeats: int, length: int = 4096) -> tuple[list[float], list[fl
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
     torch.set_num_threads(2)

@@ -8,7 +8,6 @@ Usage: python bench/yoco_prefill.py [--length 8192] [--repeats 3]
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, plot, table  # noqa: E402
+from bench._common import OUT, parser, plot, table  # noqa: E402
 from services.engine.build import default_weights  # noqa: E402
 from services.engine.config import (
     TINY,  # noqa: E402
@@ -43,7 +42,7 @@ WEIGHTS = None
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--random-weights", action="store_true", help="seeded random weights")
