@@ -357,10 +357,10 @@ def test_echo_puts_the_prompt_first_unary_and_streamed(client):
     assert by_ids.choices[0].text == prompt + plain
 
 
-def test_stop_token_ids_end_the_generation(client):
+def test_stop_token_ids_end_the_generation(client, gw):
     prompt = uniq("stop tokens: ")
-    full = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
-    first = full.choices[0].text.encode()[0]           # byte-level: its first token's id
+    # the first token's id from gRPC (its text may be part of a UTF-8 character)
+    first = gw.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids[0]
     out = client.completions.create(model=MODEL, prompt=prompt,
                                     extra_body={"stop_token_ids": [first], "ignore_eos": True},
                                     temperature=0, max_tokens=8)
