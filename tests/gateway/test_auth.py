@@ -6,6 +6,7 @@ internal RPC (table-driven from the proto descriptors), and a rogue engine's hea
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -85,14 +86,14 @@ def test_the_cli_and_the_client_send_a_key(mesh):
             "env": subprocess.run(cmd, env={**env, "KVMESH_API_KEY": KEYS["bob"]},
                                   capture_output=True, text=True, timeout=60)}
     assert runs["none"].returncode == 1 and "UNAUTHENTICATED" in runs["none"].stderr
-    for name in ("flag", "env"):
+    for name in ("flag", "env"):                # (random weights: an end token may come first)
         assert runs[name].returncode == 0, runs[name].stderr
-        assert "2 generated" in runs[name].stderr
+        assert re.search(r"[12] generated; engine", runs[name].stderr), runs[name].stderr
 
     async def call():
         async with GatewayClient(mesh.gateway, api_key=KEYS["alice"]) as gw:
             return await gw.generate("hi", max_tokens=2)
-    assert asyncio.run(call()).usage.generated_tokens == 2
+    assert 1 <= asyncio.run(call()).usage.generated_tokens <= 2
 
 
 def _http(mesh, path, body=None, key=None):
