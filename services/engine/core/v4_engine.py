@@ -35,17 +35,13 @@ Not yet on this path (refused at start-up, naming the flag): YOCO truncation.
 
 from __future__ import annotations
 
-import json
 import random
 import uuid
 import weakref
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 
-from kvmesh import cachekeys
 from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.generation import check_traffic_class
 from services.engine.config import EngineConfig
@@ -59,84 +55,10 @@ from services.engine.core.sequence import Finish
 from services.engine.core.speculative import Speculator, engine_setting
 from services.engine.core.v4_mtp_draft import V4MtpDrafter
 from services.engine.core.v4_prefix import Match, V4Prefix
+from services.engine.core.v4_request import ServedModel, V4Request
 from services.engine.model.deepseek_v4 import layout, ledgers, mtp
-from services.engine.model.deepseek_v4.config import V4Config
 from services.engine.model.deepseek_v4.forward import V4Model
 from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What the mesh reads of the served model: GetModelInfo's fields (the gateway parses
-    name, vocab_size, block_size, window and max_seq_len from the JSON), and the model
-    fingerprint every block hash and snapshot key carries."""
-    name: str
-    model: V4Config
-    block_size: int = BLOCK
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab_size
-
-    @property
-    def window(self) -> int:
-        return self.model.window
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.model.max_position
-
-    def to_json(self) -> str:
-        return json.dumps({"name": self.name, "model_type": "deepseek_v4",
-                           "vocab_size": self.vocab_size, "block_size": self.block_size,
-                           "window": self.window, "max_seq_len": self.max_seq_len,
-                           "config": asdict(self.model)}, sort_keys=True)
-
-    def fingerprint(self) -> str:
-        return cachekeys.model_fingerprint(json.loads(self.to_json()))
-
-
-@dataclass(eq=False)
-class V4Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    salt: str = ""
-    traffic_class: str = ""
-    handoff: bool = False      # stop after the first token and keep it for a decode engine
-    output: list[int] = field(default_factory=list)
-    finish: Finish | None = None
-    seq: ledgers.Sequence | None = None      # slot and block table while admitted
-    chain: list[bytes] = field(default_factory=list)   # hashes of its complete blocks
-    registered: int = 0                       # blocks registered for sharing
-    snapshot_at: int | None = None            # the prompt boundary to snapshot at
-    replay: Match | None = None               # a bounded replay the next step runs
-    prefetched: Any = None                    # cache.prefix.Prefetched, until admission
-    cached_tokens: int = 0
-    replayed_tokens: int = 0
-    recomputed_tokens: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def prefilling(self) -> bool:      # what the Speculator asks (with slot and tokens)
-        return self.seq is None or self.pending > 1
-
-    @property
-    def slot(self) -> int | None:
-        return None if self.seq is None else self.seq.slot
-
-    @property
-    def pending(self) -> int:
-        """Tokens to compute before the next sample."""
-        return len(self.prompt) + len(self.output) - self.seq.length
-
-    def max_blocks(self) -> int:
-        """Blocks its whole generation can need: every token but the last one is computed."""
-        return -(-(len(self.prompt) + self.params.max_tokens) // BLOCK)
 
 
 class V4Engine:
