@@ -119,4 +119,5 @@ def test_compressor_continues_from_its_kept_state(overlapping):
             state = compressor.pool(x[a:b], w, m, overlapping, rope, 1e-6, state)
         whole = compressor.pool(x, w, m, overlapping, rope, 1e-6)
         assert torch.allclose(state.entries, whole.entries, rtol=0, atol=1e-12)
-        assert torch.equal(state.open_kv, whole.open_kv)
+        # the same rows projected in a shorter batch: equal up to the BLAS's blocking
+        assert torch.allclose(state.open_kv, whole.open_kv, rtol=0, atol=1e-12)

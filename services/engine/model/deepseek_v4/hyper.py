@@ -17,12 +17,13 @@ from services.engine.model.deepseek_v4.numerics import unit_rms_norm
 
 
 def mix_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                iters: int, hc_eps: float, rms_eps: float):
-    """(pre, post, comb) for one sub-block. The projection runs in fp32; adding `base` promotes
-    to the parameters' dtype, where sigmoid, softmax and Sinkhorn run."""
+                iters: int, hc_eps: float, rms_eps: float, work: torch.dtype = torch.float32):
+    """(pre, post, comb) for one sub-block. The projection runs in `work` (fp32 as V4's
+    reference; V4.1's float64 models pass float64); adding `base` promotes to the
+    parameters' dtype, where sigmoid, softmax and Sinkhorn run."""
     n = streams.shape[-2]
-    flat = unit_rms_norm(streams.flatten(-2).float(), rms_eps)
-    mixes = F.linear(flat, fn.float())
+    flat = unit_rms_norm(streams.flatten(-2).to(work), rms_eps, work)
+    mixes = F.linear(flat, fn.to(work))
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
     pre_s, post_s, comb_s = scale.unbind(0)

@@ -17,15 +17,17 @@ import torch
 from services.engine.model.deepseek_v4.config import Rope
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             work: torch.dtype = torch.float32) -> torch.Tensor:
+    """`work`: the dtype the normalization runs in (V4.1's float64 models pass float64)."""
+    xf = x.to(work)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * normed).to(x.dtype)
 
 
-def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+def unit_rms_norm(x: torch.Tensor, eps: float, work: torch.dtype = torch.float32) -> torch.Tensor:
     """RMSNorm without a weight (q's per-head norm, the hyper-connections' input norm)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(x.to(work).square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def inv_freq(rope: Rope) -> torch.Tensor:

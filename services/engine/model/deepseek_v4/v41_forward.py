@@ -1,0 +1,239 @@
+"""The full-sequence forward of DeepSeek V4.1: no cache, every mask from positions.
+
+No implementation of V4.1 runs offline, so this file is the reference the engine's cached
+path is tested against, written from the public descriptions of DeepSeek's release (see
+v41_config.py for the layer roles). One sequence per call, starting at position 0. What it
+shares with V4 (norms, RoPE, the attention softmax with its sink, the grouped output, the
+hyper-connection weights, the routed experts) comes from V4's modules, which are pinned to
+transformers; what is V4.1's own is here:
+
+- attention: q is not normed per head; a layer that reads a compressed cache attends its
+  window rows plus the entries of its KV source that its index source chose;
+- compressors (KV sources only): ratio 1 is one entry per token, norm(wkv x); ratio m > 1
+  pools m consecutive tokens under a per-channel softmax gate (no overlap, no position bias);
+  entry g is rotated at position g * m and is visible to the query at i iff g < (i + 1) // m;
+- the indexer: keys norm(wk(entry before RoPE)), owned by the KV source; scores as V4's; a
+  candidate source keeps its best blocks first (the block holding the newest visible entry
+  always), and later index sources choose only inside them;
+- hyper-connections are staggered: the `pre` weights a sub-block computes from its input
+  streams collapse the *next* sub-block's input (the first attention takes stream 0, the
+  last MoE's `pre` collapses the streams for the head; there is no hc_head);
+- MoE: every layer routes by score, sqrtsoftplus(gate(x) / gate_temp) + bias choosing.
+
+The caches' activation rounding of the release (FP8 window rows, FP4 entries and index
+keys) is not modelled: the engine keeps these rows exactly as computed, as it does for V4.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.model.deepseek_v4 import hyper
+from services.engine.model.deepseek_v4.attention import attend, grouped_output, window_visible
+from services.engine.model.deepseek_v4.compressor import visible
+from services.engine.model.deepseek_v4.forward import RopeTables
+from services.engine.model.deepseek_v4.moe import routed, shared
+from services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm
+from services.engine.model.deepseek_v4.v41_config import V41Config
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """Where reductions run: fp32 for narrower models, the model's own dtype above it. (V4's
+    reference rounds some to fp32 even in a float64 model, to match transformers; V4.1 has no
+    such oracle, and a float64 model kept float64 makes cached and whole-sequence runs agree
+    to ~1e-12 whatever the batch shapes.)"""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(x, weight, eps, wide(x.dtype))
+
+
+class SourceEntries(NamedTuple):
+    """A KV source's compressed cache over the whole sequence."""
+    layer: int
+    entries: torch.Tensor        # [T, d] normed and rotated: what attention reads
+    keys: torch.Tensor           # [T, c_I] the index keys
+
+
+class Shared(NamedTuple):
+    """What attention layers hand down the stack (the most recent of each)."""
+    source: SourceEntries | None = None
+    chosen: torch.Tensor | None = None       # [S, T] bool: the most recent selection
+    candidates: torch.Tensor | None = None   # [S, T] bool: the candidate source's blocks
+
+
+def compress(cfg: V41Config, w: dict, x: torch.Tensor, tables: RopeTables, layer: int) -> SourceEntries:
+    """The entries and index keys of KV source `layer` over x [S, D] (its normed input).
+
+    w: the layer's weights under `attn.`."""
+    m = cfg.ratio(layer)
+    cw = _sub(w, "compressor.")
+    if m == 1:
+        latent = norm(F.linear(x, cw["wkv.weight"]), cw["norm.weight"], cfg.rms_eps)
+    else:
+        work, n = wide(x.dtype), x.shape[0] // m             # the gate runs in at least fp32
+        xs = x[:n * m].to(work)
+        kv = F.linear(xs, cw["wkv.weight"].to(work)).view(n, m, cfg.head_dim)
+        gate = F.linear(xs, cw["wgate.weight"].to(work)).view(n, m, cfg.head_dim)
+        pooled = (kv * gate.softmax(dim=1)).sum(dim=1).to(x.dtype)
+        latent = norm(pooled, cw["norm.weight"], cfg.rms_eps)
+    iw = _sub(w, "indexer.")
+    keys = norm(F.linear(latent, iw["wk.weight"]), iw["k_norm.weight"], cfg.rms_eps)
+    cos, sin = tables.at(cfg.compress_rope, torch.arange(latent.shape[0]) * m)
+    return SourceEntries(layer, apply_rope(latent, cos, sin), apply_rope(keys, cos, sin))
+
+
+def index_scores(cfg: V41Config, w: dict, x: torch.Tensor, q_res: torch.Tensor,
+                 keys: torch.Tensor, positions: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """[S, T] (at least fp32): sum_h weight[i, h] * relu(q[i, h] . key[t]), weight = weights_proj(x) /
+    sqrt(c_I H_I). w: the layer's weights under `attn.indexer.`."""
+    heads, dim = cfg.index_heads, cfg.index_head_dim
+    q = F.linear(q_res, w["wq_b.weight"]).view(x.shape[0], heads, dim)
+    cos, sin = tables.at(cfg.compress_rope, positions)
+    q = apply_rope(q, cos, sin)
+    work = wide(x.dtype)
+    scores = F.relu(torch.matmul(q.to(work), keys.transpose(-1, -2).to(work)))   # [S, H_I, T]
+    head_weights = F.linear(x, w["weights_proj.weight"]).to(work) * (dim * heads) ** -0.5
+    return (scores * head_weights.unsqueeze(-1)).sum(dim=1)
+
+
+def candidate_blocks(scores: torch.Tensor, seen: torch.Tensor, topk_blocks: int,
+                     block_size: int) -> torch.Tensor:
+    """The first level of V4.1's two-level top-k: [S, T] bool, the entries of each query's
+    best `topk_blocks` blocks of `block_size` (a block scores its best visible entry; the
+    block holding the newest visible entry is always kept, as it is only partly filled)."""
+    s, t = scores.shape
+    nblocks = -(-t // block_size)
+    padded = torch.full((s, nblocks * block_size), float("-inf"), dtype=scores.dtype)
+    padded[:, :t] = scores.masked_fill(~seen, float("-inf"))
+    block_best = padded.view(s, nblocks, block_size).amax(dim=-1)
+    newest = (seen.sum(dim=-1) - 1).div(block_size, rounding_mode="floor")     # -1: none seen
+    pinned = torch.arange(nblocks).view(1, -1) == newest.view(-1, 1)
+    block_best = block_best.masked_fill(pinned, float("inf"))
+    values, indices = top(block_best, topk_blocks)
+    keep = torch.zeros(s, nblocks, dtype=torch.bool)
+    keep.scatter_(1, indices, values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=1)[:, :t] & seen
+
+
+def top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of each row, ties to the earlier column. (Scores tie often: relu zeroes a
+    whole entry's score. A fixed rule keeps a query's choice independent of how many entries
+    exist past it, so the cached path chooses as this file does.)"""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[:, :k], indices[:, :k]
+
+
+def select(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tensor:
+    """[S, T] bool: each query's top `topk` allowed entries by score."""
+    values, indices = top(scores.masked_fill(~allowed, float("-inf")), topk)
+    chosen = torch.zeros_like(allowed)
+    chosen.scatter_(1, indices, values > float("-inf"))
+    return chosen
+
+
+def attention(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
+              tables: RopeTables, shared_in: Shared) -> tuple[torch.Tensor, Shared]:
+    """One attention sub-block over the whole sequence; x [S, D] is its normed input.
+    Returns the output [S, D] and what later layers read."""
+    s, rope = x.shape[0], cfg.rope(layer)
+    cos, sin = tables.at(rope, positions)
+    q_res = norm(F.linear(x, w["wq_a.weight"]), w["q_norm.weight"], cfg.rms_eps)
+    q = apply_rope(F.linear(q_res, w["wq_b.weight"]).view(s, cfg.num_heads, cfg.head_dim), cos, sin)
+    kv = apply_rope(norm(F.linear(x, w["wkv.weight"]), w["kv_norm.weight"], cfg.rms_eps),
+                    cos, sin)
+    keys, allowed = kv, window_visible(positions, positions, cfg.window)
+    out_shared = shared_in
+    if cfg.ratio(layer):
+        source = shared_in.source
+        if layer in cfg.kv_sources:
+            source = compress(cfg, w, x, tables, layer)
+        chosen, candidates = shared_in.chosen, shared_in.candidates
+        if layer in cfg.index_sources:
+            seen = visible(positions, source.entries.shape[0], cfg.ratio(layer))
+            scores = index_scores(cfg, _sub(w, "indexer."), x, q_res, source.keys, positions, tables)
+            if layer == cfg.candidate_source:
+                candidates = candidate_blocks(scores, seen, cfg.candidate_topk_blocks,
+                                              cfg.candidate_block_size)
+            limit = seen & candidates if cfg.uses_candidates(layer) else seen
+            chosen = select(scores, limit, cfg.index_topk)
+        out_shared = Shared(source, chosen, candidates)
+        keys = torch.cat([kv, source.entries])
+        allowed = torch.cat([allowed, chosen], dim=1)
+    o = attend(q, keys, allowed, w["attn_sink"], cfg.head_dim ** -0.5)
+    o = apply_rope(o, cos, -sin)
+    return grouped_output(o, w["wo_a.weight"], w["wo_b.weight"], cfg.o_groups), out_shared
+
+
+def moe(cfg: V41Config, w: dict, x: torch.Tensor) -> torch.Tensor:
+    """One MoE sub-block; w: the layer's weights under `ffn.`."""
+    logits = F.linear(x, w["gate.weight"]) / cfg.gate_temp
+    scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else logits.sigmoid()
+    experts = torch.topk(scores + w["gate.bias"], cfg.experts_per_token, dim=-1, sorted=False).indices
+    weights = scores.gather(1, experts)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scale
+    out = routed(x, experts, weights, w["experts.w13"], w["experts.w2"], cfg.swiglu_limit)
+    return out + shared(x, w, cfg.swiglu_limit)
+
+
+class V41Model:
+    """A loaded DeepSeek V4.1 text model: config, weights (read-only) and RoPE tables."""
+
+    def __init__(self, cfg: V41Config, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.cfg, self.weights, self.dtype = cfg, weights, dtype
+        self.tables = RopeTables(cfg, dtype)
+        layers = [_sub(weights, f"layers.{i}.") for i in range(cfg.num_layers)]
+        self.layers = layers
+        self.attn = [_sub(w, "attn.") for w in layers]
+        self.ffn = [_sub(w, "ffn.") for w in layers]
+
+    def _mix(self, streams: torch.Tensor, w: dict, name: str):
+        cfg = self.cfg
+        return hyper.mix_weights(streams, w[f"{name}_fn"], w[f"{name}_base"], w[f"{name}_scale"],
+                                 cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_eps, wide(self.dtype))
+
+    def layer(self, i: int, streams: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor,
+              shared_in: Shared) -> tuple[torch.Tensor, torch.Tensor, Shared]:
+        """streams [S, n, D] and the `pre` the sub-block before computed -> the streams after
+        layer i, its MoE's `pre` (for the next layer) and what later layers read."""
+        cfg, w = self.cfg, self.layers[i]
+        attn_pre, post, comb = self._mix(streams, w, "hc_attn")
+        x = norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
+        out, shared_out = attention(cfg, i, self.attn[i], x, positions, self.tables, shared_in)
+        streams = hyper.expand(streams, out, post, comb)
+        ffn_pre, post, comb = self._mix(streams, w, "hc_ffn")
+        x = norm(hyper.collapse(streams, attn_pre), w["ffn_norm.weight"], cfg.rms_eps)
+        streams = hyper.expand(streams, moe(cfg, self.ffn[i], x), post, comb)
+        return streams, ffn_pre, shared_out
+
+    def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [S] -> n copies of the embedding [S, n, D] and the first `pre` (stream 0)."""
+        embedded = F.embedding(ids, self.weights["embed.weight"])
+        streams = embedded.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(ids.shape[0], self.cfg.hc_mult, dtype=torch.float32)
+        pre[:, 0] = 1.0
+        return streams, pre
+
+    def head(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """The last layer's streams and its MoE's `pre` -> logits [S, vocab]."""
+        h = norm(hyper.collapse(streams, pre), self.weights["norm.weight"], self.cfg.rms_eps)
+        return F.linear(h, self.weights["head.weight"])
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [S] -> logits [S, vocab] in the model's dtype."""
+        ids = ids.reshape(-1).long()
+        positions = torch.arange(ids.shape[0])
+        streams, pre = self.embed(ids)
+        shared_state = Shared()
+        for i in range(self.cfg.num_layers):
+            streams, pre, shared_state = self.layer(i, streams, pre, positions, shared_state)
+        return self.head(streams, pre)
+
+
+def _sub(w: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}

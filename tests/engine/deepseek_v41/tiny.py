@@ -1,0 +1,104 @@
+"""Tiny random DeepSeek V4.1 configs and weights (no library makes them: V4.1 is not in
+transformers), in the release's tensor names with the routed experts stacked as the engine
+keeps them (`experts.w13` [E, 2I, D], `experts.w2` [E, D, I]).
+
+Parameters are drawn wide enough that every piece moves the logits (sinks, gate biases and
+hyper-connection bases are not zero).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.model.deepseek_v4.v41_config import V41Config, v41_config_from_dict
+
+BASE = dict(model_type="deepseek_v41", vocab_size=100, hidden_size=64, num_attention_heads=4,
+            head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            index_n_heads=2, index_head_dim=16, rms_norm_eps=1e-6,
+            max_position_embeddings=4096, engram_layer_ids=[])
+
+# name -> (text_config fields, tokens to score). Between them: window-only, ratio-2 and
+# ratio-1 layers; KV sources with consumers; index sources that own keys and ones that do not;
+# a candidate source with later index sources choosing inside its blocks; hc_mult 2 and 4;
+# YaRN on the compress RoPE; and the release's window and block (W = 128, candidate blocks of
+# 8) over a prompt longer than two windows.
+CONFIGS = {
+    "flash_like": (dict(num_hidden_layers=6, sliding_window=8, hc_mult=2, index_topk=4,
+                        compress_ratios=[0, 2, 2, 1, 1, 1, 0], kv_source_layer_ids=[1, 3],
+                        index_source_layer_ids=[1, 3, 5], candidate_source_layer_id=3,
+                        candidate_topk_blocks=2, candidate_block_size=4), 48),
+    "yarn_hc4": (dict(num_hidden_layers=5, sliding_window=16, hc_mult=4, index_topk=6,
+                      compress_ratios=[2, 2, 0, 1, 1], kv_source_layer_ids=[0, 3],
+                      index_source_layer_ids=[0, 1, 3, 4], candidate_source_layer_id=3,
+                      candidate_topk_blocks=3, candidate_block_size=2,
+                      rope_scaling={"type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 32,
+                                    "beta_fast": 32.0, "beta_slow": 1.0}), 60),
+    "flash_geometry": (dict(num_hidden_layers=4, sliding_window=128, hc_mult=2, index_topk=64,
+                            compress_ratios=[0, 2, 1, 1], kv_source_layer_ids=[1, 2],
+                            index_source_layer_ids=[1, 2, 3], candidate_source_layer_id=2,
+                            candidate_topk_blocks=16, candidate_block_size=8), 300),
+}
+
+
+def raw_config(name: str, **overrides) -> dict:
+    fields, _ = CONFIGS[name]
+    return {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
+            "text_config": {**BASE, **fields, **overrides}}
+
+
+def config(name: str, **overrides) -> V41Config:
+    return v41_config_from_dict(raw_config(name, **overrides))
+
+
+def weights(cfg: V41Config, seed: int = 0, dtype: torch.dtype = torch.float64) -> dict:
+    """Random weights for `cfg` under the release's names (experts stacked)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std=0.03, mean=0.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * std + mean).to(dtype)
+
+    D, V, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    H, d, R = cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+    mix = (2 + n) * n
+    w = {"embed.weight": rnd(V, D, std=1.0), "norm.weight": rnd(D, std=0.15, mean=1.0),
+         "head.weight": rnd(V, D)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        w.update({p + "attn_norm.weight": rnd(D, std=0.15, mean=1.0),
+                  p + "ffn_norm.weight": rnd(D, std=0.15, mean=1.0)})
+        for hc in ("hc_attn", "hc_ffn"):
+            w.update({p + f"{hc}_fn": rnd(mix, n * D), p + f"{hc}_base": rnd(mix, std=0.15),
+                      p + f"{hc}_scale": rnd(3, std=0.15, mean=1.0)})
+        a = p + "attn."
+        w.update({a + "wq_a.weight": rnd(R, D), a + "q_norm.weight": rnd(R, std=0.15, mean=1.0),
+                  a + "wq_b.weight": rnd(H * d, R), a + "wkv.weight": rnd(d, D),
+                  a + "kv_norm.weight": rnd(d, std=0.15, mean=1.0),
+                  a + "wo_a.weight": rnd(cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
+                  a + "wo_b.weight": rnd(D, cfg.o_groups * cfg.o_lora_rank),
+                  a + "attn_sink": rnd(H, std=0.15)})
+        if i in cfg.kv_sources:
+            c = a + "compressor."
+            w.update({c + "wkv.weight": rnd(d, D), c + "norm.weight": rnd(d, std=0.15, mean=1.0)})
+            if cfg.ratio(i) > 1:
+                w[c + "wgate.weight"] = rnd(d, D, std=0.3)
+        if i in cfg.index_sources:
+            x = a + "indexer."
+            w.update({x + "wq_b.weight": rnd(cfg.index_heads * cfg.index_head_dim, R, std=0.1),
+                      x + "weights_proj.weight": rnd(cfg.index_heads, D, std=0.1)})
+            if i in cfg.kv_sources:
+                w.update({x + "wk.weight": rnd(cfg.index_head_dim, d, std=0.1),
+                          x + "k_norm.weight": rnd(cfg.index_head_dim, std=0.15, mean=1.0)})
+        f = p + "ffn."
+        E, inter = cfg.n_experts, cfg.moe_inter
+        w.update({f + "gate.weight": rnd(E, D, std=0.1), f + "gate.bias": rnd(E, std=0.1),
+                  f + "experts.w13": rnd(E, 2 * inter, D), f + "experts.w2": rnd(E, D, inter),
+                  f + "shared_experts.w1.weight": rnd(inter, D), f + "shared_experts.w3.weight": rnd(inter, D),
+                  f + "shared_experts.w2.weight": rnd(D, inter)})
+    return w
+
+
+def prompt(name: str, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, BASE["vocab_size"], (CONFIGS[name][1],), generator=g)
