@@ -200,8 +200,9 @@ def build_v4_core(args):
 
     from services.engine.core.v4_engine import V4Engine
     from services.engine.model.deepseek_v4 import window_rows
-    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint, model_type
     from services.engine.model.deepseek_v4.forward import V4Model
+    from services.engine.model.deepseek_v4.v41_config import MODEL_TYPES as V41_TYPES
 
     given = [flag for flag, on in (("--checkpoint", args.checkpoint),
                                    ("--random-weights", args.random_weights),
@@ -211,6 +212,9 @@ def build_v4_core(args):
     if args.device not in (None, "auto", "cpu"):
         raise ValueError(f"--device {args.device}: DeepSeek V4 checkpoints run on the CPU for now")
     directory = Path(args.model)
+    if model_type(directory) in V41_TYPES:
+        raise ValueError(f"{directory}: DeepSeek V4.1 checkpoints are not served by the engine "
+                         "yet; `kvmesh score --model DIR` runs their full forward")
     ecfg = engine_config(args)
     dtype = getattr(torch, ecfg.dtype)
     cfg, weights = load_checkpoint(directory, dtype)

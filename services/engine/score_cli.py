@@ -11,8 +11,9 @@ from services.engine.model.deepseek_v4.errors import CheckpointError
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "score", help="score token ids or text with a DeepSeek V4 checkpoint (full forward)",
-        description="Run the full-sequence forward of a DeepSeek V4 checkpoint directory and "
+        "score", help="score token ids or text with a DeepSeek V4 or V4.1 checkpoint (full forward)",
+        description="Run the full-sequence forward of a DeepSeek V4 or V4.1 checkpoint directory "
+        "(chosen by config.json's model_type) and "
         'print {"ids", "logprobs", "argmax"} as JSON on stdout (logprobs[i]: log-probability '
         "of ids[i] after ids[:i]; argmax[i]: the likeliest id after ids[:i+1]) and the "
         "perplexity on stderr.")

@@ -102,3 +102,70 @@ def weights(cfg: V41Config, seed: int = 0, dtype: torch.dtype = torch.float64) -
 def prompt(name: str, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, BASE["vocab_size"], (CONFIGS[name][1],), generator=g)
+
+
+# matrices the release stores as FP8 e4m3 with 32 x 32 UE8M0 block scales (the routed experts
+# are FP4; the router, embedding, head, norms, sinks and mixing weights stay floating point)
+def _fp8(name: str) -> bool:
+    return name.endswith(".weight") and ".attn." in name and "norm" not in name \
+        or ".shared_experts." in name
+
+
+def save_release(name: str, directory, seed: int = 0, shards: int = 2, quantized: bool = True,
+                 **overrides) -> tuple[V41Config, dict]:
+    """Write config `name` as DeepSeek's release lays a V4.1 checkpoint out: the release's
+    names, per-expert w1 / w2 / w3, `shards` files with an index, and (quantized) FP8 dense
+    weights with 32 x 32 UE8M0 scales and FP4 routed experts. Returns the config and the
+    float64 weights the files stand for (each quantized tensor dequantized)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from services.engine.model.deepseek_v4 import quant
+    from tests.engine.deepseek_v4.tiny import quant_fp4, quant_fp8
+
+    raw = raw_config(name, **overrides)
+    if quantized:
+        raw["text_config"]["quantization_config"] = {
+            "quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
+            "expert_dtype": "fp4", "activation_scheme": "dynamic"}
+    cfg = v41_config_from_dict(raw)
+    w = weights(cfg, seed, torch.float32)
+    stored, meant = {}, {}
+
+    def put(key: str, value: torch.Tensor, fp4: bool = False):
+        if quantized and fp4:
+            q, scale = quant_fp4(value)
+            stored[key], stored[key[:-len(".weight")] + ".scale"] = q, scale
+            return quant.dequant_fp4(q, scale).double()
+        if quantized and _fp8(key):
+            q, scale = quant_fp8(value, 32, ue8m0=True)
+            stored[key], stored[key[:-len(".weight")] + ".scale"] = q, scale
+            return quant.dequant_fp8(q, scale, 32).double()
+        stored[key] = value.contiguous()
+        return value.double()
+
+    for key, value in w.items():
+        if key.endswith("experts.w13"):
+            base, inter = key[:-len("w13")], value.shape[1] // 2
+            meant[key] = torch.stack([torch.cat([put(f"{base}{e}.w1.weight", value[e, :inter], True),
+                                                 put(f"{base}{e}.w3.weight", value[e, inter:], True)])
+                                      for e in range(value.shape[0])])
+        elif key.endswith("experts.w2"):
+            base = key[:-len("w2")]
+            meant[key] = torch.stack([put(f"{base}{e}.w2.weight", value[e], True)
+                                      for e in range(value.shape[0])])
+        else:
+            meant[key] = put(key, value)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(raw))
+    keys = sorted(stored)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: stored[k] for k in keys[i::shards]}
+        save_file(part, str(directory / file))
+        weight_map.update({k: file for k in part})
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return cfg, meant

@@ -1,4 +1,4 @@
-"""Reading a DeepSeek V4 checkpoint directory into (V4Config, weights).
+"""Reading a DeepSeek V4 (or V4.1) checkpoint directory into (config, weights).
 
 A directory holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json`. Tensors are read one at a time through `safe_open`, after
@@ -8,7 +8,7 @@ so those failures come before any weight is read; a quantized tensor's shape is 
 once it is dequantized. Every failure is one `CheckpointError` line naming the file and
 the tensor.
 
-Names are DeepSeek's or transformers' (`names.py`); FP8 and FP4 weights are dequantized
+Names are DeepSeek's or transformers' (`names.py`; V4.1's: `v41_names.py`); FP8 and FP4 weights are dequantized
 (`quant.py`).
 """
 
@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.engine.model.deepseek_v4 import names, quant
+from services.engine.model.deepseek_v4 import names, quant, v41_names
 from services.engine.model.deepseek_v4.config import V4Config, read_config
 from services.engine.model.deepseek_v4.errors import CheckpointError
+from services.engine.model.deepseek_v4.v41_config import V41Config, read_v41_config
 
 log = logging.getLogger(__name__)
 
@@ -94,18 +95,57 @@ class _Reader:
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
                     ) -> tuple[V4Config, dict[str, torch.Tensor]]:
+    """A DeepSeek V4 checkpoint (its MTP modules too, when it has them)."""
+    directory = _directory(directory)
+    cfg = read_config(directory)
+
+    def expected(plan: dict) -> dict:
+        shapes = names.expected_shapes(cfg)
+        if any(name.startswith("mtp.") for name in plan):   # optional: read whole when present
+            shapes.update(names.mtp_shapes(cfg))
+        return shapes
+    return cfg, _load(directory, cfg, expected, dtype, lambda name: _what(cfg, name))
+
+
+def load_v41_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
+                        ) -> tuple[V41Config, dict[str, torch.Tensor]]:
+    """A DeepSeek V4.1 checkpoint's text model (v41_names.py says what is read)."""
+    directory = _directory(directory)
+    cfg = read_v41_config(directory)
+    return cfg, _load(directory, cfg, lambda plan: v41_names.expected_shapes(cfg), dtype,
+                      lambda name: v41_names.describe(cfg, name))
+
+
+def model_type(directory: str | Path) -> str | None:
+    """config.json's model_type (its text_config's first): which loader a directory takes."""
+    path = Path(directory) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None   # the loader reports it, naming the file
+    if not isinstance(raw, dict):
+        return None
+    text = raw.get("text_config")
+    inner = text.get("model_type") if isinstance(text, dict) else None
+    return inner or raw.get("model_type")
+
+
+def _directory(directory: str | Path) -> Path:
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
-    cfg = read_config(directory)
+    return directory
+
+
+def _load(directory: Path, cfg, expected_of, dtype: torch.dtype, what) -> dict[str, torch.Tensor]:
+    """Check the plan against `expected_of(plan)` ({name: shape}), then read and dequantize
+    each tensor; what(name) says which part of the config a missing tensor belongs to."""
     block = _fp8_block(cfg, directory)
     reader = _Reader(tensor_files(directory))
     plan, scales = _plan(reader)
-    expected = names.expected_shapes(cfg)
-    if any(name.startswith("mtp.") for name in plan):   # optional: read whole when present
-        expected.update(names.mtp_shapes(cfg))
+    expected = expected_of(plan)
     _check_memory(expected, dtype, directory)
-    _check_plan(cfg, expected, plan, scales, reader, directory)
+    _check_plan(cfg, expected, plan, scales, reader, directory, what)
     weights: dict[str, torch.Tensor] = {}
     for name, shape in expected.items():
         pieces = plan[name]
@@ -119,7 +159,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
     if unused:
         log.warning("%s: %d tensors not used by the config (first: %s)", directory, len(unused),
                     unused[0])
-    return cfg, weights
+    return weights
 
 
 def _plan(reader: _Reader):
@@ -137,14 +177,14 @@ def _plan(reader: _Reader):
     return plan, scales
 
 
-def _check_plan(cfg, expected, plan, scales, reader, directory) -> None:
+def _check_plan(cfg, expected, plan, scales, reader, directory, what) -> None:
     """Before any tensor is read: every expected tensor (and every expert's part) is there,
     and every one stored whole and unquantized has its expected shape (from the header)."""
     for name, shape in expected.items():
         pieces = plan.get(name)
         if not pieces:
             raise CheckpointError(f"{directory}: missing tensor {name} (expected shape "
-                                  f"{list(shape)}) for the config's {_what(cfg, name)}")
+                                  f"{list(shape)}) for the config's {what(name)}")
         if pieces[0][0] is None:
             stored = pieces[0][2]
             if stored not in scales and reader.shape(stored) != shape:
@@ -213,7 +253,7 @@ def _cast(name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return value.to(dtype)
 
 
-def _fp8_block(cfg: V4Config, directory: Path) -> int:
+def _fp8_block(cfg: V4Config | V41Config, directory: Path) -> int:
     q = cfg.quantization
     if q is None:
         return 128

@@ -12,18 +12,29 @@ from pathlib import Path
 
 import torch
 
-from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+from services.engine.model.deepseek_v4.checkpoint import (
+    load_checkpoint,
+    load_v41_checkpoint,
+    model_type,
+)
 from services.engine.model.deepseek_v4.config import V4Config
 from services.engine.model.deepseek_v4.errors import CheckpointError
 from services.engine.model.deepseek_v4.forward import V4Model
+from services.engine.model.deepseek_v4.v41_config import MODEL_TYPES as V41_TYPES
+from services.engine.model.deepseek_v4.v41_config import V41Config
+from services.engine.model.deepseek_v4.v41_forward import V41Model
 
 
-def load_model(directory: str | Path, dtype: torch.dtype) -> V4Model:
+def load_model(directory: str | Path, dtype: torch.dtype) -> V4Model | V41Model:
+    """The checkpoint's full forward: DeepSeek V4's, or V4.1's by config.json's model_type."""
+    if model_type(directory) in V41_TYPES:
+        cfg41, weights = load_v41_checkpoint(directory, dtype)
+        return V41Model(cfg41, weights, dtype)
     cfg, weights = load_checkpoint(directory, dtype)
     return V4Model(cfg, weights, dtype)
 
 
-def score(model: V4Model, ids: list[int]) -> dict:
+def score(model: V4Model | V41Model, ids: list[int]) -> dict:
     if not ids:
         raise ValueError("ids: need at least one token id")
     bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
@@ -41,7 +52,7 @@ def perplexity(result: dict) -> float:
     return math.exp(-sum(lps) / len(lps)) if lps else float("nan")
 
 
-def tokenize(directory: str | Path, text: str, cfg: V4Config) -> list[int]:
+def tokenize(directory: str | Path, text: str, cfg: V4Config | V41Config) -> list[int]:
     """The text through the checkpoint's tokenizer.json, begin-of-sentence first when the
     config names one."""
     path = Path(directory) / "tokenizer.json"

@@ -1,0 +1,64 @@
+"""The tensors a DeepSeek V4.1 text model reads, by the release's names (no `model.`
+prefix, `attn` / `ffn`), routed experts stacked as for V4 (names.py).
+
+Per layer: attention (its own window projection and norm, no per-layer compressor), a
+compressor only on KV sources (`wgate` only where the ratio pools), an indexer only on index
+sources (`wk` / `k_norm` only on those that are also KV sources), hyper-connection weights
+for both sub-blocks, and a score-routed MoE. There is no `hc_head`: the last MoE's `pre`
+collapses the streams for the head. The release's other tensors (`gate.bias_vl` for image
+tokens, the DSpark draft layers under `mtp.`, the vision tower) are not read.
+"""
+
+from __future__ import annotations
+
+from services.engine.model.deepseek_v4.v41_config import V41Config
+
+
+def expected_shapes(cfg: V41Config) -> dict[str, tuple[int, ...]]:
+    D, n, V = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
+    H, d, r = cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+    mix = (2 + n) * n
+    out: dict[str, tuple[int, ...]] = {"embed.weight": (V, D), "head.weight": (V, D),
+                                       "norm.weight": (D,)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        out.update({
+            p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,),
+            p + "hc_attn_fn": (mix, n * D), p + "hc_attn_base": (mix,), p + "hc_attn_scale": (3,),
+            p + "hc_ffn_fn": (mix, n * D), p + "hc_ffn_base": (mix,), p + "hc_ffn_scale": (3,),
+            p + "attn.attn_sink": (H,), p + "attn.wq_a.weight": (r, D),
+            p + "attn.q_norm.weight": (r,), p + "attn.wq_b.weight": (H * d, r),
+            p + "attn.wkv.weight": (d, D), p + "attn.kv_norm.weight": (d,),
+            p + "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
+            p + "attn.wo_b.weight": (D, cfg.o_groups * cfg.o_lora_rank),
+        })
+        if i in cfg.kv_sources:
+            c = p + "attn.compressor."
+            out.update({c + "wkv.weight": (d, D), c + "norm.weight": (d,)})
+            if cfg.ratio(i) > 1:
+                out[c + "wgate.weight"] = (d, D)
+        if i in cfg.index_sources:
+            x, ci = p + "attn.indexer.", cfg.index_head_dim
+            out.update({x + "wq_b.weight": (cfg.index_heads * ci, r),
+                        x + "weights_proj.weight": (cfg.index_heads, D)})
+            if i in cfg.kv_sources:
+                out.update({x + "wk.weight": (ci, d), x + "k_norm.weight": (ci,)})
+        E, inter = cfg.n_experts, cfg.moe_inter
+        out.update({
+            p + "ffn.gate.weight": (E, D), p + "ffn.gate.bias": (E,),
+            p + "ffn.experts.w13": (E, 2 * inter, D), p + "ffn.experts.w2": (E, D, inter),
+            p + "ffn.shared_experts.w1.weight": (inter, D),
+            p + "ffn.shared_experts.w2.weight": (D, inter),
+            p + "ffn.shared_experts.w3.weight": (inter, D),
+        })
+    return out
+
+
+def describe(cfg: V41Config, name: str) -> str:
+    """What part of the config a tensor belongs to (for a missing-tensor error)."""
+    if not name.startswith("layers."):
+        return "model"
+    i = int(name.split(".")[1])
+    roles = [role for role, ids in (("KV source", cfg.kv_sources),
+                                    ("index source", cfg.index_sources)) if i in ids]
+    return f"layer {i} (compress ratio {cfg.ratio(i)}{', ' + ', '.join(roles) if roles else ''})"

@@ -1,0 +1,106 @@
+"""DeepSeek V4.1 checkpoint directories in the release's format (names, shards, FP8 with
+32 x 32 UE8M0 scales, FP4 routed experts): loading, `kvmesh score`, and load errors naming
+the file and tensor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+from services.engine.model.deepseek_v4.errors import CheckpointError
+from services.engine.model.deepseek_v4.score import load_model, score
+from services.engine.model.deepseek_v4.v41_forward import V41Model
+from tests.engine.deepseek_v41 import tiny
+
+NAME = "flash_like"
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("v41")
+    cfg, meant = tiny.save_release(NAME, directory)
+    return directory, cfg, meant
+
+
+def test_a_quantized_release_loads_as_the_weights_it_stands_for(release):
+    directory, cfg, meant = release
+    files = sorted(p.name for p in directory.glob("*.safetensors"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    model = load_model(directory, torch.float64)
+    assert isinstance(model, V41Model) and model.cfg == cfg
+    ids = tiny.prompt(NAME)
+    want = V41Model(cfg, meant, torch.float64).logits(ids)
+    assert (model.logits(ids) - want).abs().max() <= 1e-12
+    unquantized = V41Model(cfg, tiny.weights(cfg, 0, torch.float32), torch.float32)
+    assert (unquantized.logits(ids).double() - want).abs().max() > 1e-4   # FP8 / FP4 are there
+
+
+def test_kvmesh_score_runs_a_v41_checkpoint(release):
+    directory, cfg, meant = release
+    ids = tiny.prompt(NAME)[:20].tolist()
+    run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "score", "--model", str(directory),
+                          "--ids", ",".join(map(str, ids)), "--dtype", "float64"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    printed = json.loads(run.stdout)
+    want = score(V41Model(cfg, meant, torch.float64), ids)
+    assert printed["argmax"] == want["argmax"]
+    got = torch.tensor(printed["logprobs"][1:])
+    assert (got - torch.tensor(want["logprobs"][1:])).abs().max() <= 1e-9
+    assert "perplexity" in run.stderr
+
+
+def _without(directory, tmp_path, drop: str):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    copy = tmp_path / "broken"
+    shutil.copytree(directory, copy)
+    index = json.loads((copy / "model.safetensors.index.json").read_text())
+    file = copy / index["weight_map"].pop(drop)
+    tensors = load_file(file)
+    del tensors[drop]
+    save_file(tensors, str(file))
+    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    return copy
+
+
+def test_a_missing_tensor_is_named_with_the_layer_role_that_needs_it(release, tmp_path):
+    directory, _, _ = release
+    broken = _without(directory, tmp_path, "layers.3.attn.indexer.wk.weight")
+    with pytest.raises(CheckpointError, match=r"missing tensor layers\.3\.attn\.indexer\.wk\.weight"
+                       r".*layer 3 \(compress ratio 1, KV source, index source\)"):
+        load_v41_checkpoint(broken)
+
+
+def test_a_missing_scale_is_named(release, tmp_path):
+    directory, _, _ = release
+    broken = _without(directory, tmp_path, "layers.0.attn.wq_a.scale")
+    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wq_a\.weight is torch\.float8_e4m3fn "
+                       "without a scale tensor"):
+        load_v41_checkpoint(broken)
+
+
+def test_an_engram_checkpoint_is_refused_at_load_naming_the_feature(tmp_path):
+    tiny.save_release(NAME, tmp_path, quantized=False, shards=1)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["text_config"]["engram_layer_ids"] = [1]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"config\.json: engram_layer_ids \[1\]: Engram"):
+        load_model(tmp_path, torch.float32)
+
+
+def test_the_engine_says_v41_is_not_served_yet(tmp_path):
+    import argparse
+
+    from services.engine.build import build_v4_core
+    tiny.save_release(NAME, tmp_path, quantized=False, shards=1)
+    args = argparse.Namespace(model=str(tmp_path), checkpoint=None, random_weights=False,
+                              preset="tiny", device=None)
+    with pytest.raises(ValueError, match="V4.1 checkpoints are not served by the engine yet"):
+        build_v4_core(args)
