@@ -159,6 +159,15 @@ class V41Config:
         """The layer whose selection `layer` attends: the last index source at or before it."""
         return _last_at_or_before(self.index_sources, layer)
 
+    @property
+    def decoder_start(self) -> int | None:
+        """The first decoder layer: the one after the last KV source, when there is one.
+        Decoder layers own nothing but their window rows, which is what lets decoder-side
+        truncation run them on a prompt's last tokens only."""
+        if not self.kv_sources or self.kv_sources[-1] + 1 >= self.num_layers:
+            return None
+        return self.kv_sources[-1] + 1
+
     def uses_candidates(self, layer: int) -> bool:
         """Whether index source `layer` chooses only inside the candidate source's blocks."""
         return self.candidate_source is not None and layer > self.candidate_source

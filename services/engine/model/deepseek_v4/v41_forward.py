@@ -52,39 +52,66 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, weight, eps, wide(x.dtype))
 
 
-class SourceEntries(NamedTuple):
-    """A KV source's compressed cache over the whole sequence."""
+class SourceState(NamedTuple):
+    """A KV source's compressed cache so far, and the tokens of its open group."""
     layer: int
     entries: torch.Tensor        # [T, d] normed and rotated: what attention reads
-    keys: torch.Tensor           # [T, c_I] the index keys
+    keys: torch.Tensor           # [T, c_I] rotated index keys
+    open_kv: torch.Tensor        # [< m, d] raw projections of the open group's tokens (wide)
+    open_gate: torch.Tensor      # [< m, d] and their gate logits
 
 
 class Shared(NamedTuple):
-    """What attention layers hand down the stack (the most recent of each)."""
-    source: SourceEntries | None = None
+    """What attention layers hand down the stack (the most recent of each), for this call's
+    rows."""
+    source: SourceState | None = None
     chosen: torch.Tensor | None = None       # [S, T] bool: the most recent selection
     candidates: torch.Tensor | None = None   # [S, T] bool: the candidate source's blocks
 
+    def rows(self, keep: slice) -> Shared:
+        """The same, for a subset of the rows (decoder-side truncation drops the others)."""
+        return Shared(self.source, None if self.chosen is None else self.chosen[keep],
+                      None if self.candidates is None else self.candidates[keep])
 
-def compress(cfg: V41Config, w: dict, x: torch.Tensor, tables: RopeTables, layer: int) -> SourceEntries:
-    """The entries and index keys of KV source `layer` over x [S, D] (its normed input).
 
-    w: the layer's weights under `attn.`."""
-    m = cfg.ratio(layer)
+class LayerState(NamedTuple):
+    """What one layer keeps of the tokens so far (the whole-sequence run keeps all)."""
+    window: torch.Tensor                 # [K, d] rotated K = V rows of the last K positions
+    source: SourceState | None = None    # a KV source's compressor
+
+
+def compress(cfg: V41Config, w: dict, x: torch.Tensor, tables: RopeTables, layer: int,
+             prior: SourceState | None = None, start: int = 0) -> SourceState:
+    """KV source `layer`'s entries and keys after the tokens x [S, D] (its normed input) at
+    positions start.. (prior: the state after the earlier tokens; None: x starts the
+    sequence). Rows the prior already covers are skipped: a bounded replay re-runs tokens
+    whose entries are cached. w: the layer's weights under `attn.`."""
+    m, d = cfg.ratio(layer), cfg.head_dim
     cw = _sub(w, "compressor.")
+    first = prior.entries.shape[0] if prior is not None else 0
+    if prior is not None:
+        covered = first * m + prior.open_kv.shape[0]
+        x = x[max(covered - start, 0):]
     if m == 1:
         latent = norm(F.linear(x, cw["wkv.weight"]), cw["norm.weight"], cfg.rms_eps)
+        open_kv = open_gate = x.new_zeros((0, d), dtype=wide(x.dtype))
     else:
-        work, n = wide(x.dtype), x.shape[0] // m             # the gate runs in at least fp32
-        xs = x[:n * m].to(work)
-        kv = F.linear(xs, cw["wkv.weight"].to(work)).view(n, m, cfg.head_dim)
-        gate = F.linear(xs, cw["wgate.weight"].to(work)).view(n, m, cfg.head_dim)
-        pooled = (kv * gate.softmax(dim=1)).sum(dim=1).to(x.dtype)
-        latent = norm(pooled, cw["norm.weight"], cfg.rms_eps)
+        work = wide(x.dtype)                                   # the gate runs in at least fp32
+        kv = F.linear(x.to(work), cw["wkv.weight"].to(work))
+        gate = F.linear(x.to(work), cw["wgate.weight"].to(work))
+        if prior is not None:
+            kv, gate = torch.cat([prior.open_kv, kv]), torch.cat([prior.open_gate, gate])
+        n = kv.shape[0] // m
+        pooled = (kv[:n * m].view(n, m, d) * gate[:n * m].view(n, m, d).softmax(dim=1)).sum(dim=1)
+        latent = norm(pooled.to(x.dtype), cw["norm.weight"], cfg.rms_eps)
+        open_kv, open_gate = kv[n * m:], gate[n * m:]
     iw = _sub(w, "indexer.")
     keys = norm(F.linear(latent, iw["wk.weight"]), iw["k_norm.weight"], cfg.rms_eps)
-    cos, sin = tables.at(cfg.compress_rope, torch.arange(latent.shape[0]) * m)
-    return SourceEntries(layer, apply_rope(latent, cos, sin), apply_rope(keys, cos, sin))
+    cos, sin = tables.at(cfg.compress_rope, (torch.arange(latent.shape[0]) + first) * m)
+    entries, keys = apply_rope(latent, cos, sin), apply_rope(keys, cos, sin)
+    if prior is not None:
+        entries, keys = torch.cat([prior.entries, entries]), torch.cat([prior.keys, keys])
+    return SourceState(layer, entries, keys, open_kv, open_gate)
 
 
 def index_scores(cfg: V41Config, w: dict, x: torch.Tensor, q_res: torch.Tensor,
@@ -137,21 +164,32 @@ def select(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tens
 
 
 def attention(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
-              tables: RopeTables, shared_in: Shared) -> tuple[torch.Tensor, Shared]:
-    """One attention sub-block over the whole sequence; x [S, D] is its normed input.
-    Returns the output [S, D] and what later layers read."""
+              tables: RopeTables, shared_in: Shared, prior: LayerState | None = None,
+              floor: int = 0) -> tuple[torch.Tensor, Shared, LayerState]:
+    """One attention sub-block over consecutive tokens at `positions`; x [S, D] is its normed
+    input. prior: what this layer kept of the earlier tokens (None: the sequence starts here).
+    floor: window rows at positions below it are not attended (decoder-side truncation's
+    mask form). Returns the output [S, D], what later layers read, and what this layer keeps
+    (its window rows: the prior's followed by this call's)."""
     s, rope = x.shape[0], cfg.rope(layer)
     cos, sin = tables.at(rope, positions)
     q_res = norm(F.linear(x, w["wq_a.weight"]), w["q_norm.weight"], cfg.rms_eps)
     q = apply_rope(F.linear(q_res, w["wq_b.weight"]).view(s, cfg.num_heads, cfg.head_dim), cos, sin)
     kv = apply_rope(norm(F.linear(x, w["wkv.weight"]), w["kv_norm.weight"], cfg.rms_eps),
                     cos, sin)
-    keys, allowed = kv, window_visible(positions, positions, cfg.window)
-    out_shared = shared_in
+    if prior is not None:
+        kv = torch.cat([prior.window, kv])
+    end = int(positions[-1]) + 1
+    key_pos = torch.arange(end - kv.shape[0], end)
+    keys = kv
+    allowed = window_visible(positions, key_pos, cfg.window) & (key_pos >= floor).view(1, -1)
+    out_shared, own = shared_in, None
     if cfg.ratio(layer):
         source = shared_in.source
         if layer in cfg.kv_sources:
-            source = compress(cfg, w, x, tables, layer)
+            source = own = compress(cfg, w, x, tables, layer,
+                                    prior.source if prior is not None else None,
+                                    int(positions[0]))
         chosen, candidates = shared_in.chosen, shared_in.candidates
         if layer in cfg.index_sources:
             seen = visible(positions, source.entries.shape[0], cfg.ratio(layer))
@@ -166,7 +204,8 @@ def attention(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: t
         allowed = torch.cat([allowed, chosen], dim=1)
     o = attend(q, keys, allowed, w["attn_sink"], cfg.head_dim ** -0.5)
     o = apply_rope(o, cos, -sin)
-    return grouped_output(o, w["wo_a.weight"], w["wo_b.weight"], cfg.o_groups), out_shared
+    out = grouped_output(o, w["wo_a.weight"], w["wo_b.weight"], cfg.o_groups)
+    return out, out_shared, LayerState(kv, own)
 
 
 def moe(cfg: V41Config, w: dict, x: torch.Tensor) -> torch.Tensor:
@@ -197,18 +236,21 @@ class V41Model:
                                  cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_eps, wide(self.dtype))
 
     def layer(self, i: int, streams: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor,
-              shared_in: Shared) -> tuple[torch.Tensor, torch.Tensor, Shared]:
+              shared_in: Shared, prior: LayerState | None = None, floor: int = 0,
+              ) -> tuple[torch.Tensor, torch.Tensor, Shared, LayerState]:
         """streams [S, n, D] and the `pre` the sub-block before computed -> the streams after
-        layer i, its MoE's `pre` (for the next layer) and what later layers read."""
+        layer i, its MoE's `pre` (for the next layer), what later layers read, and what the
+        layer keeps (`attention`)."""
         cfg, w = self.cfg, self.layers[i]
         attn_pre, post, comb = self._mix(streams, w, "hc_attn")
         x = norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
-        out, shared_out = attention(cfg, i, self.attn[i], x, positions, self.tables, shared_in)
+        out, shared_out, state = attention(cfg, i, self.attn[i], x, positions, self.tables,
+                                           shared_in, prior, floor)
         streams = hyper.expand(streams, out, post, comb)
         ffn_pre, post, comb = self._mix(streams, w, "hc_ffn")
         x = norm(hyper.collapse(streams, attn_pre), w["ffn_norm.weight"], cfg.rms_eps)
         streams = hyper.expand(streams, moe(cfg, self.ffn[i], x), post, comb)
-        return streams, ffn_pre, shared_out
+        return streams, ffn_pre, shared_out, state
 
     def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [S] -> n copies of the embedding [S, n, D] and the first `pre` (stream 0)."""
@@ -224,14 +266,33 @@ class V41Model:
         return F.linear(h, self.weights["head.weight"])
 
     @torch.no_grad()
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [S] -> logits [S, vocab] in the model's dtype."""
+    def logits(self, ids: torch.Tensor, keep: int | None = None, mode: str = "compact",
+               ) -> torch.Tensor:
+        """ids [S] -> logits [S, vocab] in the model's dtype.
+
+        keep: decoder-side truncation. The decoder layers (those after the last KV source:
+        they own nothing but their window rows) run on the last `keep` positions only:
+        "compact" drops the other rows there and returns logits for the kept ones; "mask"
+        runs every row but no kept row attends a window row below them (the dropped rows'
+        logits are returned too, and mean nothing)."""
         ids = ids.reshape(-1).long()
         positions = torch.arange(ids.shape[0])
+        start = self.cfg.decoder_start
+        if keep is not None and start is None:
+            raise ValueError("keep: the model has no decoder layers (none follows a KV source)")
+        if mode not in ("compact", "mask"):
+            raise ValueError(f"mode {mode!r}: expected compact or mask")
+        floor = max(ids.shape[0] - keep, 0) if keep is not None else 0
         streams, pre = self.embed(ids)
         shared_state = Shared()
         for i in range(self.cfg.num_layers):
-            streams, pre, shared_state = self.layer(i, streams, pre, positions, shared_state)
+            if keep is not None and i == start and mode == "compact":
+                rows = slice(floor, None)
+                streams, pre, positions = streams[rows], pre[rows], positions[rows]
+                shared_state = shared_state.rows(rows)
+            layer_floor = floor if keep is not None and start is not None and i >= start else 0
+            streams, pre, shared_state, _ = self.layer(i, streams, pre, positions, shared_state,
+                                                       floor=layer_floor)
         return self.head(streams, pre)
 
 
