@@ -131,21 +131,32 @@ def _layout(args) -> int:
 
 def _v4_layout(args) -> int:
     from services.engine.model.deepseek_v4 import layout as v4_layout
-    from services.engine.model.deepseek_v4 import window_rows
+    from services.engine.model.deepseek_v4 import v41_layout, window_rows
+    from services.engine.model.deepseek_v4.checkpoint import model_type
     from services.engine.model.deepseek_v4.config import read_config
     from services.engine.model.deepseek_v4.errors import CheckpointError
+    from services.engine.model.deepseek_v4.v41_config import MODEL_TYPES as V41_TYPES
+    from services.engine.model.deepseek_v4.v41_config import read_v41_config
 
     if args.model and args.config:
         print("kvmesh engine layout: give --model or --config, not both", file=sys.stderr)
         return 2
+    path = args.model or args.config
+    rows_format = window_rows.for_dtype(args.dtype)
     try:
-        report = v4_layout.report(read_config(args.model or args.config),
-                                  extra_state=bool(args.extra_state), memory=args.memory,
-                                  rows_format=window_rows.for_dtype(args.dtype))
+        if model_type(path) in V41_TYPES:
+            layout_module = v41_layout
+            report = v41_layout.report(read_v41_config(path, serving=False),
+                                       extra_state=bool(args.extra_state), memory=args.memory,
+                                       rows_format=rows_format)
+        else:
+            layout_module = v4_layout
+            report = v4_layout.report(read_config(path), extra_state=bool(args.extra_state),
+                                      memory=args.memory, rows_format=rows_format)
     except (CheckpointError, ValueError) as exc:
         print(f"kvmesh engine layout: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2) if args.json else v4_layout.table(report))
+    print(json.dumps(report, indent=2) if args.json else layout_module.table(report))
     return 0
 
 

@@ -53,6 +53,7 @@ def test_flash_layer_roles_follow_the_published_table():
     assert table[20] == (1, 20, 20) and table[23] == (1, 20, 20)
     assert table[24] == (1, 20, 24) and table[31] == (1, 20, 28) and table[39] == (1, 20, 36)
     assert [i for i in range(40) if cfg.uses_candidates(i) and i in cfg.index_sources] == [24, 28, 32, 36]
+    assert cfg.decoder_start == 20    # encoder 0-19, decoder 20-39 (20's compressor sees all)
     assert cfg.rope(0) is cfg.main_rope and cfg.rope(2) is cfg.compress_rope
     assert cfg.compress_rope.yarn.factor == 16 and cfg.compress_rope.theta == 160000
 

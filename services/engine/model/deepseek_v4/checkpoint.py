@@ -116,9 +116,12 @@ def load_v41_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float3
                       lambda name: v41_names.describe(cfg, name))
 
 
-def model_type(directory: str | Path) -> str | None:
-    """config.json's model_type (its text_config's first): which loader a directory takes."""
-    path = Path(directory) / "config.json"
+def model_type(path: str | Path) -> str | None:
+    """config.json's model_type (its text_config's first): which loader a checkpoint
+    directory, or a config file, takes."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -7,9 +7,10 @@ entries through the stack, as in the whole-sequence forward. `extend` runs the n
 against the state and updates it, so prefill in chunks of any size followed by one-token
 decodes computes what `V41Model.logits` computes over the whole sequence.
 
-Decoder-side truncation (`decoder_from`): the decoder layers run only on positions at or past
-it. `compact` drops a chunk's earlier rows before the first decoder layer (those layers then
-never see them), `mask` runs them but keeps every window row below it out of attention.
+Decoder-side truncation (`decoder_from`): the decoder layers (from the last KV source on) run
+only on positions at or past it. `compact` drops a chunk's earlier rows in the first decoder
+layer once its compressor has run on them (the later layers never see them), `mask` runs
+them but keeps every window row below it out of attention.
 Either way the logits returned are those of the rows that went through every layer.
 """
 
@@ -52,16 +53,16 @@ def extend(model: V41Model, state: SequenceState, ids: list[int] | torch.Tensor,
     floor = decoder_from or 0
     for i in range(cfg.num_layers):
         decoder = decoder_from is not None and i >= cfg.decoder_start
-        if decoder and mode == "compact" and i == cfg.decoder_start:
-            rows = positions >= floor
-            streams, pre, positions = streams[rows], pre[rows], positions[rows]
-            shared = shared.rows(rows)
-        if positions.numel() == 0:   # the whole chunk lies before the decoder's first position
-            break
+        rows = positions >= floor if decoder and mode == "compact" and i == cfg.decoder_start \
+            else None
         streams, pre, shared, kept = model.layer(i, streams, pre, positions, shared,
-                                                 state.layers[i], floor if decoder else 0)
+                                                 state.layers[i], floor if decoder else 0, rows)
         window = kept.window[max(kept.window.shape[0] - keep_rows, 0):].clone()
         state.layers[i] = kept._replace(window=window)
+        if rows is not None:
+            positions = positions[rows]
+        if positions.numel() == 0:   # the chunk lies before the decoder's first position
+            break
     state.length += ids.shape[0]
     if positions.numel() == 0:
         return streams.new_zeros((0, cfg.vocab_size))

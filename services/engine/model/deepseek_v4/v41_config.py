@@ -75,6 +75,7 @@ class V41Config:
     eos_token_ids: tuple[int, ...] = (1,)
     max_position: int = 1048576
     quantization: dict | None = None
+    engram_layers: tuple[int, ...] = ()    # only in a config read for sizing (serving=False)
 
     def __post_init__(self):
         def bad(msg: str):
@@ -161,12 +162,12 @@ class V41Config:
 
     @property
     def decoder_start(self) -> int | None:
-        """The first decoder layer: the one after the last KV source, when there is one.
-        Decoder layers own nothing but their window rows, which is what lets decoder-side
-        truncation run them on a prompt's last tokens only."""
-        if not self.kv_sources or self.kv_sources[-1] + 1 >= self.num_layers:
-            return None
-        return self.kv_sources[-1] + 1
+        """The first decoder layer: the last KV source (layer 20 of 40 on V4.1-Flash).
+        From there on a layer's attention and MoE serve only the rows after it (no later
+        layer compresses), so decoder-side truncation runs them on a prompt's last tokens;
+        the source's compressor reads the encoder's output and still runs on every token.
+        The layers before it are the encoder, whose window rings a snapshot keeps."""
+        return self.kv_sources[-1] if self.kv_sources else None
 
     def uses_candidates(self, layer: int) -> bool:
         """Whether index source `layer` chooses only inside the candidate source's blocks."""
@@ -178,8 +179,9 @@ def _last_at_or_before(ids: tuple[int, ...], layer: int) -> int | None:
     return earlier[-1] if earlier else None
 
 
-def read_v41_config(path: str | Path) -> V41Config:
-    """`config.json` (or its directory) -> V41Config; a CheckpointError names the file."""
+def read_v41_config(path: str | Path, serving: bool = True) -> V41Config:
+    """`config.json` (or its directory) -> V41Config; a CheckpointError names the file.
+    serving=False reads a config kvmesh cannot serve yet (Engram layers) for sizing only."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -192,12 +194,12 @@ def read_v41_config(path: str | Path) -> V41Config:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     try:
-        return v41_config_from_dict(raw)
+        return v41_config_from_dict(raw, serving)
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 
 
-def v41_config_from_dict(raw: dict) -> V41Config:
+def v41_config_from_dict(raw: dict, serving: bool = True) -> V41Config:
     outer_type = raw.get("model_type")
     text = dict(raw.get("text_config") or {})
     text.update({k: v for k, v in raw.items() if k not in ("text_config", "vision_config")
@@ -207,7 +209,7 @@ def v41_config_from_dict(raw: dict) -> V41Config:
         raise CheckpointError(f"model_type {model_type!r} is not DeepSeek V4.1 (expected one of "
                               f"{list(MODEL_TYPES)})")
     engram = list(text.get("engram_layer_ids") or [])
-    if engram:
+    if engram and serving:
         raise CheckpointError(f"engram_layer_ids {engram}: Engram (the n-gram memory layers) is "
                               "not supported by kvmesh yet; this checkpoint cannot be served")
     if int(text.get("num_key_value_heads", 1)) != 1:
@@ -252,7 +254,7 @@ def v41_config_from_dict(raw: dict) -> V41Config:
         bos_token_id=text.get("bos_token_id", 0),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         max_position=_int(text, "max_position_embeddings", 1048576),
-        quantization=_quantization(text))
+        quantization=_quantization(text), engram_layers=tuple(engram))
 
 
 def _ids(raw: dict, key: str) -> tuple[int, ...]:

@@ -165,12 +165,15 @@ def select(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tens
 
 def attention(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
               tables: RopeTables, shared_in: Shared, prior: LayerState | None = None,
-              floor: int = 0) -> tuple[torch.Tensor, Shared, LayerState]:
+              floor: int = 0, compressed: SourceState | None = None,
+              ) -> tuple[torch.Tensor, Shared, LayerState]:
     """One attention sub-block over consecutive tokens at `positions`; x [S, D] is its normed
     input. prior: what this layer kept of the earlier tokens (None: the sequence starts here).
     floor: window rows at positions below it are not attended (decoder-side truncation's
-    mask form). Returns the output [S, D], what later layers read, and what this layer keeps
-    (its window rows: the prior's followed by this call's)."""
+    mask form). compressed: a KV source's state already run over more rows than these (the
+    first decoder layer compresses every row, then attends the kept ones). Returns the output
+    [S, D], what later layers read, and what this layer keeps (its window rows: the prior's
+    followed by this call's)."""
     s, rope = x.shape[0], cfg.rope(layer)
     cos, sin = tables.at(rope, positions)
     q_res = norm(F.linear(x, w["wq_a.weight"]), w["q_norm.weight"], cfg.rms_eps)
@@ -186,7 +189,9 @@ def attention(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: t
     out_shared, own = shared_in, None
     if cfg.ratio(layer):
         source = shared_in.source
-        if layer in cfg.kv_sources:
+        if compressed is not None:
+            source = own = compressed
+        elif layer in cfg.kv_sources:
             source = own = compress(cfg, w, x, tables, layer,
                                     prior.source if prior is not None else None,
                                     int(positions[0]))
@@ -237,15 +242,31 @@ class V41Model:
 
     def layer(self, i: int, streams: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor,
               shared_in: Shared, prior: LayerState | None = None, floor: int = 0,
+              rows: torch.Tensor | slice | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, Shared, LayerState]:
         """streams [S, n, D] and the `pre` the sub-block before computed -> the streams after
         layer i, its MoE's `pre` (for the next layer), what later layers read, and what the
-        layer keeps (`attention`)."""
+        layer keeps (`attention`). rows: decoder-side truncation's cut (compact form): the
+        layer's compressor, if it has one, runs on every row; the rest of it, and what it
+        returns, on these rows only."""
         cfg, w = self.cfg, self.layers[i]
         attn_pre, post, comb = self._mix(streams, w, "hc_attn")
         x = norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
+        compressed = None
+        if rows is not None:
+            if i in cfg.kv_sources:
+                compressed = compress(cfg, self.attn[i], x, self.tables, i,
+                                      prior.source if prior is not None else None,
+                                      int(positions[0]))
+            streams, x, positions = streams[rows], x[rows], positions[rows]
+            attn_pre, post, comb = attn_pre[rows], post[rows], comb[rows]
+            shared_in = shared_in.rows(rows)
+            if positions.numel() == 0:   # nothing kept yet: only the compressor has run
+                window = prior.window if prior is not None else x.new_zeros((0, cfg.head_dim))
+                shared_out = shared_in if compressed is None else shared_in._replace(source=compressed)
+                return streams, attn_pre, shared_out, LayerState(window, compressed)
         out, shared_out, state = attention(cfg, i, self.attn[i], x, positions, self.tables,
-                                           shared_in, prior, floor)
+                                           shared_in, prior, floor, compressed)
         streams = hyper.expand(streams, out, post, comb)
         ffn_pre, post, comb = self._mix(streams, w, "hc_ffn")
         x = norm(hyper.collapse(streams, attn_pre), w["ffn_norm.weight"], cfg.rms_eps)
@@ -270,8 +291,9 @@ class V41Model:
                ) -> torch.Tensor:
         """ids [S] -> logits [S, vocab] in the model's dtype.
 
-        keep: decoder-side truncation. The decoder layers (those after the last KV source:
-        they own nothing but their window rows) run on the last `keep` positions only:
+        keep: decoder-side truncation. The decoder layers (the last KV source and those after
+        it: they own nothing but their window rows, besides that source's compressor, which
+        still runs on every row) run on the last `keep` positions only:
         "compact" drops the other rows there and returns logits for the kept ones; "mask"
         runs every row but no kept row attends a window row below them (the dropped rows'
         logits are returned too, and mean nothing)."""
@@ -286,13 +308,13 @@ class V41Model:
         streams, pre = self.embed(ids)
         shared_state = Shared()
         for i in range(self.cfg.num_layers):
-            if keep is not None and i == start and mode == "compact":
-                rows = slice(floor, None)
-                streams, pre, positions = streams[rows], pre[rows], positions[rows]
-                shared_state = shared_state.rows(rows)
-            layer_floor = floor if keep is not None and start is not None and i >= start else 0
+            rows = slice(floor, None) if keep is not None and i == start and mode == "compact" \
+                else None
+            layer_floor = floor if keep is not None and i >= start else 0
             streams, pre, shared_state, _ = self.layer(i, streams, pre, positions, shared_state,
-                                                       floor=layer_floor)
+                                                       floor=layer_floor, rows=rows)
+            if rows is not None:
+                positions = positions[rows]
         return self.head(streams, pre)
 
 
