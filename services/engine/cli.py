@@ -146,9 +146,13 @@ def _v4_layout(args) -> int:
     try:
         if model_type(path) in V41_TYPES:
             layout_module = v41_layout
+            import torch
+
+            from services.engine.model.deepseek_v4.v41_forward import wide
             report = v41_layout.report(read_v41_config(path, serving=False),
                                        extra_state=bool(args.extra_state), memory=args.memory,
-                                       rows_format=rows_format)
+                                       rows_format=rows_format,
+                                       state_dtype=wide(getattr(torch, args.dtype)))
         else:
             layout_module = v4_layout
             report = v4_layout.report(read_config(path), extra_state=bool(args.extra_state),

@@ -98,29 +98,12 @@ class BlockGeometry:
         return self._rates[layer] or None
 
 
-class Ledgers:
-    """The slots and blocks of one engine. Owns the bytes, both free lists and the blocks'
-    reference counts. A held slot's and block's bytes are written only by this module's
-    `step` / `extend` / `replay` and by snapshots.py's `restore`, `install_blocks` and
-    `hand_off`; `rollback` changes nothing but lengths and block tables."""
+class LedgerBook:
+    """The bookkeeping both models' ledgers share: the free state slots, the block pool (ids,
+    reference counts, the free queue) and each sequence's block table. Subclasses own the
+    bytes (`blocks`: a BlockStore)."""
 
-    def __init__(self, cfg: V4Config, num_slots: int, num_blocks: int, extra_state: bool = False,
-                 rows: str = "mxfp8"):
-        self.cfg = cfg
-        self.slot_layout = SlotLayout(cfg, extra_state, rows)
-        self.rows = rows                   # the rings' row format (window_rows.py)
-        self.data = torch.zeros(num_slots, self.slot_layout.slot_bytes, dtype=torch.uint8)
-        self.swa: dict[int, torch.Tensor] = {}
-        self.cmp: dict[int, torch.Tensor] = {}
-        self.idx: dict[int, torch.Tensor] = {}
-        for r in self.slot_layout.regions:
-            raw = self.data[:, r.offset:r.offset + r.nbytes]
-            view = (raw.view(torch.float32) if r.dtype == "float32" else raw).view(num_slots, *r.shape)
-            {"swa": self.swa, "cmp": self.cmp, "idx": self.idx}[r.name][r.layer] = view
-        # the engine's block store (its serialized form is what the kvstore keeps)
-        self.blocks = BlockStore(BlockGeometry(cfg), num_blocks)
-        self.entries: dict[int, torch.Tensor] = self.blocks.entries
-        self.keys: dict[int, torch.Tensor] = self.blocks.index_keys
+    def __init__(self, num_slots: int, num_blocks: int):
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self.pool = BlockPool(num_blocks)  # block ids, reference counts, the free queue
 
@@ -157,6 +140,32 @@ class Ledgers:
         need = -(-length // BLOCK) - len(seq.blocks)
         if need > 0:
             seq.blocks += self.take_blocks(need)
+
+
+class Ledgers(LedgerBook):
+    """The slots and blocks of one engine. Owns the bytes, both free lists and the blocks'
+    reference counts. A held slot's and block's bytes are written only by this module's
+    `step` / `extend` / `replay` and by snapshots.py's `restore`, `install_blocks` and
+    `hand_off`; `rollback` changes nothing but lengths and block tables."""
+
+    def __init__(self, cfg: V4Config, num_slots: int, num_blocks: int, extra_state: bool = False,
+                 rows: str = "mxfp8"):
+        self.cfg = cfg
+        self.slot_layout = SlotLayout(cfg, extra_state, rows)
+        self.rows = rows                   # the rings' row format (window_rows.py)
+        self.data = torch.zeros(num_slots, self.slot_layout.slot_bytes, dtype=torch.uint8)
+        self.swa: dict[int, torch.Tensor] = {}
+        self.cmp: dict[int, torch.Tensor] = {}
+        self.idx: dict[int, torch.Tensor] = {}
+        for r in self.slot_layout.regions:
+            raw = self.data[:, r.offset:r.offset + r.nbytes]
+            view = (raw.view(torch.float32) if r.dtype == "float32" else raw).view(num_slots, *r.shape)
+            {"swa": self.swa, "cmp": self.cmp, "idx": self.idx}[r.name][r.layer] = view
+        # the engine's block store (its serialized form is what the kvstore keeps)
+        self.blocks = BlockStore(BlockGeometry(cfg), num_blocks)
+        self.entries: dict[int, torch.Tensor] = self.blocks.entries
+        self.keys: dict[int, torch.Tensor] = self.blocks.index_keys
+        super().__init__(num_slots, num_blocks)
 
 
 @dataclass

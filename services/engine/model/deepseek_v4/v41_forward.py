@@ -59,6 +59,10 @@ class SourceState(NamedTuple):
     keys: torch.Tensor           # [T, c_I] rotated index keys
     open_kv: torch.Tensor        # [< m, d] raw projections of the open group's tokens (wide)
     open_gate: torch.Tensor      # [< m, d] and their gate logits
+    # this call's raw projections, one row per token it compressed (what a tail ring keeps
+    # for rollback; ratio 1 has none)
+    new_kv: torch.Tensor | None = None
+    new_gate: torch.Tensor | None = None
 
 
 class Shared(NamedTuple):
@@ -72,6 +76,15 @@ class Shared(NamedTuple):
         """The same, for a subset of the rows (decoder-side truncation drops the others)."""
         return Shared(self.source, None if self.chosen is None else self.chosen[keep],
                       None if self.candidates is None else self.candidates[keep])
+
+
+class Span(NamedTuple):
+    """One sequence's run of rows in a layer call (`V41Model.layer_spans`)."""
+    positions: torch.Tensor
+    shared: Shared = Shared()
+    prior: LayerState | None = None
+    floor: int = 0
+    rows: torch.Tensor | slice | None = None
 
 
 class LayerState(NamedTuple):
@@ -94,11 +107,11 @@ def compress(cfg: V41Config, w: dict, x: torch.Tensor, tables: RopeTables, layer
         x = x[max(covered - start, 0):]
     if m == 1:
         latent = norm(F.linear(x, cw["wkv.weight"]), cw["norm.weight"], cfg.rms_eps)
-        open_kv = open_gate = x.new_zeros((0, d), dtype=wide(x.dtype))
+        open_kv = open_gate = new_kv = new_gate = x.new_zeros((0, d), dtype=wide(x.dtype))
     else:
         work = wide(x.dtype)                                   # the gate runs in at least fp32
-        kv = F.linear(x.to(work), cw["wkv.weight"].to(work))
-        gate = F.linear(x.to(work), cw["wgate.weight"].to(work))
+        kv = new_kv = F.linear(x.to(work), cw["wkv.weight"].to(work))
+        gate = new_gate = F.linear(x.to(work), cw["wgate.weight"].to(work))
         if prior is not None:
             kv, gate = torch.cat([prior.open_kv, kv]), torch.cat([prior.open_gate, gate])
         n = kv.shape[0] // m
@@ -111,7 +124,7 @@ def compress(cfg: V41Config, w: dict, x: torch.Tensor, tables: RopeTables, layer
     entries, keys = apply_rope(latent, cos, sin), apply_rope(keys, cos, sin)
     if prior is not None:
         entries, keys = torch.cat([prior.entries, entries]), torch.cat([prior.keys, keys])
-    return SourceState(layer, entries, keys, open_kv, open_gate)
+    return SourceState(layer, entries, keys, open_kv, open_gate, new_kv, new_gate)
 
 
 def index_scores(cfg: V41Config, w: dict, x: torch.Tensor, q_res: torch.Tensor,
@@ -244,34 +257,59 @@ class V41Model:
               shared_in: Shared, prior: LayerState | None = None, floor: int = 0,
               rows: torch.Tensor | slice | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, Shared, LayerState]:
-        """streams [S, n, D] and the `pre` the sub-block before computed -> the streams after
-        layer i, its MoE's `pre` (for the next layer), what later layers read, and what the
-        layer keeps (`attention`). rows: decoder-side truncation's cut (compact form): the
-        layer's compressor, if it has one, runs on every row; the rest of it, and what it
-        returns, on these rows only."""
+        """One sequence's rows through layer i (`layer_spans` with one span)."""
+        streams, pre, ((shared_out, state),) = self.layer_spans(
+            i, streams, pre, [Span(positions, shared_in, prior, floor, rows)])
+        return streams, pre, shared_out, state
+
+    def layer_spans(self, i: int, streams: torch.Tensor, pre: torch.Tensor, spans: list[Span],
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Shared, LayerState]]]:
+        """Several sequences' rows through layer i: streams [S, n, D] and the `pre` the
+        sub-block before computed, spans[k] the k-th run of rows in order. Everything but
+        attention runs over all rows at once; attention per span. Returns the streams after
+        the layer, its MoE's `pre` (for the next layer), and per span what later layers read
+        and what the layer keeps (`attention`). A span's `rows` is decoder-side truncation's
+        cut (compact form): the layer's compressor, if it has one, runs on every row of the
+        span; the rest of the layer, and what it returns, on these rows only."""
         cfg, w = self.cfg, self.layers[i]
         attn_pre, post, comb = self._mix(streams, w, "hc_attn")
         x = norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
-        compressed = None
-        if rows is not None:
-            if i in cfg.kv_sources:
-                compressed = compress(cfg, self.attn[i], x, self.tables, i,
-                                      prior.source if prior is not None else None,
-                                      int(positions[0]))
-            streams, x, positions = streams[rows], x[rows], positions[rows]
-            attn_pre, post, comb = attn_pre[rows], post[rows], comb[rows]
-            shared_in = shared_in.rows(rows)
+        kept, outs, results, start = [], [], [], 0
+        for span in spans:
+            end = start + span.positions.shape[0]
+            rows = torch.arange(start, end)
+            positions, shared_in, compressed = span.positions, span.shared, None
+            if span.rows is not None:
+                if i in cfg.kv_sources:
+                    compressed = compress(cfg, self.attn[i], x[rows], self.tables, i,
+                                          span.prior.source if span.prior is not None else None,
+                                          int(positions[0]))
+                rows, positions = rows[span.rows], positions[span.rows]
+                shared_in = shared_in.rows(span.rows)
+            start = end
             if positions.numel() == 0:   # nothing kept yet: only the compressor has run
+                prior = span.prior
                 window = prior.window if prior is not None else x.new_zeros((0, cfg.head_dim))
-                shared_out = shared_in if compressed is None else shared_in._replace(source=compressed)
-                return streams, attn_pre, shared_out, LayerState(window, compressed)
-        out, shared_out, state = attention(cfg, i, self.attn[i], x, positions, self.tables,
-                                           shared_in, prior, floor, compressed)
+                source = compressed if compressed is not None else shared_in.source
+                results.append((shared_in._replace(source=source), LayerState(window, compressed)))
+                continue
+            out, shared_out, state = attention(cfg, i, self.attn[i], x[rows], positions,
+                                               self.tables, shared_in, span.prior, span.floor,
+                                               compressed)
+            kept.append(rows)
+            outs.append(out)
+            results.append((shared_out, state))
+        if len(kept) != len(spans) or any(span.rows is not None for span in spans):
+            rows = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)
+            streams, attn_pre, post, comb = streams[rows], attn_pre[rows], post[rows], comb[rows]
+        if not outs:
+            return streams, attn_pre, results
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         streams = hyper.expand(streams, out, post, comb)
         ffn_pre, post, comb = self._mix(streams, w, "hc_ffn")
         x = norm(hyper.collapse(streams, attn_pre), w["ffn_norm.weight"], cfg.rms_eps)
         streams = hyper.expand(streams, moe(cfg, self.ffn[i], x), post, comb)
-        return streams, ffn_pre, shared_out, state
+        return streams, ffn_pre, results
 
     def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [S] -> n copies of the embedding [S, n, D] and the first `pre` (stream 0)."""

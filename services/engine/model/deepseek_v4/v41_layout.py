@@ -19,11 +19,12 @@ keys (fp32, as the engine's block store keeps them). Consumers put nothing in bl
 
 from __future__ import annotations
 
+import torch
+
 from services.engine.model.deepseek_v4 import window_rows
 from services.engine.model.deepseek_v4.layout import (
     BACKTRACK,
     BLOCK_TOKENS,
-    FP32,
     KEEP_TOKENS,
     PREFILL_STORE_EXTRA,
 )
@@ -39,18 +40,20 @@ def ring_rows(cfg: V41Config, extra_state: bool) -> int:
     return cfg.window + BACKTRACK + (PREFILL_STORE_EXTRA + KEEP_TOKENS if extra_state else 0)
 
 
-def tail_bytes(cfg: V41Config, layer: int) -> int:
-    """fp32 open-group state of KV source `layer` (0 at ratio 1: nothing stays open)."""
+def tail_bytes(cfg: V41Config, layer: int, size: int = 4) -> int:
+    """Open-group state of KV source `layer`, `size` bytes a value (0 at ratio 1: nothing
+    stays open)."""
     m = cfg.ratio(layer)
-    return (m + BACKTRACK) * 2 * cfg.head_dim * FP32 if m > 1 else 0
+    return (m + BACKTRACK) * 2 * cfg.head_dim * size if m > 1 else 0
 
 
-def block_bytes_per_source(cfg: V41Config, layer: int) -> int:
-    return BLOCK_TOKENS // cfg.ratio(layer) * (cfg.head_dim + cfg.index_head_dim) * FP32
+def block_bytes_per_source(cfg: V41Config, layer: int, size: int = 4) -> int:
+    return BLOCK_TOKENS // cfg.ratio(layer) * (cfg.head_dim + cfg.index_head_dim) * size
 
 
 def report(cfg: V41Config, extra_state: bool = False, memory: int | None = None,
-           rows_format: str = "mxfp8") -> dict:
+           rows_format: str = "mxfp8", state_dtype: torch.dtype = torch.float32) -> dict:
+    """state_dtype: what tails and blocks keep (fp32; float64 for a float64 engine)."""
     for layer in cfg.kv_sources:
         if BLOCK_TOKENS % cfg.ratio(layer):
             raise ValueError(f"compress ratio {cfg.ratio(layer)} of layer {layer} does not divide "
@@ -58,11 +61,12 @@ def report(cfg: V41Config, extra_state: bool = False, memory: int | None = None,
     rows, row = ring_rows(cfg, extra_state), window_rows.row_bytes(rows_format, cfg.head_dim)
     encoder = encoder_layers(cfg)
     stored, dropped = encoder * rows * row, (cfg.num_layers - encoder) * rows * row
-    tails = {layer: tail_bytes(cfg, layer) for layer in cfg.kv_sources}
+    size = state_dtype.itemsize
+    tails = {layer: tail_bytes(cfg, layer, size) for layer in cfg.kv_sources}
     compression = sum(tails.values())
-    padding = -(stored + dropped) % FP32
+    padding = -(stored + dropped) % size
     slot = stored + dropped + padding + compression
-    block = sum(block_bytes_per_source(cfg, layer) for layer in cfg.kv_sources)
+    block = sum(block_bytes_per_source(cfg, layer, size) for layer in cfg.kv_sources)
     to_disk = encoder * ring_rows(cfg, False) * row
     out = {
         "model": {"model_type": "deepseek_v41", "layers": cfg.num_layers,
@@ -72,14 +76,15 @@ def report(cfg: V41Config, extra_state: bool = False, memory: int | None = None,
                   "encoder_layers": encoder, "decoder_layers": cfg.num_layers - encoder,
                   "engram_layers_not_served": list(cfg.engram_layers)},
         "state_slot": {
-            "swa_row_format": rows_format, "swa_row_bytes": row, "swa_ring_rows": rows,
+            "swa_row_format": rows_format, "state_dtype": str(state_dtype).removeprefix("torch."),
+            "swa_row_bytes": row, "swa_ring_rows": rows,
             "extra_state": extra_state, "swa_bytes_per_layer": rows * row,
             "stored_swa_bytes": stored, "dropped_swa_bytes": dropped,
             "state_size_to_disk": to_disk, "snapshot_bytes": to_disk,
             "padding": padding, "compression_tail_bytes_per_source": tails,
             "compression_bytes": compression, "bytes": slot},
         "block": {"tokens": BLOCK_TOKENS, "bytes": block,
-                  "bytes_per_source": {layer: block_bytes_per_source(cfg, layer)
+                  "bytes_per_source": {layer: block_bytes_per_source(cfg, layer, size)
                                        for layer in cfg.kv_sources},
                   "blocks_per_gib": (1 << 30) // block if block else None},
         "memory": None,
