@@ -136,3 +136,72 @@ def test_float32_with_mxfp8_rows_stays_within_its_bound():
     top2 = want.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 2 * err
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+def _cold_with_snapshot(m, led, ids, at, cut):
+    """Prefill ids in two chunks split at the snapshot position `at`; the snapshot and the
+    logits of the prompt's rows past `at`."""
+    from services.engine.model.deepseek_v4 import v41_snapshots
+    seq = led.open()
+    step(m, led, [(seq, ids[:at])], [cut])
+    snap = v41_snapshots.take(led, seq)
+    (rest,) = step(m, led, [(seq, ids[at:])], [cut])
+    return seq, snap, rest
+
+
+def test_a_snapshot_hit_under_truncation_resumes_exactly():
+    """The snapshot holds the encoder rings only (the stored region); the decoder's are
+    dropped. With the decoder cut at or past the snapshot, as truncation puts it on a hit
+    capped 134 tokens before the prompt's end, a restored sequence computes what the cold
+    run computed, row for row."""
+    from services.engine.model.deepseek_v4 import v41_snapshots
+    name = "flash_geometry"
+    m = _model(name)
+    led = _ledgers(m)
+    ids = tiny.prompt(name)                      # 300 tokens
+    cut = len(ids) - (m.cfg.window + 6)          # 166: the hit (128) is before it
+    cold, snap, want = _cold_with_snapshot(m, led, ids, 128, cut)
+    # encoder layers 0-1 (the decoder starts at the last KV source, 2): exact float64 rows
+    assert len(snap.rings) == v41_snapshots.snapshot_bytes(led) == 2 * 134 * 32 * 8
+    warm = led.open()
+    led.share(warm, cold.blocks[:1])
+    v41_snapshots.restore(led, warm, snap)
+    (got,) = step(m, led, [(warm, ids[128:])], [cut])
+    assert torch.equal(got, want)
+    assert (got - m.logits(ids, keep=len(ids) - cut)).abs().max() <= EXACT
+
+
+def test_a_snapshot_hit_without_truncation_runs_the_decoder_from_the_snapshot():
+    from services.engine.model.deepseek_v4 import v41_snapshots
+    name = "flash_geometry"
+    m = _model(name)
+    led = _ledgers(m)
+    ids = tiny.prompt(name)
+    cold, snap, _ = _cold_with_snapshot(m, led, ids, 256, None)
+    warm = led.open()
+    led.share(warm, cold.blocks[:2])
+    v41_snapshots.restore(led, warm, snap)
+    (got,) = step(m, led, [(warm, ids[256:])], [256])
+    assert (got - m.logits(ids, keep=len(ids) - 256)).abs().max() <= EXACT
+
+
+def test_a_handoff_from_a_396_row_prefill_engine_decodes_as_one_engine():
+    from services.engine.model.deepseek_v4 import snapshots
+    name = "flash_like"
+    m = _model(name)
+    prefill = V41Ledgers(m.cfg, 2, 8, extra_state=True, rows="exact", dtype=m.dtype)
+    decode = _ledgers(m)
+    ids = tiny.prompt(name)
+    seq = prefill.open()
+    step(m, prefill, [(seq, ids[:40])])
+    state = snapshots.export_state(prefill, seq)
+    assert snapshots.state_problem(decode, state) is None
+    assert snapshots.state_problem(prefill, state) is not None     # 396-row rings refuse it
+    moved = decode.open()
+    snapshots.install_blocks(decode, moved, snapshots.block_bytes(prefill, seq.blocks))
+    snapshots.adopt_state(decode, moved, state, seq.length)
+    out = [step(m, decode, [(moved, ids[i:i + 1])])[0] for i in range(40, len(ids))]
+    assert (torch.cat(out) - m.logits(ids)[40:]).abs().max() <= EXACT
+    direct = snapshots.hand_off(prefill, seq, decode)
+    (again,) = step(m, decode, [(direct, ids[40:])])
+    assert (again - m.logits(ids)[40:]).abs().max() <= EXACT

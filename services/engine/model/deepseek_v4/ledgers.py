@@ -153,6 +153,7 @@ class Ledgers(LedgerBook):
         self.cfg = cfg
         self.slot_layout = SlotLayout(cfg, extra_state, rows)
         self.rows = rows                   # the rings' row format (window_rows.py)
+        self.inference_rows = layout.ring_rows(cfg, extra_state=False)   # a decode engine's
         self.data = torch.zeros(num_slots, self.slot_layout.slot_bytes, dtype=torch.uint8)
         self.swa: dict[int, torch.Tensor] = {}
         self.cmp: dict[int, torch.Tensor] = {}

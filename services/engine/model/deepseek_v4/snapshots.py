@@ -66,52 +66,52 @@ def rering(ring: torch.Tensor, length: int, rows: int) -> torch.Tensor:
     return out
 
 
-def hand_off(src: Ledgers, seq: Sequence, dst: Ledgers) -> Sequence:
+def hand_off(src, seq: Sequence, dst) -> Sequence:
     """Move a prefilled sequence from a prefill engine's ledgers (rings of any length) to a
     decode engine's: rings rearranged to its layout, compressor tails copied as they are
     (their layout does not depend on the ring), every block (the open one too) by its bytes.
-    The source keeps its copy until it closes the sequence."""
+    The source keeps its copy until it closes the sequence. V4's ledgers or V4.1's: the
+    slot's regions say what is where (`getattr(led, region.name)[layer]`)."""
     out = dst.open()
     install_blocks(dst, out, block_bytes(src, seq.blocks))
-    for i in src.swa:
-        dst.swa[i][out.slot].copy_(rering(src.swa[i][seq.slot], seq.length, dst.swa[i].shape[1]))
-    for tails_src, tails_dst in ((src.cmp, dst.cmp), (src.idx, dst.idx)):
-        for i in tails_src:
-            tails_dst[i][out.slot].copy_(tails_src[i][seq.slot])
+    for r in src.slot_layout.regions:
+        have, want = getattr(src, r.name)[r.layer], getattr(dst, r.name)[r.layer]
+        if r.name == "swa":
+            want[out.slot].copy_(rering(have[seq.slot], seq.length, want.shape[1]))
+        else:
+            want[out.slot].copy_(have[seq.slot])
     out.length = seq.length
     return out
 
 
-def export_state(led: Ledgers, seq: Sequence) -> bytes:
+def export_state(led, seq: Sequence) -> bytes:
     """`seq`'s slot as a decode engine lays it out (rings of W + 6 rows: `rering`, tails as
-    they are), in the slot's region order: the state of a hand-off by bytes, which a decode
-    engine writes into a free slot as it is (`adopt_state`)."""
-    rows = layout.ring_rows(led.cfg, extra_state=False)
-    parts = []
+    they are), region by region at a decode engine's offsets: the state of a hand-off by
+    bytes, which a decode engine writes into a free slot as it is (`adopt_state`)."""
+    rows = led.inference_rows
+    image, offset = [], 0
     for r in led.slot_layout.regions:
-        if r.name == "swa":
-            parts.append(rering(led.swa[r.layer][seq.slot], seq.length, rows).reshape(-1))
-        else:
-            tails = led.cmp if r.name == "cmp" else led.idx
-            parts.append(tails[r.layer][seq.slot].reshape(-1).view(torch.uint8))
-        if r.name == "swa" and r.layer == led.cfg.num_layers - 1:
-            pad = (-sum(p.numel() for p in parts)) % 4      # SlotLayout's alignment padding
-            parts.append(torch.zeros(pad, dtype=torch.uint8))
-    return torch.cat(parts).numpy().tobytes()
+        view = getattr(led, r.name)[r.layer][seq.slot]
+        part = rering(view, seq.length, rows).reshape(-1) if r.name == "swa" \
+            else view.reshape(-1).view(torch.uint8)
+        align = -offset % (1 if r.name == "swa" else view.element_size())   # the layout's padding
+        image += [torch.zeros(align, dtype=torch.uint8), part]
+        offset += align + part.numel()
+    return torch.cat(image).numpy().tobytes()
 
 
-def state_problem(led: Ledgers, state: bytes) -> str | None:
+def state_problem(led, state: bytes) -> str | None:
     """Why `state` (from `export_state`) cannot be adopted into these ledgers, or None."""
-    if led.swa[0].shape[1] != layout.ring_rows(led.cfg, extra_state=False):
+    if led.swa[0].shape[1] != led.inference_rows:
         return f"this engine's rings are {led.swa[0].shape[1]} rows; a decode engine keeps " \
-               f"{layout.ring_rows(led.cfg, extra_state=False)}"
+               f"{led.inference_rows}"
     if len(state) != led.slot_layout.slot_bytes:
         return f"handoff state is {len(state)} B, this engine's slot is " \
                f"{led.slot_layout.slot_bytes} B"
     return None
 
 
-def adopt_state(led: Ledgers, seq: Sequence, state: bytes, length: int) -> None:
+def adopt_state(led, seq: Sequence, state: bytes, length: int) -> None:
     """Write a checked `export_state` image into `seq`'s slot; it then stands at `length`."""
     problem = state_problem(led, state)
     if problem is not None:
@@ -156,12 +156,12 @@ def restore(led: Ledgers, seq: Sequence, snap: Snapshot) -> None:
     seq.length = snap.position
 
 
-def block_bytes(led: Ledgers, blocks: list[int]) -> list[bytes]:
+def block_bytes(led, blocks: list[int]) -> list[bytes]:
     """`blocks` serialized as the kvstore keeps them (header, rows, digest: BlockStore)."""
     return [led.blocks.serialize(b) for b in blocks]
 
 
-def install_blocks(led: Ledgers, seq: Sequence, data: list[bytes]) -> None:
+def install_blocks(led, seq: Sequence, data: list[bytes]) -> None:
     """Give the empty `seq` fresh blocks holding serialized blocks (from `block_bytes`
     elsewhere). Every block is checked (size, layout, digest) before any is installed; a
     bad one is a ValueError and nothing changes."""

@@ -96,6 +96,7 @@ class V41Ledgers(LedgerBook):
         self.cfg, self.rows = cfg, rows
         self.state_dtype = wide(dtype)
         self.slot_layout = V41SlotLayout(cfg, extra_state, rows, self.state_dtype)
+        self.inference_rows = v41_layout.ring_rows(cfg, extra_state=False)   # a decode engine's
         self.data = torch.zeros(num_slots, self.slot_layout.slot_bytes, dtype=torch.uint8)
         self.swa: dict[int, torch.Tensor] = {}
         self.tail: dict[int, torch.Tensor] = {}
