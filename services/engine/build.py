@@ -195,14 +195,20 @@ def default_weights(preset_name: str = "tiny", random_weights: bool = False):
 
 
 def build_v4_core(args):
-    """A V4Engine serving the DeepSeek V4 checkpoint in --model DIR, with its tokenizer."""
+    """A V4Engine serving the DeepSeek V4 or V4.1 checkpoint in --model DIR (by its
+    config's model_type), with its tokenizer."""
     import torch
 
     from services.engine.core.v4_engine import V4Engine
     from services.engine.model.deepseek_v4 import window_rows
-    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint, model_type
+    from services.engine.model.deepseek_v4.checkpoint import (
+        load_checkpoint,
+        load_v41_checkpoint,
+        model_type,
+    )
     from services.engine.model.deepseek_v4.forward import V4Model
     from services.engine.model.deepseek_v4.v41_config import MODEL_TYPES as V41_TYPES
+    from services.engine.model.deepseek_v4.v41_forward import V41Model
 
     given = [flag for flag, on in (("--checkpoint", args.checkpoint),
                                    ("--random-weights", args.random_weights),
@@ -212,11 +218,13 @@ def build_v4_core(args):
     if args.device not in (None, "auto", "cpu"):
         raise ValueError(f"--device {args.device}: DeepSeek V4 checkpoints run on the CPU for now")
     directory = Path(args.model)
-    if model_type(directory) in V41_TYPES:
-        raise ValueError(f"{directory}: DeepSeek V4.1 checkpoints are not served by the engine "
-                         "yet; `kvmesh score --model DIR` runs their full forward")
     ecfg = engine_config(args)
     dtype = getattr(torch, ecfg.dtype)
+    if model_type(directory) in V41_TYPES:
+        cfg41, weights = load_v41_checkpoint(directory, dtype)
+        tokenizer = v4_tokenizer(directory, cfg41, args.tokenizer)
+        return V4Engine(V41Model(cfg41, weights, dtype), ecfg, tokenizer,
+                        name=directory.resolve().name)
     cfg, weights = load_checkpoint(directory, dtype)
     tokenizer = v4_tokenizer(directory, cfg, args.tokenizer)
     model = V4Model(cfg, weights, dtype, stored=True, rows=window_rows.for_dtype(dtype))

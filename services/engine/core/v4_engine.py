@@ -56,25 +56,48 @@ from services.engine.core.speculative import Speculator, engine_setting
 from services.engine.core.v4_mtp_draft import V4MtpDrafter
 from services.engine.core.v4_prefix import Match, V4Prefix
 from services.engine.core.v4_request import ServedModel, V4Request
-from services.engine.model.deepseek_v4 import layout, ledgers, mtp
+from services.engine.model.deepseek_v4 import (
+    layout,
+    ledgers,
+    mtp,
+    snapshots,
+    v41_ledgers,
+    v41_snapshots,
+    window_rows,
+)
 from services.engine.model.deepseek_v4.forward import V4Model
 from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers
+from services.engine.model.deepseek_v4.v41_forward import V41Model
+from services.engine.model.deepseek_v4.v41_ledgers import V41Ledgers
 
 
 class V4Engine:
-    def __init__(self, model: V4Model, ecfg: EngineConfig, tokenizer, name: str):
-        refuse_unsupported(ecfg)
-        if not model.stored:
-            raise ValueError("V4Engine needs a model built with stored=True (ledger roundings)")
+    def __init__(self, model: V4Model | V41Model, ecfg: EngineConfig, tokenizer, name: str):
+        self.v41 = isinstance(model, V41Model)
+        if not self.v41:
+            refuse_unsupported(ecfg)
+            if not model.stored:
+                raise ValueError("V4Engine needs a model built with stored=True (ledger roundings)")
         self.model, self.ecfg, self.tokenizer = model, ecfg, tokenizer
         self.cfg = ServedModel(name, model.cfg)
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
                              f"{model.cfg.vocab_size}")
-        self.ledgers = Ledgers(model.cfg, ecfg.num_slots, ecfg.num_blocks, ecfg.extra_state,
-                               rows=model.rows)
-        self.prefix = V4Prefix(self.ledgers, self.cfg.fingerprint(), ecfg.snapshot_period,
-                               ecfg.snapshot_bytes, ecfg.snapshot_ttl_min)
+        period = ecfg.snapshot_period
+        if self.v41:
+            self.ledgers = V41Ledgers(model.cfg, ecfg.num_slots, ecfg.num_blocks,
+                                      ecfg.extra_state, rows=window_rows.for_dtype(model.dtype),
+                                      dtype=model.dtype)
+            # V4.1's decoder rings are never stored: a snapshot hit is exact only when the
+            # decoder starts at or past it, which truncation guarantees (hits stop at its cut)
+            if ecfg.truncation == "off":
+                period = None
+        else:
+            self.ledgers = Ledgers(model.cfg, ecfg.num_slots, ecfg.num_blocks, ecfg.extra_state,
+                                   rows=model.rows)
+        self.prefix = V4Prefix(self.ledgers, self.cfg.fingerprint(), period,
+                               ecfg.snapshot_bytes, ecfg.snapshot_ttl_min,
+                               v41_snapshots if self.v41 else snapshots)
         self.hooks = Hooks()
         # through a weak proxy, as EngineCore: callbacks holding the engine made a cycle
         me = weakref.proxy(self)
@@ -87,6 +110,9 @@ class V4Engine:
         self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
         self.prefill_token_s = 0.0
         # speculative decoding: ngram:K, K <= the 6 tokens a slot can take back
+        if self.v41 and ecfg.speculative.startswith("mtp"):
+            raise ValueError("speculative: DeepSeek V4.1 drafts with its DSpark layers, which "
+                             "kvmesh does not serve yet; use ngram:K or off")
         setting = engine_setting(ecfg.speculative, layout.BACKTRACK, mtp.has_mtp(model.weights))
         drafter = V4MtpDrafter(mtp.MtpModule(model), model.cfg.window) \
             if setting.method == "mtp" else None
@@ -158,8 +184,7 @@ class V4Engine:
         verifying: list[tuple[V4Request, list[int], torch.Tensor, tuple]] = []
         if works:
             starts = [r.seq.length for r, _ in works]
-            outs, streams = ledgers.step(self.model, self.ledgers,
-                                         [(r.seq, ids) for r, ids in works], streams_too=True)
+            outs, streams = self._forward(works)
             for (req, ids), out, start, h in zip(works, outs, starts, streams, strict=True):
                 self.counters["computed_tokens"] += len(ids)
                 if len(ids) > 1 and req.request_id in drafts:     # committed once judged
@@ -183,6 +208,21 @@ class V4Engine:
             events.append(self._verified(req, d, verdict, hidden))
         return events
 
+    def _forward(self, works: list[tuple[V4Request, list[int]]]):
+        """One ledger step over the works: each one's logits, and its last layer's streams
+        (what the MTP drafter reads; V4.1 has none)."""
+        seqs = [(r.seq, ids) for r, ids in works]
+        if not self.v41:
+            return ledgers.step(self.model, self.ledgers, seqs, streams_too=True)
+        cuts = [r.cut if r.pending > 1 else None for r, _ in works]
+        outs = v41_ledgers.step(self.model, self.ledgers, seqs, cuts, self._mode)
+        return outs, [None] * len(outs)
+
+    @property
+    def _mode(self) -> str:
+        """V4.1's truncation form (compact when off: no work then has a cut)."""
+        return "compact" if self.ecfg.truncation == "off" else self.ecfg.truncation
+
     def _verified(self, req: V4Request, drafts: list[int], verdict: list[int],
                   hidden: tuple) -> Event:
         """Emit what verification kept (accepted drafts, then one more token); the rows of
@@ -204,7 +244,11 @@ class V4Engine:
                 and self.ledgers.free_slots:
             req = self.waiting[0]
             refused = self.prefix.refused
-            match = self.prefix.match(req.chain, req.tokens, req.salt, req.prefetched)
+            if self.v41 and self.ecfg.truncation != "off" \
+                    and len(req.tokens) > self.ecfg.keep_tokens:
+                req.cut = len(req.tokens) - self.ecfg.keep_tokens
+            match = self.prefix.match(req.chain, req.tokens, req.salt, req.prefetched,
+                                      limit=req.cut)
             self.counters["remote_blocks_refused"] += self.prefix.refused - refused
             revived = sum(1 for b in match.blocks if pool.ref_cnt[b] == 0)
             owed = sum(r.max_blocks() - len(r.seq.blocks) for r in self.running)
@@ -216,7 +260,8 @@ class V4Engine:
             self.prefix.start(req.seq, match)
             req.registered = match.tokens // BLOCK
             req.cached_tokens = match.tokens
-            at = self.prefix.snapshot_position(len(req.tokens))
+            # (a V4.1 hit stops at the decoder's cut: so does the snapshot it would restore)
+            at = self.prefix.snapshot_position(len(req.tokens) if req.cut is None else req.cut + 1)
             req.snapshot_at = at if at is not None and at > match.tokens else None
             if match.replay:
                 req.replay = match
@@ -263,7 +308,11 @@ class V4Engine:
         cached block's tokens and the rest of the prompt; logits of its last row."""
         hit = req.replay.tokens
         req.replay = None
-        out = ledgers.replay(self.model, self.ledgers, req.seq, req.tokens, hit)
+        if self.v41:
+            out = v41_ledgers.replay(self.model, self.ledgers, req.seq, req.tokens, hit,
+                                     req.cut, self._mode)
+        else:
+            out = ledgers.replay(self.model, self.ledgers, req.seq, req.tokens, hit)
         req.replayed_tokens = BLOCK
         self.counters["computed_tokens"] += len(req.tokens) - hit + BLOCK
         if self.ecfg.replay_blocks == "share":

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from kvmesh import cachekeys
 from services.engine.cache.manager import LocalView
 from services.engine.cache.snapshots import Snapshot, SnapshotStore
-from services.engine.model.deepseek_v4 import layout, snapshots
+from services.engine.model.deepseek_v4 import snapshots
 from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence
 
 
@@ -54,16 +54,14 @@ class Match:
 
 class V4Prefix:
     def __init__(self, led: Ledgers, model_fp: str, period: int | None, capacity_bytes: int,
-                 ttl_min: float):
+                 ttl_min: float, snaps=snapshots):
         self.led = led
         self.model_fp = model_fp
         self.period = period                # snapshot every N-th boundary; None: never
-        cfg = led.cfg
-        row = led.slot_layout.row_bytes
-        self.ring_bytes = cfg.num_layers * layout.ring_rows(cfg, False) * row
-        self.snapshot_bytes = self.ring_bytes + layout.overlap_bytes(cfg)
+        self.snaps = snaps                  # snapshots.py (V4) or v41_snapshots.py
+        self.ring_bytes, self.snapshot_bytes, stored = snaps.sizes(led)
         self.layout_fp = cachekeys.layout_fingerprint(
-            model_fp, layout.ring_rows(cfg, False), row, cfg.num_layers, self.snapshot_bytes)
+            model_fp, led.inference_rows, led.slot_layout.row_bytes, stored, self.snapshot_bytes)
         self.store = SnapshotStore(capacity_bytes, ttl_min, self.layout_fp, model_fp)
         self.refused = 0          # fetched blocks that failed their checks
 
@@ -82,13 +80,17 @@ class V4Prefix:
         n = len(self._local(hashes))
         return LocalView(list(hashes), n, {k for k in map(self.key, hashes) if k in self.store})
 
-    def match(self, chain: list[bytes], tokens, salt: str, fetched=None) -> Match:
+    def match(self, chain: list[bytes], tokens, salt: str, fetched=None,
+              limit: int | None = None) -> Match:
         """The longest run of this prompt's leading blocks cached here, continued by blocks
         the kvstore returned (`fetched`: a cache.prefix.Prefetched), cut back to the deepest
         boundary with a snapshot here or fetched from a peer when there is one (an exact
         start beats a longer approximate one). A fetched block that fails its checks ends
-        the run there (`refused` counts it)."""
+        the run there (`refused` counts it). limit: at most this many tokens from cache
+        (V4.1 under truncation: the decoder's cut)."""
         hashes = self.hashes(chain, tokens, (len(tokens) - 1) // BLOCK, salt)
+        if limit is not None:
+            hashes = hashes[:limit // BLOCK]
         blocks = self._local(hashes)
         more = []
         for h in hashes[len(blocks):] if fetched is not None else ():
@@ -118,7 +120,7 @@ class V4Prefix:
             self.led.pool.register(b, h)
         seq.blocks += fresh
         if match.snapshot is not None:
-            snapshots.restore(self.led, seq, match.snapshot)
+            self.snaps.restore(self.led, seq, match.snapshot)
 
     def _local(self, hashes: list[bytes]) -> list[int]:
         blocks = []
@@ -152,7 +154,7 @@ class V4Prefix:
 
     def take(self, seq: Sequence, block_hash: bytes) -> bool:
         """Store the snapshot of `seq`, which stands on the boundary `block_hash` ends."""
-        snap = snapshots.take(self.led, seq)
+        snap = self.snaps.take(self.led, seq)
         return self.store.put(Snapshot(self.key(block_hash), snap.position, self.layout_fp,
                                        self.model_fp, snap.rings + snap.overlap,
                                        self.store.clock()))

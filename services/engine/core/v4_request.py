@@ -18,6 +18,7 @@ from services.engine.core.v4_prefix import Match
 from services.engine.model.deepseek_v4 import ledgers
 from services.engine.model.deepseek_v4.config import V4Config
 from services.engine.model.deepseek_v4.ledgers import BLOCK
+from services.engine.model.deepseek_v4.v41_config import V41Config
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class ServedModel:
     name, vocab_size, block_size, window and max_seq_len from the JSON), and the model
     fingerprint every block hash and snapshot key carries."""
     name: str
-    model: V4Config
+    model: V4Config | V41Config
     block_size: int = BLOCK
 
     @property
@@ -41,8 +42,12 @@ class ServedModel:
     def max_seq_len(self) -> int:
         return self.model.max_position
 
+    @property
+    def model_type(self) -> str:
+        return "deepseek_v41" if isinstance(self.model, V41Config) else "deepseek_v4"
+
     def to_json(self) -> str:
-        return json.dumps({"name": self.name, "model_type": "deepseek_v4",
+        return json.dumps({"name": self.name, "model_type": self.model_type,
                            "vocab_size": self.vocab_size, "block_size": self.block_size,
                            "window": self.window, "max_seq_len": self.max_seq_len,
                            "config": asdict(self.model)}, sort_keys=True)
@@ -75,6 +80,7 @@ class V4Request:
     prefetched: Any = None                    # cache.prefix.Prefetched, until admission
     cached_tokens: int = 0
     replayed_tokens: int = 0
+    cut: int | None = None                    # V4.1 truncation: the decoder runs from here
     recomputed_tokens: int = 0
 
     @property

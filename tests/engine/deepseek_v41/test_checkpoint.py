@@ -93,14 +93,3 @@ def test_an_engram_checkpoint_is_refused_at_load_naming_the_feature(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=r"config\.json: engram_layer_ids \[1\]: Engram"):
         load_model(tmp_path, torch.float32)
-
-
-def test_the_engine_says_v41_is_not_served_yet(tmp_path):
-    import argparse
-
-    from services.engine.build import build_v4_core
-    tiny.save_release(NAME, tmp_path, quantized=False, shards=1)
-    args = argparse.Namespace(model=str(tmp_path), checkpoint=None, random_weights=False,
-                              preset="tiny", device=None)
-    with pytest.raises(ValueError, match="V4.1 checkpoints are not served by the engine yet"):
-        build_v4_core(args)

@@ -42,6 +42,12 @@ def overlap_bytes(led: Ledgers) -> int:
     return layout.overlap_bytes(led.cfg)
 
 
+def sizes(led: Ledgers) -> tuple[int, int, int]:
+    """(ring bytes, snapshot bytes, layers stored) of this engine's snapshots."""
+    rings = led.cfg.num_layers * led.inference_rows * led.slot_layout.row_bytes
+    return rings, rings + overlap_bytes(led), led.cfg.num_layers
+
+
 def take(led: Ledgers, seq: Sequence) -> Snapshot:
     """The snapshot of `seq` at the 128-aligned position at most SPARE tokens behind it."""
     position = seq.length // BLOCK * BLOCK

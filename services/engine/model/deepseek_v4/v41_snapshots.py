@@ -27,6 +27,11 @@ def snapshot_bytes(led: V41Ledgers) -> int:
     return encoder_layers(led.cfg) * led.inference_rows * led.slot_layout.row_bytes
 
 
+def sizes(led: V41Ledgers) -> tuple[int, int, int]:
+    """(ring bytes, snapshot bytes, layers stored) of this engine's snapshots."""
+    return snapshot_bytes(led), snapshot_bytes(led), encoder_layers(led.cfg)
+
+
 def take(led: V41Ledgers, seq: Sequence) -> Snapshot:
     """The snapshot of `seq` at the 128-aligned position at most SPARE tokens behind it."""
     position = seq.length // BLOCK * BLOCK

@@ -1,0 +1,128 @@
+"""The engine serving a DeepSeek V4.1 checkpoint (V4Engine over V4.1's ledgers, built by
+`--model DIR`) against greedy decoding with the whole-sequence reference, in float64: one
+sequence at several chunk sizes, batched requests, prefill truncation in both forms, a
+prefix hit (snapshot under truncation, the bounded replay without), and n-gram speculation
+with rejected drafts."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from services.engine.build import add_engine_args, build_core
+from services.engine.core.sampling import SamplingParams
+from services.engine.core.v4_engine import V4Engine
+from services.engine.model.deepseek_v4.v41_forward import V41Model
+from tests.engine.deepseek_v4.test_engine import word_tokenizer
+from tests.engine.deepseek_v41 import tiny
+
+TOKENS = 24
+
+
+def engine(directory, *flags: str) -> V4Engine:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return build_core(p.parse_args(["--model", str(directory), "--dtype", "float64", *flags]))
+
+
+def greedy(m: V41Model, prompt: list[int], n: int = TOKENS, keep: int | None = None) -> list[int]:
+    """The reference's greedy continuation: the whole sequence re-run for every token, the
+    decoder on the prompt's last `keep` positions and every later one (truncation)."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        cut_keep = None if keep is None else len(ids) - (len(prompt) - keep)
+        logits = m.logits(torch.tensor(ids), keep=cut_keep)
+        out.append(int(logits[-1].argmax()))
+        ids.append(out[-1])
+    return out
+
+
+def run(core: V4Engine, prompts: list[list[int]], n: int = TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    reqs = [core.add_request(p, params) for p in prompts]
+    while core.has_work:
+        core.step()
+    core.check_integrity()
+    return [r.output for r in reqs]
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, tiny.BASE["vocab_size"], (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("v41")
+    cfg, meant = tiny.save_release("flash_geometry", directory, quantized=False, shards=1)
+    word_tokenizer(directory)
+    return directory, V41Model(cfg, meant, torch.float64)
+
+
+@pytest.mark.parametrize("chunk", ["7", "64", "1000"])
+def test_greedy_equals_the_reference(saved, chunk):
+    directory, m = saved
+    prompt = random_prompt(150, 1)
+    core = engine(directory, "--long-prefill-chunk", chunk)
+    assert core.cfg.model_type == "deepseek_v41"
+    assert run(core, [prompt]) == [greedy(m, prompt)]
+
+
+def test_requests_batched_in_steps_each_get_their_own_greedy_tokens(saved):
+    directory, m = saved
+    prompts = [random_prompt(n, seed) for n, seed in ((40, 2), (170, 3), (9, 4))]
+    got = run(engine(directory, "--max-batched-tokens", "64"), prompts)
+    assert got == [greedy(m, p) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", ["compact", "mask"])
+def test_truncation_runs_the_decoder_on_the_last_keep_tokens(saved, mode):
+    directory, m = saved
+    prompt = random_prompt(300, 5)
+    core = engine(directory, "--truncation", mode, "--keep-tokens", "134",
+                  "--long-prefill-chunk", "64")
+    assert run(core, [prompt]) == [greedy(m, prompt, keep=134)]
+    # the two references really differ: the check above tells truncation from none
+    ids = torch.tensor(prompt)
+    assert (m.logits(ids, keep=134)[-1] - m.logits(ids)[-1]).abs().max() > 1e-6
+
+
+def test_a_prefix_hit_under_truncation_restores_the_snapshot_exactly(saved):
+    directory, m = saved
+    prompt = random_prompt(300, 6)
+    core = engine(directory, "--truncation", "compact", "--keep-tokens", "134")
+    first = run(core, [prompt])
+    again = run(core, [prompt])
+    stats = core.stats()
+    assert stats["snapshot_hits"] == 1 and stats["cache_hit_tokens"] == 128   # capped at the cut
+    assert first == again == [greedy(m, prompt, keep=134)]
+
+
+def test_a_prefix_hit_without_truncation_replays(saved):
+    directory, m = saved
+    prompt = random_prompt(300, 7)
+    core = engine(directory)
+    first = run(core, [prompt])
+    again = run(core, [prompt])
+    stats = core.stats()
+    assert stats["snapshot_hits"] == 0 and stats["snapshot_misses"] == 1
+    assert stats["replayed_tokens"] == 128
+    assert first == [greedy(m, prompt)]
+    assert len(again[0]) == TOKENS          # approximate by design (docs/design.md §3)
+
+
+def test_ngram_speculation_takes_back_rejected_drafts(saved):
+    directory, m = saved
+    prompt = random_prompt(60, 8) * 2         # repeats: the n-gram drafter proposes
+    core = engine(directory, "--speculative", "ngram:4")
+    assert run(core, [prompt]) == [greedy(m, prompt)]
+    stats = core.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
+
+
+def test_what_v41_cannot_do_yet_is_refused_by_flag(saved):
+    directory, _ = saved
+    with pytest.raises(ValueError, match="DSpark layers, which kvmesh does not serve yet"):
+        engine(directory, "--speculative", "mtp:2")      # V4.1 ships DSpark drafts, not MTP
