@@ -73,7 +73,8 @@ def load_template(tokenizer_path: str):
     """The chat template for a gateway's `tokenizer` setting: the Jinja one from
     `tokenizer_config.json` next to the tokenizer file when it has `chat_template`
     (a string, or a list of {name, template}: the one named "default"); else DeepSeek V4's
-    encoding when the tokenizer is in a DeepSeek V4 checkpoint directory; else `plain`."""
+    encoding when the tokenizer is in a DeepSeek V4 or V4.1 checkpoint directory; else
+    `plain`."""
     if not tokenizer_path:
         return plain_template
     cfg_path = Path(tokenizer_path).with_name("tokenizer_config.json")
@@ -85,7 +86,10 @@ def load_template(tokenizer_path: str):
     if isinstance(source, str) and source:
         return JinjaTemplate(source, _token_text(cfg.get("bos_token")),
                              _token_text(cfg.get("eos_token")))
-    if _model_type(Path(tokenizer_path).with_name("config.json")) == "deepseek_v4":
+    # V4.1 keeps V4's encoding for system / user / assistant turns (its additions, a
+    # mid-conversation <｜System｜> and DSML tool calls, are not rendered: tools are refused)
+    if _model_type(Path(tokenizer_path).with_name("config.json")) in ("deepseek_v4",
+                                                                       "deepseek_v41"):
         return deepseek_v4_template
     return plain_template
 

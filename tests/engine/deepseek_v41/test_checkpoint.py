@@ -93,3 +93,10 @@ def test_an_engram_checkpoint_is_refused_at_load_naming_the_feature(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=r"config\.json: engram_layer_ids \[1\]: Engram"):
         load_model(tmp_path, torch.float32)
+
+
+def test_a_gateway_renders_chat_in_deepseeks_encoding_for_a_v41_tokenizer(release):
+    from services.gateway.openai_api.chat import deepseek_v4_template, load_template
+    directory, _, _ = release
+    (directory / "tokenizer.json").write_text("{}")   # only its place is read here
+    assert load_template(str(directory / "tokenizer.json")) is deepseek_v4_template
