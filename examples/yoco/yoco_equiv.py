@@ -12,6 +12,12 @@ over the last prompt position and the decode positions, then each engine greedy-
 N tokens free-running and the agreement is counted. Usage:
 
     python examples/yoco/yoco_equiv.py --length 1000 --keep 134 --decode 32
+    python examples/yoco/yoco_equiv.py --model DIR --length 600   # a DeepSeek V4.1 checkpoint
+
+With --model (a DeepSeek V4.1 checkpoint directory) the prompt is seeded random token ids,
+the teacher-forced logits come from the engine's ledger forward (v41_ledgers.step: the
+prompt prefilled with the decoder from L - KEEP, then one decode row per continuation
+token) and the greedy tokens from V4Engine with --truncation MODE.
 """
 
 from __future__ import annotations
@@ -63,9 +69,40 @@ def run_mode(cfg, w, prompt, cont, mode, keep):
     return torch.cat(core.logits["forced"]), greedy.output
 
 
+def run_v41_mode(directory, model, prompt, cont, mode, keep):
+    """As run_mode, for a DeepSeek V4.1 checkpoint (see the module's docstring)."""
+    from services.engine.build import add_engine_args, build_core
+    from services.engine.model.deepseek_v4 import window_rows
+    from services.engine.model.deepseek_v4.v41_ledgers import V41Ledgers, step
+
+    rows = window_rows.for_dtype(model.dtype)
+    led = V41Ledgers(model.cfg, 1, -(-(len(prompt) + len(cont)) // 128), rows=rows,
+                     dtype=model.dtype)
+    seq = led.open()
+    cut = None if mode == "off" else len(prompt) - keep
+    form = "compact" if mode == "off" else mode
+    (first,) = step(model, led, [(seq, prompt)], [cut], form)
+    logits = [first[-1:]]
+    for token in cont[:-1]:
+        logits += step(model, led, [(seq, [token])], [cut], form)
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    flags = ["--model", str(directory), "--dtype", str(model.dtype).replace("torch.", ""),
+             "--num-blocks", "64"]
+    if mode != "off":
+        flags += ["--truncation", mode, "--keep-tokens", str(keep)]
+    core = build_core(ap.parse_args(flags))
+    req = core.add_request(prompt, SamplingParams(temperature=0, max_tokens=len(cont),
+                                                  ignore_eos=True))
+    while core.has_work:
+        core.step()
+    return torch.cat(logits), req.output
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--model", help="a DeepSeek V4.1 checkpoint directory instead of V4-mini")
     ap.add_argument("--random-weights", action="store_true",
                     help="seeded random weights instead of the shipped checkpoint")
     ap.add_argument("--length", type=int, default=1000)
@@ -76,17 +113,32 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
 
-    cfg = preset(args.preset)
     dtype = getattr(torch, args.dtype)
-    w = None if args.random_weights else default_weights(args.preset)
-    w = init_weights(cfg, args.seed, dtype) if w is None else {k: t.to(dtype) for k, t in w.items()}
-    text = data.eval_windows(held_out_stream(), 1, args.length + args.decode)[0].tolist()
-    prompt, cont = text[: args.length], text[args.length: args.length + args.decode]
     s = args.length - args.keep
-    source = "random weights" if args.random_weights else "shipped checkpoint"
-    print(f"{cfg.name} ({source}): L={args.length}, KEEP={args.keep}, truncation start s={s}, {args.dtype}")
-
-    out = {m: run_mode(cfg, w, prompt, cont, m, args.keep) for m in MODES}
+    if args.model:
+        from services.engine.model.deepseek_v4.errors import CheckpointError
+        from services.engine.model.deepseek_v4.score import load_model
+        try:
+            model = load_model(args.model, dtype)
+        except CheckpointError as exc:
+            print(f"yoco_equiv: {exc}", file=sys.stderr)
+            return 2
+        g = torch.Generator().manual_seed(args.seed)
+        text = torch.randint(0, model.cfg.vocab_size, (args.length + args.decode,),
+                             generator=g).tolist()
+        prompt, cont = text[: args.length], text[args.length:]
+        print(f"{args.model} (DeepSeek V4.1, seeded random ids): L={args.length}, "
+              f"KEEP={args.keep}, truncation start s={s}, {args.dtype}")
+        out = {m: run_v41_mode(args.model, model, prompt, cont, m, args.keep) for m in MODES}
+    else:
+        cfg = preset(args.preset)
+        w = None if args.random_weights else default_weights(args.preset)
+        w = init_weights(cfg, args.seed, dtype) if w is None else {k: t.to(dtype) for k, t in w.items()}
+        text = data.eval_windows(held_out_stream(), 1, args.length + args.decode)[0].tolist()
+        prompt, cont = text[: args.length], text[args.length: args.length + args.decode]
+        source = "random weights" if args.random_weights else "shipped checkpoint"
+        print(f"{cfg.name} ({source}): L={args.length}, KEEP={args.keep}, truncation start s={s}, {args.dtype}")
+        out = {m: run_mode(cfg, w, prompt, cont, m, args.keep) for m in MODES}
     rows = [
         summarize("logits mask-compact", l2_rows(out["mask"][0], out["compact"][0])),
         summarize("logits off-compact", l2_rows(out["off"][0], out["compact"][0])),

@@ -126,3 +126,20 @@ def test_what_v41_cannot_do_yet_is_refused_by_flag(saved):
     directory, _ = saved
     with pytest.raises(ValueError, match="DSpark layers, which kvmesh does not serve yet"):
         engine(directory, "--speculative", "mtp:2")      # V4.1 ships DSpark drafts, not MTP
+
+
+def test_the_equivalence_script_runs_on_a_v41_checkpoint(saved, tmp_path, capsys):
+    """examples/yoco/yoco_equiv.py --model: mask == compact to noise, off measurably apart."""
+    import json
+
+    from examples.yoco import yoco_equiv
+    directory, _ = saved
+    out = tmp_path / "r.json"
+    assert yoco_equiv.main(["--model", str(directory), "--length", "300", "--decode", "4",
+                            "--dtype", "float64", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["pair"]: r for r in res["rows"]}
+    assert rows["logits mask-compact"]["max"] < 1e-9
+    assert rows["logits off-compact"]["max"] > 1e-6
+    assert res["agree"]["mask-compact"] == 4
+    assert "per-position L2 distance" in capsys.readouterr().out
