@@ -161,7 +161,14 @@ class V4Engine:
         return self.prefix.snapshot_bytes
 
     def local_view(self, prompt_ids: list[int], salt: str):
-        return self.prefix.local_view([], prompt_ids, salt)
+        return self.prefix.local_view([], prompt_ids, salt, self._cut(len(prompt_ids)))
+
+    def _cut(self, n_tokens: int) -> int | None:
+        """Where a V4.1 prompt of n_tokens starts its decoder under truncation (None: it
+        runs every position): its last --keep-tokens tokens."""
+        if self.v41 and self.ecfg.truncation != "off" and n_tokens > self.ecfg.keep_tokens:
+            return n_tokens - self.ecfg.keep_tokens
+        return None
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -244,9 +251,7 @@ class V4Engine:
                 and self.ledgers.free_slots:
             req = self.waiting[0]
             refused = self.prefix.refused
-            if self.v41 and self.ecfg.truncation != "off" \
-                    and len(req.tokens) > self.ecfg.keep_tokens:
-                req.cut = len(req.tokens) - self.ecfg.keep_tokens
+            req.cut = self._cut(len(req.tokens))
             match = self.prefix.match(req.chain, req.tokens, req.salt, req.prefetched,
                                       limit=req.cut)
             self.counters["remote_blocks_refused"] += self.prefix.refused - refused

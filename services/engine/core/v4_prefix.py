@@ -74,9 +74,13 @@ class V4Prefix:
         return cachekeys.snapshot_key(block_hash, self.layout_fp)
 
     # --- admission ----------------------------------------------------------------------
-    def local_view(self, chain: list[bytes], tokens, salt: str) -> LocalView:
-        """What a prefetch from the other tiers needs to know (rpc/remote.py)."""
+    def local_view(self, chain: list[bytes], tokens, salt: str,
+                   limit: int | None = None) -> LocalView:
+        """What a prefetch from the other tiers needs to know (rpc/remote.py); `limit` as
+        for `match`."""
         hashes = self.hashes(chain, tokens, (len(tokens) - 1) // BLOCK, salt)
+        if limit is not None:
+            hashes = hashes[:limit // BLOCK]
         n = len(self._local(hashes))
         return LocalView(list(hashes), n, {k for k in map(self.key, hashes) if k in self.store})
 
