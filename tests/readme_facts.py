@@ -1,7 +1,9 @@
-"""What README.md promises about metrics, read from the README itself, so that a new
+"""What the README and the user docs promise about metrics, read from them, so that a new
 metric named there is checked by the tests without anyone editing them.
 
-    metric_names(text)       every `kvmesh_...` metric the README mentions; a name ending
+    readme()                 README.md and every user doc (docs/usage, deployment, engine, lab,
+                             metrics.md, kvstore.md, directory.md, tests.md) as one text
+    metric_names(text)       every `kvmesh_...` metric they mention; a name ending
                              in `_*` or `_<name>` (`kvmesh_kvstore_gc_*`) is a prefix
     token_kinds(text)        the kinds listed in `kvmesh_tokens_total{...kind=a|b|c}`
     engine_counters(text)    the names listed under "## Engine counters"
@@ -16,11 +18,21 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def user_docs() -> list[Path]:
+    pages = [README, DOCS / "metrics.md", DOCS / "kvstore.md", DOCS / "directory.md",
+             DOCS / "tests.md"]
+    for part in ("usage", "deployment", "engine", "lab"):
+        pages += sorted((DOCS / part).glob("*.md"))
+    return pages
 
 
 def readme() -> str:
-    return README.read_text()
+    return "\n\n".join(p.read_text() for p in user_docs())
 
 
 def metric_names(text: str) -> set[str]:
@@ -36,7 +48,7 @@ def token_kinds(text: str) -> set[str]:
 
 
 def engine_counters(text: str) -> list[str]:
-    section = text.split("## Engine counters", 1)[1].split("\n## ", 1)[0]
+    section = re.split(r"\n#{1,2} ", text.split("## Engine counters", 1)[1], maxsplit=1)[0]
     return list(dict.fromkeys(re.findall(r"`([a-z_]+)`", section)))
 
 

@@ -1,5 +1,5 @@
 """Every index tensor a forward builds from host ints goes up before its first layer, through
-the step's one upload helper (device.Uploads; docs: README "Devices").
+the step's one upload helper (device.Uploads; docs: docs/deployment/devices.md).
 
 On CUDA a copy from pageable host memory waits for the stream to drain, so an index tensor
 made from host ints after the first layer was queued would stall the step behind its own

@@ -131,7 +131,7 @@ def test_dockerfile_builds_cpu_image():
         assert SERVICES[name]["build"] == "."
 
 
-# -- backing-server credentials (README, "Backing-server credentials") ------------------
+# -- backing-server credentials (docs/deployment/security.md, "Backing-server credentials")
 SECRETS = {"REDIS_PASSWORD": "pw-1", "S3_ACCESS_KEY": "ak-2", "S3_SECRET_KEY": "sk-3",
            "KVMESH_SERVICE_TOKEN": "tok-4", "KVMESH_ADMIN_TOKEN": "adm-5"}
 
