@@ -80,7 +80,7 @@ def register(sub) -> None:
                     help="kvstore replicas over the same shard locations and one shared index "
                     "in the mesh's Valkey; engines spread over them (default 1)")
     up.add_argument("--model", default="",
-                    help="a DeepSeek V4 checkpoint directory the engines serve (float32, MXFP8 "
+                    help="a DeepSeek V4 or V4.1 checkpoint directory the engines serve (float32, MXFP8 "
                     "window rows); the gateway uses its tokenizer.json and chat encoding "
                     "(default: none, the shipped V4-mini tiny model; docs/deepseek-v4.md)")
     up.add_argument("--tokenizer", default="",

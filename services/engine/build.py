@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     """Adds the group of model and cache flags; returns it."""
     g = p.add_argument_group(title)
     g.add_argument("--model", default=None,
-                   help="a DeepSeek V4 checkpoint directory (config.json, safetensors, "
+                   help="a DeepSeek V4 or V4.1 checkpoint directory (config.json, safetensors, "
                         "tokenizer.json): served instead of a V4-mini preset (default: none, "
                         "the --preset model; docs/deepseek-v4.md)")
     g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
