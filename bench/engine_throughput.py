@@ -69,9 +69,8 @@ except ImportError:            # a checkout from before the engine layout of iss
 
 BATCHES = (1, 8, 32, 64)
 PREFILL_ROWS = 512     # a prefill step's rows at the default token budget
-# The bench machine is shared and loaded (load average >> cores), so wall time mostly
-# measures the neighbours; with one torch thread, process CPU seconds are the engine's own
-# cost. --clock wall switches back to wall time.
+# Process CPU seconds, with one torch thread: the engine's own cost, whatever else the
+# machine runs. --clock wall switches to wall time.
 clock = time.process_time
 
 
@@ -391,7 +390,7 @@ def main(argv=None) -> int:
         CHUNK["long_prefill_chunk"] = args.long_prefill_chunk
     if args.itl_ratio:
         CHUNK["itl_ratio"] = args.itl_ratio
-    print(f"load average {os.getloadavg()}", flush=True)
+    print(f"system load {os.getloadavg()}", flush=True)
     if args.before:
         # not passed on: --budgets (the scheduler-mix table is about this checkout only),
         # --rounds (an older bench may not know it: it ran --sequential), --together
@@ -437,7 +436,7 @@ def main(argv=None) -> int:
         print(f"-- before ({args.before}):\n{log.read_text()}-- end of before")
     before = json.loads(Path(args.compare).read_text()) if args.compare else None
     _report_module().report(res, before, BATCHES, PREFILL_ROWS)
-    print(f"wall {res['wall_s']:.0f}s, load average {res['load']} -> {res['load_end']}")
+    print(f"wall {res['wall_s']:.0f}s, system load {res['load']} -> {res['load_end']}")
     return 0
 
 

@@ -40,3 +40,15 @@ def test_every_docs_page_opens_with_a_title_and_a_sentence():
 
 def test_the_readme_stays_short():
     assert len(README.read_text().splitlines()) <= 300
+
+
+def test_lab_notes_stay_out_of_the_user_docs_and_the_code():
+    """Per-run circumstances (how busy the machine was) belong in docs/lab."""
+    phrases = ("load " + "average", "slow " + "spell")     # in pieces: this file does not match
+    places = [README, *(ROOT / "docs" / d for d in ("usage", "deployment", "engine"))]
+    files = [p for place in places for p in ([place] if place.is_file() else place.rglob("*.md"))]
+    files += [p for p in ROOT.rglob("*.py")
+              if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+    found = [(str(p.relative_to(ROOT)), phrase) for p in files
+             for phrase in phrases if phrase in p.read_text(errors="replace").lower()]
+    assert not found, found
