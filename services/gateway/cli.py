@@ -55,6 +55,10 @@ def register(sub) -> None:
                        "$KVMESH_GATEWAY_PREFILL_ENGINES or none = off)")
     serve.add_argument("--decode-engines", help="decode engines host:port,... (default "
                        "$KVMESH_GATEWAY_DECODE_ENGINES)")
+    serve.add_argument("--strict-fields", action="store_const", const=True,
+                       help="HTTP API: refuse a request with a field the API does not know (400 "
+                       "naming it) instead of ignoring it with a warning header, as vLLM does "
+                       "(default $KVMESH_GATEWAY_STRICT_FIELDS or false)")
     serve.set_defaults(func=_serve)
 
 
@@ -70,7 +74,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                                   allow_unauthenticated=getattr(args, "allow_unauthenticated",
                                                                 None),
                                   prefill_engines=getattr(args, "prefill_engines", None),
-                                  decode_engines=getattr(args, "decode_engines", None))
+                                  decode_engines=getattr(args, "decode_engines", None),
+                                  strict_fields=getattr(args, "strict_fields", None))
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@
 | KVMESH_GATEWAY_ALLOW_UNAUTHENTICATED | allow_unauthenticated | false              |
 | KVMESH_GATEWAY_PREFILL_ENGINES       | prefill_engines       | "" (host:port,...) |
 | KVMESH_GATEWAY_DECODE_ENGINES        | decode_engines        | "" (host:port,...) |
+| KVMESH_GATEWAY_STRICT_FIELDS         | strict_fields         | false              |
 
 `prefill_engines` and `decode_engines` (both or neither): prefill/decode disaggregation
 (services/gateway/pd.py). Each request is prefilled on a prefill engine, then decoded on a
@@ -106,6 +107,7 @@ class GatewayConfig:
     allow_unauthenticated: bool = False  # serve beyond loopback without api_keys
     prefill_engines: str = ""           # disaggregation: prefill engines, host:port,...
     decode_engines: str = ""            # and decode engines (both or neither)
+    strict_fields: bool = False         # HTTP API: refuse unknown request fields (else ignore them)
 
     def __post_init__(self):
         split_addresses(self.engines)

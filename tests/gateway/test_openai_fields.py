@@ -73,6 +73,16 @@ def test_bad_fields_name_the_param(body, param):
     assert err.value.param == param and isinstance(err.value, InvalidArgument)
 
 
+def test_unknown_fields_are_ignored_unless_strict():
+    _, opts = fields.chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                   "frobnicate": 1}, lambda msgs: "x")
+    assert opts.ignored == ("frobnicate",)
+    with pytest.raises(fields.FieldError) as err:
+        fields.completion_request({"model": "m", "prompt": "x", "frobnicate": 1}, strict=True)
+    assert err.value.param == "frobnicate"
+    assert "unrecognized request argument supplied: frobnicate" in str(err.value)
+
+
 def test_body_must_be_an_object():
     with pytest.raises(fields.FieldError):
         fields.completion_request(["model"])

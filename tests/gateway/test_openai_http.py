@@ -169,7 +169,6 @@ BAD_FIELDS = [
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": []}, "prompt"),
@@ -189,6 +188,21 @@ def test_bad_field_is_400_in_openai_error_shape(base, body, param):
     assert err["param"] == param
     if param:
         assert param in err["message"]
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_header(base):
+    """As vLLM: a field this API does not know is ignored, with a warning (the header
+    names it; `kvmesh gateway serve --strict-fields` refuses it instead)."""
+    status, out, headers = raw(base, "POST", "/v1/completions",
+                               {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                "frobnicate": 1, "best_effort": True})
+    assert status == 200, out
+    assert out["choices"][0]["finish_reason"] in ("length", "stop")
+    assert {k.lower(): v for k, v in headers.items()}["x-kvmesh-ignored-fields"] == \
+        "best_effort,frobnicate"
+    status, out, headers = raw(base, "POST", "/v1/completions",
+                               {"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert status == 200 and "x-kvmesh-ignored-fields" not in {k.lower() for k in headers}
 
 
 def test_chat_bad_fields(base):

@@ -56,6 +56,7 @@ from services.gateway.openai_api.render import (
 
 log = logging.getLogger("kvmesh.gateway.http")
 JSON_HEADERS = [(b"content-type", b"application/json")]
+IGNORED_HEADER = b"x-kvmesh-ignored-fields"   # request fields this API ignored (--strict-fields: 400)
 # A body over the limit is read to its end (and dropped) up to this multiple of the limit.
 DRAIN_FACTOR = 16
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -80,8 +81,11 @@ class Generation:
     request): runs them in the handler's task and cancels that task if the client
     disconnects first (so the engines free every choice's slot)."""
 
-    def __init__(self, app: OpenAIApp, grs: list, renderer: Renderer, stream: bool):
+    def __init__(self, app: OpenAIApp, grs: list, renderer: Renderer, stream: bool,
+                 ignored: tuple[str, ...] = ()):
         self.app, self.grs, self.r, self.stream = app, grs, renderer, stream
+        # unknown request fields, ignored: named back to the client, as a warning
+        self.headers = [(IGNORED_HEADER, ",".join(ignored).encode())] if ignored else []
         self.gr = grs[0]           # the response's id and log lines are the first choice's
         self.complete = False
         self.gone = False
@@ -109,7 +113,8 @@ class Generation:
 
     async def _start(self, send, status: int, headers) -> None:
         await send({"type": "http.response.start", "status": status,
-                    "headers": [*headers, (b"x-request-id", self.gr.req.request_id.encode())]})
+                    "headers": [*headers, *self.headers,
+                                (b"x-request-id", self.gr.req.request_id.encode())]})
 
     async def _body(self, send, body: bytes, more: bool = False) -> None:
         if not more:
@@ -225,8 +230,9 @@ class OpenAIApp:
             # Before the body is read: an unauthenticated caller costs no parsing.
             principal = self.core.authenticate(request.headers.get("authorization"))
             body = await self._json_body(request)
-            req, opts = (fields.chat_request(body, self.template) if chat
-                         else fields.completion_request(body))
+            strict = self.core.cfg.strict_fields
+            req, opts = (fields.chat_request(body, self.template, strict) if chat
+                         else fields.completion_request(body, strict))
             await self._model_id(opts.model)
         except KvmeshError as exc:
             return self._refused(method, exc, t0)
@@ -236,7 +242,10 @@ class OpenAIApp:
         echo = "" if not opts.echo else req.prompt if req.prompt is not None else \
             self.core.tokenizer.decode(req.prompt_token_ids)
         r = Renderer(chat, grs[0].req.request_id, opts.model, opts.include_usage, echo)
-        return Generation(self, grs, r, opts.stream)
+        if opts.ignored:
+            log.warning("request id=%s: fields ignored (not part of this API): %s",
+                        grs[0].req.request_id, ", ".join(opts.ignored))
+        return Generation(self, grs, r, opts.stream, opts.ignored)
 
     async def _json_body(self, request: Request):
         chunks, n = [], 0

@@ -2,7 +2,8 @@
 
 kvmesh follows the OpenAI field names and types, and refuses what it cannot honour
 with a 400 naming the field (`logprobs`, `tools`, penalties, ...) instead of
-answering something else. `echo` (completions) puts the prompt's text before the answer. The ranges the gateway core checks again (max_tokens limit,
+answering something else. A field it does not know at all is ignored, as vLLM does (the
+response names it), or refused in strict mode. `echo` (completions) puts the prompt's text before the answer. The ranges the gateway core checks again (max_tokens limit,
 prompt size, stop counts) are left to it, so there is one rule for gRPC and HTTP.
 
 Extension fields (not in OpenAI's API): `cache_salt` (prefix-cache namespace),
@@ -13,7 +14,7 @@ ignored: it is not a cache salt (a salt must be chosen on purpose; see README).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvmesh.errors import InvalidArgument
 from services.gateway.model import GenRequest
@@ -33,6 +34,7 @@ class Options:
     include_usage: bool = False
     echo: bool = False          # completions: the prompt's text comes first in the answer
     n: int = 1                  # choices: n generations of the prompt
+    ignored: tuple[str, ...] = ()   # unknown fields, ignored (the response names them)
 
 
 # Accepted and without effect here (clients send them by habit).
@@ -89,12 +91,15 @@ def _opt_str(body: dict, name: str) -> str | None:
     return v
 
 
-def _check_fields(body, allowed: frozenset) -> None:
+def _check_fields(body, allowed: frozenset, strict: bool) -> tuple[str, ...]:
+    """The fields this API does not know, which are ignored as vLLM ignores them (the
+    gateway logs them and names them in a response header); strict: refused instead."""
     if not isinstance(body, dict):
         raise FieldError("", f"the request body must be a JSON object, got {_type_name(body)}")
     unknown = sorted(set(body) - allowed)
-    if unknown:
+    if unknown and strict:
         raise FieldError(unknown[0], f"unrecognized request argument supplied: {unknown[0]}")
+    return tuple(unknown)
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -186,12 +191,13 @@ def _sampling(body: dict, max_tokens: int | None) -> dict:
                 ignore_eos=bool(_opt_bool(body, "ignore_eos")))
 
 
-def completion_request(body) -> tuple[GenRequest, Options]:
+def completion_request(body, strict: bool = False) -> tuple[GenRequest, Options]:
     """POST /v1/completions: `prompt` is a string or token ids (a list of one of either
-    is accepted too; more than one prompt per request is refused)."""
-    _check_fields(body, COMPLETION_FIELDS)
+    is accepted too; more than one prompt per request is refused). strict: unknown fields
+    are refused, not ignored."""
+    ignored = _check_fields(body, COMPLETION_FIELDS, strict)
     _refuse_unsupported(body)
-    opts = _options(body)
+    opts = replace(_options(body), ignored=ignored)
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
         p = p[0]
@@ -243,11 +249,11 @@ def chat_messages(body) -> list[dict]:
     return out
 
 
-def chat_request(body, render) -> tuple[GenRequest, Options]:
+def chat_request(body, render, strict: bool = False) -> tuple[GenRequest, Options]:
     """POST /v1/chat/completions; `render(messages) -> prompt text` applies the template."""
-    _check_fields(body, CHAT_FIELDS)
+    ignored = _check_fields(body, CHAT_FIELDS, strict)
     _refuse_unsupported(body)
-    opts = _options(body)
+    opts = replace(_options(body), ignored=ignored)
     messages = chat_messages(body)
     mt, mct = _opt_int(body, "max_tokens"), _opt_int(body, "max_completion_tokens")
     if mct is not None and mct <= 0:
