@@ -103,7 +103,7 @@ def test_error_mapping_to_http():
 def test_usage_and_chunks():
     assert usage_json(Usage(300, 256, 128, 8)) == {
         "prompt_tokens": 300, "completion_tokens": 8, "total_tokens": 308,
-        "prompt_tokens_details": {"cached_tokens": 256, "replayed_tokens": 128}}
+        "prompt_tokens_details": {"cached_tokens": 128, "replayed_tokens": 128}}  # 128 recomputed
     r = Renderer(True, "rid", "tiny", include_usage=True)
     ev = r.chunk("hi", first=True)
     assert ev.startswith(b"data: ") and ev.endswith(b"\n\n")

@@ -2,9 +2,11 @@
 events), usage, and errors in OpenAI's shape with an HTTP status.
 
 Usage: `prompt_tokens`, `completion_tokens`, `total_tokens`, and
-`prompt_tokens_details.cached_tokens` (prompt tokens taken from the prefix cache);
-`prompt_tokens_details.replayed_tokens` is a kvmesh extension (tokens recomputed by
-bounded replay to rebuild the sliding window, docs/design.md §6).
+`prompt_tokens_details.cached_tokens` (prompt tokens served from the prefix cache, not
+computed, as OpenAI and vLLM mean it); `prompt_tokens_details.replayed_tokens` is a kvmesh
+extension (cached tokens recomputed anyway by the bounded replay to rebuild the sliding
+window, docs/design.md §6). gRPC's Usage counts both in its `cached_tokens` (the blocks a
+request started on); here the replayed ones are taken out.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ def total_usage(usages: list[Usage]) -> Usage:
 def usage_json(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.generated_tokens,
             "total_tokens": u.prompt_tokens + u.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens,
-                                      "replayed_tokens": u.replayed_tokens}}
+            "prompt_tokens_details": {
+                "cached_tokens": max(0, u.cached_tokens - u.replayed_tokens),
+                "replayed_tokens": u.replayed_tokens}}
 
 
 class Renderer:
