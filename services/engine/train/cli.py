@@ -84,6 +84,31 @@ def register(sub) -> None:
                    help="write the metrics JSON here (default: print only)")
     e.set_defaults(func=_eval)
 
+    t = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer (DeepSeek's "
+                       "special tokens first) on the corpus's training split")
+    t.add_argument("--out", required=True, help="directory for tokenizer.json and "
+                   "tokenizer_config.json; required, no default")
+    t.add_argument("--vocab-size", type=int, default=8192, help="ids in all, the 6 special "
+                   "tokens and the 256 bytes included")
+    t.add_argument("--min-frequency", type=int, default=2, help="a pair merges once it is seen "
+                   "this often")
+    t.set_defaults(func=_train_tokenizer)
+
+
+def _train_tokenizer(args) -> int:
+    from pathlib import Path
+
+    from services.engine.train import bpe
+    try:
+        tok = bpe.train(bpe.training_texts(), args.vocab_size, args.min_frequency)
+    except ValueError as exc:
+        print(f"kvmesh train-tokenizer: {exc}", file=sys.stderr)
+        return 2
+    bpe.save(tok, Path(args.out))
+    print(f"wrote {args.out}/tokenizer.json ({tok.get_vocab_size()} ids) and "
+          "tokenizer_config.json")
+    return 0
+
 
 def _train(args) -> int:
     from services.engine.train.loop import TrainArgs, train
