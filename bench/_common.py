@@ -73,3 +73,32 @@ def plot(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tup
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def random_ids(n: int, seed: int, vocab: int) -> list[int]:
+    import torch
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def first_token_s(core, prompt: list[int], params) -> float:
+    """Seconds for `core` (an engine core, nothing running) to take `prompt` to its first
+    token."""
+    import time
+    core.add_request(prompt, params)
+    t0 = time.perf_counter()
+    while core.has_work:
+        core.step()
+    return time.perf_counter() - t0
+
+
+def decode_tok_s(core, prompts: list[list[int]], params, steps: int) -> float:
+    """Tokens/s of the prompts' sequences decoding together, timed once every one has its
+    first token (params.max_tokens = steps + 1)."""
+    import time
+    reqs = [core.add_request(p, params) for p in prompts]
+    while any(not r.output for r in reqs):       # the prefills and their first tokens
+        core.step()
+    t0 = time.perf_counter()
+    while core.has_work:
+        core.step()
+    return len(prompts) * steps / (time.perf_counter() - t0)

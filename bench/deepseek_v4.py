@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, parser, plot, table  # noqa: E402
+from bench._common import OUT, decode_tok_s, first_token_s, parser, plot, random_ids, table  # noqa: E402
 from kvmesh.tokenizer import ByteTokenizer  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.core.sampling import SamplingParams  # noqa: E402
@@ -60,10 +59,6 @@ def v4_model() -> V4Model:
     return V4Model(cfg, weights, torch.float32, stored=True)
 
 
-def tokens(n: int, seed: int, vocab: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def v4_engine(model: V4Model, blocks: int) -> V4Engine:
     ecfg = EngineConfig(num_slots=8, num_blocks=blocks, max_batched_tokens=CHUNK,
                         long_prefill_chunk=CHUNK)
@@ -72,36 +67,21 @@ def v4_engine(model: V4Model, blocks: int) -> V4Engine:
 
 def v4_prefill(model: V4Model, length: int) -> float:
     """Seconds from the request to its first token (the prompt in CHUNK-token chunks)."""
-    core = v4_engine(model, length // 128 + 2)
-    core.add_request(tokens(length, 1, model.cfg.vocab_size), GREEDY_ONE)
-    t0 = time.perf_counter()
-    while core.has_work:
-        core.step()
-    return time.perf_counter() - t0
+    return first_token_s(v4_engine(model, length // 128 + 2),
+                         random_ids(length, 1, model.cfg.vocab_size), GREEDY_ONE)
 
 
 def v4_decode(model: V4Model, streams: int, steps: int) -> float:
     """Tokens/s of `streams` sequences decoding together after 256-token prompts."""
-    core = v4_engine(model, streams * 6)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    reqs = [core.add_request(tokens(256, 10 + k, model.cfg.vocab_size), params)
-            for k in range(streams)]
-    while any(not r.output for r in reqs):       # the prefills and their first tokens
-        core.step()
-    t0 = time.perf_counter()
-    while core.has_work:
-        core.step()
-    return streams * steps / (time.perf_counter() - t0)
+    return decode_tok_s(v4_engine(model, streams * 6),
+                        [random_ids(256, 10 + k, model.cfg.vocab_size) for k in range(streams)],
+                        params, steps)
 
 
 def mini_prefill(length: int) -> float:
     from bench.engine_throughput import engine, params, prompt
-    core = engine(1, length, budget=CHUNK)
-    core.add_request(prompt(length, 1), params(1))
-    t0 = time.perf_counter()
-    while core.has_work:
-        core.step()
-    return time.perf_counter() - t0
+    return first_token_s(engine(1, length, budget=CHUNK), prompt(length, 1), params(1))
 
 
 def mini_decode(streams: int, steps: int) -> float:

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, parser, plot, table  # noqa: E402
+from bench._common import OUT, decode_tok_s, first_token_s, parser, plot, random_ids, table  # noqa: E402
 from kvmesh.tokenizer import ByteTokenizer  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.core.sampling import SamplingParams  # noqa: E402
@@ -60,10 +59,6 @@ def v41_model() -> V41Model:
     return V41Model(cfg, weights, torch.float32)
 
 
-def tokens(n: int, seed: int, vocab: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def engine(model: V41Model, blocks: int, truncation: str) -> V4Engine:
     ecfg = EngineConfig(num_slots=8, num_blocks=blocks, max_batched_tokens=CHUNK,
                         long_prefill_chunk=CHUNK, truncation=truncation,
@@ -73,26 +68,16 @@ def engine(model: V41Model, blocks: int, truncation: str) -> V4Engine:
 
 def prefill(model: V41Model, length: int, truncation: str) -> float:
     """Seconds from the request to its first token (the prompt in CHUNK-token chunks)."""
-    core = engine(model, length // 128 + 2, truncation)
-    core.add_request(tokens(length, 1, model.cfg.vocab_size), GREEDY_ONE)
-    t0 = time.perf_counter()
-    while core.has_work:
-        core.step()
-    return time.perf_counter() - t0
+    return first_token_s(engine(model, length // 128 + 2, truncation),
+                         random_ids(length, 1, model.cfg.vocab_size), GREEDY_ONE)
 
 
 def decode(model: V41Model, streams: int, steps: int) -> float:
     """Tokens/s of `streams` sequences decoding together after 256-token prompts."""
-    core = engine(model, streams * 6, "off")
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    reqs = [core.add_request(tokens(256, 10 + k, model.cfg.vocab_size), params)
-            for k in range(streams)]
-    while any(not r.output for r in reqs):       # the prefills and their first tokens
-        core.step()
-    t0 = time.perf_counter()
-    while core.has_work:
-        core.step()
-    return streams * steps / (time.perf_counter() - t0)
+    return decode_tok_s(engine(model, streams * 6, "off"),
+                        [random_ids(256, 10 + k, model.cfg.vocab_size) for k in range(streams)],
+                        params, steps)
 
 
 def main(argv=None) -> int:

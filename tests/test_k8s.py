@@ -207,7 +207,7 @@ def test_service_configs_build_from_the_rendered_environment(overlay, monkeypatc
     assert ecfg.truncation == ("off" if overlay == "deepseek-v4" else "compact")
     assert ecfg.keep_tokens == 134
     if overlay == "deepseek-v4":
-        from services.engine.core.v4_engine import refuse_unsupported
+        from services.engine.core.v4_paths import refuse_unsupported
         refuse_unsupported(ecfg)
 
     args = parse(res, "kvstore")

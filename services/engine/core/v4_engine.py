@@ -54,50 +54,26 @@ from services.engine.core.sampling import SamplingParams, draw_batch, read_ids
 from services.engine.core.sequence import Finish
 from services.engine.core.speculative import Speculator, engine_setting
 from services.engine.core.v4_mtp_draft import V4MtpDrafter
+from services.engine.core.v4_paths import model_path
 from services.engine.core.v4_prefix import Match, V4Prefix
 from services.engine.core.v4_request import ServedModel, V4Request
-from services.engine.model.deepseek_v4 import (
-    layout,
-    ledgers,
-    mtp,
-    snapshots,
-    v41_ledgers,
-    v41_snapshots,
-    window_rows,
-)
+from services.engine.model.deepseek_v4 import layout, ledgers, mtp
 from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers
+from services.engine.model.deepseek_v4.ledgers import BLOCK
 from services.engine.model.deepseek_v4.v41_forward import V41Model
-from services.engine.model.deepseek_v4.v41_ledgers import V41Ledgers
 
 
 class V4Engine:
     def __init__(self, model: V4Model | V41Model, ecfg: EngineConfig, tokenizer, name: str):
-        self.v41 = isinstance(model, V41Model)
-        if not self.v41:
-            refuse_unsupported(ecfg)
-            if not model.stored:
-                raise ValueError("V4Engine needs a model built with stored=True (ledger roundings)")
+        self.path = model_path(model, ecfg)   # V4 or V4.1: ledgers, forward, replay, cut
         self.model, self.ecfg, self.tokenizer = model, ecfg, tokenizer
         self.cfg = ServedModel(name, model.cfg)
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
                              f"{model.cfg.vocab_size}")
-        period = ecfg.snapshot_period
-        if self.v41:
-            self.ledgers = V41Ledgers(model.cfg, ecfg.num_slots, ecfg.num_blocks,
-                                      ecfg.extra_state, rows=window_rows.for_dtype(model.dtype),
-                                      dtype=model.dtype)
-            # V4.1's decoder rings are never stored: a snapshot hit is exact only when the
-            # decoder starts at or past it, which truncation guarantees (hits stop at its cut)
-            if ecfg.truncation == "off":
-                period = None
-        else:
-            self.ledgers = Ledgers(model.cfg, ecfg.num_slots, ecfg.num_blocks, ecfg.extra_state,
-                                   rows=model.rows)
-        self.prefix = V4Prefix(self.ledgers, self.cfg.fingerprint(), period,
-                               ecfg.snapshot_bytes, ecfg.snapshot_ttl_min,
-                               v41_snapshots if self.v41 else snapshots)
+        self.ledgers = self.path.ledgers
+        self.prefix = V4Prefix(self.ledgers, self.cfg.fingerprint(), self.path.period,
+                               ecfg.snapshot_bytes, ecfg.snapshot_ttl_min, self.path.snapshots)
         self.hooks = Hooks()
         # through a weak proxy, as EngineCore: callbacks holding the engine made a cycle
         me = weakref.proxy(self)
@@ -110,9 +86,6 @@ class V4Engine:
         self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
         self.prefill_token_s = 0.0
         # speculative decoding: ngram:K, K <= the 6 tokens a slot can take back
-        if self.v41 and ecfg.speculative.startswith("mtp"):
-            raise ValueError("speculative: DeepSeek V4.1 drafts with its DSpark layers, which "
-                             "kvmesh does not serve yet; use ngram:K or off")
         setting = engine_setting(ecfg.speculative, layout.BACKTRACK, mtp.has_mtp(model.weights))
         drafter = V4MtpDrafter(mtp.MtpModule(model), model.cfg.window) \
             if setting.method == "mtp" else None
@@ -161,14 +134,7 @@ class V4Engine:
         return self.prefix.snapshot_bytes
 
     def local_view(self, prompt_ids: list[int], salt: str):
-        return self.prefix.local_view([], prompt_ids, salt, self._cut(len(prompt_ids)))
-
-    def _cut(self, n_tokens: int) -> int | None:
-        """Where a V4.1 prompt of n_tokens starts its decoder under truncation (None: it
-        runs every position): its last --keep-tokens tokens."""
-        if self.v41 and self.ecfg.truncation != "off" and n_tokens > self.ecfg.keep_tokens:
-            return n_tokens - self.ecfg.keep_tokens
-        return None
+        return self.prefix.local_view([], prompt_ids, salt, self.path.cut(len(prompt_ids)))
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -217,18 +183,10 @@ class V4Engine:
 
     def _forward(self, works: list[tuple[V4Request, list[int]]]):
         """One ledger step over the works: each one's logits, and its last layer's streams
-        (what the MTP drafter reads; V4.1 has none)."""
-        seqs = [(r.seq, ids) for r, ids in works]
-        if not self.v41:
-            return ledgers.step(self.model, self.ledgers, seqs, streams_too=True)
-        cuts = [r.cut if r.pending > 1 else None for r, _ in works]
-        outs = v41_ledgers.step(self.model, self.ledgers, seqs, cuts, self._mode)
-        return outs, [None] * len(outs)
-
-    @property
-    def _mode(self) -> str:
-        """V4.1's truncation form (compact when off: no work then has a cut)."""
-        return "compact" if self.ecfg.truncation == "off" else self.ecfg.truncation
+        (what the MTP drafter reads; V4.1 has none). A prompt chunk carries its request's
+        decoder cut (V4.1 truncation), a decode row none."""
+        return self.path.forward([(r.seq, ids) for r, ids in works],
+                                 [r.cut if r.pending > 1 else None for r, _ in works])
 
     def _verified(self, req: V4Request, drafts: list[int], verdict: list[int],
                   hidden: tuple) -> Event:
@@ -251,7 +209,7 @@ class V4Engine:
                 and self.ledgers.free_slots:
             req = self.waiting[0]
             refused = self.prefix.refused
-            req.cut = self._cut(len(req.tokens))
+            req.cut = self.path.cut(len(req.tokens))
             match = self.prefix.match(req.chain, req.tokens, req.salt, req.prefetched,
                                       limit=req.cut)
             self.counters["remote_blocks_refused"] += self.prefix.refused - refused
@@ -313,11 +271,7 @@ class V4Engine:
         cached block's tokens and the rest of the prompt; logits of its last row."""
         hit = req.replay.tokens
         req.replay = None
-        if self.v41:
-            out = v41_ledgers.replay(self.model, self.ledgers, req.seq, req.tokens, hit,
-                                     req.cut, self._mode)
-        else:
-            out = ledgers.replay(self.model, self.ledgers, req.seq, req.tokens, hit)
+        out = self.path.replay(req.seq, req.tokens, hit, req.cut)
         req.replayed_tokens = BLOCK
         self.counters["computed_tokens"] += len(req.tokens) - hit + BLOCK
         if self.ecfg.replay_blocks == "share":
@@ -452,11 +406,3 @@ class V4Engine:
                    snapshot_bytes=self.prefix.store.bytes, snapshots=len(self.prefix.store))
         return out
 
-
-def refuse_unsupported(ecfg: EngineConfig) -> None:
-    """Settings the DeepSeek V4 path does not serve yet: refused, never ignored."""
-    refused = [(ecfg.truncation != "off", "--truncation")]
-    named = [flag for on, flag in refused if on]
-    if named:
-        raise ValueError(f"{', '.join(named)}: not served for DeepSeek V4 checkpoints yet "
-                         "(docs/deepseek-v4.md)")

@@ -110,7 +110,6 @@ def resave(model, directory: Path, naming: str, shards: int = 1, fp8: str | None
     scales; FP4 routed experts (DeepSeek naming only)."""
     import json
 
-    from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
@@ -148,11 +147,19 @@ def resave(model, directory: Path, naming: str, shards: int = 1, fp8: str | None
         state = renamed
     if fp8 or fp4_experts:
         state = _quantize(state, naming, fp8, fp4_experts)
-    keys = sorted(state)
+    write_safetensors(state, directory, shards)
+
+
+def write_safetensors(state: dict, directory: Path, shards: int = 1) -> None:
+    """`state` as model.safetensors, or split over `shards` files with an index."""
+    import json
+
+    from safetensors.torch import save_file
+
     if shards == 1:
         save_file(state, str(directory / "model.safetensors"))
         return
-    weight_map = {}
+    keys, weight_map = sorted(state), {}
     for i in range(shards):
         file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         part = {k: state[k] for k in keys[i::shards]}

@@ -12,13 +12,17 @@ import pytest
 import torch
 
 from services.engine.build import add_engine_args, build_core
-from services.engine.core.sampling import SamplingParams
 from services.engine.core.v4_engine import V4Engine
 from services.engine.model.deepseek_v4.v41_forward import V41Model
-from tests.engine.deepseek_v4.test_engine import word_tokenizer
+from tests.engine.deepseek_v4.test_engine import random_prompt, word_tokenizer
+from tests.engine.deepseek_v4.test_engine import run as run_v4
 from tests.engine.deepseek_v41 import tiny
 
 TOKENS = 24
+
+
+def run(core: V4Engine, prompts: list[list[int]], n: int = TOKENS) -> list[list[int]]:
+    return run_v4(core, prompts, n)      # the V4 tests' loop, with this file's token count
 
 
 def engine(directory, *flags: str) -> V4Engine:
@@ -37,20 +41,6 @@ def greedy(m: V41Model, prompt: list[int], n: int = TOKENS, keep: int | None = N
         out.append(int(logits[-1].argmax()))
         ids.append(out[-1])
     return out
-
-
-def run(core: V4Engine, prompts: list[list[int]], n: int = TOKENS) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    reqs = [core.add_request(p, params) for p in prompts]
-    while core.has_work:
-        core.step()
-    core.check_integrity()
-    return [r.output for r in reqs]
-
-
-def random_prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, tiny.BASE["vocab_size"], (n,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module")

@@ -27,19 +27,25 @@ def _checkpoint(directory):
     return V41Model(cfg, meant, torch.float64)
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny-v41")
+def _started(tmp_path_factory, label: str, engines: int, pd: bool, extra: tuple):
+    """A mesh of `engines` engines serving a fresh tiny V4.1 checkpoint, under truncation;
+    yields (mesh, checkpoint directory, the reference model) and stops it."""
+    directory = tmp_path_factory.mktemp(label)
     m41 = _checkpoint(directory)
-    cfg = MeshConfig(log_dir=tmp_path_factory.mktemp("v41mesh") / "logs", engines=2,
+    cfg = MeshConfig(log_dir=tmp_path_factory.mktemp(label + "-mesh") / "logs", engines=engines, pd=pd,
                      num_slots=4, num_blocks=64, model=str(directory),
-                     engine_extra=("--dtype", "float64", "--fetch-deadline-ms", "5000",
-                                   "--swa-fetch", "always", *TRUNCATION))
+                     engine_extra=("--dtype", "float64", *extra, *TRUNCATION))
     m = Mesh(cfg).start()
     try:
         yield m, directory, m41
     finally:
         m.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    yield from _started(tmp_path_factory, "tiny-v41", 2, False,
+                        ("--fetch-deadline-ms", "5000", "--swa-fetch", "always"))
 
 
 def test_one_engines_blocks_and_snapshot_make_the_others_hit(mesh):
@@ -68,16 +74,7 @@ def test_one_engines_blocks_and_snapshot_make_the_others_hit(mesh):
 @pytest.fixture(scope="module")
 def pd_mesh(tmp_path_factory):
     """`kvmesh up --pd --model DIR`: engine-a prefills (396-row rings), two engines decode."""
-    directory = tmp_path_factory.mktemp("tiny-v41-pd")
-    m41 = _checkpoint(directory)
-    cfg = MeshConfig(log_dir=tmp_path_factory.mktemp("v41pd") / "logs", engines=3, pd=True,
-                     num_slots=4, num_blocks=64, model=str(directory),
-                     engine_extra=("--dtype", "float64", *TRUNCATION))
-    m = Mesh(cfg).start()
-    try:
-        yield m, directory, m41
-    finally:
-        m.stop()
+    yield from _started(tmp_path_factory, "tiny-v41-pd", 3, True, ())
 
 
 def test_prefill_decode_handoff_over_grpc(pd_mesh):

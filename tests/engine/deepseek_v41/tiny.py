@@ -119,10 +119,8 @@ def save_release(name: str, directory, seed: int = 0, shards: int = 2, quantized
     float64 weights the files stand for (each quantized tensor dequantized)."""
     import json
 
-    from safetensors.torch import save_file
-
     from services.engine.model.deepseek_v4 import quant
-    from tests.engine.deepseek_v4.tiny import quant_fp4, quant_fp8
+    from tests.engine.deepseek_v4.tiny import quant_fp4, quant_fp8, write_safetensors
 
     raw = raw_config(name, **overrides)
     if quantized:
@@ -159,13 +157,5 @@ def save_release(name: str, directory, seed: int = 0, shards: int = 2, quantized
             meant[key] = put(key, value)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(raw))
-    keys = sorted(stored)
-    weight_map = {}
-    for i in range(shards):
-        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {k: stored[k] for k in keys[i::shards]}
-        save_file(part, str(directory / file))
-        weight_map.update({k: file for k in part})
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_safetensors(stored, directory, shards)
     return cfg, meant

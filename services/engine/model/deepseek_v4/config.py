@@ -91,23 +91,9 @@ class V4Config:
         if len(self.mlp_kinds) != len(self.layer_kinds):
             bad(f"mlp_layer_types has {len(self.mlp_kinds)} entries for "
                 f"{len(self.layer_kinds)} layers")
-        if self.head_dim % 2 or self.main_rope.dim % 2 or not 0 < self.main_rope.dim <= self.head_dim:
-            bad(f"the rotary dims ({self.main_rope.dim}) must be even and at most head_dim "
-                f"({self.head_dim})")
-        if (self.num_heads * self.head_dim) % self.o_groups:
-            bad(f"num_attention_heads x head_dim ({self.num_heads * self.head_dim}) is not "
-                f"divisible by o_groups ({self.o_groups})")
-        if not 0 < self.experts_per_token <= self.n_experts:
-            bad(f"num_experts_per_tok ({self.experts_per_token}) must be in 1..n_routed_experts "
-                f"({self.n_experts})")
-        if self.scoring_func not in SCORING_FUNCS:
-            bad(f"scoring_func {self.scoring_func!r} is not supported (expected one of "
-                f"{SCORING_FUNCS})")
+        check_shared_sizes(self)
         if self.csa_rate <= 0 or self.hca_rate <= 0 or self.window <= 0:
             bad("compress rates and sliding_window must be positive")
-        if self.index_head_dim < self.compress_rope.dim:
-            bad(f"index_head_dim ({self.index_head_dim}) is smaller than the rotary dims "
-                f"({self.compress_rope.dim})")
 
     @property
     def num_layers(self) -> int:
@@ -124,8 +110,33 @@ class V4Config:
         return self.main_rope if self.layer_kinds[layer] == SLIDING else self.compress_rope
 
 
+def check_shared_sizes(cfg) -> None:
+    """The checks V4's and V4.1's configs share (their fields of the same names)."""
+    if cfg.head_dim % 2 or cfg.main_rope.dim % 2 or not 0 < cfg.main_rope.dim <= cfg.head_dim:
+        raise CheckpointError(f"the rotary dims ({cfg.main_rope.dim}) must be even and at most "
+                              f"head_dim ({cfg.head_dim})")
+    if (cfg.num_heads * cfg.head_dim) % cfg.o_groups:
+        raise CheckpointError(f"num_attention_heads x head_dim ({cfg.num_heads * cfg.head_dim}) "
+                              f"is not divisible by o_groups ({cfg.o_groups})")
+    if not 0 < cfg.experts_per_token <= cfg.n_experts:
+        raise CheckpointError(f"num_experts_per_tok ({cfg.experts_per_token}) must be in "
+                              f"1..n_routed_experts ({cfg.n_experts})")
+    if cfg.scoring_func not in SCORING_FUNCS:
+        raise CheckpointError(f"scoring_func {cfg.scoring_func!r} is not supported (expected "
+                              f"one of {SCORING_FUNCS})")
+    if cfg.index_head_dim < cfg.compress_rope.dim:
+        raise CheckpointError(f"index_head_dim ({cfg.index_head_dim}) is smaller than the "
+                              f"rotary dims ({cfg.compress_rope.dim})")
+
+
 def read_config(path: str | Path) -> V4Config:
     """`config.json` (or the directory holding it) -> V4Config; CheckpointError names the file."""
+    return read_json_config(path, config_from_dict)
+
+
+def read_json_config(path: str | Path, parse):
+    """`config.json` (or the directory holding it) through `parse(raw dict)`; every
+    CheckpointError names the file."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -138,7 +149,7 @@ def read_config(path: str | Path) -> V4Config:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     try:
-        return config_from_dict(raw)
+        return parse(raw)
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 

@@ -191,13 +191,7 @@ def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]],
     Returns each work's logits [len(ids), vocab]; with `streams_too`, (logits, the last
     layer's streams [len(ids), n, D] of each work: what the MTP module reads)."""
     _check_model(model, led)
-    chunks = [torch.as_tensor(ids).reshape(-1).long() for _, ids in works]
-    for k, chunk in enumerate(chunks):
-        if chunk.numel() == 0:
-            raise ValueError(f"works[{k}].ids: need at least one token")
-    seqs = [seq for seq, _ in works]
-    if len({id(s) for s in seqs}) != len(seqs):
-        raise ValueError("works: a sequence appears twice in one step")
+    seqs, chunks = check_works(works)
     positions = [torch.arange(s.length, s.length + c.shape[0]) for s, c in zip(seqs, chunks, strict=True)]
     for seq, pos in zip(seqs, positions, strict=True):
         led._reserve(seq, int(pos[-1]) + 1)
@@ -214,6 +208,19 @@ def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]],
     sizes = [c.shape[0] for c in chunks]
     logits = list(model.head(streams).split(sizes))
     return (logits, list(streams.split(sizes))) if streams_too else logits
+
+
+def check_works(works) -> tuple[list[Sequence], list[torch.Tensor]]:
+    """A step's (sequence, ids) works, checked: each has tokens, no sequence twice. Returns
+    the sequences and each one's ids as a long tensor."""
+    chunks = [torch.as_tensor(ids).reshape(-1).long() for _, ids in works]
+    for k, chunk in enumerate(chunks):
+        if chunk.numel() == 0:
+            raise ValueError(f"works[{k}].ids: need at least one token")
+    seqs = [seq for seq, _ in works]
+    if len({id(s) for s in seqs}) != len(seqs):
+        raise ValueError("works: a sequence appears twice in one step")
+    return seqs, chunks
 
 
 @torch.no_grad()

@@ -23,16 +23,16 @@ Every problem is a `CheckpointError` naming the field.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.engine.model.deepseek_v4.config import (
-    SCORING_FUNCS,
     Rope,
     _int,
     _quantization,
     _ropes,
+    check_shared_sizes,
+    read_json_config,
 )
 from services.engine.model.deepseek_v4.errors import CheckpointError
 
@@ -124,21 +124,7 @@ class V41Config:
                     bad(f"index source {i} comes after candidate_source_layer_id {c} but reads "
                         f"layer {self.kv_source_of(i)}'s entries, not layer "
                         f"{self.kv_source_of(c)}'s")
-        if self.head_dim % 2 or self.main_rope.dim % 2 or not 0 < self.main_rope.dim <= self.head_dim:
-            bad(f"the rotary dims ({self.main_rope.dim}) must be even and at most head_dim "
-                f"({self.head_dim})")
-        if self.index_head_dim < self.compress_rope.dim:
-            bad(f"index_head_dim ({self.index_head_dim}) is smaller than the rotary dims "
-                f"({self.compress_rope.dim})")
-        if (self.num_heads * self.head_dim) % self.o_groups:
-            bad(f"num_attention_heads x head_dim ({self.num_heads * self.head_dim}) is not "
-                f"divisible by o_groups ({self.o_groups})")
-        if not 0 < self.experts_per_token <= self.n_experts:
-            bad(f"num_experts_per_tok ({self.experts_per_token}) must be in 1..n_routed_experts "
-                f"({self.n_experts})")
-        if self.scoring_func not in SCORING_FUNCS:
-            bad(f"scoring_func {self.scoring_func!r} is not supported (expected one of "
-                f"{SCORING_FUNCS})")
+        check_shared_sizes(self)
         if self.window <= 0 or self.index_topk <= 0:
             bad("sliding_window and index_topk must be positive")
 
@@ -182,21 +168,7 @@ def _last_at_or_before(ids: tuple[int, ...], layer: int) -> int | None:
 def read_v41_config(path: str | Path, serving: bool = True) -> V41Config:
     """`config.json` (or its directory) -> V41Config; a CheckpointError names the file.
     serving=False reads a config kvmesh cannot serve yet (Engram layers) for sizing only."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file (a checkpoint directory holds config.json)") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not readable as JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    try:
-        return v41_config_from_dict(raw, serving)
-    except CheckpointError as exc:
-        raise CheckpointError(f"{path}: {exc}") from None
+    return read_json_config(path, lambda raw: v41_config_from_dict(raw, serving))
 
 
 def v41_config_from_dict(raw: dict, serving: bool = True) -> V41Config:

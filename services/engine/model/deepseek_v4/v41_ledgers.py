@@ -26,7 +26,7 @@ from services.engine.cache.block_store import BlockStore
 from services.engine.cache.state_layout import Region
 from services.engine.model.deepseek_v4 import v41_layout, window_rows
 from services.engine.model.deepseek_v4.layout import BACKTRACK, BLOCK_TOKENS
-from services.engine.model.deepseek_v4.ledgers import LedgerBook, Sequence
+from services.engine.model.deepseek_v4.ledgers import LedgerBook, Sequence, check_works
 from services.engine.model.deepseek_v4.v41_config import V41Config
 from services.engine.model.deepseek_v4.v41_forward import (
     LayerState,
@@ -140,13 +140,7 @@ def _run(model: V41Model, led: V41Ledgers, works, cuts: list[int | None], mode: 
     """`step`; with `replay_hit`, the one work is a replay from that block hit."""
     _check(model, led)
     cfg = model.cfg
-    chunks = [torch.as_tensor(ids).reshape(-1).long() for _, ids in works]
-    for k, chunk in enumerate(chunks):
-        if chunk.numel() == 0:
-            raise ValueError(f"works[{k}].ids: need at least one token")
-    seqs = [seq for seq, _ in works]
-    if len({id(s) for s in seqs}) != len(seqs):
-        raise ValueError("works: a sequence appears twice in one step")
+    seqs, chunks = check_works(works)
     if len(cuts) != len(works):
         raise ValueError("decoder_from: one entry per work")
     if any(c is not None for c in cuts) and cfg.decoder_start is None:
