@@ -1,5 +1,6 @@
-"""`kvmesh train` (train V4-mini on the stdlib), `kvmesh train-mtp` (its MTP module on the frozen
-trunk) and `kvmesh train-eval` (measure a checkpoint)."""
+"""`kvmesh train` (train V4-mini on the stdlib), `kvmesh train-v41` (the DeepSeek V4.1 model on
+code and English), `kvmesh train-tokenizer` (its BPE tokenizer), `kvmesh train-mtp` (V4-mini's MTP
+module on the frozen trunk) and `kvmesh train-eval` (measure a checkpoint)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,18 @@ HELP = {
 }
 
 
+V41_HELP = {
+    **HELP,
+    "out": "run directory: a Hugging Face checkpoint (config.json, model.safetensors, the "
+           "tokenizer files) plus state.pt, tokens.pt and train.log",
+    "tokenizer": "directory holding tokenizer.json (kvmesh train-tokenizer); required",
+    "seq_len": "tokens per training sequence",
+    "kl_weight": "weight of the index sources' KL loss",
+    "balance_rate": "step of the gate.bias update towards equal expert loads",
+    "english_fraction": "share of the training sequences drawn from the English text",
+}
+
+
 MTP_HELP = {
     **HELP,
     "base": "checkpoint whose trunk is frozen (its tensors are written out unchanged)",
@@ -61,10 +74,16 @@ def _add_fields(p, cls, helps) -> None:
 def register(sub) -> None:
     from services.engine.train.loop import TrainArgs
     from services.engine.train.mtp import MtpArgs
+    from services.engine.train.v41_loop import V41TrainArgs
 
     p = sub.add_parser("train", help="train the tiny preset on the Python standard library (CPU)")
     _add_fields(p, TrainArgs, HELP)
     p.set_defaults(func=_train)
+
+    v = sub.add_parser("train-v41", help="train the shipped DeepSeek V4.1 model on code and "
+                       "English (CPU)")
+    _add_fields(v, V41TrainArgs, V41_HELP)
+    v.set_defaults(func=_train_v41)
 
     m = sub.add_parser("train-mtp", help="train the MTP module (speculative drafts) on a frozen trunk")
     _add_fields(m, MtpArgs, MTP_HELP)
@@ -85,7 +104,7 @@ def register(sub) -> None:
     e.set_defaults(func=_eval)
 
     t = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer (DeepSeek's "
-                       "special tokens first) on the corpus's training split")
+                       "special tokens first) on the training split of the code and English corpus")
     t.add_argument("--out", required=True, help="directory for tokenizer.json and "
                    "tokenizer_config.json; required, no default")
     t.add_argument("--vocab-size", type=int, default=8192, help="ids in all, the 6 special "
@@ -98,9 +117,9 @@ def register(sub) -> None:
 def _train_tokenizer(args) -> int:
     from pathlib import Path
 
-    from services.engine.train import bpe
+    from services.engine.train import bpe, v41_data
     try:
-        tok = bpe.train(bpe.training_texts(), args.vocab_size, args.min_frequency)
+        tok = bpe.train(v41_data.training_texts(), args.vocab_size, args.min_frequency)
     except ValueError as exc:
         print(f"kvmesh train-tokenizer: {exc}", file=sys.stderr)
         return 2
@@ -114,6 +133,12 @@ def _train(args) -> int:
     from services.engine.train.loop import TrainArgs, train
 
     return _run("kvmesh train", TrainArgs, train, args)
+
+
+def _train_v41(args) -> int:
+    from services.engine.train.v41_loop import V41TrainArgs, train_v41
+
+    return _run("kvmesh train-v41", V41TrainArgs, train_v41, args)
 
 
 def _train_mtp(args) -> int:

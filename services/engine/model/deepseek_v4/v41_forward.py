@@ -226,13 +226,22 @@ def attention(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: t
     return out, out_shared, LayerState(kv, own)
 
 
-def moe(cfg: V41Config, w: dict, x: torch.Tensor) -> torch.Tensor:
-    """One MoE sub-block; w: the layer's weights under `ffn.`."""
+def route(cfg: V41Config, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S, D] -> each token's experts [S, k] (chosen by score + gate.bias) and their
+    weights [S, k] (from the scores alone); w: the layer's weights under `ffn.`."""
     logits = F.linear(x, w["gate.weight"]) / cfg.gate_temp
     scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else logits.sigmoid()
     experts = torch.topk(scores + w["gate.bias"], cfg.experts_per_token, dim=-1, sorted=False).indices
     weights = scores.gather(1, experts)
-    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scale
+    return experts, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scale
+
+
+def moe(cfg: V41Config, w: dict, x: torch.Tensor,
+        experts: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """One MoE sub-block; w: the layer's weights under `ffn.`. experts, weights: `route`'s
+    choice when the caller already made it (training counts the experts' loads)."""
+    if experts is None:
+        experts, weights = route(cfg, w, x)
     out = routed(x, experts, weights, w["experts.w13"], w["experts.w2"], cfg.swiglu_limit)
     return out + shared(x, w, cfg.swiglu_limit)
 

@@ -1,0 +1,112 @@
+"""The shipped V4.1 model's corpus: code and English, as BPE tokens.
+
+- code: the standard library's .py files (data.py);
+- English: the prose installed packages ship (each distribution's METADATA, which holds its
+  README, and the .md / .rst files under site-packages), which needs no network.
+
+Each kind is split by data.is_held_out on the file's relative path, as the code always was:
+a held-out file is never trained on, by the tokenizer (bpe.py) or the model. A file's tokens
+are followed by the end-of-sentence id, files in sorted order. Bits per byte count each
+token's UTF-8 bytes (a byte-level BPE token's string has one character per byte) and one
+byte for the end-of-sentence id, as the byte-level models counted their EOS.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvmesh.chat_deepseek_v4 import EOS
+from services.engine.train import data
+
+KINDS = ("code", "english")
+ENGLISH_SUFFIXES = (".md", ".rst")
+MIN_ENGLISH_BYTES = 500          # smaller files are mostly a line or two of boilerplate
+
+
+def english_root() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def english_files(root: Path | None = None) -> list[Path]:
+    """Relative paths of the packages' prose files, sorted."""
+    root = root or english_root()
+    return sorted(p.relative_to(root) for p in root.rglob("*")
+                  if (p.name == "METADATA" or p.suffix in ENGLISH_SUFFIXES) and p.is_file()
+                  and p.stat().st_size >= MIN_ENGLISH_BYTES)
+
+
+def sources() -> dict[str, tuple[Path, list[Path]]]:
+    """kind -> (root, files)."""
+    code_root, english = data.stdlib_root(), english_root()
+    return {"code": (code_root, data.stdlib_files(code_root)),
+            "english": (english, english_files(english))}
+
+
+def texts(root: Path, files: list[Path]):
+    for rel in files:
+        yield (root / rel).read_text(encoding="utf-8", errors="replace")
+
+
+def training_texts():
+    """Every kind's training split, as text (what the tokenizer is trained on)."""
+    for root, files in sources().values():
+        train, _ = data.split(files)
+        yield from texts(root, train)
+
+
+@dataclass
+class TokenCorpus:
+    train: dict[str, torch.Tensor]      # kind -> int16 token stream
+    val: dict[str, torch.Tensor]
+    files: dict[str, tuple[int, int]]   # kind -> (train files, held-out files)
+
+    def describe(self) -> str:
+        return "; ".join(f"{kind}: {self.files[kind][0]} train files ({len(self.train[kind]):,} "
+                         f"tokens), {self.files[kind][1]} held-out ({len(self.val[kind]):,})"
+                         for kind in KINDS)
+
+
+def encode(tok, root: Path, files: list[Path]) -> torch.Tensor:
+    eos = tok.token_to_id(EOS)
+    ids: list[int] = []
+    for enc in tok.encode_batch(list(texts(root, files)), add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int16 if tok.get_vocab_size() < 32768 else torch.int32)
+
+
+def load(tok, cache: Path | None = None) -> TokenCorpus:
+    """Tokenize both kinds' splits (or read them from `cache`, a .pt this wrote)."""
+    if cache is not None and cache.exists():
+        return TokenCorpus(**torch.load(cache))
+    train, val, counts = {}, {}, {}
+    for kind, (root, files) in sources().items():
+        train_files, val_files = data.split(files)
+        train[kind], val[kind] = encode(tok, root, train_files), encode(tok, root, val_files)
+        counts[kind] = (len(train_files), len(val_files))
+    corpus = TokenCorpus(train, val, counts)
+    if cache is not None:
+        torch.save({"train": train, "val": val, "files": counts}, cache)
+    return corpus
+
+
+def token_bytes(tok) -> torch.Tensor:
+    """[vocab] UTF-8 bytes each id stands for (special ids: 1)."""
+    out = torch.ones(tok.get_vocab_size(), dtype=torch.float64)
+    special = {t.content for t in tok.get_added_tokens_decoder().values()}
+    for token, i in tok.get_vocab().items():
+        if token not in special:
+            out[i] = len(token)
+    return out
+
+
+def sample(corpus: TokenCorpus, batch: int, seq_len: int, english_fraction: float,
+           gen: torch.Generator) -> list[torch.Tensor]:
+    """`batch` windows of seq_len + 1 tokens, each from English with `english_fraction`."""
+    kinds = torch.rand(batch, generator=gen) < english_fraction
+    return [data.sample_batch(corpus.train["english" if e else "code"], 1, seq_len, gen)[0]
+            for e in kinds.tolist()]

@@ -1,0 +1,174 @@
+"""`kvmesh train-v41`: train the shipped DeepSeek V4.1 model (v41_model.py) on code and
+English (v41_data.py) with the shared step loop (loop.run_steps: AdamW, warm-up + cosine,
+progress with an ETA, held-out evaluations, a time budget, resumable checkpoints).
+
+The run directory is a Hugging Face checkpoint directory at every checkpoint:
+    config.json, model.safetensors   the model as `load_v41_checkpoint` reads it (bf16,
+                                     the release's names, one tensor per expert)
+    tokenizer.json, tokenizer_config.json   copied from --tokenizer
+    state.pt                         fp32 weights, optimizer, step, RNG states (resume)
+    tokens.pt                        the tokenized corpus (a cache)
+    train.log                        the progress lines
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
+from services.engine.model.deepseek_v4.v41_forward import V41Model
+from services.engine.train import data, v41_data
+from services.engine.train.loop import _atomic_save, _Log, make_optimizer, resume_from, run_steps
+from services.engine.train.v41_model import balance, forward, initial_weights, shipped_config
+
+RESUME_KEYS = ("seed", "batch", "seq_len", "steps", "lr", "warmup", "decay_by_time",
+               "english_fraction")
+
+
+@dataclass
+class V41TrainArgs:
+    out: str = "runs/v41-tiny"
+    tokenizer: str = ""
+    steps: int = 4000
+    batch: int = 1
+    seq_len: int = 1024
+    lr: float = 2e-3
+    min_lr_frac: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    kl_weight: float = 1.0
+    balance_rate: float = 1e-3
+    english_fraction: float = 0.2
+    seed: int = 0
+    threads: int = 1
+    log_every: int = 10
+    eval_every: int = 200
+    eval_windows: int = 4
+    ckpt_minutes: float = 5.0
+    time_budget_min: float = 0.0
+    decay_by_time: bool = False
+    resume: bool = False
+
+
+def step_loss(model: V41Model, rows: list[torch.Tensor], kl_weight: float):
+    """Mean over the rows of (LM loss + kl_weight * indexer KL) -> (loss, LM nats/token, KL,
+    expert loads per layer summed over the rows)."""
+    total, lm_sum, kl_sum, loads = 0.0, 0.0, 0.0, None
+    for row in rows:
+        out = forward(model, row[:-1].long())
+        lm = F.cross_entropy(out.logits.float(), row[1:].long())
+        total = total + (lm + kl_weight * out.indexer_kl) / len(rows)
+        lm_sum, kl_sum = lm_sum + lm.item(), kl_sum + out.indexer_kl.item()
+        loads = out.loads if loads is None else [a + b for a, b in zip(loads, out.loads, strict=True)]
+    return total, lm_sum / len(rows), kl_sum / len(rows), loads
+
+
+@torch.no_grad()
+def eval_bits(model: V41Model, windows: torch.Tensor, nbytes: torch.Tensor) -> float:
+    """Bits per byte over every target of `windows` [n, T + 1] (nbytes: bytes per id)."""
+    nats, count = 0.0, 0.0
+    for row in windows.long():
+        logits = model.logits(row[:-1])
+        nats += float(F.cross_entropy(logits.float(), row[1:], reduction="sum"))
+        count += float(nbytes[row[1:]].sum())
+    return nats / math.log(2) / count
+
+
+def save_hf(directory: Path, raw_config: dict, weights: dict[str, torch.Tensor],
+            dtype: torch.dtype = torch.bfloat16) -> None:
+    """config.json and model.safetensors as DeepSeek's release names them (experts one by
+    one), replaced whole (a crash leaves the previous pair)."""
+    from safetensors.torch import save_file
+
+    stored = {}
+    for name, value in weights.items():
+        value = value.detach()
+        if name.endswith("experts.w13"):
+            base, inter = name[:-len("w13")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                stored[f"{base}{e}.w1.weight"] = value[e, :inter]
+                stored[f"{base}{e}.w3.weight"] = value[e, inter:]
+        elif name.endswith("experts.w2"):
+            for e in range(value.shape[0]):
+                stored[f"{name[:-len('w2')]}{e}.w2.weight"] = value[e]
+        else:
+            stored[name] = value
+    stored = {k: v.to(dtype).contiguous() for k, v in stored.items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / "model.safetensors.tmp"
+    save_file(stored, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, directory / "model.safetensors")
+    config = {**raw_config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def train_v41(a: V41TrainArgs) -> dict:
+    from tokenizers import Tokenizer
+
+    if not a.tokenizer or not (Path(a.tokenizer) / "tokenizer.json").is_file():
+        raise ValueError(f"--tokenizer {a.tokenizer!r}: expected a directory holding "
+                         "tokenizer.json (kvmesh train-tokenizer writes one)")
+    if not 0.0 <= a.english_fraction <= 1.0:
+        raise ValueError(f"--english-fraction {a.english_fraction}: expected 0..1")
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    run = Path(a.out)
+    run.mkdir(parents=True, exist_ok=True)
+    log = _Log(run / "train.log")
+    tok = Tokenizer.from_file(str(Path(a.tokenizer) / "tokenizer.json"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if Path(a.tokenizer).resolve() != run.resolve():
+            shutil.copy(Path(a.tokenizer) / name, run / name)
+    raw = shipped_config(vocab_size=tok.get_vocab_size())
+    cfg = v41_config_from_dict(raw)
+    corpus = v41_data.load(tok, run / "tokens.pt")
+    log(f"corpus {corpus.describe()}")
+    nbytes = v41_data.token_bytes(tok)
+    val = {kind: data.eval_windows(corpus.val[kind], a.eval_windows, a.seq_len)
+           for kind in v41_data.KINDS}
+
+    w = {k: t.requires_grad_(True) for k, t in initial_weights(cfg, a.seed).items()}
+    trained = {k: t for k, t in w.items() if not k.endswith("gate.bias")}   # bias: `balance`
+    opt = make_optimizer(trained, a)
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    st, resumed = resume_from(a, run, RESUME_KEYS, opt, gen, log)
+    if st is not None:
+        with torch.no_grad():
+            for k, t in w.items():
+                t.copy_(st["weights"][k])
+        torch.set_rng_state(st["torch_rng"])
+    model = V41Model(cfg, w, torch.float32)
+    log(f"model deepseek_v41: {sum(t.numel() for t in w.values()):,} parameters; "
+        f"{json.dumps(asdict(a), sort_keys=True)}")
+
+    def one_step():
+        rows = v41_data.sample(corpus, a.batch, a.seq_len, a.english_fraction, gen)
+        loss, lm, kl, loads = step_loss(model, rows, a.kl_weight)
+        balance(w, cfg, loads, a.balance_rate)
+        spread = max(float(x.max()) / max(float(x.float().mean()), 1e-9) for x in loads)
+        return loss, lambda: (f"loss {lm:.4f} nats/token kl {kl:.3f} max/mean load {spread:.2f}",
+                              {"loss": round(lm, 5), "kl": round(kl, 5),
+                               "max_load": round(spread, 3)})
+
+    def evaluate():
+        bits = {kind: eval_bits(model, val[kind], nbytes) for kind in v41_data.KINDS}
+        return (" ".join(f"{k} {v:.3f} bits/byte" for k, v in bits.items()),
+                {f"val_{k}_bits_per_byte": round(v, 4) for k, v in bits.items()})
+
+    def save(step, elapsed, history):
+        _atomic_save({"weights": {k: t.detach().clone() for k, t in w.items()},
+                      "opt": opt.state_dict(), "step": step, "gen": gen.get_state(),
+                      "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "args": asdict(a),
+                      "history": history}, run / "state.pt")
+        save_hf(run, raw, w)
+
+    return run_steps(a, opt, list(trained.values()), resumed, one_step, evaluate, save, log)
