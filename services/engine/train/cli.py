@@ -90,7 +90,8 @@ def register(sub) -> None:
     m.set_defaults(func=_train_mtp)
 
     e = sub.add_parser("train-eval", help="held-out bits/byte, unigram baseline, context beyond the window")
-    e.add_argument("checkpoint", help="model.safetensors")
+    e.add_argument("checkpoint", help="a V4-mini model.safetensors, or a DeepSeek V4.1 checkpoint "
+                   "directory (code and English measured apart)")
     e.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
     e.add_argument("--windows", type=int, default=32,
                    help="held-out windows of --seq-len tokens (default: %(default)s)")
@@ -159,12 +160,17 @@ def _run(command: str, args_cls, fn, args) -> int:
 
 
 def _eval(args) -> int:
-    from services.engine.train.evaluate import evaluate
+    from services.engine.model.deepseek_v4.checkpoint import model_type
+    from services.engine.train import evaluate, v41_evaluate
 
     try:
-        metrics = evaluate(args.checkpoint, args.preset, args.windows, args.seq_len, args.cut_stride,
-                           args.threads)
-    except ValueError as exc:
+        if model_type(args.checkpoint) == "deepseek_v41":
+            metrics = v41_evaluate.evaluate(args.checkpoint, args.windows, args.seq_len,
+                                            args.cut_stride, args.threads)
+        else:
+            metrics = evaluate.evaluate(args.checkpoint, args.preset, args.windows, args.seq_len,
+                                        args.cut_stride, args.threads)
+    except ValueError as exc:   # CheckpointError is one
         print(f"kvmesh train-eval: {exc}", file=sys.stderr)
         return 2
     text = json.dumps(metrics, indent=2, sort_keys=True)

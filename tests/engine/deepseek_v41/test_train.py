@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
 from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
 from services.engine.model.deepseek_v4.v41_forward import V41Model
-from services.engine.train import bpe, data, v41_data
+from services.engine.train import bpe, data, v41_data, v41_evaluate
 from services.engine.train.v41_loop import V41TrainArgs, step_loss, train_v41
 from services.engine.train.v41_model import balance, forward, initial_weights, shipped_config
 from tests.engine.deepseek_v41 import tiny
@@ -136,6 +136,25 @@ def test_train_v41_lowers_the_loss_resumes_and_writes_a_loadable_checkpoint(
     ids = torch.randint(0, cfg.vocab_size, (40,))
     assert torch.equal(V41Model(cfg, w, torch.float32).logits(ids),
                        V41Model(cfg, trained, torch.float32).logits(ids))
+
+    # `kvmesh train-eval RUN_DIR` measures it, code and English apart
+    m = v41_evaluate.evaluate(str(run), windows=3, seq_len=520, cut_stride=4)
+    for kind in v41_data.KINDS:
+        k = m[kind]
+        assert k["held_out_files"] == 2 and k["windows"] == min(3, k["held_out_tokens"] // 521)
+        assert k["predictions"] == 520 * k["windows"] and k["beyond_window"]["n"] == 2 * k["windows"]
+        assert 0 < k["bits_per_byte"] < 20 and 0 < k["byte_unigram_bits_per_byte"] < 8
+        bw = k["beyond_window"]
+        assert bw["gap_bits_per_byte"] == pytest.approx(
+            bw["cut_to_window_bits_per_byte"] - bw["full_context_bits_per_byte"], abs=1e-12)
+
+
+def test_evaluation_windows_do_not_overlap():
+    stream = torch.arange(100)
+    win = v41_evaluate.windows_of(stream, 8, 19)
+    assert win.shape == (5, 20) and len(set(win.reshape(-1).tolist())) == 100
+    with pytest.raises(ValueError, match="shorter than one window"):
+        v41_evaluate.windows_of(stream, 2, 100)
 
 
 def test_train_v41_refuses_a_missing_tokenizer(tmp_path):

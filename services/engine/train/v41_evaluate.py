@@ -1,0 +1,112 @@
+"""Measure a DeepSeek V4.1 checkpoint directory on the held-out files, code and English apart
+(what `kvmesh train-eval DIR` prints and the model card quotes).
+
+- held-out bits/byte: every target of non-overlapping, evenly spaced windows of `seq_len`
+  tokens, the checkpoint's own forward (V41Model.logits, fp32);
+- baselines on the same targets: an add-one unigram over the training split's tokens, and
+  an add-one unigram over its bytes (the byte-level models' baseline);
+- context beyond the window: for positions p >= 512 (every `cut_stride`th), the loss of
+  token p+1 given the whole window vs given only the last W tokens (p-W+1..p, run as a
+  fresh sequence). The gap is what the compressed caches carry past the sliding window.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+from services.engine.model.deepseek_v4.v41_forward import V41Model
+from services.engine.train import data, v41_data
+
+CUT_FROM = 512
+
+
+def windows_of(stream: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
+    """Up to n non-overlapping windows of seq_len + 1 tokens, evenly spaced."""
+    n = min(n, len(stream) // (seq_len + 1))
+    if n == 0:
+        raise ValueError(f"a held-out stream of {len(stream)} tokens is shorter than one window "
+                         f"of {seq_len + 1}")
+    return data.eval_windows(stream, n, seq_len)
+
+
+@torch.no_grad()
+def position_losses(model: V41Model, windows: torch.Tensor) -> torch.Tensor:
+    """[n, T] nats of target t+1 given tokens 0..t (float64, for the sums)."""
+    return torch.stack([F.cross_entropy(model.logits(row[:-1]).float(), row[1:], reduction="none")
+                        for row in windows.long()]).double()
+
+
+@torch.no_grad()
+def cut_losses(model: V41Model, windows: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """[n, len(positions)] nats of token p+1 given only the last W tokens up to p."""
+    w = model.cfg.window
+    return torch.tensor([[float(F.cross_entropy(model.logits(row[p - w + 1:p + 1])[-1].float(),
+                                                row[p + 1]))
+                          for p in positions] for row in windows.long()], dtype=torch.float64)
+
+
+def byte_unigram_bits(root, files, windows: torch.Tensor, tok) -> float:
+    """Bits/byte of the windows' target text under the add-one byte unigram of `files`."""
+    counts = torch.ones(256, dtype=torch.float64)
+    for rel in files:
+        counts += torch.bincount(torch.frombuffer(bytearray((root / rel).read_bytes()) or
+                                                  bytearray(1), dtype=torch.uint8).long(),
+                                 minlength=256).double()
+    logp = torch.log2(counts / counts.sum())
+    total, nbytes = 0.0, 0
+    for row in windows.long():
+        text = tok.decode(row[1:].tolist(), skip_special_tokens=False).encode()
+        total -= float(logp[torch.frombuffer(bytearray(text), dtype=torch.uint8).long()].sum())
+        nbytes += len(text)
+    return total / nbytes
+
+
+def evaluate(directory: str, windows: int = 32, seq_len: int = 1024, cut_stride: int = 32,
+             threads: int = 1) -> dict:
+    from tokenizers import Tokenizer
+
+    if seq_len <= CUT_FROM:
+        raise ValueError(f"seq_len must exceed {CUT_FROM} to measure context beyond the window")
+    torch.set_num_threads(threads)
+    cfg, weights = load_v41_checkpoint(directory, torch.float32)
+    model = V41Model(cfg, weights, torch.float32)
+    tok = Tokenizer.from_file(f"{directory}/tokenizer.json")
+    nbytes = v41_data.token_bytes(tok)
+    ln2 = math.log(2)
+    out = {"checkpoint": str(directory), "eval_seq_len": seq_len}
+    for kind, (root, files) in v41_data.sources().items():
+        train_files, val_files = data.split(files)
+        train, val = v41_data.encode(tok, root, train_files), v41_data.encode(tok, root, val_files)
+        win = windows_of(val, windows, seq_len)
+        targets = win[:, 1:].long()
+        target_bytes = nbytes[targets]
+        full = position_losses(model, win)
+        counts = torch.bincount(train.long(), minlength=cfg.vocab_size).double() + 1.0
+        unigram_nats = -torch.log(counts / counts.sum())[targets]
+        positions = list(range(CUT_FROM, seq_len, cut_stride))
+        cut = cut_losses(model, win, positions)
+        full_at, bytes_at = full[:, positions], target_bytes[:, positions]
+        diff = (cut - full_at).reshape(-1)
+        out[kind] = {
+            "train_files": len(train_files), "held_out_files": len(val_files),
+            "train_tokens": len(train), "held_out_tokens": len(val),
+            "windows": len(win), "predictions": int(full.numel()),
+            "bytes_per_token": float(target_bytes.mean()),
+            "bits_per_byte": float(full.sum()) / ln2 / float(target_bytes.sum()),
+            "token_unigram_bits_per_byte": float(unigram_nats.sum()) / ln2 / float(target_bytes.sum()),
+            "byte_unigram_bits_per_byte": byte_unigram_bits(root, train_files, win, tok),
+            "beyond_window": {
+                "positions": f"{CUT_FROM}..{seq_len - 1} step {cut_stride}",
+                "n": int(cut.numel()),
+                "full_context_bits_per_byte": float(full_at.sum()) / ln2 / float(bytes_at.sum()),
+                "cut_to_window_bits_per_byte": float(cut.sum()) / ln2 / float(bytes_at.sum()),
+                "gap_bits_per_byte": float(diff.sum()) / ln2 / float(bytes_at.sum()),
+                "gap_stderr_bits_per_byte": float(diff.std() / math.sqrt(diff.numel())) / ln2
+                                            / float(bytes_at.mean()),
+            },
+        }
+    return out
