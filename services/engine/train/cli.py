@@ -43,6 +43,7 @@ V41_HELP = {
     "kl_weight": "weight of the index sources' KL loss",
     "balance_rate": "step of the gate.bias update towards equal expert loads",
     "english_fraction": "share of the training sequences drawn from the English text",
+    "chat_fraction": "share of the training sequences drawn from the conversations",
 }
 
 

@@ -2,27 +2,33 @@
 
 - code: the standard library's .py files (data.py);
 - English: the prose installed packages ship (each distribution's METADATA, which holds its
-  README, and the .md / .rst files under site-packages), which needs no network.
+  README, and the .md / .rst files under site-packages), which needs no network;
+- chat: one conversation per documented public function, class or method of those .py files, in
+  DeepSeek V4's chat encoding: the user asks what `module.name` does, the assistant answers
+  with the docstring's first paragraph. It teaches the turn structure, so a chat request gets
+  an answer shaped like one (the facts are only as good as a 9M-parameter model's).
 
 Each kind is split by data.is_held_out on the file's relative path, as the code always was:
-a held-out file is never trained on, by the tokenizer (bpe.py) or the model. A file's tokens
-are followed by the end-of-sentence id, files in sorted order. Bits per byte count each
+a held-out file (and the conversations drawn from it) is never trained on, by the tokenizer
+(bpe.py) or the model. A text's tokens are followed by the end-of-sentence id, in sorted
+file order. Bits per byte count each
 token's UTF-8 bytes (a byte-level BPE token's string has one character per byte) and one
 byte for the end-of-sentence id, as the byte-level models counted their EOS.
 """
 
 from __future__ import annotations
 
+import ast
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvmesh.chat_deepseek_v4 import EOS
+from kvmesh.chat_deepseek_v4 import EOS, encode_chat
 from services.engine.train import data
 
-KINDS = ("code", "english")
+KINDS = ("code", "english", "chat")
 ENGLISH_SUFFIXES = (".md", ".rst")
 MIN_ENGLISH_BYTES = 500          # smaller files are mostly a line or two of boilerplate
 
@@ -40,22 +46,58 @@ def english_files(root: Path | None = None) -> list[Path]:
 
 
 def sources() -> dict[str, tuple[Path, list[Path]]]:
-    """kind -> (root, files)."""
+    """kind -> (root, files); chat is drawn from the code files."""
     code_root, english = data.stdlib_root(), english_root()
-    return {"code": (code_root, data.stdlib_files(code_root)),
-            "english": (english, english_files(english))}
+    code = data.stdlib_files(code_root)
+    return {"code": (code_root, code), "english": (english, english_files(english)),
+            "chat": (code_root, code)}
 
 
-def texts(root: Path, files: list[Path]):
+def texts(root: Path, files: list[Path], kind: str = "code"):
+    """The kind's texts from these files: each file whole, or (chat) its conversations."""
     for rel in files:
-        yield (root / rel).read_text(encoding="utf-8", errors="replace")
+        text = (root / rel).read_text(encoding="utf-8", errors="replace")
+        if kind == "chat":
+            yield from conversations(rel, text)
+        else:
+            yield text
+
+
+def conversations(rel: Path, source: str) -> list[str]:
+    """One chat per documented top-level def or class of a module (its docstring's first
+    paragraph, at most 400 characters, as the answer; the end-of-sentence id follows in
+    `encode`)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    parts = rel.with_suffix("").parts
+    module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    top = [node for node in tree.body if isinstance(node, defs)]
+    documented = [(node, f"{module}.{node.name}", None) for node in top]
+    documented += [(item, f"{module}.{node.name}.{item.name}", "method") for node in top
+                   if isinstance(node, ast.ClassDef) for item in node.body
+                   if isinstance(item, defs[:2])]
+    out = []
+    for node, name, kind in documented:
+        doc = ast.get_docstring(node)
+        if node.name.startswith("_") or not doc:
+            continue
+        answer = " ".join(doc.split("\n\n")[0].split())
+        if 20 <= len(answer) <= 400:
+            kind = kind or ("class" if isinstance(node, ast.ClassDef) else "function")
+            question = f"What does the {kind} `{name}` do?"
+            out.append(encode_chat([{"role": "user", "content": question}]) + answer)
+    return out
 
 
 def training_texts():
-    """Every kind's training split, as text (what the tokenizer is trained on)."""
-    for root, files in sources().values():
-        train, _ = data.split(files)
-        yield from texts(root, train)
+    """The code and English training splits, as text (what the tokenizer is trained on)."""
+    for kind, (root, files) in sources().items():
+        if kind != "chat":
+            train, _ = data.split(files)
+            yield from texts(root, train, kind)
 
 
 @dataclass
@@ -70,10 +112,10 @@ class TokenCorpus:
                          for kind in KINDS)
 
 
-def encode(tok, root: Path, files: list[Path]) -> torch.Tensor:
+def encode(tok, root: Path, files: list[Path], kind: str = "code") -> torch.Tensor:
     eos = tok.token_to_id(EOS)
     ids: list[int] = []
-    for enc in tok.encode_batch(list(texts(root, files)), add_special_tokens=False):
+    for enc in tok.encode_batch(list(texts(root, files, kind)), add_special_tokens=False):
         ids.extend(enc.ids)
         ids.append(eos)
     return torch.tensor(ids, dtype=torch.int16 if tok.get_vocab_size() < 32768 else torch.int32)
@@ -86,7 +128,8 @@ def load(tok, cache: Path | None = None) -> TokenCorpus:
     train, val, counts = {}, {}, {}
     for kind, (root, files) in sources().items():
         train_files, val_files = data.split(files)
-        train[kind], val[kind] = encode(tok, root, train_files), encode(tok, root, val_files)
+        train[kind] = encode(tok, root, train_files, kind)
+        val[kind] = encode(tok, root, val_files, kind)
         counts[kind] = (len(train_files), len(val_files))
     corpus = TokenCorpus(train, val, counts)
     if cache is not None:
@@ -105,8 +148,10 @@ def token_bytes(tok) -> torch.Tensor:
 
 
 def sample(corpus: TokenCorpus, batch: int, seq_len: int, english_fraction: float,
-           gen: torch.Generator) -> list[torch.Tensor]:
-    """`batch` windows of seq_len + 1 tokens, each from English with `english_fraction`."""
-    kinds = torch.rand(batch, generator=gen) < english_fraction
-    return [data.sample_batch(corpus.train["english" if e else "code"], 1, seq_len, gen)[0]
-            for e in kinds.tolist()]
+           chat_fraction: float, gen: torch.Generator) -> list[torch.Tensor]:
+    """`batch` windows of seq_len + 1 tokens, each from English with `english_fraction`,
+    from the conversations with `chat_fraction`, else from the code."""
+    draws = torch.rand(batch, generator=gen).tolist()
+    kinds = ["english" if u < english_fraction else
+             "chat" if u < english_fraction + chat_fraction else "code" for u in draws]
+    return [data.sample_batch(corpus.train[kind], 1, seq_len, gen)[0] for kind in kinds]

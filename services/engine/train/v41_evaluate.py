@@ -1,4 +1,5 @@
-"""Measure a DeepSeek V4.1 checkpoint directory on the held-out files, code and English apart
+"""Measure a DeepSeek V4.1 checkpoint directory on the held-out files, code, English and the
+conversations apart
 (what `kvmesh train-eval DIR` prints and the model card quotes).
 
 - held-out bits/byte: every target of non-overlapping, evenly spaced windows of `seq_len`
@@ -49,13 +50,14 @@ def cut_losses(model: V41Model, windows: torch.Tensor, positions: list[int]) -> 
                           for p in positions] for row in windows.long()], dtype=torch.float64)
 
 
-def byte_unigram_bits(root, files, windows: torch.Tensor, tok) -> float:
-    """Bits/byte of the windows' target text under the add-one byte unigram of `files`."""
+def byte_unigram_bits(texts, windows: torch.Tensor, tok) -> float:
+    """Bits/byte of the windows' target text under the add-one byte unigram of `texts`."""
     counts = torch.ones(256, dtype=torch.float64)
-    for rel in files:
-        counts += torch.bincount(torch.frombuffer(bytearray((root / rel).read_bytes()) or
-                                                  bytearray(1), dtype=torch.uint8).long(),
-                                 minlength=256).double()
+    for text in texts:
+        raw = bytearray(text.encode())
+        if raw:
+            counts += torch.bincount(torch.frombuffer(raw, dtype=torch.uint8).long(),
+                                     minlength=256).double()
     logp = torch.log2(counts / counts.sum())
     total, nbytes = 0.0, 0
     for row in windows.long():
@@ -80,7 +82,8 @@ def evaluate(directory: str, windows: int = 32, seq_len: int = 1024, cut_stride:
     out = {"checkpoint": str(directory), "eval_seq_len": seq_len}
     for kind, (root, files) in v41_data.sources().items():
         train_files, val_files = data.split(files)
-        train, val = v41_data.encode(tok, root, train_files), v41_data.encode(tok, root, val_files)
+        train = v41_data.encode(tok, root, train_files, kind)
+        val = v41_data.encode(tok, root, val_files, kind)
         win = windows_of(val, windows, seq_len)
         targets = win[:, 1:].long()
         target_bytes = nbytes[targets]
@@ -98,7 +101,8 @@ def evaluate(directory: str, windows: int = 32, seq_len: int = 1024, cut_stride:
             "bytes_per_token": float(target_bytes.mean()),
             "bits_per_byte": float(full.sum()) / ln2 / float(target_bytes.sum()),
             "token_unigram_bits_per_byte": float(unigram_nats.sum()) / ln2 / float(target_bytes.sum()),
-            "byte_unigram_bits_per_byte": byte_unigram_bits(root, train_files, win, tok),
+            "byte_unigram_bits_per_byte": byte_unigram_bits(
+                v41_data.texts(root, train_files, kind), win, tok),
             "beyond_window": {
                 "positions": f"{CUT_FROM}..{seq_len - 1} step {cut_stride}",
                 "n": int(cut.numel()),

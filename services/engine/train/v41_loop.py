@@ -1,5 +1,5 @@
 """`kvmesh train-v41`: train the shipped DeepSeek V4.1 model (v41_model.py) on code and
-English (v41_data.py) with the shared step loop (loop.run_steps: AdamW, warm-up + cosine,
+English and conversations (v41_data.py) with the shared step loop (loop.run_steps: AdamW, warm-up + cosine,
 progress with an ETA, held-out evaluations, a time budget, resumable checkpoints).
 
 The run directory is a Hugging Face checkpoint directory at every checkpoint:
@@ -30,7 +30,7 @@ from services.engine.train.loop import _atomic_save, _Log, make_optimizer, resum
 from services.engine.train.v41_model import balance, forward, initial_weights, shipped_config
 
 RESUME_KEYS = ("seed", "batch", "seq_len", "steps", "lr", "warmup", "decay_by_time",
-               "english_fraction")
+               "english_fraction", "chat_fraction")
 
 
 @dataclass
@@ -48,6 +48,7 @@ class V41TrainArgs:
     kl_weight: float = 1.0
     balance_rate: float = 1e-3
     english_fraction: float = 0.2
+    chat_fraction: float = 0.1
     seed: int = 0
     threads: int = 1
     log_every: int = 10
@@ -117,8 +118,9 @@ def train_v41(a: V41TrainArgs) -> dict:
     if not a.tokenizer or not (Path(a.tokenizer) / "tokenizer.json").is_file():
         raise ValueError(f"--tokenizer {a.tokenizer!r}: expected a directory holding "
                          "tokenizer.json (kvmesh train-tokenizer writes one)")
-    if not 0.0 <= a.english_fraction <= 1.0:
-        raise ValueError(f"--english-fraction {a.english_fraction}: expected 0..1")
+    if min(a.english_fraction, a.chat_fraction) < 0 or a.english_fraction + a.chat_fraction > 1:
+        raise ValueError(f"--english-fraction {a.english_fraction}, --chat-fraction "
+                         f"{a.chat_fraction}: expected shares >= 0 adding up to at most 1")
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     run = Path(a.out)
@@ -151,7 +153,8 @@ def train_v41(a: V41TrainArgs) -> dict:
         f"{json.dumps(asdict(a), sort_keys=True)}")
 
     def one_step():
-        rows = v41_data.sample(corpus, a.batch, a.seq_len, a.english_fraction, gen)
+        rows = v41_data.sample(corpus, a.batch, a.seq_len, a.english_fraction, a.chat_fraction,
+                               gen)
         loss, lm, kl, loads = step_loss(model, rows, a.kl_weight)
         balance(w, cfg, loads, a.balance_rate)
         spread = max(float(x.max()) / max(float(x.float().mean()), 1e-9) for x in loads)

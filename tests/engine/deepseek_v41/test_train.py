@@ -94,19 +94,21 @@ def small_corpus(tmp_path_factory):
     """A few real files of each kind, some held out, and a tokenizer trained on them."""
     chosen = {}
     for kind, (root, files) in v41_data.sources().items():
+        if kind == "chat":   # files with enough conversations for a window or two
+            files = [f for f in files if len(list(v41_data.texts(root, [f], kind))) > 20]
         held = [f for f in files if data.is_held_out(f)][:2]
         train = [f for f in files if not data.is_held_out(f)][:12]
         assert held and train, kind
         chosen[kind] = (root, sorted(train + held))
     directory = tmp_path_factory.mktemp("tok")
-    texts = [t for root, files in chosen.values() for t in v41_data.texts(root, files)]
+    texts = [t for kind, (root, files) in chosen.items() for t in v41_data.texts(root, files, kind)]
     bpe.save(bpe.train(texts, vocab_size=600), directory)
     return chosen, directory
 
 
 def _args(out, tokenizer, **kw) -> V41TrainArgs:
     base = dict(out=str(out), tokenizer=str(tokenizer), steps=10, batch=4, seq_len=64, lr=1e-2,
-                warmup=1, log_every=1, eval_every=5, eval_windows=1)
+                warmup=1, log_every=1, eval_every=5, eval_windows=1, chat_fraction=0.2)
     return V41TrainArgs(**{**base, **kw})
 
 
@@ -176,3 +178,33 @@ def test_step_loss_averages_the_rows():
     assert lm == pytest.approx(sum(lms) / 2, rel=1e-5)
     assert float(loss) == pytest.approx(lm + 0.5 * kl, rel=1e-5)
     assert [int(x.sum()) for x in loads] == [2 * 32 * cfg.experts_per_token] * 3
+
+
+def test_conversations_come_from_public_docstrings():
+    from pathlib import Path
+
+    source = '''
+def parse(text):
+    """Parse the text into a tree of nodes.
+
+    Details that the answer leaves out."""
+
+def _hidden():
+    """A private helper nobody asks about."""
+
+class Reader:
+    """Reads records one at a time from a file."""
+    def next_record(self):
+        """Return the next record, or None at the end."""
+    def undocumented(self):
+        pass
+'''
+    chats = v41_data.conversations(Path("pkg/__init__.py"), source)
+    assert chats == [
+        "<｜begin▁of▁sentence｜><｜User｜>What does the function `pkg.parse` do?<｜Assistant｜>"
+        "</think>Parse the text into a tree of nodes.",
+        "<｜begin▁of▁sentence｜><｜User｜>What does the class `pkg.Reader` do?<｜Assistant｜>"
+        "</think>Reads records one at a time from a file.",
+        "<｜begin▁of▁sentence｜><｜User｜>What does the method `pkg.Reader.next_record` do?"
+        "<｜Assistant｜></think>Return the next record, or None at the end."]
+    assert v41_data.conversations(Path("bad.py"), "def (:") == []
