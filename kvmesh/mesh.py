@@ -63,6 +63,10 @@ def main(argv):
 DEMO_TEMPERATURE = 0.8
 DEMO_SEED = 1
 DEMO_TOKENS = 32
+# Asked third, through the OpenAI-compatible HTTP API (greedy: an answer, not a sample). The
+# default model learned the chat turns from the standard library's docstrings.
+DEMO_QUESTION = "What does the function `os.path.join` do?"
+DEMO_ANSWER_TOKENS = 48
 
 
 def register(sub) -> None:
@@ -108,7 +112,9 @@ def register(sub) -> None:
                     help=f"stream two requests through the gateway ({DEMO_TOKENS} tokens each, "
                     f"sampled at temperature {DEMO_TEMPERATURE} with seed {DEMO_SEED}, so the "
                     "text is the same every run; the second prompt extends the first, so its "
-                    "usage line shows cached tokens), then stop the mesh and exit 0")
+                    "usage line shows cached tokens), ask one question through "
+                    "/v1/chat/completions (temperature 0; with the HTTP API on), then stop the mesh "
+                    "and exit 0")
     up.add_argument("--prompt", default=DEMO_PROMPT,
                     help=f"first prompt for --demo (default: a {len(DEMO_PROMPT.encode())}-byte "
                     "Python snippet the shipped model continues)")
@@ -223,7 +229,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         for line in address_lines(mesh):
             console.print(line, highlight=False, soft_wrap=True)
         if args.demo:
-            return asyncio.run(_demo(mesh.gateway, args.prompt, console))
+            code = asyncio.run(_demo(mesh.gateway, args.prompt, console))
+            if code == 0 and "gateway-http" in mesh.endpoints:
+                code = _demo_chat(mesh.endpoints["gateway-http"], console)
+            return code
         console.print("kvmesh is running (Ctrl-C stops the mesh)")
         supervise(mesh, console, getattr(args, "restart", False),
                   lambda: write_running(mesh.endpoints, running, service_pids(mesh)))
@@ -297,13 +306,42 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
                       lock_backing=True)
 
 
+def _demo_chat(url: str, console: Console) -> int:
+    """One question through the OpenAI-compatible API, as any OpenAI client would ask it."""
+    import json
+    import urllib.request
+
+    console.print(f"[bold]demo 3/3[/bold]: POST {url}/v1/chat/completions (temperature 0, "
+                  f"{DEMO_ANSWER_TOKENS} tokens at most)")
+    console.print(f"user: {DEMO_QUESTION}", style="dim", markup=False, highlight=False)
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
+            model = json.load(resp)["data"][0]["id"]
+        body = {"model": model, "max_tokens": DEMO_ANSWER_TOKENS, "temperature": 0,
+                "messages": [{"role": "user", "content": DEMO_QUESTION}]}
+        request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            reply = json.load(resp)
+    except OSError as exc:     # an HTTP error status is one
+        console.print(f"[red]chat request failed:[/red] {exc}", highlight=False)
+        return 1
+    answer = reply["choices"][0]["message"]["content"]
+    print("assistant: " + "".join(c if c.isprintable() or c in "\n\t" else
+                                  c.encode("unicode_escape").decode("ascii") for c in answer))
+    u = reply["usage"]
+    console.print(f"usage: prompt={u['prompt_tokens']} completion={u['completion_tokens']} "
+                  f"finish={reply['choices'][0]['finish_reason']}")
+    return 0
+
+
 async def _demo(gateway: str, prompt: str, console: Console) -> int:
     """Two requests: the second extends the first, so the usage line shows cache reuse."""
     from services.gateway.client import GatewayClient
 
     async with GatewayClient(gateway) as gw:
         for i, text in enumerate((prompt, prompt + DEMO_FOLLOW_UP)):
-            console.print(f"[bold]demo {i + 1}/2[/bold]: GenerateStream via {gateway} "
+            console.print(f"[bold]demo {i + 1}/3[/bold]: GenerateStream via {gateway} "
                           f"(temperature {DEMO_TEMPERATURE}, seed {DEMO_SEED}, {DEMO_TOKENS} tokens, "
                           f"{len(text.encode())}-byte prompt)")
             # The prompt dimmed, then the model's continuation as it streams in.

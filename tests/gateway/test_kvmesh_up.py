@@ -36,9 +36,12 @@ def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
     # window the first one stored (fresh log dir: nothing in the kvstore before)
     assert usages[0] == ("309", "0", "0", "32") and usages[1] == ("410", "256", "0", "32")
     # what `kvmesh up --help` promises for --demo is what it did (test_demo_help_...)
-    heads = re.findall(r"demo \d/2: GenerateStream via \S+ \(temperature ([\d.]+), seed (\d+), "
+    heads = re.findall(r"demo \d/3: GenerateStream via \S+ \(temperature ([\d.]+), seed (\d+), "
                        r"(\d+) tokens, (\d+)-byte prompt\)", text)
     assert heads == [("0.8", "1", "32", "309"), ("0.8", "1", "32", "410")], text[-3000:]
+    # the third: a chat request through the HTTP API, answered
+    assert "demo 3/3: POST http://127.0.0.1:" in text and "/v1/chat/completions" in text
+    assert re.search(r"usage: prompt=\d+ completion=[1-9]\d* finish=(stop|length)", text), text[-3000:]
     for name in ("kvstore", "kvstore-b", "directory", "engine-a", "engine-b", "gateway"):
         assert (tmp_path / "logs" / f"{name}.log").exists()
     assert list((tmp_path / "logs" / "valkey").glob("appendonly*")), "index not persisted"
@@ -59,6 +62,7 @@ def test_demo_help_says_what_the_demo_does():
     assert "greedy" not in text
     assert f"a {len(DEMO_PROMPT.encode())}-byte Python snippet" in text
     assert "exit 0" in text and "extends the first" in text
+    assert "/v1/chat/completions" in text
 
 
 def check_printed_addresses(text: str) -> None:
