@@ -33,30 +33,56 @@ from kvmesh.running import (
 )
 from kvmesh.tls import add_flags as add_tls_flags
 
-# A Python snippet the shipped model (models/v4-mini-tiny, trained on the standard library)
-# continues. 309 bytes: two full 128-token blocks plus a partial one.
-DEMO_PROMPT = '''import sys
+# A Python snippet the shipped model (trained on the standard library) continues: long
+# enough to fill two 128-token cache blocks whether the tokenizer is byte-level or BPE.
+DEMO_PROMPT = '''import os
+import sys
+
+
+class ConfigError(Exception):
+    """Raised when a configuration file cannot be read."""
 
 
 def read_config(path):
+    """Return the key = value pairs of the file at path as a dict.
+
+    Blank lines and lines starting with '#' are skipped.
+    """
+    if not os.path.exists(path):
+        raise ConfigError("no such file: %s" % path)
     config = {}
-    with open(path) as f:
-        for line in f:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
             line = line.strip()
-            if line.startswith("#"):
+            if not line or line.startswith("#"):
                 continue
-            key, _, value = line.partition("=")
+            key, sep, value = line.partition("=")
+            if not sep:
+                raise ConfigError("%s:%d: expected key = value" % (path, number))
             config[key.strip()] = value.strip()
     return config
+
+
+def write_config(path, config):
+    """Write the dict config to the file at path, one key = value per line."""
+    with open(path, "w", encoding="utf-8") as f:
+        for key in sorted(config):
+            f.write("%s = %s\n" % (key, config[key]))
+
+
+def merge(base, override):
+    """Return a new dict with the keys of base, updated from override."""
+    result = dict(base)
+    result.update(override)
+    return result
 '''
-# Sent second: extends the first prompt (410 bytes in all), so its first 256 tokens come
-# from cache.
+# Sent second: extends the first prompt, so its first full blocks come from cache.
 DEMO_FOLLOW_UP = '''
 
 def main(argv):
     if len(argv) != 2:
         sys.exit("usage: prog FILE")
-    return read_config('''
+    config = read_config('''
 
 # Seeded sampling, not greedy: the small shipped model's greedy continuation of code soon
 # repeats a line over and over; sampled, it writes varied Python-shaped text. Same seed, same text.

@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 from kvmesh.backing.proc import port_open
+from kvmesh.mesh import DEMO_FOLLOW_UP, DEMO_PROMPT
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
 UP = [sys.executable, "-m", "kvmesh.cli", "up", "--gateway-port", "0", "--http-port", "0",
@@ -34,11 +35,13 @@ def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
     assert len(usages) == 2, text[-3000:]
     # the second demo request extends the first: its first 256 tokens resume from the
     # window the first one stored (fresh log dir: nothing in the kvstore before)
-    assert usages[0] == ("309", "0", "0", "32") and usages[1] == ("410", "256", "0", "32")
+    n1, n2 = (len(text.encode()) for text in (DEMO_PROMPT, DEMO_PROMPT + DEMO_FOLLOW_UP))
+    assert usages[0] == (str(n1), "0", "0", "32")
+    assert usages[1] == (str(n2), str(n1 // 128 * 128), "0", "32")
     # what `kvmesh up --help` promises for --demo is what it did (test_demo_help_...)
     heads = re.findall(r"demo \d/3: GenerateStream via \S+ \(temperature ([\d.]+), seed (\d+), "
                        r"(\d+) tokens, (\d+)-byte prompt\)", text)
-    assert heads == [("0.8", "1", "32", "309"), ("0.8", "1", "32", "410")], text[-3000:]
+    assert heads == [("0.8", "1", "32", str(n1)), ("0.8", "1", "32", str(n2))], text[-3000:]
     # the third: a chat request through the HTTP API, answered
     assert "demo 3/3: POST http://127.0.0.1:" in text and "/v1/chat/completions" in text
     assert re.search(r"usage: prompt=\d+ completion=[1-9]\d* finish=(stop|length)", text), text[-3000:]
@@ -51,7 +54,7 @@ def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
 
 
 def test_demo_help_says_what_the_demo_does():
-    from kvmesh.mesh import DEMO_PROMPT, DEMO_SEED, DEMO_TEMPERATURE, DEMO_TOKENS
+    from kvmesh.mesh import DEMO_SEED, DEMO_TEMPERATURE, DEMO_TOKENS
 
     out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "up", "--help"], env=ENV,
                          capture_output=True, text=True, timeout=60)
