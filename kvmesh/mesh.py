@@ -31,6 +31,7 @@ from kvmesh.running import (
     write_running,
     write_tokens,
 )
+from kvmesh.shipped import DEFAULT_MODEL
 from kvmesh.tls import add_flags as add_tls_flags
 
 # A Python snippet the shipped model (trained on the standard library) continues: long
@@ -67,7 +68,7 @@ def write_config(path, config):
     """Write the dict config to the file at path, one key = value per line."""
     with open(path, "w", encoding="utf-8") as f:
         for key in sorted(config):
-            f.write("%s = %s\n" % (key, config[key]))
+            f.write("%s = %s\\n" % (key, config[key]))
 
 
 def merge(base, override):
@@ -109,10 +110,11 @@ def register(sub) -> None:
     up.add_argument("--kvstores", type=int, default=1,
                     help="kvstore replicas over the same shard locations and one shared index "
                     "in the mesh's Valkey; engines spread over them (default 1)")
-    up.add_argument("--model", default="",
-                    help="a DeepSeek V4 or V4.1 checkpoint directory the engines serve (float32, MXFP8 "
-                    "window rows); the gateway uses its tokenizer.json and chat encoding "
-                    "(default: none, the shipped V4-mini tiny model; docs/deepseek-v4.md)")
+    up.add_argument("--model", default=str(DEFAULT_MODEL),
+                    help="a DeepSeek V4 or V4.1 checkpoint directory the engines serve; the "
+                    "gateway uses its tokenizer.json and chat encoding (default: the shipped "
+                    "models/deepseek-v41-tiny; docs/deepseek-v4.md); 'v4-mini': the V4-mini "
+                    "tiny model, being retired")
     up.add_argument("--tokenizer", default="",
                     help="tokenizer.json for every engine and the gateway (default: the "
                     "--model checkpoint's, else byte-level)")
@@ -320,7 +322,7 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
                       http_port=args.http_port, metrics_port=args.metrics_port,
                       log_dir=Path(args.log_dir), num_slots=args.num_slots,
                       num_blocks=args.num_blocks, kvstores=args.kvstores,
-                      model=getattr(args, "model", ""),
+                      model="" if getattr(args, "model", "") == "v4-mini" else args.model,
                       **{k: getattr(args, k, "") for k in ("tokenizer", "dtype", "device",
                                                            "speculative")},
                       # Fresh random tokens per run: internal RPCs refuse anyone without them.

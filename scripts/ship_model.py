@@ -29,6 +29,7 @@ def training_record(run: Path, command: str) -> dict:
     a = st["args"]
     return {"command": command, "step": st["step"], "steps_planned": a["steps"],
             "tokens": st["step"] * a["batch"] * a["seq_len"], "minutes": round(st["elapsed"] / 60, 1),
+            "seconds": round(st["elapsed"], 1),
             "args": a, "python": platform.python_version(), "torch": torch.__version__,
             "history": st["history"]}
 

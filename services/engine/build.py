@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvmesh.shipped import DEFAULT_MODEL, MODELS
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.config import (
     PRESETS,
@@ -20,9 +21,9 @@ from services.engine.config import (
     preset,
 )
 
-# The trained checkpoint shipped in the repository (models/v4-mini-tiny/MODEL_CARD.md): the
-# default weights of the `tiny` preset. Seeded random weights only with --random-weights.
-DEFAULT_CHECKPOINTS = {"tiny": Path(__file__).resolve().parents[2] / "models" / "v4-mini-tiny" / "model.safetensors"}
+# The trained V4-mini checkpoint (models/v4-mini-tiny/MODEL_CARD.md): the default weights of
+# the `tiny` preset (--preset tiny). Seeded random weights only with --random-weights.
+DEFAULT_CHECKPOINTS = {"tiny": MODELS / "v4-mini-tiny" / "model.safetensors"}
 # --itl-ratio's default: a step carrying prefill work beside decodes is sized to about this
 # many decode-only steps (core/step_costs.py). The target is a p99 gap <= 3x the p50 without
 # prefill work, and a step's own tail is most of that: on the 2-core development machine
@@ -37,10 +38,11 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     g = p.add_argument_group(title)
     g.add_argument("--model", default=None,
                    help="a DeepSeek V4 or V4.1 checkpoint directory (config.json, safetensors, "
-                        "tokenizer.json): served instead of a V4-mini preset (default: none, "
-                        "the --preset model; docs/deepseek-v4.md)")
-    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                   help="V4-mini model size (without --model)")
+                        "tokenizer.json; docs/deepseek-v4.md) (default: the shipped "
+                        "models/deepseek-v41-tiny, unless a V4-mini flag is given)")
+    g.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="a V4-mini model size instead of --model (default: none; "
+                        "--checkpoint and --random-weights imply tiny; V4-mini is being retired)")
     g.add_argument("--checkpoint", help="safetensors file (default for tiny: the shipped "
                                         "models/v4-mini-tiny checkpoint)")
     g.add_argument("--random-weights", action="store_true",
@@ -131,9 +133,23 @@ def engine_config(args, env=None) -> EngineConfig:
     )
 
 
+def choose_model(args) -> None:
+    """Fill in the model the flags leave open: the shipped DeepSeek V4.1 model when none is
+    named, V4-mini's tiny preset when a V4-mini flag (--preset, --checkpoint,
+    --random-weights) is given without a size."""
+    if args.model is None and args.preset is None and not args.checkpoint \
+            and not args.random_weights:
+        if not (DEFAULT_MODEL / "config.json").exists():
+            raise ValueError(f"the shipped model {DEFAULT_MODEL} is missing: pass --model DIR")
+        args.model = str(DEFAULT_MODEL)
+    if args.preset is None and not args.model:
+        args.preset = "tiny"
+
+
 def runtime_layout(args, env=None) -> tuple[ModelConfig, EngineConfig, RuntimeLayout]:
-    """The configs and the one layout the engine built from `args` runs with."""
-    cfg = preset(args.preset)
+    """The configs and the one layout a V4-mini engine built from `args` runs with (after
+    `choose_model` the preset is set; a caller that skips it is sized as tiny)."""
+    cfg = preset(args.preset or "tiny")
     ecfg = engine_config(args, env)
     return cfg, ecfg, RuntimeLayout.build(cfg, ecfg)
 
@@ -141,7 +157,8 @@ def runtime_layout(args, env=None) -> tuple[ModelConfig, EngineConfig, RuntimeLa
 def build_core(args):
     """-> EngineCore, or V4Engine for --model. torch is imported here, not at module
     import: `kvmesh --help` and the remote `kvmesh generate` stay fast."""
-    if getattr(args, "model", None):
+    choose_model(args)
+    if args.model:
         return build_v4_core(args)
     import torch
 
@@ -212,7 +229,8 @@ def build_v4_core(args):
 
     given = [flag for flag, on in (("--checkpoint", args.checkpoint),
                                    ("--random-weights", args.random_weights),
-                                   ("--preset", args.preset != "tiny")) if on]
+                                   # (a deployment's --preset tiny yields to --model)
+                                   ("--preset", args.preset not in (None, "tiny"))) if on]
     if given:
         raise ValueError(f"--model excludes {', '.join(given)} (those choose a V4-mini model)")
     if args.device not in (None, "auto", "cpu"):

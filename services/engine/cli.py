@@ -11,7 +11,7 @@ from pathlib import Path
 from kvmesh.errors import KvmeshError
 from kvmesh.generation import DEFAULT_MAX_TOKENS
 from kvmesh.tls import add_flags as add_tls_flags
-from services.engine.build import add_engine_args, build_core, runtime_layout
+from services.engine.build import add_engine_args, build_core, choose_model, runtime_layout
 
 
 def register(sub) -> None:
@@ -115,6 +115,12 @@ def _budget(text: str) -> int:
 
 
 def _layout(args) -> int:
+    if not args.config:
+        try:
+            choose_model(args)
+        except ValueError as exc:
+            print(f"kvmesh engine layout: {exc}", file=sys.stderr)
+            return 2
     if args.model or args.config:
         return _v4_layout(args)
     from services.engine import layout_report

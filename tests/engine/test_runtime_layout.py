@@ -90,7 +90,7 @@ def test_flags_size_the_v41_flash_slot(no_env, truncation, extra):
 
 
 def test_engine_replica_matches_the_layout(no_env):
-    core = build_core(engine_args("--num-slots", "3", "--num-blocks", "8", "--truncation",
+    core = build_core(engine_args("--preset", "tiny", "--num-slots", "3", "--num-blocks", "8", "--truncation",
                                   "compact", "--keep-tokens", "134", "--extra-state"))
     assert core.prefix.replica.numel() == 3 * core.layout.replica_bytes
 
@@ -178,7 +178,7 @@ def test_layout_command_table_and_errors():
     out = kvmesh_cli("engine", "layout", "--preset", "v41-flash")
     assert out.returncode == 0, out.stderr
     assert "134" in out.stdout and "1,415,040" in out.stdout and "14,231,296" in out.stdout
-    bad = kvmesh_cli("engine", "layout", "--truncation", "compact")
+    bad = kvmesh_cli("engine", "layout", "--preset", "tiny", "--truncation", "compact")
     assert bad.returncode == 2 and "needs KEEP given explicitly" in bad.stderr
-    bad = kvmesh_cli("engine", "layout", "--memory", "lots")
+    bad = kvmesh_cli("engine", "layout", "--preset", "tiny", "--memory", "lots")
     assert bad.returncode == 2 and "memory budget 'lots'" in bad.stderr

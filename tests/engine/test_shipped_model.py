@@ -46,11 +46,12 @@ def test_shipped_checkpoint_is_the_default_random_weights_only_on_request():
         checkpoint_path(_args(preset="v41-flash"))
 
 
-def test_generate_local_default_model_writes_text():
-    """No --checkpoint: the shipped model. Sampled (its greedy continuation of code is
-    spaces), it writes printable ASCII with letters, unlike random weights' arbitrary bytes."""
-    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local",
-                          "def read(path):\n    with open(path) as f:\n", "--max-tokens", "32",
+def test_generate_local_tiny_preset_writes_text():
+    """--preset tiny, no --checkpoint: the shipped V4-mini model. Sampled (its greedy
+    continuation of code is spaces), it writes printable ASCII with letters, unlike random
+    weights' arbitrary bytes."""
+    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "--preset",
+                          "tiny", "def read(path):\n    with open(path) as f:\n", "--max-tokens", "32",
                           "--temperature", "0.8", "--gen-seed", "1"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -25,12 +25,20 @@ def test_up_flags_pass_through_to_every_engine(tmp_path):
 
 
 def test_without_them_engines_keep_their_defaults(tmp_path):
+    from services.engine.build import DEFAULT_MODEL, choose_model
+
     cfg = mesh_config(build_parser().parse_args(["up"]))
     e = _engine_args(engine_argv(cfg, "engine-a", 7201, "d:1", "k:2"))
     defaults = build_parser().parse_args(["engine", "serve"])
+    choose_model(defaults)                   # an engine given no model serves the shipped one
     assert (e.model, e.tokenizer, e.dtype, e.device, e.speculative) == \
         (defaults.model, defaults.tokenizer, defaults.dtype, defaults.device, defaults.speculative)
-    assert e.preset == "tiny" and e.truncation == "compact"      # V4-mini's shipped setting
+    assert e.model == str(DEFAULT_MODEL)
+    assert Mesh(cfg)._tokenizer_args() == ["--tokenizer", str(DEFAULT_MODEL / "tokenizer.json")]
+    # the retiring V4-mini, by name
+    cfg = mesh_config(build_parser().parse_args(["up", "--model", "v4-mini"]))
+    e = _engine_args(engine_argv(cfg, "engine-a", 7201, "d:1", "k:2"))
+    assert e.model is None and e.preset == "tiny" and e.truncation == "compact"
     (tmp_path / "tokenizer.json").write_text("{}")
     cfg = mesh_config(build_parser().parse_args(["up", "--model", str(tmp_path)]))
     assert Mesh(cfg)._tokenizer_args() == ["--tokenizer", str(tmp_path / "tokenizer.json")]

@@ -39,6 +39,8 @@ V41_HELP = {
     "out": "run directory: a Hugging Face checkpoint (config.json, model.safetensors, the "
            "tokenizer files) plus state.pt, tokens.pt and train.log",
     "tokenizer": "directory holding tokenizer.json (kvmesh train-tokenizer); required",
+    "init_from": "start from this checkpoint directory's weights (a second phase: its own "
+                 "schedule, a fresh optimizer); empty: fresh weights from --seed",
     "seq_len": "tokens per training sequence",
     "kl_weight": "weight of the index sources' KL loss",
     "balance_rate": "step of the gate.bias update towards equal expert loads",

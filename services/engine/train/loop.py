@@ -32,10 +32,10 @@ RESUME_KEYS = ("preset", "seed", "batch", "seq_len", "steps", "lr", "warmup", "c
 
 
 @dataclass
-class RunArgs:
-    """What every training run has (`kvmesh train`, `kvmesh train-mtp`; each its own defaults)."""
+class StepArgs:
+    """What every training run has (`kvmesh train`, `train-mtp`, `train-v41`; each its own
+    defaults): the step loop's settings."""
     out: str = "runs/tiny"
-    preset: str = "tiny"
     steps: int = 1000
     batch: int = 2
     seq_len: int = 1024
@@ -45,14 +45,20 @@ class RunArgs:
     weight_decay: float = 0.1
     clip: float = 1.0
     seed: int = 0
-    chunk: int = 64                   # measured fastest on CPU (W + 64 keys per query chunk)
-    bf16: bool = True
     threads: int = 1
     log_every: int = 5
     eval_every: int = 100
     eval_windows: int = 4
     ckpt_minutes: float = 5.0
     resume: bool = False
+
+
+@dataclass
+class RunArgs(StepArgs):
+    """A V4-mini run (`kvmesh train`, `kvmesh train-mtp`)."""
+    preset: str = "tiny"
+    chunk: int = 64                   # measured fastest on CPU (W + 64 keys per query chunk)
+    bf16: bool = True
 
 
 @dataclass

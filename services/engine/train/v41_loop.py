@@ -26,38 +26,37 @@ import torch.nn.functional as F
 from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
 from services.engine.model.deepseek_v4.v41_forward import V41Model
 from services.engine.train import data, v41_data
-from services.engine.train.loop import _atomic_save, _Log, make_optimizer, resume_from, run_steps
+from services.engine.train.loop import (
+    StepArgs,
+    _atomic_save,
+    _Log,
+    make_optimizer,
+    resume_from,
+    run_steps,
+)
 from services.engine.train.v41_model import balance, forward, initial_weights, shipped_config
 
 RESUME_KEYS = ("seed", "batch", "seq_len", "steps", "lr", "warmup", "decay_by_time",
-               "english_fraction", "chat_fraction")
+               "english_fraction", "chat_fraction", "init_from")
 
 
 @dataclass
-class V41TrainArgs:
+class V41TrainArgs(StepArgs):
     out: str = "runs/v41-tiny"
-    tokenizer: str = ""
     steps: int = 4000
     batch: int = 1
-    seq_len: int = 1024
     lr: float = 2e-3
-    min_lr_frac: float = 0.1
     warmup: int = 50
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    kl_weight: float = 1.0
-    balance_rate: float = 1e-3
-    english_fraction: float = 0.2
-    chat_fraction: float = 0.1
-    seed: int = 0
-    threads: int = 1
     log_every: int = 10
     eval_every: int = 200
-    eval_windows: int = 4
-    ckpt_minutes: float = 5.0
+    tokenizer: str = ""
+    init_from: str = ""
+    kl_weight: float = 1.0
+    balance_rate: float = 1e-2
+    english_fraction: float = 0.2
+    chat_fraction: float = 0.1
     time_budget_min: float = 0.0
     decay_by_time: bool = False
-    resume: bool = False
 
 
 def step_loss(model: V41Model, rows: list[torch.Tensor], kl_weight: float):
@@ -112,6 +111,21 @@ def save_hf(directory: Path, raw_config: dict, weights: dict[str, torch.Tensor],
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def starting_weights(cfg, a: V41TrainArgs, log) -> dict[str, torch.Tensor]:
+    """--init-from DIR's weights (a checkpoint directory of this same shape: a second phase
+    with its own schedule and a fresh optimizer), else `initial_weights`."""
+    if not a.init_from:
+        return initial_weights(cfg, a.seed)
+    from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+
+    given, w = load_v41_checkpoint(a.init_from, torch.float32)
+    if given != cfg:
+        raise ValueError(f"--init-from {a.init_from}: its config differs from the model this "
+                         "run trains")
+    log(f"weights from {a.init_from}")
+    return {k: t.contiguous() for k, t in w.items()}
+
+
 def train_v41(a: V41TrainArgs) -> dict:
     from tokenizers import Tokenizer
 
@@ -138,7 +152,7 @@ def train_v41(a: V41TrainArgs) -> dict:
     val = {kind: data.eval_windows(corpus.val[kind], a.eval_windows, a.seq_len)
            for kind in v41_data.KINDS}
 
-    w = {k: t.requires_grad_(True) for k, t in initial_weights(cfg, a.seed).items()}
+    w = {k: t.requires_grad_(True) for k, t in starting_weights(cfg, a, log).items()}
     trained = {k: t for k, t in w.items() if not k.endswith("gate.bias")}   # bias: `balance`
     opt = make_optimizer(trained, a)
     gen = torch.Generator().manual_seed(a.seed + 1)

@@ -15,7 +15,7 @@ from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
 from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
 from services.engine.model.deepseek_v4.v41_forward import V41Model
 from services.engine.train import bpe, data, v41_data, v41_evaluate
-from services.engine.train.v41_loop import V41TrainArgs, step_loss, train_v41
+from services.engine.train.v41_loop import V41TrainArgs, starting_weights, step_loss, train_v41
 from services.engine.train.v41_model import balance, forward, initial_weights, shipped_config
 from tests.engine.deepseek_v41 import tiny
 
@@ -138,6 +138,14 @@ def test_train_v41_lowers_the_loss_resumes_and_writes_a_loadable_checkpoint(
     ids = torch.randint(0, cfg.vocab_size, (40,))
     assert torch.equal(V41Model(cfg, w, torch.float32).logits(ids),
                        V41Model(cfg, trained, torch.float32).logits(ids))
+
+    # a second phase starts from it (--init-from), and refuses another shape
+    again = starting_weights(cfg, _args(tmp_path / "phase2", tokenizer, init_from=str(run)),
+                             print)
+    assert all(torch.equal(again[k], w[k]) for k in w)
+    other = v41_config_from_dict(shipped_config(vocab_size=600, hidden_size=128))
+    with pytest.raises(ValueError, match="--init-from"):
+        starting_weights(other, _args(tmp_path / "phase2", tokenizer, init_from=str(run)), print)
 
     # `kvmesh train-eval RUN_DIR` measures it, code and English apart
     m = v41_evaluate.evaluate(str(run), windows=3, seq_len=520, cut_stride=4)
