@@ -110,7 +110,7 @@ def register(sub) -> None:
     up.add_argument("--kvstores", type=int, default=1,
                     help="kvstore replicas over the same shard locations and one shared index "
                     "in the mesh's Valkey; engines spread over them (default 1)")
-    up.add_argument("--model", default=str(DEFAULT_MODEL),
+    up.add_argument("--model", default="",
                     help="a DeepSeek V4 or V4.1 checkpoint directory the engines serve; the "
                     "gateway uses its tokenizer.json and chat encoding (default: the shipped "
                     "models/deepseek-v41-tiny; docs/deepseek-v4.md); 'v4-mini': the V4-mini "
@@ -314,6 +314,13 @@ def supervise(mesh: Mesh, console: Console, restart: bool, on_restart=lambda: No
         time.sleep(every_s)
 
 
+def engine_model(flag: str) -> str:
+    """--model as MeshConfig.model takes it: a checkpoint directory, or "" for V4-mini."""
+    if flag == "v4-mini":
+        return ""
+    return flag or str(DEFAULT_MODEL)
+
+
 def mesh_config(args: argparse.Namespace) -> MeshConfig:
     """The MeshConfig `kvmesh up`'s flags ask for, with fresh random internal tokens."""
     pd = getattr(args, "pd", False)
@@ -322,7 +329,7 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
                       http_port=args.http_port, metrics_port=args.metrics_port,
                       log_dir=Path(args.log_dir), num_slots=args.num_slots,
                       num_blocks=args.num_blocks, kvstores=args.kvstores,
-                      model="" if getattr(args, "model", "") == "v4-mini" else args.model,
+                      model=engine_model(getattr(args, "model", "")),
                       **{k: getattr(args, k, "") for k in ("tokenizer", "dtype", "device",
                                                            "speculative")},
                       # Fresh random tokens per run: internal RPCs refuse anyone without them.
