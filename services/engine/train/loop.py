@@ -186,6 +186,14 @@ def resume_from(a, run: Path, keys, opt, gen, log) -> tuple[dict | None, tuple]:
     return st, (st["step"], st["elapsed"], st["history"])
 
 
+def restore(st: dict, w: dict) -> None:
+    """A resumed run's weights and torch RNG state, from the state `resume_from` read."""
+    with torch.no_grad():
+        for k, t in w.items():
+            t.copy_(st["weights"][k])
+    torch.set_rng_state(st["torch_rng"])
+
+
 def run_steps(a, opt, params, resumed: tuple, step_loss, evaluate, save, log) -> dict:
     """The step loop both trainers share: the learning rate of `lr_at`, backward with the
     gradient clipped, progress lines (bar, tok/s, eta) every `log_every` steps, a held-out
@@ -245,10 +253,7 @@ def train(a: TrainArgs) -> dict:
     gen = torch.Generator().manual_seed(a.seed + 1)
     st, resumed = resume_from(a, run, RESUME_KEYS, opt, gen, log)
     if st is not None:
-        with torch.no_grad():
-            for k, t in w.items():
-                t.copy_(st["weights"][k])
-        torch.set_rng_state(st["torch_rng"])
+        restore(st, w)
     n_params = sum(t.numel() for t in w.values())
     log(f"model {cfg.name}: {n_params:,} parameters; {json.dumps(asdict(a), sort_keys=True)}")
 

@@ -31,6 +31,7 @@ from services.engine.train.loop import (
     _atomic_save,
     _Log,
     make_optimizer,
+    restore,
     resume_from,
     run_steps,
 )
@@ -158,10 +159,7 @@ def train_v41(a: V41TrainArgs) -> dict:
     gen = torch.Generator().manual_seed(a.seed + 1)
     st, resumed = resume_from(a, run, RESUME_KEYS, opt, gen, log)
     if st is not None:
-        with torch.no_grad():
-            for k, t in w.items():
-                t.copy_(st["weights"][k])
-        torch.set_rng_state(st["torch_rng"])
+        restore(st, w)
     model = V41Model(cfg, w, torch.float32)
     log(f"model deepseek_v41: {sum(t.numel() for t in w.values()):,} parameters; "
         f"{json.dumps(asdict(a), sort_keys=True)}")
