@@ -1,6 +1,6 @@
 """A byte-level BPE tokenizer for the shipped model, trained with `tokenizers` on the
-training split of the corpus (data.py: the held-out files are never seen), saved in Hugging
-Face's form: `tokenizer.json` + `tokenizer_config.json`.
+training split of the code and English corpus (v41_data.training_texts: the held-out files
+are never seen), saved in Hugging Face's form: `tokenizer.json` + `tokenizer_config.json`.
 
 DeepSeek V4's special tokens come first, as single ids, so the chat encoding
 (kvmesh/chat_deepseek_v4.py) works through the tokenizer and the ids match a DeepSeek config:
@@ -36,23 +36,6 @@ def train(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
-
-
-def training_files(root: Path) -> list[Path]:
-    """The corpus's training split (data.split: the held-out files excluded)."""
-    from services.engine.train import data
-
-    train_files, _ = data.split(data.stdlib_files(root))
-    return train_files
-
-
-def training_texts(root: Path | None = None) -> Iterable[str]:
-    """The training split's files, as text."""
-    from services.engine.train import data
-
-    root = root or data.stdlib_root()
-    for rel in training_files(root):
-        yield (root / rel).read_text(encoding="utf-8", errors="replace")
 
 
 def save(tok, directory: Path, max_length: int = 1048576) -> None:

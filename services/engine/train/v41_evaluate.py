@@ -50,6 +50,11 @@ def cut_losses(model: V41Model, windows: torch.Tensor, positions: list[int]) -> 
                           for p in positions] for row in windows.long()], dtype=torch.float64)
 
 
+def bits_per_byte(nats: torch.Tensor, nbytes: torch.Tensor) -> float:
+    """Summed nats over targets -> bits per byte of those targets (nbytes: each one's bytes)."""
+    return float(nats.sum()) / math.log(2) / float(nbytes.sum())
+
+
 def byte_unigram_bits(texts, windows: torch.Tensor, tok) -> float:
     """Bits/byte of the windows' target text under the add-one byte unigram of `texts`."""
     counts = torch.ones(256, dtype=torch.float64)
@@ -78,7 +83,6 @@ def evaluate(directory: str, windows: int = 32, seq_len: int = 1024, cut_stride:
     model = V41Model(cfg, weights, torch.float32)
     tok = Tokenizer.from_file(f"{directory}/tokenizer.json")
     nbytes = v41_data.token_bytes(tok)
-    ln2 = math.log(2)
     out = {"checkpoint": str(directory), "eval_seq_len": seq_len}
     for kind, (root, files) in v41_data.sources().items():
         train_files, val_files = data.split(files)
@@ -99,18 +103,18 @@ def evaluate(directory: str, windows: int = 32, seq_len: int = 1024, cut_stride:
             "train_tokens": len(train), "held_out_tokens": len(val),
             "windows": len(win), "predictions": int(full.numel()),
             "bytes_per_token": float(target_bytes.mean()),
-            "bits_per_byte": float(full.sum()) / ln2 / float(target_bytes.sum()),
-            "token_unigram_bits_per_byte": float(unigram_nats.sum()) / ln2 / float(target_bytes.sum()),
+            "bits_per_byte": bits_per_byte(full, target_bytes),
+            "token_unigram_bits_per_byte": bits_per_byte(unigram_nats, target_bytes),
             "byte_unigram_bits_per_byte": byte_unigram_bits(
                 v41_data.texts(root, train_files, kind), win, tok),
             "beyond_window": {
                 "positions": f"{CUT_FROM}..{seq_len - 1} step {cut_stride}",
                 "n": int(cut.numel()),
-                "full_context_bits_per_byte": float(full_at.sum()) / ln2 / float(bytes_at.sum()),
-                "cut_to_window_bits_per_byte": float(cut.sum()) / ln2 / float(bytes_at.sum()),
-                "gap_bits_per_byte": float(diff.sum()) / ln2 / float(bytes_at.sum()),
-                "gap_stderr_bits_per_byte": float(diff.std() / math.sqrt(diff.numel())) / ln2
-                                            / float(bytes_at.mean()),
+                "full_context_bits_per_byte": bits_per_byte(full_at, bytes_at),
+                "cut_to_window_bits_per_byte": bits_per_byte(cut, bytes_at),
+                "gap_bits_per_byte": bits_per_byte(diff, bytes_at),
+                "gap_stderr_bits_per_byte": float(diff.std() / math.sqrt(diff.numel()))
+                                            / math.log(2) / float(bytes_at.mean()),
             },
         }
     return out

@@ -14,7 +14,6 @@ The run directory is a Hugging Face checkpoint directory at every checkpoint:
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -35,6 +34,7 @@ from services.engine.train.loop import (
     resume_from,
     run_steps,
 )
+from services.engine.train.v41_evaluate import bits_per_byte, position_losses
 from services.engine.train.v41_model import balance, forward, initial_weights, shipped_config
 
 RESUME_KEYS = ("seed", "batch", "seq_len", "steps", "lr", "warmup", "decay_by_time",
@@ -71,17 +71,6 @@ def step_loss(model: V41Model, rows: list[torch.Tensor], kl_weight: float):
         lm_sum, kl_sum = lm_sum + lm.item(), kl_sum + out.indexer_kl.item()
         loads = out.loads if loads is None else [a + b for a, b in zip(loads, out.loads, strict=True)]
     return total, lm_sum / len(rows), kl_sum / len(rows), loads
-
-
-@torch.no_grad()
-def eval_bits(model: V41Model, windows: torch.Tensor, nbytes: torch.Tensor) -> float:
-    """Bits per byte over every target of `windows` [n, T + 1] (nbytes: bytes per id)."""
-    nats, count = 0.0, 0.0
-    for row in windows.long():
-        logits = model.logits(row[:-1])
-        nats += float(F.cross_entropy(logits.float(), row[1:], reduction="sum"))
-        count += float(nbytes[row[1:]].sum())
-    return nats / math.log(2) / count
 
 
 def save_hf(directory: Path, raw_config: dict, weights: dict[str, torch.Tensor],
@@ -142,8 +131,8 @@ def train_v41(a: V41TrainArgs) -> dict:
     run.mkdir(parents=True, exist_ok=True)
     log = _Log(run / "train.log")
     tok = Tokenizer.from_file(str(Path(a.tokenizer) / "tokenizer.json"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if Path(a.tokenizer).resolve() != run.resolve():
+    if Path(a.tokenizer).resolve() != run.resolve():
+        for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(Path(a.tokenizer) / name, run / name)
     raw = shipped_config(vocab_size=tok.get_vocab_size())
     cfg = v41_config_from_dict(raw)
@@ -175,7 +164,8 @@ def train_v41(a: V41TrainArgs) -> dict:
                                "max_load": round(spread, 3)})
 
     def evaluate():
-        bits = {kind: eval_bits(model, val[kind], nbytes) for kind in v41_data.KINDS}
+        bits = {kind: bits_per_byte(position_losses(model, val[kind]), nbytes[val[kind][:, 1:]])
+                for kind in v41_data.KINDS}
         return (" ".join(f"{k} {v:.3f} bits/byte" for k, v in bits.items()),
                 {f"val_{k}_bits_per_byte": round(v, 4) for k, v in bits.items()})
 
