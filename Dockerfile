@@ -19,7 +19,8 @@ COPY kvmesh kvmesh
 COPY services services
 COPY kernels kernels
 RUN pip install .
-# The shipped trained checkpoint (the compose file's engines load it by path).
+# The shipped trained models (the compose file's and deploy/k8s' engines load
+# models/deepseek-v41-tiny by path: the installed package carries no models/).
 COPY models models
 
 # Run as an unprivileged user. Only the kvstore writes (its hot disk tier and metadata in

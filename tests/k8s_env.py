@@ -33,6 +33,24 @@ def rendered(overlay: str) -> list[dict]:
     return copy.deepcopy(list(_rendered(overlay)))
 
 
+def image_path(path: str) -> Path:
+    """Where a path inside the kvmesh image (the Dockerfile's WORKDIR /app, into which it
+    copies models/) lies in this checkout."""
+    assert path.startswith("/app/"), path
+    return ROOT / path.removeprefix("/app/")
+
+
+def check_serves_the_shipped_model(args) -> None:
+    """An engine's parsed flags name the image's shipped default model, whose config passes
+    the engine's start-up checks under these flags' settings (truncation: KEEP >= W + B)."""
+    from kvmesh.shipped import DEFAULT_MODEL
+    from services.engine.build import engine_config
+    from services.engine.model.deepseek_v4.v41_config import read_v41_config
+
+    assert image_path(args.model) == DEFAULT_MODEL, args.model
+    engine_config(args).check_model(read_v41_config(DEFAULT_MODEL))
+
+
 BUNDLED_ENV_EXAMPLE = ROOT / "deploy/k8s/overlays/bundled/backing.env.example"
 
 

@@ -22,6 +22,7 @@ from tests.k8s_env import (
     ENV_EXAMPLE,
     FIELD_VALUES,
     ROOT,
+    check_serves_the_shipped_model,
     container_env,
     grpc_port,
     main_container,
@@ -189,7 +190,8 @@ def test_every_variable_in_the_manifests_is_read_by_the_code(overlay):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_service_configs_build_from_the_rendered_environment(overlay, monkeypatch):
     from services.directory.cli import config_from_args as directory_config
-    from services.engine.build import runtime_layout
+    from services.engine.build import engine_config
+    from services.engine.core.v4_paths import refuse_unsupported
     from services.gateway.cli import config_from_args as gateway_config
     from services.kvstore.config import KvstoreConfig
 
@@ -201,14 +203,15 @@ def test_service_configs_build_from_the_rendered_environment(overlay, monkeypatc
     assert (gw.port, gw.metrics_port, gw.directory) == (7000, 9100, "directory:50070")
     d = directory_config(parse(res, "directory"))
     assert d.redis_url == env["KVMESH_DIRECTORY_REDIS_URL"]
-    model, ecfg, _layout = runtime_layout(parse(res, "engine"))  # the engine's start-up sizes
-    ecfg.check_model(model)  # KEEP >= W + B for the configured truncation
-    # V4-mini's shipped setting; a DeepSeek V4 engine turns it off by flag (and starts)
+    engine = parse(res, "engine")
+    ecfg = engine_config(engine)
+    # the shipped model's setting; a DeepSeek V4 engine turns it off by flag (and starts)
     assert ecfg.truncation == ("off" if overlay == "deepseek-v4" else "compact")
     assert ecfg.keep_tokens == 134
     if overlay == "deepseek-v4":
-        from services.engine.core.v4_paths import refuse_unsupported
         refuse_unsupported(ecfg)
+    else:
+        check_serves_the_shipped_model(engine)   # KEEP >= W + B for its window
 
     args = parse(res, "kvstore")
     kv = KvstoreConfig.from_env(host=args.host, port=args.port, locations=args.locations,
@@ -338,7 +341,9 @@ def test_deepseek_v4_overlay_serves_the_mounted_checkpoint():
         assert vol["persistentVolumeClaim"] == {"claimName": "deepseek-v4-model", "readOnly": True}
         assert main_container(w)["volumeMounts"] == [{"name": "model", "mountPath": "/model",
                                                       "readOnly": True}]
-    assert parse(rendered("bundled"), "engine").model is None     # the shipped model
+    bundled = rendered("bundled")                                  # the shipped model
+    check_serves_the_shipped_model(parse(bundled, "engine"))
+    assert parse(bundled, "gateway").tokenizer == parse(bundled, "engine").model + "/tokenizer.json"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -250,8 +250,9 @@ class EngineConfig:
         """Flags that are None fall back to the KVMESH_* variables in envs.ENGINE_VARS."""
         return envs.engine_config_from_flags(cls, env, **flags)
 
-    def check_model(self, cfg: ModelConfig) -> None:
-        """Checks that need the model geometry (window W)."""
+    def check_model(self, cfg) -> None:
+        """Checks that need the model geometry: its window W (a V4-mini ModelConfig's or a
+        V41Config's)."""
         if self.truncation == "off":
             return
         need = cfg.window + self.max_backtrack

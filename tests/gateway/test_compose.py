@@ -101,7 +101,23 @@ def test_deepseek_v4_profile_serves_the_mounted_checkpoint():
     assert all(parse(n).model == "/model" for n in ("v4-engine-a", "v4-engine-b"))
     assert parse("gateway-v4").tokenizer == "/model/tokenizer.json"
     assert parse("gateway-v4").engines == "v4-engine-a:7221,v4-engine-b:7222"
-    assert all(parse(n).model is None for n in ("engine-a", "engine-b"))
+    assert all(parse(n).model == "/app/models/deepseek-v41-tiny" for n in ("engine-a", "engine-b"))
+
+
+def test_the_other_engines_serve_the_shipped_model_and_gateways_its_tokenizer():
+    from tests.k8s_env import check_serves_the_shipped_model
+
+    engines = [n for n in KVMESH_SERVICES if SERVICES[n]["command"][1] == "engine"
+               and "deepseek-v4" not in SERVICES[n].get("profiles", [])]
+    assert set(engines) >= {"engine-a", "engine-b", "pd-prefill", "pd-decode-a"}
+    for name in engines:
+        args = parse(name)
+        check_serves_the_shipped_model(args)      # under its truncation flags
+        assert (args.truncation, args.keep_tokens) == ("compact", 134), name
+    for name in ("gateway", "gateway-pd"):
+        assert parse(name).tokenizer == "/app/models/deepseek-v41-tiny/tokenizer.json"
+    dockerfile = (ROOT / "Dockerfile").read_text()   # where the image keeps that path
+    assert "WORKDIR /app" in dockerfile and "COPY models models" in dockerfile
 
 
 @pytest.mark.parametrize("name", sorted(IMAGE_PORTS))

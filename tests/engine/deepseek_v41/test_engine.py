@@ -118,6 +118,13 @@ def test_what_v41_cannot_do_yet_is_refused_by_flag(saved):
         engine(directory, "--speculative", "mtp:2")      # V4.1 ships DSpark drafts, not MTP
 
 
+def test_truncation_keeps_at_least_the_window_and_the_backtrack(saved):
+    directory, _ = saved             # W = 128, B = 6: a cut inside the window is refused
+    with pytest.raises(ValueError, match="KEEP = 133 is smaller than W \\+ B = 134"):
+        engine(directory, "--truncation", "compact", "--keep-tokens", "133")
+    assert engine(directory, "--truncation", "mask", "--keep-tokens", "134").path.keep == 134
+
+
 def test_the_equivalence_script_runs_on_a_v41_checkpoint(saved, tmp_path, capsys):
     """examples/yoco/yoco_equiv.py --model: mask == compact to noise, off measurably apart."""
     import json
