@@ -17,16 +17,13 @@ step (make_engine leaves room for all of them).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
 from bench._replay_engine import Out, Req
-from services.engine.build import v4_tokenizer
 from services.engine.config import EngineConfig
 from services.engine.core.sampling import SamplingParams
 from services.engine.core.v4_engine import V4Engine
-from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
 from services.engine.model.deepseek_v4.ledgers import BLOCK
 from services.engine.model.deepseek_v4.v41_forward import V41Model
 
@@ -69,12 +66,6 @@ class ForcingV41Engine(V4Engine):
             at = len(req.output)
             tokens = given[at: at + len(tokens)]
         return super()._emit(req, tokens)
-
-
-def load_model(directory: str | Path, dtype: torch.dtype = torch.float32):
-    """(V41Model, tokenizer) of a V4.1 checkpoint directory, shared by every engine."""
-    cfg, weights = load_v41_checkpoint(directory, dtype)
-    return V41Model(cfg, weights, dtype), v4_tokenizer(Path(directory), cfg)
 
 
 def make_engine(model: V41Model, tokenizer, n_seqs: int, max_len: int, chunk: int = CHUNK,

@@ -49,10 +49,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, parser, plot  # noqa: E402
+from bench._common import OUT, load_model, parser, plot  # noqa: E402
 from bench._replay_engine import Req, aggregate, forced, greedy_divergence, prompt_stats  # noqa: E402
 from bench._replay_report import report  # noqa: E402
-from bench._replay_v41 import CHUNK, load_model, make_engine, run  # noqa: E402
+from bench._replay_v41 import CHUNK, make_engine, run  # noqa: E402
 from kvmesh.shipped import DEFAULT_MODEL  # noqa: E402
 from services.engine.train import data, v41_data  # noqa: E402
 

@@ -1,16 +1,19 @@
 """Time to first token: cold prefill vs snapshot hit vs block hit + bounded replay.
 
-Tiny model on the CPU, YOCO truncation compact with KEEP = 134. For a prompt of
-L tokens the reusable prefix is L1 = floor((L - 134) / 128) * 128; a warm-up
-request of L1 + 1 tokens puts those blocks in the ledger and (for the snapshot
-case) stores the window at L1.
+The shipped DeepSeek V4.1-layout model (models/deepseek-v41-tiny, or --model DIR) on the
+CPU, served by V4Engine (float32, MXFP8 window rows). For a prompt of L tokens under prefill
+truncation (compact, KEEP = 134) the reusable prefix is L1 = floor((L - 134) / 128) * 128,
+the deepest block boundary before the decoder's cut; a first request of the whole prompt
+puts its blocks in the ledger and (for the snapshot case) stores the encoder's rings at L1.
 
-    cold          nothing cached: all L tokens computed
-    snapshot hit  blocks + window at L1: L - L1 tokens computed
-    replay        blocks only: L - L1 + 128 tokens computed, window truncated at L1 - 128
+    cold          nothing cached: all L tokens computed (the decoder on the last 134)
+    snapshot hit  blocks + encoder rings at L1: L - L1 tokens computed
+    replay        blocks only: L - L1 + 128 tokens computed, the 128 before L1 replayed
+    off, cold / off, replay    the same without truncation (no snapshots: every hit of
+                  floor((L - 1) / 128) blocks replays, the decoder layers too)
 
 Targets: cold / replay >= 20x at 16K; replay / snapshot <= 2.5x at every L.
-Usage: python bench/replay_ttft.py [--lengths 1024,4096,16384,65536]
+Usage: python bench/replay_ttft.py [--lengths 1024,4096,16384,65536] [--model DIR]
 """
 
 from __future__ import annotations
@@ -23,79 +26,77 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT, parser, plot, table  # noqa: E402
-from services.engine.build import default_weights  # noqa: E402
-from services.engine.config import (
-    TINY,  # noqa: E402
-    EngineConfig,  # noqa: E402
-)
-from services.engine.core.engine import EngineCore  # noqa: E402
+from bench._common import OUT, load_model, parser, plot, table  # noqa: E402
+from kvmesh.shipped import DEFAULT_MODEL  # noqa: E402
+from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.core.sampling import SamplingParams  # noqa: E402
+from services.engine.core.v4_engine import V4Engine  # noqa: E402
 
 ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+KEEP = 134
+CASES = ("cold", "snapshot", "replay", "off cold", "off replay")
 
 
-def engine(length: int, policy: str) -> EngineCore:
+def engine(model, tok, length: int, policy: str, truncation: str) -> V4Engine:
     ecfg = EngineConfig(num_slots=2, num_blocks=length // 128 + 16, max_batched_tokens=512,
-                        truncation="compact", keep_tokens=134, swa_policy=policy)
-    return EngineCore(TINY, ecfg, weights=WEIGHTS)
+                        truncation=truncation, keep_tokens=KEEP, swa_policy=policy)
+    return V4Engine(model, ecfg, tok, name="replay-ttft")
 
 
-def ttft(core: EngineCore, prompt: list[int]) -> tuple[float, object]:
-    seq = core.add_request(prompt, ONE)
+def ttft(core: V4Engine, prompt: list[int]) -> tuple[float, object]:
+    req = core.add_request(prompt, ONE)
     t0 = time.perf_counter()
     while core.has_work:
         core.step()
-    return time.perf_counter() - t0, seq
+    return time.perf_counter() - t0, req
 
 
-def measure(length: int, repeats: int) -> dict[str, float]:
-    prompt = torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-    l1 = (length - 134) // 128 * 128
+def measure(model, tok, length: int, repeats: int) -> dict[str, float]:
+    prompt = torch.randint(0, model.cfg.vocab_size, (length,),
+                           generator=torch.Generator().manual_seed(length)).tolist()
+    hits = {"compact": (length - KEEP) // 128 * 128, "off": (length - 1) // 128 * 128}
     out = {}
-    out["cold"] = min(ttft(engine(length, "full"), prompt)[0] for _ in range(repeats))
-    for name, policy in (("snapshot", "full"), ("replay", "zero")):
-        core = engine(length, policy)
-        ttft(core, prompt[: l1 + 1])                 # warm-up: blocks (and window) up to L1
+    for name, policy, truncation in (("cold", "full", "compact"), ("off cold", "zero", "off")):
+        out[name] = min(ttft(engine(model, tok, length, policy, truncation), prompt)[0]
+                        for _ in range(repeats))
+    for name, policy, truncation in (("snapshot", "full", "compact"), ("replay", "zero", "compact"),
+                                     ("off replay", "zero", "off")):
+        core = engine(model, tok, length, policy, truncation)
+        ttft(core, prompt)                      # its blocks (and the rings at L1) cached
         times = []
         for _ in range(repeats):
-            t, seq = ttft(core, prompt)
-            assert seq.cached_tokens == l1, (name, seq.cached_tokens, l1)
-            assert (seq.replayed_tokens > 0) == (name == "replay")
+            t, req = ttft(core, prompt)
+            assert req.cached_tokens == hits[truncation], (name, req.cached_tokens)
+            assert (req.replayed_tokens > 0) == name.endswith("replay"), name
             times.append(t)
         out[name] = min(times)
     return out
-
-
-# The shipped checkpoint unless --random-weights (set by main; timing does not depend on it).
-WEIGHTS = None
 
 
 def main(argv=None) -> int:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="1024,4096,16384,65536")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--random-weights", action="store_true", help="seeded random weights")
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="a V4.1 checkpoint directory")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    global WEIGHTS
-    WEIGHTS = default_weights("tiny", args.random_weights)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
     lengths = [int(x) for x in args.lengths.split(",")]
     results = {}
-    measure(512, 1)      # warm-up: first calls pay for lazy initialisation in torch
+    measure(model, tok, 512, 1)      # warm-up: first calls pay for lazy initialisation in torch
     for n in lengths:
         print(f"L={n} ...", flush=True)
-        results[n] = measure(n, args.repeats if n <= 16384 else 1)
-        r = results[n]
-        print(f"  cold {r['cold']:.3f}s  snapshot {r['snapshot']:.3f}s  replay {r['replay']:.3f}s",
-              flush=True)
-    rows = [[n, r["cold"], r["snapshot"], r["replay"], r["cold"] / r["replay"],
-             r["replay"] / r["snapshot"]] for n, r in results.items()]
+        results[n] = r = measure(model, tok, n, args.repeats if n <= 16384 else 1)
+        print("  " + "  ".join(f"{k} {r[k]:.3f}s" for k in CASES), flush=True)
+    rows = [[n, *(r[k] for k in CASES), r["cold"] / r["replay"], r["replay"] / r["snapshot"],
+             r["off cold"] / r["off replay"]] for n, r in results.items()]
     print()
-    print(table(["L", "cold s", "snapshot s", "replay s", "cold/replay", "replay/snapshot"], rows))
+    print(table(["L", *(f"{k} s" for k in CASES), "cold/replay", "replay/snapshot",
+                 "off: cold/replay"], rows))
     print("\ntargets: cold/replay >= 20x at 16K; replay/snapshot <= 2.5x at every L")
-    path = plot(OUT / "replay_ttft.png", "TTFT, tiny model on CPU", "prompt tokens L", "seconds",
-                {k: (lengths, [results[n][k] for n in lengths]) for k in ("cold", "snapshot", "replay")})
+    path = plot(OUT / "replay_ttft.png", "TTFT, deepseek-v41-tiny on CPU", "prompt tokens L",
+                "seconds", {k: (lengths, [results[n][k] for n in lengths]) for k in CASES})
     print(f"plot: {path}")
     return 0
 
