@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation vs unified engines, side by side on the same machine.
 
 Two meshes of two engine processes each (the real `kvmesh up` processes: gateway,
-directory, kvstore, valkey, SeaweedFS), run one after the other with the same workload:
+directory, kvstore, valkey, SeaweedFS) serving the shipped DeepSeek V4.1-layout model
+(models/deepseek-v41-tiny, or --model DIR), run one after the other with the same workload:
 
     unified   engine-a, engine-b: both prefill and decode (the 134-row ring)
     pd        engine-a prefills (--role prefill, 396-row ring), engine-b decodes (--role decode)
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import OUT, parser, pct, plot, table  # noqa: E402
 from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
 from kvmesh.proto import engine_pb2, engine_pb2_grpc, gateway_pb2_grpc  # noqa: E402
+from kvmesh.shipped import DEFAULT_MODEL  # noqa: E402
 from services.gateway.client import gateway_request  # noqa: E402
 
 
@@ -96,11 +98,11 @@ def summarize(out: list) -> dict:
             "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99), "itl": itl}
 
 
-def start(pd: bool, tmp: Path) -> Mesh:
+def start(pd: bool, tmp: Path, model: str) -> Mesh:
     """A started mesh; a start that fails (SeaweedFS now and then does on a loaded box) is
     tried again in a fresh directory."""
     for attempt in range(3):
-        cfg = MeshConfig(engines=2, pd=pd, num_slots=16, num_blocks=512, http_port=-1,
+        cfg = MeshConfig(engines=2, pd=pd, num_slots=16, num_blocks=512, http_port=-1, model=model,
                          log_dir=tmp / f"{'pd' if pd else 'unified'}-{attempt}" / "logs",
                          engine_extra=("--max-batched-tokens", "512", "--long-prefill-chunk", "256"))
         try:
@@ -118,11 +120,12 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=6)
     ap.add_argument("--long-len", type=int, default=4096)
     ap.add_argument("--short-tokens", type=int, default=48)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="a DeepSeek V4 / V4.1 checkpoint directory")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvmesh-bench-pd-"))
     results, alone = {}, {}
     for name, pd in (("unified", False), ("pd", True)):
-        mesh = start(pd, tmp)
+        mesh = start(pd, tmp, args.model)
         try:
             ce = mesh.endpoints["engine-b"]
             before = engine_stats(ce)
