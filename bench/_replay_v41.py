@@ -57,7 +57,8 @@ class ForcingV41Engine(V4Engine):
 
     def _replay(self, req):
         row = super()._replay(req)
-        self._keep(req, row)
+        if row is not None:               # None: it stopped at its snapshot, prefill goes on
+            self._keep(req, row)
         return row
 
     def _emit(self, req, tokens):

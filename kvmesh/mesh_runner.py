@@ -28,6 +28,7 @@ from kvmesh.backing.proc import ManagedProcess, free_port, port_open
 from kvmesh.backing.seaweed import S3Keys
 from kvmesh.backing.valkey import ValkeyProcess
 from kvmesh.healthcheck import check as health_check
+from kvmesh.shipped import DEFAULT_MODEL
 from kvmesh.tls import TlsFiles
 
 log = logging.getLogger("kvmesh.mesh")
@@ -42,9 +43,10 @@ class MeshConfig:
     http_port: int = 0               # gateway OpenAI-compatible HTTP API; 0 = a free port, -1 = off
     log_dir: Path = Path(".kvmesh/logs")
     preset: str = "tiny"
-    # A DeepSeek V4 checkpoint directory the engines serve instead of the preset (--model);
-    # the gateway then tokenizes with its tokenizer.json and renders its chat encoding.
-    model: str = ""
+    # The checkpoint directory the engines serve (--model): the shipped default unless
+    # given; "" = V4-mini's `preset` (retiring). The gateway tokenizes with its
+    # tokenizer.json and renders its chat encoding.
+    model: str = str(DEFAULT_MODEL)
     # Engine settings every engine gets (`kvmesh up` flags of the same names); "" = the
     # engine's default. tokenizer goes to the gateway too (its routing keys, chat template).
     tokenizer: str = ""

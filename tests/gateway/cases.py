@@ -5,12 +5,15 @@ Each case: (id, gateway_request kwargs or a proto mutator, status name, text the
 
 from __future__ import annotations
 
+import json
 import math
 
+from kvmesh.shipped import DEFAULT_MODEL
 from services.gateway.config import GatewayConfig
 
 CFG = GatewayConfig()
-VOCAB = 260  # tiny preset
+# the shipped model's, which the tests' meshes serve
+VOCAB = json.loads((DEFAULT_MODEL / "config.json").read_text())["text_config"]["vocab_size"]
 
 BAD = [
     ("empty_prompt", dict(prompt=""), "INVALID_ARGUMENT", "prompt"),

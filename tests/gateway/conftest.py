@@ -14,13 +14,25 @@ import pytest
 
 from kvmesh.mesh_runner import Mesh, MeshConfig
 from kvmesh.proto import engine_pb2, engine_pb2_grpc, gateway_pb2_grpc
+from kvmesh.shipped import DEFAULT_MODEL
+from kvmesh.tokenizer import HFTokenizer
 from services.gateway.client import gateway_request
 
 # Small engines: 2 cores run two engines, a directory, valkey and the gateway.
 # A generous peer-fetch deadline: a loaded 2-core box must not turn a fetch into a replay.
-# Seeded random weights, asked for explicitly: the tests' expectations were written for them.
-TEST_MESH = dict(engines=2, num_slots=4, num_blocks=64,
-                 engine_extra=("--fetch-deadline-ms", "5000", "--random-weights"))
+# The shipped model (DeepSeek V4.1's layout, BPE tokens) under prefill truncation, as
+# docker-compose.yml and deploy/k8s serve it: snapshots are taken and a hit resumes exactly.
+TEST_MESH = dict(engines=2, num_slots=4, num_blocks=64, model=str(DEFAULT_MODEL),
+                 engine_extra=("--fetch-deadline-ms", "5000", "--truncation", "compact",
+                               "--keep-tokens", "134"))
+
+
+# What the gateway and the engines count and route in: the served model's tokenizer.
+TOKENIZER = HFTokenizer(DEFAULT_MODEL / "tokenizer.json")
+
+
+def tokens(text: str) -> list[int]:
+    return TOKENIZER.encode(text)
 
 
 def start_mesh(tmp_path_factory, name: str, **overrides) -> Mesh:

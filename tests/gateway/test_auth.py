@@ -23,7 +23,8 @@ SERVICE_TOKEN = "svc-token-for-tests-0123456789"
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 KEYS = {"alice": "key-alice-0123456789abcdef", "bob": "key-bob-0123456789abcdef"}
 # KEEP (134) + 3 blocks of 128 tokens: long enough that a stored window can be reused.
-LONG = "".join(f"tenant isolation line {i:03d}. " for i in range(24))
+# 610 tokens: blocks and a window before the decoder's cut (prompt - 134), so a hit can happen
+LONG = "".join(f"tenant isolation line {i:03d}. " for i in range(60))
 assert len(LONG.encode()) >= 134 + 3 * 128
 
 

@@ -19,7 +19,7 @@ from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from services.gateway.client import gateway_request
 from tests import readme_facts
 from tests.gateway.cases import BAD, build
-from tests.gateway.conftest import wait_for
+from tests.gateway.conftest import tokens, wait_for
 
 # These tests pin the plain failure behaviour (a stream whose engine dies mid-stream ends
 # UNAVAILABLE); test_migration.py covers the default, where it continues elsewhere.
@@ -47,7 +47,7 @@ def test_stream_and_unary_agree_greedy(gw):
     last = msgs[-1]
     assert last.finish_reason == unary.finish_reason != 0
     assert last.usage == unary.usage
-    assert unary.usage.prompt_tokens == len(PROMPT.encode())
+    assert unary.usage.prompt_tokens == len(tokens(PROMPT))
     assert unary.usage.generated_tokens == len(unary.token_ids) <= 12
     assert unary.engine_id and last.engine_id and unary.attempts == 1
 
@@ -70,7 +70,8 @@ def test_message_over_grpc_limit_is_resource_exhausted(gw):
 
 
 def test_engine_invalid_argument_passes_through_unchanged(gw, mesh):
-    prompt = "y" * (64 * 128 + 10)  # more blocks than a test engine has (64)
+    prompt = "y " * (64 * 128 + 10)  # more blocks than a test engine has (64)
+    assert len(tokens(prompt)) > 64 * 128
     with grpc.insecure_channel(mesh.endpoints["engine-a"]) as ch:
         with pytest.raises(grpc.RpcError) as direct:
             list(engine_pb2_grpc.EngineServiceStub(ch).Generate(
@@ -123,11 +124,12 @@ def test_metrics_endpoint_counts_requests_and_tokens(gw, mesh):
 def test_deepest_snapshot_holder_is_preferred(gw, mesh):
     """The engine that stored and published a prompt's window attracts prompts extending it,
     and they resume from that window (cached 256, nothing replayed)."""
-    prompt = "snapshot routing " * 20  # 340 bytes: its prefill stores the window at 256
+    # 400 tokens: the decoder's cut is at 266, the window stored at the boundary before it
+    prompt = tokens("snapshot routing " * 200)[:400]
     holder = gw.generate(prompt, max_tokens=1, cache_salt="tenant-s").engine_id
     assert wait_for(lambda: gw.engine_stats(holder).get("directory_published", 0) >= 1)
     for i in range(3):
-        resp = gw.generate(prompt + f" follow-up number {i}, " * 4, max_tokens=1,
+        resp = gw.generate(prompt + tokens(f" follow-up number {i}, " * 4), max_tokens=1,
                            cache_salt="tenant-s")
         assert resp.engine_id == holder
         assert (resp.usage.cached_tokens, resp.usage.replayed_tokens) == (256, 0)
@@ -168,19 +170,18 @@ def _directory_load(mesh, engine_id: str) -> int:
     return sum(e.load.running_seqs + e.load.waiting_seqs for e in listed if e.engine_id == engine_id)
 
 
-def _holders_of(gw, mesh, prefix: str, salt: str) -> set[str]:
-    """Engines the directory lists for the snapshot at the end of `prefix` (block-aligned)."""
+def _holders_of(gw, mesh, prefix: list[int], salt: str) -> set[str]:
+    """Engines the directory lists for the snapshot at the end of `prefix` (block-aligned),
+    named from the engine's model info as the gateway names it."""
     import asyncio
 
     from services.directory.client import DirectoryClient
-    from services.engine.cache.snapshot_keys import prefix_snapshot_keys
-    from services.engine.config import ModelConfig
+    from services.gateway.core import ModelInfo
 
     with grpc.insecure_channel(mesh.endpoints["engine-a"]) as ch:
         info = engine_pb2_grpc.EngineServiceStub(ch).GetModelInfo(
             engine_pb2.GetModelInfoRequest(), timeout=10)
-    key = prefix_snapshot_keys(list(prefix.encode()), ModelConfig.from_json(info.model_config_json),
-                               info.layout_fingerprint, salt)[-1][1]
+    key = ModelInfo(info).snapshot_keys(prefix, salt)[-1]
 
     async def lookup():
         async with DirectoryClient(mesh.endpoints["directory"]) as d:
@@ -190,13 +191,14 @@ def _holders_of(gw, mesh, prefix: str, salt: str) -> set[str]:
 
 
 def test_shared_prefix_on_two_engines_reuses_blocks_and_snapshot(gw, mesh):
-    """Request 1 runs on engine X (stores its window at 256, writes blocks to the kvstore,
-    publishes to the directory). X is then made busy with direct requests, so the gateway
-    routes request 2, which shares the 256-token prefix, to the other engine Y by load. Y
-    takes the blocks from the kvstore and X's window through the directory."""
+    """Request 1 runs on engine X (400 tokens: stores its window at 256, the boundary before
+    its decoder's cut, writes blocks to the kvstore, publishes to the directory). X is then
+    made busy with direct requests, so the gateway routes request 2, which shares the
+    256-token prefix, to the other engine Y by load. Y takes the blocks from the kvstore and
+    X's window through the directory."""
     from services.engine.rpc.client import generate_request
 
-    base = ("shared prefix on two engines. " * 12)[:300]
+    base = tokens("shared prefix on two engines. " * 100)[:400]
     first = gw.generate(base, max_tokens=1, temperature=0.0, cache_salt="two-engines")
     holder = first.engine_id
     other = next(n for n in mesh.engine_names if n != holder)
@@ -213,7 +215,8 @@ def test_shared_prefix_on_two_engines_reuses_blocks_and_snapshot(gw, mesh):
         assert wait_for(lambda: _directory_load(mesh, holder) >= 6, timeout=30), \
             "the holder's heartbeat reports its load"
         time.sleep(1.5)                          # > one gateway ListEngines refresh (1 s)
-        second = gw.generate(base[:256] + " and a different question follows here " * 4,
+        # 160 tokens more: the cut (at 282) leaves the 256-token prefix usable
+        second = gw.generate(base[:256] + tokens(" and a different question follows " * 40)[:160],
                              max_tokens=4, temperature=0.0, cache_salt="two-engines")
     finally:
         for call in busy:
@@ -356,31 +359,33 @@ def test_every_metric_the_readme_names_is_exported_and_counts(gw, mesh):
     assert wait_for(lambda: _engines_idle(gw, mesh)[0]), _engines_idle(gw, mesh)[1]
     assert wait_for(lambda: _engine_totals(gw, mesh)["aborted"] >= aborted0 + 1)
 
-    # Cold (stores its window at 384), then a prompt sharing only its first two blocks
-    # (L1 = 256, no window there: replay 128), then one extending it (window at 384: exact).
-    text_ = "".join(f"metric line {i:03d}. " for i in range(40))
-    cold, miss, hit = text_[:400], text_[:300] + "x" * 250, text_[:600]
+    # In tokens, KEEP = 134: cold 520 (cut 386: stores its window at 384), then a prompt
+    # sharing only its first two blocks (L1 = 256, no window there: replay 128), then one
+    # extending the first (cut 566: 4 blocks cached, the window at 384 wins: exact, and it
+    # stores its own at 512).
+    ids = tokens("".join(f"metric line {i:03d}. " for i in range(200)))
+    cold, miss, hit = ids[:520], ids[:300] + tokens("other words " * 200)[:250], ids[:700]
     before = (_engine_totals(gw, mesh), _token_totals(mesh, "engine"),
               _token_totals(mesh, "gateway"))
     usages = []
     for prompt, (cached, replayed) in ((cold, (0, 0)), (miss, (256, 128)), (hit, (384, 0))):
         u = gw.generate(prompt, max_tokens=1, temperature=0.0, cache_salt="readme").usage
         assert (u.prompt_tokens, u.cached_tokens, u.replayed_tokens, u.generated_tokens) == \
-            (len(prompt), cached, replayed, 1), prompt[-20:]
+            (len(prompt), cached, replayed, 1), len(prompt)
         usages.append(u)
-    tokens = dict(prompt=1550, cached=640, replayed=128, generated=3)
-    want = dict(requests=3, finished=3, prompt_tokens=1550, cache_hit_tokens=640,
+    kinds_ = dict(prompt=1770, cached=640, replayed=128, generated=3)
+    want = dict(requests=3, finished=3, prompt_tokens=1770, cache_hit_tokens=640,
                 replayed_tokens=128, snapshot_hits=1, snapshot_misses=1, snapshot_stores=3,
-                generated_tokens=3, computed_tokens=400 + (550 - 128) + (600 - 384))
+                generated_tokens=3, computed_tokens=520 + (550 - 256 + 128) + (700 - 384))
 
     def deltas():
         stats, eng, gate = (_engine_totals(gw, mesh), _token_totals(mesh, "engine"),
                             _token_totals(mesh, "gateway"))
         return ({k: stats[k] - before[0][k] for k in want},
-                {k: eng[k] - before[1][k] for k in tokens},
-                {k: gate[k] - before[2][k] for k in tokens})
+                {k: eng[k] - before[1][k] for k in kinds_},
+                {k: gate[k] - before[2][k] for k in kinds_})
 
-    assert wait_for(lambda: deltas() == (want, tokens, tokens)), deltas()
+    assert wait_for(lambda: deltas() == (want, kinds_, kinds_)), deltas()
 
     pages = {n: readme_facts.scrape(mesh.endpoints[f"{n}-metrics"])
              for n in (*mesh.engine_names, "gateway", "kvstore", "directory")}

@@ -18,11 +18,12 @@ import uuid
 import openai
 import pytest
 
-from services.gateway.openai_api.chat import plain_template
-from tests.gateway.conftest import wait_for
+from kvmesh.chat_deepseek_v4 import encode_chat
+from kvmesh.shipped import DEFAULT_MODEL
+from tests.gateway.conftest import TOKENIZER, tokens, wait_for
 
 MESH_OVERRIDES = dict(engines=2)
-MODEL = "tiny"
+MODEL = DEFAULT_MODEL.name       # the served model's name: its directory's
 GREEDY = dict(temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
 
 
@@ -70,7 +71,7 @@ def test_completion_sync_matches_grpc_and_reports_usage(client, gw):
     assert choice.text == grpc_text(gw, prompt)
     u = out.usage
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (
-        len(prompt.encode()), 8, len(prompt.encode()) + 8)
+        len(tokens(prompt)), 8, len(tokens(prompt)) + 8)
     assert u.prompt_tokens_details.cached_tokens == 0
     assert u.prompt_tokens_details.replayed_tokens == 0  # kvmesh extension field
 
@@ -85,25 +86,24 @@ def test_completion_stream_with_usage_equals_unary(client):
     assert text_chunks[-1].choices[0].finish_reason == "length"
     assert all(c.usage is None for c in text_chunks)
     assert last.choices == [] and last.usage.completion_tokens == 8
-    assert last.usage.prompt_tokens == len(prompt.encode())
+    assert last.usage.prompt_tokens == len(tokens(prompt))
     # without include_usage no usage chunk comes
     plain = list(client.completions.create(model=MODEL, prompt=prompt, stream=True, **GREEDY))
     assert all(c.choices for c in plain) and all(c.usage is None for c in plain)
 
 
 def test_completion_token_id_prompt(client, gw):
-    ids = list(uniq("ids").encode())
+    ids = tokens(uniq("ids"))
     out = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
-    assert out.choices[0].text == grpc_text(gw, bytes(ids).decode())
+    assert out.choices[0].text == grpc_text(gw, TOKENIZER.decode(ids))
     assert out.usage.prompt_tokens == len(ids)
 
 
-def test_chat_async_stream_and_unary_apply_the_plain_template(base, gw):
+def test_chat_async_stream_and_unary_apply_the_models_chat_encoding(base, gw):
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": uniq("Hello there")}]
-    prompt = plain_template(messages)
-    assert prompt == (f"<|system|>\nBe brief.\n<|user|>\n{messages[1]['content']}\n"
-                      "<|assistant|>\n")
+    prompt = encode_chat(messages)          # DeepSeek V4's, non-thinking: the shipped model's
+    assert prompt.endswith(f"<｜User｜>{messages[1]['content']}<｜Assistant｜></think>")
 
     async def run():
         async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as c:
@@ -118,7 +118,7 @@ def test_chat_async_stream_and_unary_apply_the_plain_template(base, gw):
     assert unary.object == "chat.completion" and unary.id.startswith("chatcmpl-")
     msg = unary.choices[0].message
     assert msg.role == "assistant" and msg.content == grpc_text(gw, prompt)
-    assert unary.usage.prompt_tokens == len(prompt.encode())
+    assert unary.usage.prompt_tokens == len(tokens(prompt))
     *deltas, last = chunks
     assert deltas[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in deltas) == msg.content
@@ -127,8 +127,8 @@ def test_chat_async_stream_and_unary_apply_the_plain_template(base, gw):
 
 
 def test_second_request_sharing_a_long_prefix_reports_cached_tokens(client):
-    prefix = uniq("kvmesh keeps compressed attention entries in a shared store. " * 7)
-    assert len(prefix) > 400
+    prefix = uniq("kvmesh keeps compressed attention entries in a shared store. " * 20)
+    assert len(tokens(prefix)) > 134 + 128      # a block before the truncation cut
     first = client.completions.create(model=MODEL, prompt=prefix, **GREEDY)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = client.chat.completions.create(model=MODEL, messages=[
@@ -331,13 +331,13 @@ def test_client_disconnect_cancels_the_engine_request(base, gw, mesh, stream):
 # --- vLLM's tokenizer routes and /version ---------------------------------------------------
 def test_tokenize_and_detokenize_round_trip(base):
     status, out, _ = raw(base, "POST", "/tokenize", {"model": MODEL, "prompt": "héllo"})
-    assert status == 200 and out["tokens"] == list("héllo".encode()) and out["count"] == 6
+    assert status == 200 and out["tokens"] == tokens("héllo") and out["count"] == len(tokens("héllo"))
     assert out["max_model_len"] > 0
     status, back, _ = raw(base, "POST", "/detokenize", {"tokens": out["tokens"]})
     assert (status, back) == (200, {"prompt": "héllo"})
     chat = [{"role": "user", "content": "hi"}]
     status, out, _ = raw(base, "POST", "/tokenize", {"messages": chat})
-    assert status == 200 and out["tokens"] == list(plain_template(chat).encode())
+    assert status == 200 and out["tokens"] == tokens(encode_chat(chat))
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -345,7 +345,7 @@ def test_tokenize_and_detokenize_round_trip(base):
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "x", "frob": 1}, "frob"),
     ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
-    ("/detokenize", {"tokens": [1, 1000]}, "tokens"),
+    ("/detokenize", {"tokens": [1, TOKENIZER.vocab_size]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
 ])
 def test_tokenizer_routes_name_the_bad_field(base, path, body, param):
@@ -366,7 +366,7 @@ def test_echo_puts_the_prompt_first_unary_and_streamed(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=prompt, echo=True, stream=True, **GREEDY))
     assert streamed == prompt + plain
-    ids = list(prompt.encode())                          # token ids: echoed as their text
+    ids = tokens(prompt)                                 # token ids: echoed as their text
     by_ids = client.completions.create(model=MODEL, prompt=ids, echo=True, **GREEDY)
     assert by_ids.choices[0].text == prompt + plain
 

@@ -23,9 +23,11 @@ from tests.engine.helpers import random_prompt
 from tests.gateway.conftest import TEST_MESH
 
 MESH_OVERRIDES = dict(engines=3, pd=True, num_blocks=96)
-# tiny: state 2,343,168 B + 3 serialized blocks (a 300-token prompt), each 215,088 B:
-# 3 CSA layers x 32 entries x (512 + 32) x 4 B + 3 HCA layers x 1 x 512 x 4 B + 48 B header/digest
-HANDOFF_300 = 2_343_168 + 3 * 215_088
+# The shipped model (`kvmesh engine layout --config models/deepseek-v41-tiny/config.json`):
+# the decode engine's 134-row slot, 6 rings x 134 rows x 66 B (head_dim 64 in MXFP8) + the KV
+# sources' tails 73,728 B = 126,792 B, and 3 serialized blocks (a 300-token prompt), each
+# 12,672 B (layer 1: 1 entry, layer 2: 32 entries, 384 B an entry) + 48 B header/digest.
+HANDOFF_300 = 6 * 134 * 66 + 73_728 + 3 * (12_672 + 48)
 
 
 def _collect(gw, prompt, **kw):

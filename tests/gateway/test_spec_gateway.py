@@ -2,7 +2,9 @@
 engine over gRPC) on the shipped checkpoint, whose MTP module the engine drafts with
 (`--speculative mtp:4`; an mtp engine serves ngram requests too): a request asking for
 `ngram:4` or `mtp:2` returns the tokens of the same request with `off`, and its usage
-reports what was drafted and accepted."""
+reports what was drafted and accepted. The engine serves V4-mini's checkpoint (model ""):
+the shipped DeepSeek V4.1-layout model has no MTP module (V4.1 drafts with DSpark layers,
+not served yet), and MTP through the gateway is what this module pins."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import pytest
 
 from services.gateway.client import gateway_request
 
-MESH_OVERRIDES = dict(engines=1, engine_extra=("--fetch-deadline-ms", "5000",
-                                               "--speculative", "mtp:4"))
+MESH_OVERRIDES = dict(engines=1, model="", engine_extra=("--fetch-deadline-ms", "5000",
+                                                         "--speculative", "mtp:4"))
 PROMPT = ("def parse_args(argv):\n    parser = argparse.ArgumentParser()\n"
           "    parser.add_argument('--name', default='x')\n"
           "    parser.add_argument('--count', type=int, default=1)\n"

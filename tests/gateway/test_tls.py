@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.proto import gateway_pb2_grpc
+from kvmesh.shipped import DEFAULT_MODEL
 from kvmesh.tls import TlsFiles
 from services.gateway.client import GatewayClient, gateway_request
 from tests.gateway.conftest import start_mesh
@@ -62,9 +63,10 @@ def _health(ch: grpc.Channel) -> int:
 def test_generate_over_mutual_tls(tls_mesh, pki):
     with _secure(tls_mesh.gateway, pki[0]) as ch:
         stub = gateway_pb2_grpc.GatewayServiceStub(ch)
-        resp = stub.Generate(gateway_request("t" * 300, max_tokens=3, temperature=0.0),
+        # 301 tokens: a block before the decoder's cut (167), so the second request hits
+        resp = stub.Generate(gateway_request("t " * 300, max_tokens=3, temperature=0.0),
                              timeout=60)
-        again = stub.Generate(gateway_request("t" * 300, max_tokens=3, temperature=0.0),
+        again = stub.Generate(gateway_request("t " * 300, max_tokens=3, temperature=0.0),
                               timeout=60)
     assert resp.usage.generated_tokens == 3 and resp.engine_id
     # the engines reached each other's blocks / snapshots over internal mutual TLS
@@ -116,7 +118,7 @@ def test_http_api_serves_https(tls_mesh, pki):
     assert url.startswith("https://")
     ctx = ssl.create_default_context(cafile=pki[0].ca)
     with urllib.request.urlopen(url + "/v1/models", context=ctx, timeout=30) as resp:
-        assert json.load(resp)["data"][0]["id"] == "tiny"
+        assert json.load(resp)["data"][0]["id"] == DEFAULT_MODEL.name
     with pytest.raises(urllib.error.URLError):  # a client that does not trust the CA
         urllib.request.urlopen(url + "/v1/models", timeout=30)
     with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP

@@ -151,7 +151,9 @@ class V4Engine:
         self._admit()
         logits: dict[str, torch.Tensor] = {}
         for req in [r for r in self.running if r.replay is not None]:
-            logits[req.request_id] = self._replay(req)
+            row = self._replay(req)
+            if row is not None:           # else it stopped at its snapshot: prefill goes on
+                logits[req.request_id] = row
         drafts = self.spec.propose([r for r in self.running if r.request_id not in logits])
         works = self._plan([r for r in self.running if r.request_id not in logits], drafts)
         verifying: list[tuple[V4Request, list[int], torch.Tensor, tuple]] = []
@@ -266,19 +268,25 @@ class V4Engine:
             budget -= n
         return works
 
-    def _replay(self, req: V4Request) -> torch.Tensor:
+    def _replay(self, req: V4Request) -> torch.Tensor | None:
         """The bounded replay of a block hit without a snapshot: one forward of the last
-        cached block's tokens and the rest of the prompt; logits of its last row."""
+        cached block's tokens and the rest of the prompt; logits of its last row. Under
+        `--replay-blocks share`, a prompt with a snapshot boundary past the hit replays up to
+        it only, so its snapshot is taken there as a cold prefill's would be (else every later
+        request of the prefix replays again), and returns None: the rest of the prompt is
+        prefilled in the usual chunks."""
         hit = req.replay.tokens
         req.replay = None
-        out = self.path.replay(req.seq, req.tokens, hit, req.cut)
+        share = self.ecfg.replay_blocks == "share"
+        end = req.snapshot_at if share and req.snapshot_at is not None else len(req.tokens)
+        out = self.path.replay(req.seq, req.tokens[:end], hit, req.cut)
         req.replayed_tokens = BLOCK
-        self.counters["computed_tokens"] += len(req.tokens) - hit + BLOCK
-        if self.ecfg.replay_blocks == "share":
+        self.counters["computed_tokens"] += end - hit + BLOCK
+        if share:
             self._after(req)
         else:                 # isolate: blocks completed after a replay are never shared
             req.registered = req.seq.length // BLOCK
-        return out[-1]
+        return out[-1] if req.pending == 0 else None
 
     def _after(self, req: V4Request) -> None:
         """Register the blocks the step completed; snapshot the prompt boundary it reached."""

@@ -90,6 +90,34 @@ def test_a_prefix_hit_under_truncation_restores_the_snapshot_exactly(saved):
     assert first == again == [greedy(m, prompt, keep=134)]
 
 
+def test_a_replayed_prompt_leaves_its_snapshot_for_the_next_request(saved):
+    """Truncation, policy full: a prompt sharing 2 blocks with an earlier one, but no window,
+    replays at 256. Under `--replay-blocks share` the replay stops at the prompt's own
+    snapshot boundary (384, the one before its cut at 416), stores the window there and
+    prefills the rest in chunks: the same tokens as a replay run to the end in one forward
+    (what `isolate`, which leaves no snapshot, does), and a prompt extending it then restores
+    that window instead of replaying again."""
+    directory, _ = saved
+    shared, mine = random_prompt(300, 8), random_prompt(250, 9)
+    other = shared + random_prompt(250, 10)              # its window lands at 384, not 256
+    outputs = {}
+    for blocks in ("share", "isolate"):
+        core = engine(directory, "--truncation", "compact", "--keep-tokens", "134",
+                      "--long-prefill-chunk", "64", "--replay-blocks", blocks)
+        run(core, [other])
+        outputs[blocks] = run(core, [shared + mine])    # 550 tokens: hit 256, replay 128
+        stats = core.stats()
+        assert (stats["snapshot_misses"], stats["replayed_tokens"]) == (1, 128)
+        assert stats["computed_tokens"] == 2 * TOKENS - 2 + 550 + (550 - 256 + 128)
+        assert stats["snapshot_stores"] == (2 if blocks == "share" else 1), blocks
+        if blocks == "share":
+            run(core, [shared + mine + random_prompt(100, 11)])  # cut 516: 4 blocks cached
+            after = core.stats()
+            assert (after["snapshot_hits"], after["cache_hit_tokens"]) == (1, 256 + 384)
+            assert after["replayed_tokens"] == 128                   # no second replay
+    assert outputs["share"] == outputs["isolate"] and len(outputs["share"][0]) == TOKENS
+
+
 def test_a_prefix_hit_without_truncation_replays(saved):
     directory, m = saved
     prompt = random_prompt(300, 7)
