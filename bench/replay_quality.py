@@ -50,7 +50,6 @@ from bench._common import OUT, parser  # noqa: E402
 from bench._replay_engine import (  # noqa: E402
     CHUNK,
     Req,
-    aggregate,
     forced,
     greedy_divergence,
     make_engine,
@@ -59,6 +58,7 @@ from bench._replay_engine import (  # noqa: E402
     warm,
 )
 from bench._replay_report import report  # noqa: E402
+from bench._replay_runs import run_prompts, summaries  # noqa: E402
 from bench._replay_sessions import CONT, chain_runs, mxfp8_variant, windows  # noqa: E402
 from bench._replay_trace import trace_variant  # noqa: E402
 from services.engine.build import DEFAULT_CHECKPOINTS  # noqa: E402
@@ -127,48 +127,14 @@ class Singles:
         return {**s, "replayed": v.replayed, "cached": v.cached, "snapshot_hit": v.snapshot_hit}
 
 
-def _load(path: Path) -> dict[int, dict]:
-    """Per-prompt records of earlier runs (a line cut short by a killed run is skipped)."""
-    done = {}
-    for line in path.open() if path.exists() else []:
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        done[r["i"]] = {**done.get(r["i"], {}), **r}
-    return done
-
-
 def single_variants(a, cfg, w, val, wanted: set[int]) -> dict:
     res = {}
     for length in a.lengths:
         path = OUT / f"replay_quality_L{length}_N{a.prompts}.jsonl"
-        if a.fresh and path.exists():
-            path.unlink()
-        done = _load(path)
-        # strided, so that a partial run (stopped, then merged) spans the whole held-out stream
-        order = sorted(range(a.prompts), key=lambda i: (i % 10, i))
-        todo = [i for i in order if i not in done or any(f"v{v}" not in done[i] for v in wanted)]
-        todo = todo[a.shard[0]:: a.shard[1]]
-        if todo and not a.merge_only:
-            rows = windows(val, a.prompts, length + CONT)
-            singles, t0 = Singles(a, cfg, w, length, wanted), time.perf_counter()
-            print(f"L={length}: {len(done)} of {a.prompts} prompts already in {path.name}, "
-                  f"{len(todo)} to run in groups of {a.group}", flush=True)
-            for k in range(0, len(todo), a.group):
-                idx = todo[k: k + a.group]
-                recs = singles.group([(i, rows[i][:length], rows[i][length:]) for i in idx])
-                with path.open("a") as f:
-                    for r in recs:
-                        f.write(json.dumps(r) + "\n")
-                        done[r["i"]] = r
-                el, n = time.perf_counter() - t0, k + len(idx)
-                print(f"L={length}: {n}/{len(todo)} prompts, {el:.0f} s, {el / n:.1f} s/prompt, "
-                      f"ETA {el / n * (len(todo) - n):.0f} s", flush=True)
-        for v in sorted(wanted):
-            recs = [done[i][f"v{v}"] for i in sorted(done) if f"v{v}" in done[i]]
-            if recs:
-                res[f"{NAMES[v]}, L={length}"] = aggregate(recs)
+        done = run_prompts(a, path, length, wanted,
+                           lambda length=length: windows(val, a.prompts, length + CONT),
+                           lambda length=length: Singles(a, cfg, w, length, wanted), CONT)
+        res.update(summaries(done, wanted, NAMES, length))
     return res
 
 
