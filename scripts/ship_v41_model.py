@@ -7,6 +7,11 @@ Copies the run's config.json, model.safetensors and tokenizer files, measures th
 weights), writes training.json (steps, tokens, minutes, the loss history from
 RUN_DIR/state.pt) and train.log, and renders the model card (README.md) from those numbers,
 so the card never carries a number that was not measured.
+
+    python scripts/ship_v41_model.py --remeasure models/deepseek-v41-tiny [--metrics M]
+
+measures a shipped directory again (more windows, say) and re-renders its card, keeping its
+weights and training record.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ def card(m: dict, t: dict, cfg: dict) -> str:
         rows.append(f"| {kind} | {k['held_out_files']} files, {k['windows']} x {m['eval_seq_len']} "
                     f"tokens | **{k['bits_per_byte']:.3f}** | {k['token_unigram_bits_per_byte']:.3f} | "
                     f"{k['byte_unigram_bits_per_byte']:.3f} | {k['bytes_per_token']:.2f} | "
-                    f"{bw['gap_bits_per_byte']:+.4f} ± {bw['gap_stderr_bits_per_byte']:.4f} |")
+                    f"{bw['gap_bits_per_byte']:+.4f} ± {bw['gap_stderr_bits_per_byte']:.4f} "
+                    f"(n = {bw['n']:,}) |")
     table = "\n".join(rows)
     ratios = text["compress_ratios"]
     return f"""---
@@ -128,7 +134,7 @@ Reproduce:
 .venv/bin/python scripts/ship_v41_model.py RUN_DIR models/deepseek-v41-tiny --command "..."
 ```
 
-## Measured (`kvmesh train-eval models/deepseek-v41-tiny`)
+## Measured (`kvmesh train-eval models/deepseek-v41-tiny --windows {m['code']['windows']} --cut-stride {m['code']['beyond_window']['positions'].rsplit(' ', 1)[-1]}`)
 
 Held-out files, fp32, non-overlapping windows; bits per UTF-8 byte (a special token counts
 one byte). Gap: bits/byte lost at positions {m['code']['beyond_window']['positions']} when the
@@ -146,25 +152,52 @@ windows of {m['slice']['seq_len']} tokens, {m['slice']['loss_nats']:.4f} nats/to
 """
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run")
-    ap.add_argument("dest")
-    ap.add_argument("--command", required=True, help="the exact training command")
-    ap.add_argument("--metrics", help="metrics JSON already measured on these weights")
-    ap.add_argument("--windows", type=int, default=32)
-    ap.add_argument("--cut-stride", type=int, default=16)
-    args = ap.parse_args(argv)
-    run, dest = Path(args.run), Path(args.dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in FILES:
-        shutil.copyfile(run / name, dest / name)
+def measure(dest: Path, args) -> dict:
     if args.metrics:
         m = json.loads(Path(args.metrics).read_text())
     else:
         m = v41_evaluate.evaluate(str(dest), windows=args.windows, cut_stride=args.cut_stride)
     m["checkpoint"] = str(dest)
     m["slice"] = {"windows": SLICE[0], "seq_len": SLICE[1], "loss_nats": slice_loss(dest)}
+    return m
+
+
+def remeasure(dest: Path, args) -> int:
+    """A shipped directory measured again; its weights and training.json stay as they are."""
+    old = json.loads((dest / "metrics.json").read_text())
+    m = {**measure(dest, args), "parameters": old["parameters"]}
+    t = json.loads((dest / "training.json").read_text())
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "metrics.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
+    (dest / "README.md").write_text(card(m, t, cfg))
+    print(f"remeasured {dest}: gap beyond the window "
+          f"{m['code']['beyond_window']['gap_bits_per_byte']:+.4f} ± "
+          f"{m['code']['beyond_window']['gap_stderr_bits_per_byte']:.4f} bits/byte (code)")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", nargs="?", help="the train-v41 run directory")
+    ap.add_argument("dest")
+    ap.add_argument("--command", help="the exact training command (required to ship a run)")
+    ap.add_argument("--remeasure", action="store_true",
+                    help="measure the shipped DEST again and re-render its card (no RUN)")
+    ap.add_argument("--metrics", help="metrics JSON already measured on these weights")
+    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--cut-stride", type=int, default=16)
+    args = ap.parse_args(argv)
+    if args.remeasure:
+        if args.run:
+            ap.error("--remeasure takes DEST only")
+        return remeasure(Path(args.dest), args)
+    if not args.run or not args.command:
+        ap.error("shipping a run needs RUN, DEST and --command")
+    run, dest = Path(args.run), Path(args.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in FILES:
+        shutil.copyfile(run / name, dest / name)
+    m = measure(dest, args)
     st = torch.load(run / "state.pt", weights_only=False)
     m["parameters"] = sum(t.numel() for t in st["weights"].values())
     t = training_record(run, args.command)
