@@ -46,6 +46,8 @@ V41_HELP = {
     "balance_rate": "step of the gate.bias update towards equal expert loads",
     "english_fraction": "share of the training sequences drawn from the English text",
     "chat_fraction": "share of the training sequences drawn from the conversations",
+    "copy_fraction": "share of the training sequences that repeat a code snippet longer than "
+                     "the window (teaches retrieval from the compressed caches)",
 }
 
 

@@ -148,10 +148,37 @@ def token_bytes(tok) -> torch.Tensor:
 
 
 def sample(corpus: TokenCorpus, batch: int, seq_len: int, english_fraction: float,
-           chat_fraction: float, gen: torch.Generator) -> list[torch.Tensor]:
+           chat_fraction: float, gen: torch.Generator, copy_fraction: float = 0.0,
+           copy: tuple[list[int], int] | None = None) -> list[torch.Tensor]:
     """`batch` windows of seq_len + 1 tokens, each from English with `english_fraction`,
-    from the conversations with `chat_fraction`, else from the code."""
+    from the conversations with `chat_fraction`, a repeated code snippet with
+    `copy_fraction` (`copy_row`; copy = (separator ids, shortest snippet)), else code."""
     draws = torch.rand(batch, generator=gen).tolist()
-    kinds = ["english" if u < english_fraction else
-             "chat" if u < english_fraction + chat_fraction else "code" for u in draws]
-    return [data.sample_batch(corpus.train[kind], 1, seq_len, gen)[0] for kind in kinds]
+    edges = (english_fraction, english_fraction + chat_fraction,
+             english_fraction + chat_fraction + copy_fraction)
+    kinds = ["english" if u < edges[0] else "chat" if u < edges[1] else
+             "copy" if u < edges[2] else "code" for u in draws]
+    rows = []
+    for kind in kinds:
+        if kind == "copy":
+            window = data.sample_batch(corpus.train["code"], 1, seq_len, gen)[0]
+            rows.append(copy_row(window, *copy, gen))
+        else:
+            rows.append(data.sample_batch(corpus.train[kind], 1, seq_len, gen)[0])
+    return rows
+
+
+def copy_row(window: torch.Tensor, separator: list[int], shortest: int,
+             gen: torch.Generator) -> torch.Tensor:
+    """A code window's first s tokens, the separator, the same s tokens again and then the
+    window's text after them, cut to the window's length. With s > the model's sliding
+    window, the repeat is predictable only from what the compressed caches kept of the first
+    copy: the rows teach retrieval past the window, which plain code rarely rewards."""
+    n = len(window)
+    longest = (n - len(separator)) // 2
+    if longest < shortest:
+        raise ValueError(f"copy rows: a window of {n} tokens has no room for two snippets of "
+                         f"{shortest} tokens")
+    s = int(torch.randint(shortest, longest + 1, (1,), generator=gen))
+    sep = torch.tensor(separator, dtype=window.dtype)
+    return torch.cat([window[:s], sep, window[:s], window[s:]])[:n]

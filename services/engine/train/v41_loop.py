@@ -38,7 +38,9 @@ from services.engine.train.v41_evaluate import bits_per_byte, position_losses
 from services.engine.train.v41_model import balance, forward, initial_weights, shipped_config
 
 RESUME_KEYS = ("seed", "batch", "seq_len", "steps", "lr", "warmup", "decay_by_time",
-               "english_fraction", "chat_fraction", "init_from")
+               "english_fraction", "chat_fraction", "copy_fraction", "init_from")
+# what separates a copy row's two snippets (v41_data.copy_row)
+COPY_SEPARATOR = "\n# the same code again:\n"
 
 
 @dataclass
@@ -56,6 +58,7 @@ class V41TrainArgs(StepArgs):
     balance_rate: float = 1e-2
     english_fraction: float = 0.2
     chat_fraction: float = 0.1
+    copy_fraction: float = 0.0
     time_budget_min: float = 0.0
     decay_by_time: bool = False
 
@@ -122,9 +125,11 @@ def train_v41(a: V41TrainArgs) -> dict:
     if not a.tokenizer or not (Path(a.tokenizer) / "tokenizer.json").is_file():
         raise ValueError(f"--tokenizer {a.tokenizer!r}: expected a directory holding "
                          "tokenizer.json (kvmesh train-tokenizer writes one)")
-    if min(a.english_fraction, a.chat_fraction) < 0 or a.english_fraction + a.chat_fraction > 1:
+    shares = (a.english_fraction, a.chat_fraction, a.copy_fraction)
+    if min(shares) < 0 or sum(shares) > 1:
         raise ValueError(f"--english-fraction {a.english_fraction}, --chat-fraction "
-                         f"{a.chat_fraction}: expected shares >= 0 adding up to at most 1")
+                         f"{a.chat_fraction}, --copy-fraction {a.copy_fraction}: expected "
+                         "shares >= 0 adding up to at most 1")
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     run = Path(a.out)
@@ -153,9 +158,12 @@ def train_v41(a: V41TrainArgs) -> dict:
     log(f"model deepseek_v41: {sum(t.numel() for t in w.values()):,} parameters; "
         f"{json.dumps(asdict(a), sort_keys=True)}")
 
+    # copy rows: snippets longer than the window by a block's worth of entries
+    copy = (tok.encode(COPY_SEPARATOR, add_special_tokens=False).ids, cfg.window + 16)
+
     def one_step():
         rows = v41_data.sample(corpus, a.batch, a.seq_len, a.english_fraction, a.chat_fraction,
-                               gen)
+                               gen, a.copy_fraction, copy)
         loss, lm, kl, loads = step_loss(model, rows, a.kl_weight)
         balance(w, cfg, loads, a.balance_rate)
         spread = max(float(x.max()) / max(float(x.float().mean()), 1e-9) for x in loads)

@@ -167,6 +167,24 @@ def test_evaluation_windows_do_not_overlap():
         v41_evaluate.windows_of(stream, 2, 100)
 
 
+def test_copy_rows_repeat_a_snippet_longer_than_the_window():
+    gen = torch.Generator().manual_seed(0)
+    window = torch.arange(1000, 1601, dtype=torch.int16)        # 601 distinct tokens
+    for _ in range(20):
+        row = v41_data.copy_row(window, [7, 8], 144, gen)
+        assert len(row) == len(window) and row.dtype == window.dtype
+        s = int((row == 7).nonzero()[0])                         # where the separator is
+        assert 144 <= s <= (601 - 2) // 2 and row[s + 1] == 8
+        assert torch.equal(row[:s], window[:s]) and torch.equal(row[s + 2: 2 * s + 2], window[:s])
+        assert torch.equal(row[2 * s + 2:], window[s: 601 - s - 2])   # then the text goes on
+    with pytest.raises(ValueError, match="no room for two snippets"):
+        v41_data.copy_row(window[:200], [7, 8], 144, gen)
+    corpus = v41_data.TokenCorpus({k: window for k in v41_data.KINDS}, {}, {})
+    rows = v41_data.sample(corpus, 40, 590, 0.0, 0.0, gen, 0.5, ([7, 8], 144))
+    copies = sum(bool((r == 7).any()) for r in rows)
+    assert 10 <= copies <= 30 and all(len(r) == 591 for r in rows)
+
+
 def test_train_v41_refuses_a_missing_tokenizer(tmp_path):
     with pytest.raises(ValueError, match="--tokenizer"):
         train_v41(V41TrainArgs(out=str(tmp_path), tokenizer=str(tmp_path / "none")))
