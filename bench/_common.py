@@ -106,13 +106,16 @@ def decode_tok_s(core, prompts: list[list[int]], params, steps: int) -> float:
 
 def load_model(directory, dtype=None):
     """(model, tokenizer) of a DeepSeek V4.1 checkpoint directory (the shipped default's
-    kind), as the engine loads them: V41Model in `dtype` (float32 by default)."""
+    kind), as the engine loads them: V41Model in `dtype` (float32 by default), rounding its
+    window rows as the engine's ledgers keep them."""
     import torch
 
     from services.engine.build import v4_tokenizer
+    from services.engine.model.deepseek_v4 import window_rows
     from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
     from services.engine.model.deepseek_v4.v41_forward import V41Model
 
     dtype = dtype or torch.float32
     cfg, weights = load_v41_checkpoint(directory, dtype)
-    return V41Model(cfg, weights, dtype), v4_tokenizer(Path(directory), cfg)
+    return (V41Model(cfg, weights, dtype, rows=window_rows.for_dtype(dtype)),
+            v4_tokenizer(Path(directory), cfg))

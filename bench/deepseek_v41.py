@@ -31,7 +31,7 @@ from kvmesh.tokenizer import ByteTokenizer  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.core.sampling import SamplingParams  # noqa: E402
 from services.engine.core.v4_engine import V4Engine  # noqa: E402
-from services.engine.model.deepseek_v4 import v41_names  # noqa: E402
+from services.engine.model.deepseek_v4 import v41_names, window_rows  # noqa: E402
 from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict  # noqa: E402
 from services.engine.model.deepseek_v4.v41_forward import V41Model  # noqa: E402
 
@@ -56,7 +56,7 @@ def v41_model() -> V41Model:
             weights[name] = torch.ones(shape)
         else:
             weights[name] = torch.randn(shape, generator=g) * (0.15 if len(shape) < 2 else 0.03)
-    return V41Model(cfg, weights, torch.float32)
+    return V41Model(cfg, weights, torch.float32, rows=window_rows.for_dtype(torch.float32))
 
 
 def engine(model: V41Model, blocks: int, truncation: str) -> V4Engine:

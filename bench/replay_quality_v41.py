@@ -55,6 +55,7 @@ from bench._replay_report import report  # noqa: E402
 from bench._replay_runs import run_prompts, summaries  # noqa: E402
 from bench._replay_v41 import CHUNK, make_engine, run  # noqa: E402
 from kvmesh.shipped import DEFAULT_MODEL  # noqa: E402
+from services.engine.model.deepseek_v4.v41_forward import V41Model  # noqa: E402
 from services.engine.train import data, v41_data  # noqa: E402
 
 CONT = 64
@@ -83,6 +84,8 @@ class Singles:
     def __init__(self, a, model, tok, length: int, wanted: set[int]):
         self.a, self.model, self.tok, self.length, self.wanted = a, model, tok, length, wanted
         self.engines: dict[str, object] = {}
+        # variant 6's exact side: the same weights, window rows unrounded
+        self.unrounded = V41Model(model.cfg, model.weights, model.dtype)
 
     def engine(self, name: str, per_prompt: int, **ecfg):
         if name not in self.engines:
@@ -139,10 +142,10 @@ class Singles:
         variant: KL on the continuation, and the engine's greedy against the reference's
         (read from a forced pass of the reference over the engine's greedy tokens)."""
         n = len(prompt)
-        ref = self.model.logits(torch.tensor(prompt + cont[:-1]))[n - 1:]
+        ref = self.unrounded.logits(torch.tensor(prompt + cont[:-1]))[n - 1:]
         s = prompt_stats(ref, off[f"f{i}"].logits, cont)
         g = off[f"g{i}"].tokens
-        on_g = self.model.logits(torch.tensor(prompt + g[:-1]))[n - 1:].argmax(-1).tolist()
+        on_g = self.unrounded.logits(torch.tensor(prompt + g[:-1]))[n - 1:].argmax(-1).tolist()
         return {**s, **greedy_divergence(g, on_g)}
 
 

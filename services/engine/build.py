@@ -241,8 +241,8 @@ def build_v4_core(args):
     if model_type(directory) in V41_TYPES:
         cfg41, weights = load_v41_checkpoint(directory, dtype)
         tokenizer = v4_tokenizer(directory, cfg41, args.tokenizer)
-        return V4Engine(V41Model(cfg41, weights, dtype), ecfg, tokenizer,
-                        name=directory.resolve().name)
+        return V4Engine(V41Model(cfg41, weights, dtype, rows=window_rows.for_dtype(dtype)),
+                        ecfg, tokenizer, name=directory.resolve().name)
     cfg, weights = load_checkpoint(directory, dtype)
     tokenizer = v4_tokenizer(directory, cfg, args.tokenizer)
     model = V4Model(cfg, weights, dtype, stored=True, rows=window_rows.for_dtype(dtype))

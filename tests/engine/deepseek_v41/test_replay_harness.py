@@ -71,3 +71,29 @@ def test_a_snapshot_hit_equals_cold_and_a_replay_is_counted(setup):
             assert diff < EXACT
         else:      # the replay's window is approximate: close, but not the same rows
             assert 0 < diff < 1.0
+
+
+def test_float32_results_do_not_depend_on_the_chunking(setup, tmp_path):
+    """MXFP8 window rows (float32): a chunk's rows attend each other rounded as the ring
+    keeps them, so prefilling in chunks of 7 or of 256 and decoding give the same logits to
+    float32 noise, and n-gram verification (several rows a step) the same greedy tokens as
+    plain decoding (unrounded in-chunk rows: 3e-4 apart here, 0.1 on the shipped model)."""
+    from services.engine.model.deepseek_v4 import window_rows
+
+    reference, tok = setup
+    cfg, w64 = reference.cfg, reference.weights
+    w = {k: v.float() if v.is_floating_point() else v for k, v in w64.items()}
+    model = V41Model(cfg, w, torch.float32, rows=window_rows.for_dtype(torch.float32))
+    prompt, cont = random_prompt(L, 12), random_prompt(N, 13)
+    got = {chunk: run(make_engine(model, tok, 2, L + N, chunk, truncation="off"),
+                      [forced("f", prompt, cont, "s")])["f"].logits for chunk in (7, 256)}
+    assert (got[7] - got[256]).abs().max() < 3e-5
+    for method in ("off", "ngram:4"):
+        eng = make_engine(model, tok, 2, 2 * L, 64, speculative=method)
+        out = run(eng, [Req("g", prompt[:100] * 3, "t", greedy=24)])["g"].tokens
+        if method == "off":
+            plain = out
+    assert out == plain and eng.stats()["spec_drafted_tokens"] > 0
+    unrounded = V41Model(cfg, w, torch.float32)       # refused: it would depend on chunking
+    with pytest.raises(ValueError, match="must round its fresh rows"):
+        run(make_engine(unrounded, tok, 2, L + N, 64), [Req("g", prompt, "t", greedy=1)])

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4 import hyper
+from services.engine.model.deepseek_v4 import hyper, window_rows
 from services.engine.model.deepseek_v4.attention import attend, grouped_output, window_visible
 from services.engine.model.deepseek_v4.compressor import visible
 from services.engine.model.deepseek_v4.forward import RopeTables
@@ -178,21 +178,26 @@ def select(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tens
 
 def attention(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
               tables: RopeTables, shared_in: Shared, prior: LayerState | None = None,
-              floor: int = 0, compressed: SourceState | None = None,
+              floor: int = 0, compressed: SourceState | None = None, rows: str | None = None,
               ) -> tuple[torch.Tensor, Shared, LayerState]:
     """One attention sub-block over consecutive tokens at `positions`; x [S, D] is its normed
     input. prior: what this layer kept of the earlier tokens (None: the sequence starts here).
     floor: window rows at positions below it are not attended (decoder-side truncation's
     mask form). compressed: a KV source's state already run over more rows than these (the
-    first decoder layer compresses every row, then attends the kept ones). Returns the output
-    [S, D], what later layers read, and what this layer keeps (its window rows: the prior's
-    followed by this call's)."""
+    first decoder layer compresses every row, then attends the kept ones). rows: the ring
+    format the engine keeps window rows in (window_rows.py): this call's rows are rounded to
+    it before any row attends them, so a row sees its neighbours as a later step reads them
+    back, whatever the chunking (None: unrounded, the reference). Returns the output [S, D],
+    what later layers read, and what this layer keeps (its window rows: the prior's followed
+    by this call's)."""
     s, rope = x.shape[0], cfg.rope(layer)
     cos, sin = tables.at(rope, positions)
     q_res = norm(F.linear(x, w["wq_a.weight"]), w["q_norm.weight"], cfg.rms_eps)
     q = apply_rope(F.linear(q_res, w["wq_b.weight"]).view(s, cfg.num_heads, cfg.head_dim), cos, sin)
     kv = apply_rope(norm(F.linear(x, w["wkv.weight"]), w["kv_norm.weight"], cfg.rms_eps),
                     cos, sin)
+    if rows is not None:
+        kv = window_rows.round_like_stored(rows, kv)
     if prior is not None:
         kv = torch.cat([prior.window, kv])
     end = int(positions[-1]) + 1
@@ -247,10 +252,13 @@ def moe(cfg: V41Config, w: dict, x: torch.Tensor,
 
 
 class V41Model:
-    """A loaded DeepSeek V4.1 text model: config, weights (read-only) and RoPE tables."""
+    """A loaded DeepSeek V4.1 text model: config, weights (read-only) and RoPE tables.
+    rows: the window-row format of the ledgers it serves with (`attention`'s rows); None,
+    the default, computes the unrounded reference function."""
 
-    def __init__(self, cfg: V41Config, weights: dict[str, torch.Tensor], dtype: torch.dtype):
-        self.cfg, self.weights, self.dtype = cfg, weights, dtype
+    def __init__(self, cfg: V41Config, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 rows: str | None = None):
+        self.cfg, self.weights, self.dtype, self.rows = cfg, weights, dtype, rows
         self.tables = RopeTables(cfg, dtype)
         layers = [_sub(weights, f"layers.{i}.") for i in range(cfg.num_layers)]
         self.layers = layers
@@ -304,7 +312,7 @@ class V41Model:
                 continue
             out, shared_out, state = attention(cfg, i, self.attn[i], x[rows], positions,
                                                self.tables, shared_in, span.prior, span.floor,
-                                               compressed)
+                                               compressed, self.rows)
             kept.append(rows)
             outs.append(out)
             results.append((shared_out, state))

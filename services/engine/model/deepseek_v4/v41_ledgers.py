@@ -184,6 +184,10 @@ def _check(model: V41Model, led: V41Ledgers) -> None:
     if wide(model.dtype) != led.state_dtype:
         raise ValueError(f"the ledgers keep {led.state_dtype} state, the model computes in "
                          f"{model.dtype}")
+    if led.rows == "mxfp8" and model.rows != led.rows:
+        raise ValueError(f"the ledgers keep {led.rows} window rows: the model must round its "
+                         f"fresh rows the same way (V41Model(..., rows={led.rows!r})), else a "
+                         "row's result depends on how its prompt was chunked")
 
 
 def _read(model: V41Model, led: V41Ledgers, seq: Sequence, layer: int, floor: int,
