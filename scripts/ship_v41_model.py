@@ -162,14 +162,18 @@ def measure(dest: Path, args) -> dict:
     return m
 
 
+def write_card(dest: Path, m: dict, t: dict) -> None:
+    """metrics.json and the card rendered from it, the training record and the config."""
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "metrics.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
+    (dest / "README.md").write_text(card(m, t, cfg))
+
+
 def remeasure(dest: Path, args) -> int:
     """A shipped directory measured again; its weights and training.json stay as they are."""
     old = json.loads((dest / "metrics.json").read_text())
     m = {**measure(dest, args), "parameters": old["parameters"]}
-    t = json.loads((dest / "training.json").read_text())
-    cfg = json.loads((dest / "config.json").read_text())
-    (dest / "metrics.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
-    (dest / "README.md").write_text(card(m, t, cfg))
+    write_card(dest, m, json.loads((dest / "training.json").read_text()))
     print(f"remeasured {dest}: gap beyond the window "
           f"{m['code']['beyond_window']['gap_bits_per_byte']:+.4f} ± "
           f"{m['code']['beyond_window']['gap_stderr_bits_per_byte']:.4f} bits/byte (code)")
@@ -201,10 +205,8 @@ def main(argv=None) -> int:
     st = torch.load(run / "state.pt", weights_only=False)
     m["parameters"] = sum(t.numel() for t in st["weights"].values())
     t = training_record(run, args.command)
-    cfg = json.loads((dest / "config.json").read_text())
-    (dest / "metrics.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
     (dest / "training.json").write_text(json.dumps(t, indent=1, sort_keys=True) + "\n")
-    (dest / "README.md").write_text(card(m, t, cfg))
+    write_card(dest, m, t)
     print(f"shipped {dest}: code {m['code']['bits_per_byte']:.3f}, English "
           f"{m['english']['bits_per_byte']:.3f} bits/byte held-out; gap beyond the window "
           f"{m['code']['beyond_window']['gap_bits_per_byte']:+.4f} bits/byte (code)")
