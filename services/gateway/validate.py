@@ -19,19 +19,25 @@ from services.gateway.model import GenRequest
 # Salts and request ids end up in logs and cache keys: keep them printable and short.
 SALT_RE = re.compile(r"[A-Za-z0-9._:-]{0,128}")
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# The wire's ranges (int32 top_k, uint32 token ids, float32 temperature): HTTP's JSON
+# numbers are unbounded, and a value past them must be a 400, not a failed conversion.
+INT32_MAX = 2**31 - 1
+TOKEN_ID_LIMIT = 2**32
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def check_sampling(req: GenRequest, cfg: GatewayConfig) -> None:
     t = req.temperature
-    if t is not None and not (math.isfinite(t) and t >= 0):
-        raise InvalidArgument(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {t}",
+    if t is not None and not (math.isfinite(t) and 0 <= t <= FLOAT32_MAX):
+        raise InvalidArgument(f"sampling.temperature must be a finite number in [0, {FLOAT32_MAX:.4g}]"
+                              f" (0 = greedy), got {t}",
                               param="temperature")
     p = req.top_p
     if p is not None and not (0 < p <= 1):  # NaN fails both comparisons
         raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {p}", param="top_p")
-    if req.top_k is not None and req.top_k < 0:
-        raise InvalidArgument(f"sampling.top_k must be >= 0 (0 = off), got {req.top_k}",
-                              param="top_k")
+    if req.top_k is not None and not 0 <= req.top_k <= INT32_MAX:
+        raise InvalidArgument(f"sampling.top_k must be in [0, {INT32_MAX}] (0 = off), "
+                              f"got {req.top_k}", param="top_k")
     if req.seed is not None and not 0 <= req.seed < 2**63:
         raise InvalidArgument(f"sampling.seed must be in [0, 2**63), got {req.seed}", param="seed")
     if req.speculative is not None:
@@ -56,11 +62,11 @@ def check_stops(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None) -> 
     if len(req.stop_token_ids) > cfg.max_stop:
         raise InvalidArgument(f"stop_token_ids has {len(req.stop_token_ids)} ids; at most {cfg.max_stop}",
                               param="stop_token_ids")
-    if vocab_size is not None:
-        bad = [t for t in req.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise InvalidArgument(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
-                                  param="stop_token_ids")
+    limit = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
+    bad = [t for t in req.stop_token_ids if not 0 <= t < limit]
+    if bad:
+        raise InvalidArgument(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {limit})",
+                              param="stop_token_ids")
 
 
 def check_request(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None = None) -> None:
@@ -83,11 +89,11 @@ def check_request(req: GenRequest, cfg: GatewayConfig, vocab_size: int | None = 
             raise InvalidArgument("prompt_token_ids is empty: give prompt text or token ids",
                                   param="prompt")
         check_prompt_tokens(len(ids), cfg)
-        if vocab_size is not None:
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise InvalidArgument(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {vocab_size})", param="prompt")
+        limit = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
+        bad = [t for t in ids if not 0 <= t < limit]
+        if bad:
+            raise InvalidArgument(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
+                                  f"[0, {limit})", param="prompt")
     check_sampling(req, cfg)
     check_stops(req, cfg, vocab_size)
 

@@ -85,3 +85,100 @@ def test_fuzzed_requests_never_internal_and_nothing_crashes(gw, mesh):
     dead = [name for name in mesh.procs if not mesh.alive(name)]
     assert not dead, f"crashed: {dead}"
     assert gw.generate("still alive?", max_tokens=3, temperature=0.0).usage.generated_tokens >= 1
+
+
+# --- the OpenAI HTTP API: JSON bodies, valid and not ---------------------------------------
+
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                      st.floats(allow_nan=False), st.text(max_size=20))
+JSON = st.recursive(JSON_LEAF, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12)
+# text that sometimes holds lone surrogates (the JSON encoder writes them as \ud800 escapes)
+TEXT_OR_SURROGATES = st.one_of(st.text(max_size=40),
+                               st.text(st.characters(categories=["Cs", "L", "Zs"]), max_size=8))
+
+
+# past the wire's ranges (int32, uint32, float32, int64) or any JSON at all
+BAD = st.one_of(st.integers(2**31 - 2, 2**31 + 2), st.integers(2**32 - 1, 2**80),
+                st.integers(-(2**63), -1), st.floats(1e38, 1e308), TEXT_OR_SURROGATES, JSON)
+CONTENT = st.one_of(TEXT_OR_SURROGATES, st.lists(st.fixed_dictionaries(
+    {"type": st.just("text"), "text": TEXT_OR_SURROGATES}), max_size=2))
+# each field's valid values (text may still hold surrogates); generations stay short
+VALID = {
+    "max_tokens": st.integers(1, 3),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(0, 50),
+    "seed": st.integers(0, 2**63 - 1),
+    "n": st.integers(1, 2),
+    "stop": st.one_of(TEXT_OR_SURROGATES, st.lists(TEXT_OR_SURROGATES, max_size=3)),
+    "stop_token_ids": st.lists(st.integers(0, 4095), max_size=3),
+    "cache_salt": st.from_regex(r"[a-z0-9.]{0,12}", fullmatch=True),
+    "stream": st.booleans(),
+    "echo": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "traffic_class": st.sampled_from(["agent", "chatbot"]),
+    "metadata": JSON,
+    "prompt": st.one_of(TEXT_OR_SURROGATES, st.lists(st.integers(0, 4095), min_size=1,
+                                                      max_size=20)),
+    "messages": st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant"]), "content": CONTENT}),
+        min_size=1, max_size=3),
+}
+
+
+@st.composite
+def http_bodies(draw, model: str):
+    """A body valid but for at most two fields, which get a bad value (so the gateway sees
+    each break on its own, not behind an earlier one)."""
+    chat = draw(st.booleans())
+    body = {"model": model, "max_tokens": draw(VALID["max_tokens"])}
+    body["messages" if chat else "prompt"] = draw(VALID["messages" if chat else "prompt"])
+    extra = sorted(set(VALID) - {"prompt", "messages", "max_tokens"})
+    for name in draw(st.lists(st.sampled_from(extra), max_size=3, unique=True)):
+        body[name] = draw(VALID[name])
+    for name in draw(st.lists(st.sampled_from(sorted(body) + ["top_k", "temperature"]),
+                              max_size=2, unique=True)):
+        body[name] = draw(BAD)
+    if draw(st.integers(0, 9)) == 0:                        # sometimes too deep
+        deep = "deep"
+        for _ in range(40):
+            deep = [deep]
+        body["metadata"] = deep
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+def test_fuzzed_http_bodies_are_never_5xx_and_nothing_crashes(mesh):
+    """Random values in every field of both generation routes (past the wire's int32 /
+    uint32 / float32 ranges, lone surrogates, wrong types, nesting): each answer is 200,
+    400, 404 or 413, never a 5xx, and no process dies."""
+    import http.client
+    import json
+    import urllib.parse
+
+    from kvmesh.shipped import DEFAULT_MODEL
+
+    u = urllib.parse.urlsplit(mesh.endpoints["gateway-http"])
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=200, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(http_bodies(DEFAULT_MODEL.name))
+    def one(case):
+        path, body = case
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        try:
+            conn.request("POST", path, json.dumps(body).encode(),
+                         {"content-type": "application/json"})
+            resp = conn.getresponse()
+            text = resp.read()
+        finally:
+            conn.close()
+        assert resp.status in (200, 400, 404, 413), (resp.status, text[:500], body)
+        seen[resp.status] = seen.get(resp.status, 0) + 1
+
+    one()
+    assert 400 in seen and 200 in seen, seen
+    dead = [name for name in mesh.procs if not mesh.alive(name)]
+    assert not dead, f"crashed: {dead}"

@@ -175,6 +175,15 @@ BAD_FIELDS = [
     ({"prompt": "x", "cache_salt": "no spaces allowed"}, "cache_salt"),  # the core's checks
     ({"prompt": "", "max_tokens": 4}, "prompt"),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    # past the wire's ranges (int32 top_k, uint32 ids, float32 temperature): not a 500
+    ({"prompt": "x", "top_k": 2**31}, "top_k"),
+    ({"prompt": "x", "top_k": 10**30}, "top_k"),
+    ({"prompt": "x", "temperature": 1e300}, "temperature"),
+    ({"prompt": [5, 2**32]}, "prompt"),
+    ({"prompt": "x", "stop_token_ids": [2**40]}, "stop_token_ids"),
+    # lone surrogates cannot be tokenized: refused by the body's Unicode check
+    ({"prompt": "abc\ud800"}, "prompt"),
+    ({"prompt": "x", "stop": ["ok", "\udfff"]}, "stop[1]"),
 ]
 
 
@@ -213,10 +222,35 @@ def test_chat_bad_fields(base):
              ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
               "max_completion_tokens"),
              ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-              "tools")]
+              "tools"),
+             ({"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages[0].content"),
+             ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+              "messages[0].content[0].text")]
     for body, param in cases:
         status, out, _ = raw(base, "POST", "/v1/chat/completions", {"model": MODEL, **body})
         assert (status, out["error"]["param"]) == (400, param), out
+
+
+def test_bodies_that_attack_the_parser_are_400(base):
+    """Deep nesting and raw surrogate bytes: refused with the field named, never a 500."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    status, out, _ = raw(base, "POST", "/v1/completions", deep)
+    assert status == 400 and "nests deeper" in out["error"]["message"], out
+    nested = {"model": MODEL, "prompt": "x", "metadata": {}}
+    inner = nested["metadata"]
+    for _ in range(40):                     # parses, but deeper than any field of this API
+        inner["a"] = {}
+        inner = inner["a"]
+    status, out, _ = raw(base, "POST", "/v1/completions", nested)
+    assert status == 400 and out["error"]["param"].startswith("metadata.a"), out
+    body = b'{"model": "%s", "prompt": "abc\xed\xa0\x80"}' % MODEL.encode()
+    status, out, _ = raw(base, "POST", "/v1/completions", body)
+    assert (status, out["error"]["param"]) == (400, "prompt"), out
+    status, out, _ = raw(base, "POST", "/tokenize", {"model": MODEL, "prompt": "\ud800"})
+    assert (status, out["error"]["param"]) == (400, "prompt"), out
+    status, out, _ = raw(base, "POST", "/v1/completions", {"model": MODEL, "prompt": "ok",
+                                                          "max_tokens": 2})
+    assert status == 200, out                                   # and the gateway still serves
 
 
 def test_not_json_unknown_model_unknown_route_wrong_method(base):

@@ -261,10 +261,7 @@ class OpenAIApp:
                         break
                 raise TooLarge(f"request body is over {self.max_body} bytes (the limit)")
             chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise fields.FieldError("", f"the request body is not valid JSON: {exc}") from None
+        return fields.parse_body(b"".join(chunks))
 
     def _refused(self, method: str, exc: KvmeshError, t0: float) -> JSONResponse:
         """Count and log a request the core never saw, like the core does its own."""

@@ -13,6 +13,7 @@ ignored: it is not a cache salt (a salt must be chosen on purpose; see README).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 
@@ -49,6 +50,53 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "to
 ROLES = ("system", "developer", "user", "assistant")
 # choices per request: each is a generation of its own, with its own slot on an engine
 MAX_N = 16
+# JSON nesting deeper than any request of this API needs (chat content parts: 4 levels)
+MAX_DEPTH = 32
+
+
+def parse_body(raw: bytes):
+    """The request body as JSON, refused with a 400 before any field is read if it is not
+    JSON, nests deeper than MAX_DEPTH or holds text that is not valid Unicode (a lone
+    surrogate, from a `\\ud800` escape or raw bytes: it could not be tokenized or logged)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise FieldError("", f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FieldError("", f"the request body is not valid JSON: {exc}") from None
+    check_json(body)
+    return body
+
+
+def check_json(body) -> None:
+    """Depth and Unicode checks over a parsed body, iteratively (a recursive walk is what
+    a deep body attacks). The error names the value's path, e.g. `messages[0].content`."""
+    stack = [(body, "", 1)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, str):
+            _check_text(v, path)
+        elif isinstance(v, dict | list):
+            if depth > MAX_DEPTH:
+                raise FieldError(path, f"{path or 'the request body'} nests deeper than "
+                                 f"{MAX_DEPTH} levels")
+            if isinstance(v, dict):
+                for k, item in v.items():
+                    sub = f"{path}.{k}" if path else k
+                    _check_text(k, sub)
+                    stack.append((item, sub, depth + 1))
+            else:
+                stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(v)
+                             if not isinstance(item, int | float))
+
+
+def _check_text(s: str, path: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        name = path.encode("utf-8", "backslashreplace").decode()
+        raise FieldError(name, f"{name or 'the request body'} is not valid Unicode: "
+                         f"{exc.reason} at character {exc.start}") from None
 
 
 def _type_name(v) -> str:
