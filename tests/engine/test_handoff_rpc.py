@@ -27,15 +27,21 @@ class Pair(LoopThread):
 
     def __init__(self):
         super().__init__()
-        self.pe_core = make_engine(TINY, extra_state=True, role="prefill", **KW)
+        self.pe_core = make_engine(TINY, extra_state=True, role="prefill", speculative="ngram:4",
+                                   **KW)     # accepts any mode a request asks for
         w = self.pe_core.weights
         self.ce_core = make_engine(TINY, weights=w, role="decode", **KW)
         self.unified = make_engine(TINY, weights=w, **KW)
-        self.engines = [AsyncEngine(self.pe_core), AsyncEngine(self.ce_core)]
+        # a decode engine whose own default speculates, and a unified one that may
+        self.ce_spec_core = make_engine(TINY, weights=w, role="decode", speculative="ngram:4",
+                                        **KW)
+        self.unified_spec = make_engine(TINY, weights=w, speculative="ngram:4", **KW)
+        self.engines = [AsyncEngine(c) for c in (self.pe_core, self.ce_core, self.ce_spec_core)]
         self.servers = [self.run(self._server(e)) for e in self.engines]
-        self.pe, self.ce = (f"127.0.0.1:{s.port}" for s in self.servers)
+        self.pe, self.ce, self.ce_spec = (f"127.0.0.1:{s.port}" for s in self.servers)
         self.pe_client = self.make(EngineClient, self.pe)
         self.ce_client = self.make(EngineClient, self.ce)
+        self.ce_spec_client = self.make(EngineClient, self.ce_spec)
 
     async def _server(self, engine):
         server = Server("127.0.0.1:0", [SERVICE_NAME])
@@ -44,7 +50,7 @@ class Pair(LoopThread):
         return server
 
     def close(self):
-        for c in (self.pe_client, self.ce_client):
+        for c in (self.pe_client, self.ce_client, self.ce_spec_client):
             self.run(c.close())
         for s in self.servers:
             self.run(s.stop(0.1))
@@ -103,6 +109,31 @@ def test_tokens_over_grpc_equal_a_unified_engine(pair, n, sampling):
     assert tokens == want.output
     stats = pair.run(pair.ce_client.stats())
     assert stats["handoffs_in"] >= 1 and stats["handoff_in_bytes"] >= info.total_bytes
+
+
+@pytest.mark.parametrize("ce_default, mode", [("off", "off"), ("ngram:4", "off"),
+                                              ("ngram:4", "ngram:2"), ("ngram:4", "ngram:4")])
+def test_the_decode_engine_samples_with_the_requests_speculative_mode(pair, ce_default, mode):
+    """Seeded sampling over PD equals the unified engine's stream under the request's
+    `speculative`, whatever the decode engine's own default (before: the handoff dropped
+    the mode and an ngram:4 decode engine speculated an `off` request, diverging from
+    output index 3)."""
+    # a prompt of its own per case: a second run of one prompt would hit the PE's cache
+    # through a bounded replay, which is approximate (and so would differ, not the handoff)
+    rid = f"spec-{ce_default}-{mode}"
+    prompt = random_prompt(300, len(rid) + ord(mode[-1])) + random_prompt(40, 12) * 4
+    sampling = dict(temperature=0.8, seed=123, max_tokens=24, speculative=mode)
+    first = pair.run(_prefill(pair.pe_client, prompt, rid, **sampling))
+    client = pair.ce_client if ce_default == "off" else pair.ce_spec_client
+    rest = pair.run(_decode(client, _source(pair, rid, first[-1].handoff)))
+    tokens = [t for m in first + rest for t in m.token_ids]
+
+    unified = pair.unified if mode == "off" else pair.unified_spec
+    want = unified.add_request(prompt, SamplingParams(**sampling))
+    run_to_completion(unified)
+    assert len(want.output) == 24 and tokens == want.output
+    if mode != "off":   # the request's mode ran on the decode engine: drafts were verified
+        assert rest[-1].usage.drafted_tokens > 0
 
 
 def test_damaged_or_missing_handoffs_are_unavailable_not_internal(pair):

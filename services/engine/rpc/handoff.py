@@ -45,11 +45,16 @@ def _sent_sizes(h: Handoff, skip: set[bytes]) -> list[int]:
 
 
 def params_to_request(p: SamplingParams, salt: str, traffic_class: str) -> engine_pb2.GenerateRequest:
-    """The sampling and stop fields of a GenerateRequest (the inverse of params_from_proto)."""
+    """The sampling and stop fields of a GenerateRequest (the inverse of params_from_proto).
+    `speculative` travels too: the decode engine must verify with the request's mode, not
+    its own default, or a seeded sampled stream differs from the unified engine's (the
+    draws depend on how many tokens each step verifies). "" (the request left it to the
+    engine) stays unset."""
     req = engine_pb2.GenerateRequest(stop_token_ids=p.stop_token_ids, stop=p.stop,
                                      ignore_eos=p.ignore_eos, cache_salt=salt,
                                      traffic_class=traffic_class_to_proto(traffic_class))
-    return set_sampling(req, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed)
+    return set_sampling(req, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
+                        p.speculative or None)
 
 
 def handoff_messages(h: Handoff | None, request_id: str, skip=()):
