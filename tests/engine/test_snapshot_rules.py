@@ -79,8 +79,10 @@ def window_rows(e, slot, b):
 @pytest.mark.parametrize("lag", [1, 2, 3, 4, 5, 6])
 def test_decode_copy_when_l_is_a_multiple_of_the_block(lag):
     """Prompt L = 32: prefill stores at 16; the first step past 32 ends `lag` tokens
-    beyond it. lag 1..5 copy the window at 32 intact (the rows overwritten since are
-    spare rows); lag 6 is past B - 1 and copies nothing. Ending the request stores it."""
+    beyond it. lag 1..6 (B) copy the window at 32 intact (the rows overwritten since are
+    spare rows): lag 6 is a verify step whose 6 drafts were all accepted across the
+    boundary (before, lag 6 copied nothing and the snapshot at 32 never existed). Ending
+    the request stores it."""
     e = make_engine(CFG, truncation="compact", keep_tokens=KEEP)
     seq = e.add_request(random_prompt(32, 51), SamplingParams(temperature=0, max_tokens=50,
                                                               ignore_eos=True))
@@ -89,16 +91,13 @@ def test_decode_copy_when_l_is_a_multiple_of_the_block(lag):
     want = window_rows(e, seq.slot, 32)
     verify_step(e, seq, random_prompt(lag - 1, 52))
     assert seq.num_computed == 32 + lag
-    if lag <= 5:
-        assert e.prefix.replica_pos[seq.slot] == 32
-        r = e.prefix.r_inf
-        rows = torch.arange(32 - CFG.window, 32).remainder(r)
-        for layer in range(CFG.n_encoder_layers):
-            assert torch.equal(e.prefix.replica[seq.slot, layer, rows], want[layer])
-    else:
-        assert e.prefix.replica_pos[seq.slot] == 16
+    assert e.prefix.replica_pos[seq.slot] == 32
+    r = e.prefix.r_inf
+    rows = torch.arange(32 - CFG.window, 32).remainder(r)
+    for layer in range(CFG.n_encoder_layers):
+        assert torch.equal(e.prefix.replica[seq.slot, layer, rows], want[layer])
     e.abort(seq.request_id)                        # aborted: the replica is stored too
-    assert stored(e) == ([16, 32] if lag <= 5 else [16])
+    assert stored(e) == [16, 32]
     e.check_integrity()
 
 
@@ -154,3 +153,40 @@ def test_a_preempted_request_stores_its_replica():
     assert sorted(held.values()) == [16, 16, 48]     # the two prefill snapshots and b's copy
     run_to_completion(e)
     assert len(a.output) == len(b.output) == 40
+
+
+class Exact:
+    """Drafts the reference continuation itself: every draft is accepted."""
+
+    def __init__(self, reference: list[int]):
+        self.reference = reference
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return self.reference[len(tokens) : len(tokens) + k]
+
+
+def test_all_six_drafts_accepted_across_a_boundary_leave_its_snapshot():
+    """End to end: prompt 33, greedy, ngram:6 with drafts that are all accepted, so verify
+    steps compute [33, 40), [40, 47), [47, 54): the last ends 6 past the boundary at 48.
+    The snapshot at 48 exists and is byte-equal to the one a run without speculation
+    (lag 1) stores."""
+    prompt = random_prompt(33, 61)
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    kw = dict(truncation="compact", keep_tokens=KEEP, num_slots=1)
+    off = make_engine(CFG, **kw)
+    ref = off.add_request(prompt, params)
+    run_to_completion(off)
+    spec = make_engine(CFG, weights=off.weights, speculative="ngram:6", **kw)
+    spec.spec.drafter = Exact(prompt + ref.output)
+    seq = spec.add_request(prompt, params)
+    ends = []
+    while spec.has_work:
+        spec.step()
+        ends.append(seq.num_computed)
+    assert seq.output == ref.output
+    assert 54 in ends and 48 not in ends           # the boundary was crossed at lag 6
+    assert stored(spec) == stored(off) == [32, 48]
+    for position in (32, 48):
+        want = [s for _, s in off.prefix.store.items() if s.position == position][0]
+        got = [s for _, s in spec.prefix.store.items() if s.position == position][0]
+        assert got.data == want.data, position

@@ -179,8 +179,12 @@ class PrefixReuse:
             bs = self.cfg.block_size
             b = work.end // bs * bs
             lag = work.end - b
-            # the window [b - W, b) is intact in the ring while lag <= B - 1 (spare rows)
-            if b > self.replica_pos[slot] and lag < self.r_inf - self.cfg.window and self._stores_at(b):
+            # The window [b - W, b) is intact in the ring while lag <= B: the step wrote
+            # [b, b + lag) over the rows of [b - W - B, b - W - B + lag), spare rows. B is
+            # also the most a step can end past b (a verify step of 1 + K <= 1 + B
+            # positions reaching b starts at b - 1 at the latest), so no boundary is missed.
+            if b > self.replica_pos[slot] and lag <= self.r_inf - self.cfg.window \
+                    and self._stores_at(b):
                 self._copy_from_ring(seq, b)
                 self._zero_spare_rows(seq.slot, b)
 
