@@ -7,8 +7,9 @@
 
 Compose: REDIS_PASSWORD (the Redis ACL user `kvmesh`, used by the directory),
 S3_ACCESS_KEY/S3_SECRET_KEY (SeaweedFS's one S3 identity, used by the kvstore),
-KVMESH_SERVICE_TOKEN (every internal RPC) and KVMESH_ADMIN_TOKEN (the kvstore's admin
-RPCs: `docker compose exec kvstore kvmesh admin ...`). --k8s: the keys of the `kvmesh-backing`
+KVMESH_SERVICE_TOKEN (every internal RPC), KVMESH_ADMIN_TOKEN (the kvstore's admin
+RPCs: `docker compose exec kvstore kvmesh admin ...`) and SEAWEED_JWT_KEY (the key of
+SeaweedFS's filer and volume JWTs; Kubernetes derives it from the S3 secret instead). --k8s: the keys of the `kvmesh-backing`
 Secret under the names the containers read (backing.env.example beside the overlay).
 Keep the output private (both file names are git-ignored); running this again replaces
 every credential.
@@ -21,7 +22,7 @@ import secrets
 def credentials() -> dict[str, str]:
     return {"redis": secrets.token_urlsafe(30), "s3_key": f"kvmesh-{secrets.token_hex(8)}",
             "s3_secret": secrets.token_urlsafe(30), "service": secrets.token_urlsafe(32),
-            "admin": secrets.token_urlsafe(32)}
+            "admin": secrets.token_urlsafe(32), "seaweed_jwt": secrets.token_urlsafe(32)}
 
 
 if __name__ == "__main__":
@@ -38,7 +39,7 @@ if __name__ == "__main__":
     names = (("KVMESH_DIRECTORY_REDIS_PASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
              if args.k8s else
              ("REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY", "KVMESH_SERVICE_TOKEN",
-              "KVMESH_ADMIN_TOKEN"))
-    values = (c["redis"], c["s3_key"], c["s3_secret"], c["service"], c["admin"])
+              "KVMESH_ADMIN_TOKEN", "SEAWEED_JWT_KEY"))
+    values = (c["redis"], c["s3_key"], c["s3_secret"], c["service"], c["admin"], c["seaweed_jwt"])
     for name, value in zip(names, values, strict=False):  # --k8s: tokens by --k8s-token
         print(f"{name}={value}")

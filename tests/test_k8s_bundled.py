@@ -134,6 +134,12 @@ def test_bundled_seaweedfs_takes_writes_to_all_12_buckets(tmp_path, monkeypatch)
             ensure_bucket(client, bucket)
             client.put_object(Bucket=bucket, Key="probe", Body=b"kv" * 500)
             assert client.get_object(Bucket=bucket, Key="probe")["Body"].read() == b"kv" * 500
+        filer = f"http://127.0.0.1:{ports['-filer.port']}/buckets/kvshard-00/probe"
+        try:  # the filer's HTTP API wants weed's JWT (security.toml derived from the Secret)
+            urllib.request.urlopen(filer, timeout=10)
+            raise AssertionError("unsigned filer read accepted")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 401
     finally:
         proc.stop(timeout=3)
 

@@ -87,8 +87,10 @@ class ManagedProcess:
     The child gets its own process group so stop() also ends what it spawned.
     """
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict | None = None):
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict | None = None,
+                 cwd: Path | None = None):
         self.name = name
+        self.cwd = cwd
         self.argv = argv
         self.log_path = Path(log_dir) / f"{name}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,6 +107,7 @@ class ManagedProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(self.env or {})},
+            cwd=self.cwd,
             start_new_session=True,
         )
         log.close()

