@@ -7,11 +7,13 @@ The mesh is `Mesh` with what `kvmesh up` passes (random tokens, `lock_backing`).
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -153,10 +155,6 @@ def test_filer_and_volume_refuse_requests_without_weeds_jwt(mesh, gw):
     """S3 is not the only door: weed's filer serves the buckets' files over plain HTTP and
     its volume server the chunks. Both want a JWT signed with the run's key
     (security.toml), which only weed's S3 gateway makes: unsigned -> 401."""
-    import json
-
-    import time
-
     prompt = " ".join(f"w{i}" for i in range(400))              # > 1 block of tokens
     gw.generate(prompt, max_tokens=2, temperature=0.0)        # its block's shards go to S3
     server = mesh.seaweed.servers[0]
