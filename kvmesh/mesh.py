@@ -127,6 +127,13 @@ def register(sub) -> None:
     up.add_argument("--speculative", default="",
                     help="every engine's speculative decoding: off | ngram:K | mtp:K (default: "
                     "the engine's, off)")
+    up.add_argument("--truncation", default="auto",
+                    choices=["auto", "off", "mask", "compact"],
+                    help="every engine's YOCO prefill truncation: consumer layers prefill only "
+                    "the last --keep-tokens prompt tokens (auto: compact on V4.1 models, off "
+                    "on DeepSeek V4; docs/engine/prefix-reuse.md)")
+    up.add_argument("--keep-tokens", type=int, default=134,
+                    help="KEEP for --truncation mask | compact, at least W + B = 134")
     up.add_argument("--restart", action="store_true",
                     help="start a service that exits again, on its port (default: off, its "
                     "exit is reported and it stays down)")
@@ -332,6 +339,8 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
                       model=engine_model(getattr(args, "model", "")),
                       **{k: getattr(args, k, "") for k in ("tokenizer", "dtype", "device",
                                                            "speculative")},
+                      truncation=getattr(args, "truncation", "auto"),
+                      keep_tokens=getattr(args, "keep_tokens", 134),
                       # Fresh random tokens per run: internal RPCs refuse anyone without them.
                       service_token=secrets.token_urlsafe(32),
                       admin_token=secrets.token_urlsafe(32),

@@ -27,6 +27,7 @@ from pathlib import Path
 from kvmesh.backing.proc import ManagedProcess, free_port, port_open
 from kvmesh.backing.seaweed import S3Keys
 from kvmesh.backing.valkey import ValkeyProcess
+from kvmesh.checkpoint_dir import is_v41
 from kvmesh.healthcheck import check as health_check
 from kvmesh.shipped import DEFAULT_MODEL
 from kvmesh.tls import TlsFiles
@@ -53,6 +54,11 @@ class MeshConfig:
     dtype: str = ""
     device: str = ""
     speculative: str = ""
+    # YOCO prefill truncation, given to every engine explicitly (the design wants KEEP
+    # explicit): "auto" = compact with KEEP = W + B = 134 where the model has consumer
+    # layers to truncate (V4.1, and V4-mini's decoder), off for DeepSeek V4.
+    truncation: str = "auto"
+    keep_tokens: int = 134
     num_slots: int = 8
     num_blocks: int = 512
     engine_extra: tuple[str, ...] = ()
@@ -101,15 +107,26 @@ class MeshConfig:
 def engine_argv(cfg: MeshConfig, engine_id: str, port: int, directory: str, kvstore: str,
                 role: str = "unified") -> list[str]:
     """The one place that decides how engines are launched."""
-    model = ["--model", cfg.model] if cfg.model else \
-        ["--preset", cfg.preset, "--truncation", "compact", "--keep-tokens", "134"]
+    model = ["--model", cfg.model] if cfg.model else ["--preset", cfg.preset]
     given = [(flag, value) for flag, value in (
         ("--tokenizer", cfg.tokenizer), ("--dtype", cfg.dtype), ("--device", cfg.device),
         ("--speculative", cfg.speculative)) if value]
     return [*KVMESH, "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--engine-id", engine_id, "--directory", directory, "--kvstore", kvstore,
             *model, "--num-slots", str(cfg.num_slots), "--num-blocks", str(cfg.num_blocks),
-            "--role", role, *[x for pair in given for x in pair], *cfg.engine_extra]
+            "--role", role, *[x for pair in given for x in pair], *truncation_flags(cfg),
+            *cfg.engine_extra]
+
+
+def truncation_flags(cfg: MeshConfig) -> list[str]:
+    """The engines' --truncation and --keep-tokens for cfg.truncation ("auto": see
+    MeshConfig)."""
+    mode = cfg.truncation
+    if mode == "auto":
+        mode = "compact" if not cfg.model or is_v41(cfg.model) else "off"
+    if mode == "off":
+        return ["--truncation", "off"]
+    return ["--truncation", mode, "--keep-tokens", str(cfg.keep_tokens)]
 
 
 def kvstore_argv(port: int, locations: list[str], data_dir: Path, index: str = "sqlite",

@@ -216,13 +216,10 @@ def build_v4_core(args):
     config's model_type), with its tokenizer."""
     import torch
 
+    from kvmesh.checkpoint_dir import model_type
     from services.engine.core.v4_engine import V4Engine
     from services.engine.model.deepseek_v4 import window_rows
-    from services.engine.model.deepseek_v4.checkpoint import (
-        load_checkpoint,
-        load_v41_checkpoint,
-        model_type,
-    )
+    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint, load_v41_checkpoint
     from services.engine.model.deepseek_v4.forward import V4Model
     from services.engine.model.deepseek_v4.v41_config import MODEL_TYPES as V41_TYPES
     from services.engine.model.deepseek_v4.v41_forward import V41Model

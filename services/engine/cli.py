@@ -136,9 +136,9 @@ def _layout(args) -> int:
 
 
 def _v4_layout(args) -> int:
+    from kvmesh.checkpoint_dir import model_type
     from services.engine.model.deepseek_v4 import layout as v4_layout
     from services.engine.model.deepseek_v4 import v41_layout, window_rows
-    from services.engine.model.deepseek_v4.checkpoint import model_type
     from services.engine.model.deepseek_v4.config import read_config
     from services.engine.model.deepseek_v4.errors import CheckpointError
     from services.engine.model.deepseek_v4.v41_config import MODEL_TYPES as V41_TYPES

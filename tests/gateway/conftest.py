@@ -20,11 +20,11 @@ from services.gateway.client import gateway_request
 
 # Small engines: 2 cores run two engines, a directory, valkey and the gateway.
 # A generous peer-fetch deadline: a loaded 2-core box must not turn a fetch into a replay.
-# The shipped model (DeepSeek V4.1's layout, BPE tokens) under prefill truncation, as
-# docker-compose.yml and deploy/k8s serve it: snapshots are taken and a hit resumes exactly.
+# The shipped model (DeepSeek V4.1's layout, BPE tokens) under prefill truncation compact /
+# KEEP 134 (MeshConfig's "auto", as `kvmesh up`, docker-compose.yml and deploy/k8s serve
+# it): snapshots are taken and a hit resumes exactly.
 TEST_MESH = dict(engines=2, num_slots=4, num_blocks=64, model=str(DEFAULT_MODEL),
-                 engine_extra=("--fetch-deadline-ms", "5000", "--truncation", "compact",
-                               "--keep-tokens", "134"))
+                 engine_extra=("--fetch-deadline-ms", "5000"))
 
 
 # What the gateway and the engines count and route in: the served model's tokenizer.

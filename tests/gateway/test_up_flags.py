@@ -44,6 +44,26 @@ def test_without_them_engines_keep_their_defaults(tmp_path):
     assert Mesh(cfg)._tokenizer_args() == ["--tokenizer", str(tmp_path / "tokenizer.json")]
 
 
+def test_truncation_is_explicit_on_every_engine_and_follows_the_model(tmp_path):
+    """`kvmesh up` gives engines --truncation and --keep-tokens explicitly (KEEP must be
+    explicit): compact / 134 on V4.1 (the shipped model), off on DeepSeek V4, as asked."""
+    import json
+
+    def engine(*flags):
+        cfg = mesh_config(build_parser().parse_args(["up", *flags]))
+        return _engine_args(engine_argv(cfg, "engine-a", 7201, "d:1", "k:2"))
+
+    e = engine()
+    assert (e.truncation, e.keep_tokens) == ("compact", 134)
+    v4 = tmp_path / "v4"
+    v4.mkdir()
+    (v4 / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    assert engine("--model", str(v4)).truncation == "off"
+    assert (engine("--truncation", "mask", "--keep-tokens", "200").truncation,
+            engine("--truncation", "mask", "--keep-tokens", "200").keep_tokens) == ("mask", 200)
+    assert engine("--truncation", "off").truncation == "off"
+
+
 def test_a_second_up_on_the_same_log_dir_is_refused_by_pid(tmp_path):
     import os
     import subprocess

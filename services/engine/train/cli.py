@@ -165,7 +165,7 @@ def _run(command: str, args_cls, fn, args) -> int:
 
 
 def _eval(args) -> int:
-    from services.engine.model.deepseek_v4.checkpoint import model_type
+    from kvmesh.checkpoint_dir import model_type
     from services.engine.train import evaluate, v41_evaluate
 
     try:

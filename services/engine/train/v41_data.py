@@ -168,6 +168,10 @@ def sample(corpus: TokenCorpus, batch: int, seq_len: int, english_fraction: floa
     return rows
 
 
+# what separates a copy row's two snippets (copy_row; v41_evaluate's copy test)
+COPY_SEPARATOR = "\n# the same code again:\n"
+
+
 def copy_row(window: torch.Tensor, separator: list[int], shortest: int,
              gen: torch.Generator) -> torch.Tensor:
     """A code window's first s tokens, the separator, the same s tokens again and then the

@@ -8,7 +8,9 @@ conversations apart
   an add-one unigram over its bytes (the byte-level models' baseline);
 - context beyond the window: for positions p >= 512 (every `cut_stride`th), the loss of
   token p+1 given the whole window vs given only the last W tokens (p-W+1..p, run as a
-  fresh sequence). The gap is what the compressed caches carry past the sliding window.
+  fresh sequence). The gap is what the compressed caches carry past the sliding window;
+- copying past the window (code): a 192-token snippet, a separator and the snippet again;
+  the repeat's loss with everything vs with only the last W tokens (`copy_losses`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from services.engine.model.deepseek_v4.v41_forward import V41Model
 from services.engine.train import data, v41_data
 
 CUT_FROM = 512
+COPY_SNIPPET = 192          # tokens per copy of the retrieval test: W + 64
+COPY_ROWS = 8
 
 
 def windows_of(stream: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
@@ -48,6 +52,35 @@ def cut_losses(model: V41Model, windows: torch.Tensor, positions: list[int]) -> 
     return torch.tensor([[float(F.cross_entropy(model.logits(row[p - w + 1:p + 1])[-1].float(),
                                                 row[p + 1]))
                           for p in positions] for row in windows.long()], dtype=torch.float64)
+
+
+@torch.no_grad()
+def copy_losses(model: V41Model, windows: torch.Tensor, separator: list[int],
+                snippet: int, stride: int) -> dict:
+    """Retrieval past the window: each row is a window's first `snippet` tokens (more than
+    W), `separator`, and the same tokens again (v41_data.copy_row with s fixed). Nats per
+    token on the first copy, on the repeat given everything, and on the repeat given only
+    the last W tokens (every `stride`th position from W on, where the first copy is out of
+    the window): the repeat is cheap only if the compressed caches carried the first copy."""
+    w, sep = model.cfg.window, torch.tensor(separator)
+    first, repeat, cut, full_at = [], [], [], []
+    start = snippet + len(separator)                       # the repeat's first token
+    for row in windows.long():
+        seq = torch.cat([row[:snippet], sep, row[:snippet]])
+        nats = F.cross_entropy(model.logits(seq[:-1]).float(), seq[1:], reduction="none")
+        first.append(nats[: snippet - 1])
+        repeat.append(nats[start:])                        # targets start + 1 .. end
+        for p in range(start + w, len(seq) - 1, stride):   # target p + 1, predicted at p
+            cut.append(float(F.cross_entropy(model.logits(seq[p - w + 1:p + 1])[-1].float(),
+                                             seq[p + 1])))
+            full_at.append(float(nats[p]))
+    mean = lambda xs: float(torch.cat(xs).double().mean())  # noqa: E731
+    return {"snippet_tokens": snippet, "rows": len(windows),
+            "first_copy_nats_per_token": mean(first),
+            "repeat_nats_per_token": mean(repeat),
+            "repeat_sampled_positions": len(cut),
+            "repeat_full_context_nats_per_token": sum(full_at) / len(full_at),
+            "repeat_cut_to_window_nats_per_token": sum(cut) / len(cut)}
 
 
 def bits_per_byte(nats: torch.Tensor, nbytes: torch.Tensor) -> float:
@@ -117,4 +150,7 @@ def evaluate(directory: str, windows: int = 32, seq_len: int = 1024, cut_stride:
                                             / math.log(2) / float(bytes_at.mean()),
             },
         }
+        if kind == "code":
+            sep = tok.encode(v41_data.COPY_SEPARATOR, add_special_tokens=False).ids
+            out[kind]["copy"] = copy_losses(model, win[:COPY_ROWS], sep, COPY_SNIPPET, 8)
     return out

@@ -39,8 +39,6 @@ from services.engine.train.v41_model import balance, forward, initial_weights, s
 
 RESUME_KEYS = ("seed", "batch", "seq_len", "steps", "lr", "warmup", "decay_by_time",
                "english_fraction", "chat_fraction", "copy_fraction", "init_from")
-# what separates a copy row's two snippets (v41_data.copy_row)
-COPY_SEPARATOR = "\n# the same code again:\n"
 
 
 @dataclass
@@ -159,7 +157,7 @@ def train_v41(a: V41TrainArgs) -> dict:
         f"{json.dumps(asdict(a), sort_keys=True)}")
 
     # copy rows: snippets longer than the window by a block's worth of entries
-    copy = (tok.encode(COPY_SEPARATOR, add_special_tokens=False).ids, cfg.window + 16)
+    copy = (tok.encode(v41_data.COPY_SEPARATOR, add_special_tokens=False).ids, cfg.window + 16)
 
     def one_step():
         rows = v41_data.sample(corpus, a.batch, a.seq_len, a.english_fraction, a.chat_fraction,

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from kvmesh.chat_deepseek_v4 import encode_chat
+from kvmesh.checkpoint_dir import model_type
 from kvmesh.errors import InvalidArgument
 
 
@@ -88,15 +89,7 @@ def load_template(tokenizer_path: str):
                              _token_text(cfg.get("eos_token")))
     # V4.1 keeps V4's encoding for system / user / assistant turns (its additions, a
     # mid-conversation <｜System｜> and DSML tool calls, are not rendered: tools are refused)
-    if _model_type(Path(tokenizer_path).with_name("config.json")) in ("deepseek_v4",
+    if model_type(Path(tokenizer_path).with_name("config.json")) in ("deepseek_v4",
                                                                        "deepseek_v41"):
         return deepseek_v4_template
     return plain_template
-
-
-def _model_type(path: Path) -> str | None:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return raw.get("model_type") if isinstance(raw, dict) else None

@@ -116,23 +116,6 @@ def load_v41_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float3
                       lambda name: v41_names.describe(cfg, name))
 
 
-def model_type(path: str | Path) -> str | None:
-    """config.json's model_type (its text_config's first): which loader a checkpoint
-    directory, or a config file, takes."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None   # the loader reports it, naming the file
-    if not isinstance(raw, dict):
-        return None
-    text = raw.get("text_config")
-    inner = text.get("model_type") if isinstance(text, dict) else None
-    return inner or raw.get("model_type")
-
-
 def _directory(directory: str | Path) -> Path:
     directory = Path(directory)
     if not directory.is_dir():

@@ -12,11 +12,8 @@ from pathlib import Path
 
 import torch
 
-from services.engine.model.deepseek_v4.checkpoint import (
-    load_checkpoint,
-    load_v41_checkpoint,
-    model_type,
-)
+from kvmesh.checkpoint_dir import model_type
+from services.engine.model.deepseek_v4.checkpoint import load_checkpoint, load_v41_checkpoint
 from services.engine.model.deepseek_v4.config import V4Config
 from services.engine.model.deepseek_v4.errors import CheckpointError
 from services.engine.model.deepseek_v4.forward import V4Model

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.checkpoint_dir import V41_MODEL_TYPES
 from services.engine.model.deepseek_v4.config import (
     Rope,
     _int,
@@ -36,7 +37,7 @@ from services.engine.model.deepseek_v4.config import (
 )
 from services.engine.model.deepseek_v4.errors import CheckpointError
 
-MODEL_TYPES = ("deepseek_v41",)
+MODEL_TYPES = V41_MODEL_TYPES
 
 
 @dataclass(frozen=True)
