@@ -1,4 +1,7 @@
-"""Variant 4 of bench/replay_quality.py: the SWA snapshot policies over a request trace.
+"""The SWA snapshot policies over a request trace: variant 4 of bench/replay_quality.py
+(V4-mini) and variant 7 of bench/replay_quality_v41.py (the shipped V4.1 model). The
+engine comes from the caller (`make(n_seqs, longest, **engine_config)` and its `run`), so
+one trace and one report serve both.
 
 The trace (deterministic for --seed): sessions in groups that share a prefix (a 512 or
 1024-token held-out window, standing for a shared system prompt or document), then
@@ -24,10 +27,10 @@ import random
 import time
 from dataclasses import dataclass
 
-from bench._replay_engine import aggregate, forced, make_engine, prompt_stats, run
+from bench._replay_engine import aggregate, forced, prompt_stats
 from bench._replay_sessions import CONT, windows
-from services.engine.cache.layout import RuntimeLayout
-from services.engine.config import EngineConfig
+
+BLOCK = 128
 
 PREFIXES = (512, 1024)
 SESSIONS_PER_PREFIX = 4
@@ -63,25 +66,27 @@ def make_trace(a, val) -> list[TraceReq]:
     return sorted(reqs, key=lambda r: (r.wave, r.session))
 
 
-def exact_answers(a, cfg, w, reqs: list[TraceReq]) -> dict:
+def exact_answers(a, make, run, reqs: list[TraceReq]) -> dict:
     """Cold compact, one salt per request, in batches of --group."""
     longest = max(len(r.prompt) for r in reqs) + CONT
-    eng = make_engine(cfg, w, a.group, longest, a.chunk, truncation="compact", keep_tokens=a.keep)
+    eng = make(a.group, longest, truncation="compact", keep_tokens=a.keep)
     out = {}
     for k in range(0, len(reqs), a.group):
         out.update(run(eng, [forced(r.name, r.prompt, r.cont, f"cold:{r.name}") for r in reqs[k: k + a.group]]))
     return out
 
 
-def replay_trace(a, cfg, w, reqs: list[TraceReq], policy: str, exact: dict) -> dict:
+def replay_trace(a, make, run, reqs: list[TraceReq], policy: str, exact: dict,
+                 snap_bytes: int) -> dict:
+    """The trace on one engine with --swa-policy `policy`, a store of --trace-snapshots
+    snapshots of `snap_bytes` each and a pool of the running requests' need plus
+    --trace-cache-blocks."""
     waves = sorted({r.wave for r in reqs})
     per_wave = max(sum(r.wave == v for r in reqs) for v in waves)
     longest = max(len(r.prompt) for r in reqs) + CONT
-    probe = EngineConfig(truncation="compact", keep_tokens=a.keep)
-    snap_bytes = RuntimeLayout.build(cfg, probe).block.state_size_to_disk
-    blocks = per_wave * (longest // cfg.block_size + 2) + a.trace_cache_blocks
-    eng = make_engine(cfg, w, per_wave, longest, a.chunk, truncation="compact", keep_tokens=a.keep,
-                      swa_policy=policy, num_blocks=blocks, snapshot_bytes=a.trace_snapshots * snap_bytes)
+    blocks = per_wave * (longest // BLOCK + 2) + a.trace_cache_blocks
+    eng = make(per_wave, longest, truncation="compact", keep_tokens=a.keep, swa_policy=policy,
+               num_blocks=blocks, snapshot_bytes=a.trace_snapshots * snap_bytes)
     recs, kinds = [], {"snapshot": [], "replay": [], "miss": []}
     for v in waves:
         got = run(eng, [forced(r.name, r.prompt, r.cont, "trace") for r in reqs if r.wave == v])
@@ -109,15 +114,17 @@ def replay_trace(a, cfg, w, reqs: list[TraceReq], policy: str, exact: dict) -> d
     return out
 
 
-def trace_variant(a, cfg, w, val) -> dict:
+def trace_variant(a, make, run, val, snap_bytes: int) -> dict:
+    """Every --policies value over one trace of `val`'s held-out text; `make` and `run` are
+    the engine's (see the module docstring), `snap_bytes` one snapshot's size."""
     reqs = make_trace(a, val)
     t0 = time.perf_counter()
-    exact = exact_answers(a, cfg, w, reqs)
+    exact = exact_answers(a, make, run, reqs)
     print(f"trace: {len(reqs)} requests, {len({r.wave for r in reqs})} waves; exact answers in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     out = {}
     for policy in a.policies.split(","):
         t0 = time.perf_counter()
-        out[policy] = replay_trace(a, cfg, w, reqs, policy, exact)
+        out[policy] = replay_trace(a, make, run, reqs, policy, exact, snap_bytes)
         print(f"trace {policy}: {time.perf_counter() - t0:.0f} s", flush=True)
     return out

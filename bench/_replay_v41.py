@@ -100,7 +100,9 @@ def run(engine: ForcingV41Engine, reqs: list[Req]) -> dict[str, Out]:
     for name, req in seqs.items():
         rid = req.request_id
         rows = engine.rows.pop(rid, [])
-        out[name] = Out(torch.stack(rows) if rows else None, list(req.output), 0,
+        # start: the first prompt position computed (a replay recomputes its 128 tokens)
+        out[name] = Out(torch.stack(rows) if rows else None, list(req.output),
+                        req.cached_tokens - req.replayed_tokens,
                         req.cached_tokens, req.replayed_tokens,
                         req.cached_tokens > 0 and req.replayed_tokens == 0,
                         engine.first_row_at.pop(rid, t0) - t0, 0)

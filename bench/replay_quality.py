@@ -62,7 +62,8 @@ from bench._replay_runs import run_prompts, summaries  # noqa: E402
 from bench._replay_sessions import CONT, chain_runs, mxfp8_variant, windows  # noqa: E402
 from bench._replay_trace import trace_variant  # noqa: E402
 from services.engine.build import DEFAULT_CHECKPOINTS  # noqa: E402
-from services.engine.config import preset  # noqa: E402
+from services.engine.cache.layout import RuntimeLayout  # noqa: E402
+from services.engine.config import EngineConfig, preset  # noqa: E402
 from services.engine.model import weights as weights_mod  # noqa: E402
 from services.engine.train import data  # noqa: E402
 
@@ -181,7 +182,12 @@ def main() -> int:
     t0 = time.perf_counter()
     results = single_variants(a, cfg, w, val, wanted & {1, 2, 3}) if wanted & {1, 2, 3} else {}
     chains = chain_runs(a, cfg, w, val) if 5 in wanted and not a.merge_only else {}
-    trace = trace_variant(a, cfg, w, val) if 4 in wanted and not a.merge_only else {}
+    trace = {}
+    if 4 in wanted and not a.merge_only:
+        probe = EngineConfig(truncation="compact", keep_tokens=a.keep)
+        trace = trace_variant(
+            a, lambda n, longest, **kw: make_engine(cfg, w, n, longest, a.chunk, **kw), run, val,
+            RuntimeLayout.build(cfg, probe).block.state_size_to_disk)
     if 6 in wanted and not a.merge_only:
         results[f"6 MXFP8 vs unquantized SWA KV, L={a.lengths[0]}"] = mxfp8_variant(a, cfg, w, val)
     report(results, chains, trace, a)

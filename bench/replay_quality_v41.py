@@ -16,6 +16,10 @@ served) against the exact path for the same prompts:
                    completed after a replay shared (`--replay-blocks share`) or not (`isolate`)
     6 mxfp8        the engine (off, cold: MXFP8 window rows) vs the full-sequence forward
                    (V41Model.logits: unquantized rows)
+    7 policies     a request trace (sessions over shared prefixes, multi-turn follow-ups,
+                   waves of concurrent arrivals, users back from a break) served under each
+                   --swa-policy full | periodic:N | zero: hit rate, cost, quality against
+                   cold compact (bench/_replay_trace.py)
 
 Variants 2 and 3 re-send a prompt the engine has run (same salt): its blocks are cached,
 under `--swa-policy full` with the snapshot at the deepest boundary before the decoder's
@@ -34,7 +38,7 @@ Targets (docs/design.md §6, §14): a snapshot hit identical to cold; one bounde
 replays <= 2 %.
 
 Usage: python bench/replay_quality_v41.py [--prompts 200] [--lengths 1024,4096]
-       [--variants 1,2,3,4,5,6] [--sessions 8] [--turns 8] [--model DIR]
+       [--variants 1,2,3,4,5,6,7] [--sessions 8] [--turns 8] [--model DIR]
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from bench._common import OUT, load_model, parser, plot  # noqa: E402
 from bench._replay_engine import Req, aggregate, forced, greedy_divergence, prompt_stats  # noqa: E402
 from bench._replay_report import report  # noqa: E402
 from bench._replay_runs import run_prompts, summaries  # noqa: E402
+from bench._replay_trace import trace_variant  # noqa: E402
 from bench._replay_v41 import CHUNK, make_engine, run  # noqa: E402
 from kvmesh.shipped import DEFAULT_MODEL  # noqa: E402
 from services.engine.model.deepseek_v4.v41_forward import V41Model  # noqa: E402
@@ -212,6 +217,15 @@ def chain_runs(a, model, tok, val) -> dict:
     return out
 
 
+def policy_trace(a, model, tok, val) -> dict:
+    """Variant 7: the request trace under each --policies value."""
+    def make(n, longest, **ecfg):
+        return make_engine(model, tok, n, longest, a.chunk, **ecfg)
+
+    snap_bytes = make(1, 1024, truncation="compact", keep_tokens=a.keep).prefix.snapshot_bytes
+    return trace_variant(a, make, run, val, snap_bytes)
+
+
 def plot_singles(results: dict, path: Path) -> Path:
     """Perplexity change per variant and length (a bar per result, as points on a line)."""
     series: dict[str, tuple[list, list]] = {}
@@ -238,7 +252,14 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=8, help="turns per session")
     p.add_argument("--chain-start", type=int, default=1024, help="first turn's prompt length")
     p.add_argument("--chain-blocks", default="share,isolate", help="variant 5's --replay-blocks values")
-    p.add_argument("--variants", default="1,2,3,4,5,6")
+    p.add_argument("--policies", default="full,periodic:4,zero", help="variant 7's --swa-policy values")
+    p.add_argument("--trace-sessions", type=int, default=12, help="variant 7: sessions in the trace")
+    p.add_argument("--trace-turns", type=int, default=5, help="variant 7: most turns of a session")
+    p.add_argument("--trace-snapshots", type=int, default=12,
+                   help="variant 7: snapshot store budget, in snapshots")
+    p.add_argument("--trace-cache-blocks", type=int, default=96,
+                   help="variant 7: cached blocks the pool keeps beyond the running requests'")
+    p.add_argument("--variants", default="1,2,3,4,5,6,7")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(OUT / "replay_quality_v41.json"))
@@ -250,14 +271,16 @@ def main() -> int:
     model, tok = load_model(a.model)
     val = held_out(a.model)
     t0 = time.perf_counter()
-    singles = wanted - {5}
+    singles = wanted - {5, 7}
     results = single_variants(a, model, tok, val, singles) if singles else {}
     chains = chain_runs(a, model, tok, val) if 5 in wanted and not a.merge_only else {}
-    report(results, chains, {}, a)
+    trace = policy_trace(a, model, tok, val) if 7 in wanted and not a.merge_only else {}
+    report(results, chains, trace, a)
     if results:
         print(f"plot: {plot_singles(results, OUT / 'replay_quality_v41.png')}")
     Path(a.out).write_text(json.dumps({"args": vars(a), "single": results, "chains": chains,
-                                       "seconds": time.perf_counter() - t0}, indent=1) + "\n")
+                                       "trace": trace, "seconds": time.perf_counter() - t0},
+                                      indent=1) + "\n")
     print(f"results: {a.out} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
