@@ -47,6 +47,21 @@ class TraceReq:
     cont: list[int]
 
 
+def add_trace_args(p, variant: int) -> None:
+    """The trace's flags, on either bench's parser (`variant`: its number there)."""
+    p.add_argument("--policies", default="full,periodic:4,zero",
+                   help=f"variant {variant}'s --swa-policy values")
+    p.add_argument("--trace-sessions", type=int, default=12,
+                   help=f"variant {variant}: sessions in the trace")
+    p.add_argument("--trace-turns", type=int, default=5,
+                   help=f"variant {variant}: most turns of a session")
+    p.add_argument("--trace-snapshots", type=int, default=12,
+                   help=f"variant {variant}: snapshot store budget, in snapshots")
+    p.add_argument("--trace-cache-blocks", type=int, default=96,
+                   help=f"variant {variant}: cached blocks the pool keeps beyond the running "
+                   "requests'")
+
+
 def make_trace(a, val) -> list[TraceReq]:
     rng = random.Random(a.seed + 4)
     n = a.trace_sessions

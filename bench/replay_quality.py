@@ -60,7 +60,7 @@ from bench._replay_engine import (  # noqa: E402
 from bench._replay_report import report  # noqa: E402
 from bench._replay_runs import run_prompts, summaries  # noqa: E402
 from bench._replay_sessions import CONT, chain_runs, mxfp8_variant, windows  # noqa: E402
-from bench._replay_trace import trace_variant  # noqa: E402
+from bench._replay_trace import add_trace_args, trace_variant  # noqa: E402
 from services.engine.build import DEFAULT_CHECKPOINTS  # noqa: E402
 from services.engine.cache.layout import RuntimeLayout  # noqa: E402
 from services.engine.config import EngineConfig, preset  # noqa: E402
@@ -157,13 +157,7 @@ def main() -> int:
     p.add_argument("--chain-start", type=int, default=1024, help="first turn's prompt length")
     p.add_argument("--chain-policies", default="zero/share,zero/isolate",
                    help="variant 5's policy/replay-blocks configs")
-    p.add_argument("--policies", default="full,periodic:4,zero", help="variant 4's --swa-policy values")
-    p.add_argument("--trace-sessions", type=int, default=12, help="variant 4: sessions in the trace")
-    p.add_argument("--trace-turns", type=int, default=5, help="variant 4: most turns of a session")
-    p.add_argument("--trace-snapshots", type=int, default=12,
-                   help="variant 4: snapshot store budget, in snapshots")
-    p.add_argument("--trace-cache-blocks", type=int, default=96,
-                   help="variant 4: cached blocks the pool keeps beyond the running requests'")
+    add_trace_args(p, 4)
     p.add_argument("--mxfp8-prompts", type=int, default=8, help="prompts of variant 6")
     p.add_argument("--mxfp8-greedy", type=int, default=CONT, help="greedy tokens of variant 6")
     p.add_argument("--variants", default="1,2,3,4,5,6")

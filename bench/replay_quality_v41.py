@@ -57,7 +57,7 @@ from bench._common import OUT, load_model, parser, plot  # noqa: E402
 from bench._replay_engine import Req, aggregate, forced, greedy_divergence, prompt_stats  # noqa: E402
 from bench._replay_report import report  # noqa: E402
 from bench._replay_runs import run_prompts, summaries  # noqa: E402
-from bench._replay_trace import trace_variant  # noqa: E402
+from bench._replay_trace import add_trace_args, trace_variant  # noqa: E402
 from bench._replay_v41 import CHUNK, make_engine, run  # noqa: E402
 from kvmesh.shipped import DEFAULT_MODEL  # noqa: E402
 from services.engine.model.deepseek_v4.v41_forward import V41Model  # noqa: E402
@@ -252,13 +252,7 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=8, help="turns per session")
     p.add_argument("--chain-start", type=int, default=1024, help="first turn's prompt length")
     p.add_argument("--chain-blocks", default="share,isolate", help="variant 5's --replay-blocks values")
-    p.add_argument("--policies", default="full,periodic:4,zero", help="variant 7's --swa-policy values")
-    p.add_argument("--trace-sessions", type=int, default=12, help="variant 7: sessions in the trace")
-    p.add_argument("--trace-turns", type=int, default=5, help="variant 7: most turns of a session")
-    p.add_argument("--trace-snapshots", type=int, default=12,
-                   help="variant 7: snapshot store budget, in snapshots")
-    p.add_argument("--trace-cache-blocks", type=int, default=96,
-                   help="variant 7: cached blocks the pool keeps beyond the running requests'")
+    add_trace_args(p, 7)
     p.add_argument("--variants", default="1,2,3,4,5,6,7")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
