@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -32,6 +33,7 @@ from kvmesh.running import (
     write_tokens,
 )
 from kvmesh.shipped import DEFAULT_MODEL
+from kvmesh.tls import TlsFiles
 from kvmesh.tls import add_flags as add_tls_flags
 
 # A Python snippet the shipped model (trained on the standard library) continues: long
@@ -163,6 +165,9 @@ def register(sub) -> None:
     up.add_argument("--allow-unauthenticated", action="store_true",
                     help="let --host be a non-loopback address without --api-keys")
     add_tls_flags(up)
+    up.add_argument("--plaintext", action="store_true",
+                    help="no TLS between the services (default: mutual TLS with a CA made for "
+                    "the run; --tls-* files: TLS on every port with those)")
     up.set_defaults(func=run_up)
 
 
@@ -219,7 +224,14 @@ def address_lines(mesh: Mesh) -> list[str]:
     if mesh.s3_keys is not None:
         lines.append("backing servers: Valkey (ACL user kvmesh) and S3 need this run's random "
                      "credentials, given only to the directory and the kvstore")
-    if mesh.tls.server_enabled:
+    if not mesh.tls.server_enabled:
+        lines.append("TLS: OFF (--plaintext): a process that takes a service's port after it "
+                     "dies receives the requests sent there and the service token")
+    elif not mesh.cfg.tls_public:
+        lines.append(f"TLS: mutual TLS between the services, with a CA made for this run "
+                     f"({Path(mesh.tls.ca).parent}/); the gateway's gRPC and HTTP ports are "
+                     f"plaintext (callers authenticate with API keys)")
+    else:
         lines.append(("TLS: mutual TLS on every gRPC port (clients need a certificate of the "
                       "CA)" if mesh.tls.mutual else "TLS on every gRPC port")
                      + "; HTTPS on the HTTP API")
@@ -245,8 +257,21 @@ def run_up(args: argparse.Namespace) -> int:
         release(claimed)
 
 
+def with_run_tls(cfg: MeshConfig, args: argparse.Namespace) -> MeshConfig:
+    """Mutual TLS between the services with a CA made for this run (in LOG_DIR/tls), the
+    gateway's public ports plaintext: the default. --tls-* files given: those, on every
+    port. --plaintext: none (the banner says what that risks)."""
+    if getattr(args, "plaintext", False):
+        return replace(cfg, tls=TlsFiles())
+    if TlsFiles.from_env().server_enabled:          # --tls-cert / $KVMESH_TLS_CERT
+        return cfg
+    from kvmesh.run_ca import make_run_ca
+
+    return replace(cfg, tls=make_run_ca(Path(args.log_dir) / "tls"), tls_public=False)
+
+
 def _run(args: argparse.Namespace, console: Console) -> int:
-    cfg = mesh_config(args)
+    cfg = with_run_tls(mesh_config(args), args)
     signal.signal(signal.SIGTERM, _on_sigterm)
     status = console.status("starting kvmesh ...")
     mesh = Mesh(cfg, on_progress=lambda name, state: status.update(f"{name}: {state} ..."))
@@ -258,8 +283,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         # `kvmesh admin` looks for the kvstore (kvmesh/running.py).
         running = write_running(mesh.endpoints, Path(args.log_dir).parent / "running.json",
                                 service_pids(mesh))
+        # `kvmesh admin` beside it takes the tokens and, under the run's CA, its TLS files
         tokens = write_tokens(mesh.endpoints, {"KVMESH_SERVICE_TOKEN": cfg.service_token,
-                                               "KVMESH_ADMIN_TOKEN": cfg.admin_token})
+                                               "KVMESH_ADMIN_TOKEN": cfg.admin_token,
+                                               **mesh.tls.env()})
         console.print(endpoint_table(mesh))
         for line in address_lines(mesh):
             console.print(line, highlight=False, soft_wrap=True)

@@ -30,7 +30,7 @@ from kvmesh.backing.valkey import ValkeyProcess
 from kvmesh.checkpoint_dir import is_v41
 from kvmesh.healthcheck import check as health_check
 from kvmesh.shipped import DEFAULT_MODEL
-from kvmesh.tls import TlsFiles
+from kvmesh.tls import PUBLIC_ENV, TlsFiles
 
 log = logging.getLogger("kvmesh.mesh")
 KVMESH = [sys.executable, "-m", "kvmesh.cli"]
@@ -82,6 +82,10 @@ class MeshConfig:
     # Certificates for every gRPC server and client, HTTPS on the HTTP API (kvmesh/tls.py);
     # None = whatever $KVMESH_TLS_* says in this process (children inherit it).
     tls: TlsFiles | None = None
+    # False: the gateway's public gRPC and HTTP ports serve plaintext while every internal
+    # port and channel keeps `tls` (`kvmesh up`: mutual TLS with a per-run CA inside, API
+    # keys outside; KVMESH_TLS_PUBLIC in kvmesh/tls.py).
+    tls_public: bool = True
     # Prefill/decode disaggregation: engine-a is a prefill engine, the others decode
     # engines (`kvmesh up --pd`: 1 + 2); the decode engines are also the gateway's fallback.
     pd: bool = False
@@ -164,6 +168,11 @@ class Mesh:
             self.s3_keys = S3Keys.generate()
 
     @property
+    def public_tls(self) -> TlsFiles:
+        """What the gateway's public ports serve (and a user's client dials)."""
+        return self.tls if self.cfg.tls_public else TlsFiles()
+
+    @property
     def kvstore_names(self) -> list[str]:
         """kvstore (the admin address), then kvstore-b, kvstore-c, ..."""
         return ["kvstore"] + [f"kvstore-{chr(ord('a') + i)}" for i in range(1, self.cfg.kvstores)]
@@ -237,13 +246,14 @@ class Mesh:
                            *(("--api-keys", api_keys) if api_keys else ()),
                            *(("--allow-unauthenticated",) if cfg.allow_unauthenticated else ()),
                            *self._pd_args(), *self._tokenizer_args(), *cfg.gateway_extra],
-                    port, host=self.gateway_host)
+                    port, host=self.gateway_host,
+                    own_env=None if cfg.tls_public else {PUBLIC_ENV: "off"})
         self._wait_healthy([name])
         host = self.gateway_host
         self.endpoints[f"{name}-metrics"] = f"http://{host}:{metrics_port}/metrics"
         if http_port:
             self._wait_port(name, host, http_port)
-            scheme = "https" if self.tls.server_enabled else "http"
+            scheme = "https" if self.public_tls.server_enabled else "http"
             self.endpoints[f"{name}-http"] = f"{scheme}://{host}:{http_port}"
 
     def _tokenizer_args(self) -> list[str]:
@@ -307,7 +317,8 @@ class Mesh:
                 if not proc.alive:
                     raise RuntimeError(f"{name} exited with {proc.proc.returncode} while starting; "
                                        f"last log lines ({proc.log_path}):\n{proc.tail()}")
-                if health_check(self.endpoints[name], timeout=0.5, tls=self.tls):
+                tls = self.public_tls if name.startswith("gateway") else self.tls
+                if health_check(self.endpoints[name], timeout=0.5, tls=tls):
                     waiting.remove(name)
                     self.on_progress(name, "healthy")
             if waiting and time.monotonic() > deadline:

@@ -16,6 +16,10 @@ they dial TLS, verify the server against the CA and present their own certificat
 HTTP API serves HTTPS with the same cert and key; its callers authenticate with API keys,
 not certificates (the `openai` client has no place for one).
 
+With KVMESH_TLS_PUBLIC=off the gateway's public gRPC and HTTP ports serve plaintext while
+its channels to the engines (and every other service's ports and channels) keep TLS: how
+`kvmesh up` runs by default, with a CA it makes per run (kvmesh/run_ca.py).
+
 Flags exist on every command that serves or calls gRPC; `export_flags` copies given flags
 into this process's environment, so every channel the process opens (engine -> kvstore,
 directory, peers; gateway -> engines) uses them, as the service token does.
@@ -30,6 +34,10 @@ from pathlib import Path
 
 ENV = {"cert": "KVMESH_TLS_CERT", "key": "KVMESH_TLS_KEY", "ca": "KVMESH_TLS_CA",
        "server_name": "KVMESH_TLS_SERVER_NAME"}
+# "off": the gateway's public ports (gRPC API and HTTP) serve plaintext while every
+# internal channel keeps the files above (`kvmesh up`'s per-run CA: its users have no
+# certificate of that CA; they authenticate with API keys).
+PUBLIC_ENV = "KVMESH_TLS_PUBLIC"
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,15 @@ class TlsFiles:
     def from_env(cls, env: Mapping[str, str] | None = None) -> TlsFiles:
         env = os.environ if env is None else env
         return cls(**{field: env.get(var, "").strip() for field, var in ENV.items()})
+
+    @classmethod
+    def public_from_env(cls, env: Mapping[str, str] | None = None) -> TlsFiles:
+        """What the gateway's public ports serve: the process's files, or none when
+        $KVMESH_TLS_PUBLIC is "off"."""
+        env = os.environ if env is None else env
+        if env.get(PUBLIC_ENV, "").strip().lower() == "off":
+            return cls()
+        return cls.from_env(env)
 
     @property
     def server_enabled(self) -> bool:

@@ -107,6 +107,9 @@ def variables() -> list[tuple[str, str, str]]:
     rows += [(n, "none", f"TLS for every process: the {field.replace('_', ' ')} file"
               if field != "server_name" else "TLS: the name clients expect in certificates")
              for field, n in tls.ENV.items()]
+    rows.append((tls.PUBLIC_ENV, "none", "`off`: the gateway's public gRPC and HTTP ports "
+                 "serve plaintext while its channels keep TLS (`kvmesh up` sets it with its "
+                 "per-run CA)"))
     rows += [(n, d, what) for n, (d, what) in SINGLE.items()]
     return rows
 

@@ -119,7 +119,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
 
 async def start_gateway(cfg: GatewayConfig, directory=None) -> tuple[Server, GatewayCore]:
     core = GatewayCore(cfg, directory=directory)
-    server = Server(cfg.address, [SERVICE_NAME], service_token="", admin_token="")
+    server = Server(cfg.address, [SERVICE_NAME], service_token="", admin_token="",
+                    tls=TlsFiles.public_from_env())
     pb_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(core), server.server)
     await core.start()
     await server.start()
@@ -159,7 +160,7 @@ async def serve(cfg: GatewayConfig) -> None:
     if cfg.http_port:
         from services.gateway.openai_api.server import HttpServer
 
-        http = HttpServer(core, cfg.host, cfg.http_port, tls=TlsFiles.from_env())
+        http = HttpServer(core, cfg.host, cfg.http_port, tls=TlsFiles.public_from_env())
         try:
             await http.start()
         except OSError:  # port taken: stop what started; the CLI prints why and exits 2

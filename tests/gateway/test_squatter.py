@@ -1,0 +1,121 @@
+"""A process that takes a dead engine's port gets nothing from a mesh run as `kvmesh up`
+runs it (mutual TLS between the services, a CA made for the run): the gateway's calls to
+that address fail their handshake, so the squatter sees no prompt and no service token,
+and every request is served by the live engine.
+
+Two squatters: a plaintext gRPC server, and a TLS one with a certificate of its own CA.
+The control: a server on the same port holding the run's certificate (an engine
+restarted by the run) does receive the gateway's calls, so the gateway did dial there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from kvmesh.cli import build_parser
+from kvmesh.mesh import mesh_config, with_run_tls
+from kvmesh.mesh_runner import Mesh
+from kvmesh.proto import gateway_pb2_grpc
+from kvmesh.tls import TlsFiles
+from services.gateway.client import gateway_request
+from tests.gateway.conftest import TEST_MESH
+from tests.tls_ca import TestCA
+
+PROMPT = "the squatter must never read this prompt"
+
+
+@pytest.fixture(scope="module")
+def up_mesh(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("squatter") / "logs"
+    args = build_parser().parse_args(["up", "--log-dir", str(log_dir)])
+    cfg = with_run_tls(replace(mesh_config(args), **TEST_MESH), args)
+    assert cfg.tls.mutual and not cfg.tls_public            # what `kvmesh up` runs
+    m = Mesh(cfg).start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+class Squatter:
+    """A gRPC server on `port` that records every call it receives (method, metadata,
+    request bytes) and answers UNAVAILABLE."""
+
+    def __init__(self, port: int, tls: TlsFiles | None):
+        self.calls: list[tuple[str, dict, bytes]] = []
+        self.lock = threading.Lock()
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        self.server.add_generic_rpc_handlers([self])
+        address = f"127.0.0.1:{port}"
+        bound = (self.server.add_secure_port(address, tls.server_credentials()) if tls
+                 else self.server.add_insecure_port(address))
+        assert bound == port
+        self.server.start()
+
+    def service(self, details):
+        meta = dict(details.invocation_metadata)
+
+        def record(request, context):
+            with self.lock:
+                self.calls.append((details.method, meta, request))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "squatter")
+
+        identity = lambda b: b  # noqa: E731 - raw bytes in and out
+        return grpc.unary_unary_rpc_method_handler(record, identity, identity) \
+            if "Stream" not in details.method and "Generate" != details.method.rsplit("/")[-1] \
+            else grpc.unary_stream_rpc_method_handler(record, identity, identity)
+
+    def stop(self):
+        self.server.stop(0)
+
+
+def _serve_requests(mesh: Mesh, n: int, seconds: float) -> list[str]:
+    """n requests spread over `seconds` (past the gateway's 2 s down time, so it redials
+    the dead engine's address); the engine each was served by."""
+    served = []
+    with grpc.insecure_channel(mesh.gateway) as ch:        # the public port: plaintext
+        stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+        for i in range(n):
+            r = stub.Generate(gateway_request(f"{PROMPT} #{i}", max_tokens=2, temperature=0.0),
+                              timeout=60)
+            served.append(r.engine_id)
+            time.sleep(seconds / n)
+    return served
+
+
+@pytest.mark.parametrize("kind", ["plaintext", "foreign CA"])
+def test_a_squatter_on_a_dead_engines_port_gets_no_prompt_and_no_token(up_mesh, kind,
+                                                                      tmp_path):
+    port = int(up_mesh.endpoints["engine-b"].rsplit(":", 1)[1])
+    up_mesh.kill("engine-b")
+    tls = None if kind == "plaintext" else TestCA("an attacker's CA").issue(tmp_path, "fake")
+    squatter = Squatter(port, tls)
+    try:
+        served = _serve_requests(up_mesh, 12, 10.0)
+    finally:
+        squatter.stop()
+    assert set(served) == {"engine-a"}, served             # every request answered, by the live one
+    assert squatter.calls == [], [c[:2] for c in squatter.calls]
+    up_mesh.restart("engine-b")
+
+
+def test_control_a_server_with_the_runs_certificate_is_dialled(up_mesh):
+    """The same squatter holding the run's certificate (as a restarted engine does) gets
+    the gateway's calls: the test above would see them if TLS let them through."""
+    port = int(up_mesh.endpoints["engine-b"].rsplit(":", 1)[1])
+    up_mesh.kill("engine-b")
+    squatter = Squatter(port, up_mesh.tls)
+    try:
+        _serve_requests(up_mesh, 12, 10.0)
+    finally:
+        squatter.stop()
+    assert squatter.calls, "the gateway never dialled the dead engine's address"
+    method, meta, _ = squatter.calls[0]
+    assert method.startswith("/kvmesh.engine.") and "authorization" in meta
+    up_mesh.restart("engine-b")
