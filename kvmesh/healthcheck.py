@@ -45,4 +45,10 @@ def wait_healthy(address: str, timeout: float = 60.0, proc=None) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if len(sys.argv) == 2 and check(sys.argv[1]) else 1)
+    # python -m kvmesh.healthcheck ADDRESS [--public]: --public checks a gateway's public
+    # port, plaintext when $KVMESH_TLS_PUBLIC is "off" (kvmesh/tls.py)
+    args = sys.argv[1:]
+    public = "--public" in args
+    addresses = [a for a in args if a != "--public"]
+    tls = TlsFiles.public_from_env() if public else None
+    sys.exit(0 if len(addresses) == 1 and check(addresses[0], tls=tls) else 1)

@@ -50,8 +50,10 @@ class LocalCA:
                      .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
                      .sign(self.key, hashes.SHA256()))
 
-    def issue(self, directory: Path, name: str) -> TlsFiles:
-        """A certificate and key for `name` signed by this CA, written beside ca.pem."""
+    def issue(self, directory: Path, name: str, hosts: tuple[str, ...] = ()) -> TlsFiles:
+        """A certificate and key for `name` signed by this CA, written beside ca.pem; it
+        names localhost, 127.0.0.1, ::1 and `hosts` (the DNS names services dial each
+        other by in docker-compose or Kubernetes)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         key = ec.generate_private_key(ec.SECP256R1())
@@ -62,7 +64,7 @@ class LocalCA:
                 .not_valid_before(now - datetime.timedelta(minutes=5))
                 .not_valid_after(now + datetime.timedelta(days=self.days))
                 .add_extension(x509.SubjectAlternativeName([
-                    x509.DNSName("localhost"),
+                    *(x509.DNSName(h) for h in ("localhost", *hosts)),
                     x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
                     x509.IPAddress(ipaddress.ip_address("::1"))]), critical=False)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
@@ -79,9 +81,10 @@ class LocalCA:
         return TlsFiles(**{k: str(v.resolve()) for k, v in paths.items()})
 
 
-def make_run_ca(directory: Path) -> TlsFiles:
-    """A fresh CA and the run's one certificate, in `directory` (replacing a previous run's)."""
+def make_run_ca(directory: Path, hosts: tuple[str, ...] = (), days: int = RUN_DAYS) -> TlsFiles:
+    """A fresh CA and the run's one certificate (naming `hosts` too), in `directory`
+    (replacing a previous run's)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
-    return LocalCA("kvmesh run CA", days=RUN_DAYS).issue(directory, "mesh")
+    return LocalCA("kvmesh run CA", days=days).issue(directory, "mesh", hosts)

@@ -1,6 +1,7 @@
 """Print fresh random credentials for the backing servers, as `kvmesh up` makes per run:
 
     python3 scripts/backing_secrets.py > .env                 # docker-compose.yml
+    python3 scripts/backing_secrets.py --tls tls              # its CA and certificate
     python3 scripts/backing_secrets.py --k8s > backing.env     # deploy/k8s/overlays/bundled
     python3 scripts/backing_secrets.py --k8s-token service > service-token.env   # deploy/k8s
     python3 scripts/backing_secrets.py --k8s-token admin > admin-token.env
@@ -11,12 +12,32 @@ KVMESH_SERVICE_TOKEN (every internal RPC), KVMESH_ADMIN_TOKEN (the kvstore's adm
 RPCs: `docker compose exec kvstore kvmesh admin ...`) and SEAWEED_JWT_KEY (the key of
 SeaweedFS's filer and volume JWTs; Kubernetes derives it from the S3 secret instead). --k8s: the keys of the `kvmesh-backing`
 Secret under the names the containers read (backing.env.example beside the overlay).
+--tls DIR writes ca.pem, mesh.pem and mesh.key (kvmesh/run_ca.py): one certificate naming every
+compose service (COMPOSE_HOSTS), for mutual TLS between them as under `kvmesh up`. DIR is 0700;
+the key is 0644 inside it because compose mounts the file as it is into containers that run
+as uid 10001 (the directory keeps other host users out).
 Keep the output private (both file names are git-ignored); running this again replaces
 every credential.
 """
 
 import argparse
 import secrets
+import sys
+
+# every name a compose service dials another by (tests/gateway/test_compose.py checks it)
+COMPOSE_HOSTS = ("kvstore", "kvstore-b", "directory", "engine-a", "engine-b", "gateway",
+                 "pd-prefill", "pd-decode-a", "pd-decode-b", "gateway-pd", "v4-engine-a",
+                 "v4-engine-b", "gateway-v4")
+
+
+def write_tls(directory: str) -> None:
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kvmesh.run_ca import make_run_ca
+
+    files = make_run_ca(Path(directory), COMPOSE_HOSTS, days=3650)
+    Path(files.key).chmod(0o644)
 
 
 def credentials() -> dict[str, str]:
@@ -31,7 +52,13 @@ if __name__ == "__main__":
     ap.add_argument("--k8s-token", choices=["service", "admin"], default=None,
                     help="the kvmesh-service-token or kvmesh-admin-token Secret's one key "
                     "(default: none)")
+    ap.add_argument("--tls", metavar="DIR", default=None,
+                    help="write the compose services' CA and certificate into DIR instead "
+                    "(default: none)")
     args = ap.parse_args()
+    if args.tls:
+        write_tls(args.tls)
+        raise SystemExit(0)
     c = credentials()
     if args.k8s_token:
         print(f"KVMESH_{args.k8s_token.upper()}_TOKEN={c[args.k8s_token]}")

@@ -54,7 +54,9 @@ def test_published_ports_are_the_ports_the_command_uses(name):
     assert args.port in published and published <= used, (published, used)
     assert args.host == "0.0.0.0"  # reachable from other containers
     health = SERVICES[name]["healthcheck"]["test"]
-    assert health[-1] == f"localhost:{args.port}", health
+    gateway = args.command == "gateway"
+    # a gateway's public port is plaintext under the mesh's TLS: checked with --public
+    assert health[4:] == [f"localhost:{args.port}", *(["--public"] if gateway else [])], health
 
 
 @pytest.mark.parametrize("name", ["gateway", "gateway-pd"])
@@ -221,6 +223,40 @@ def test_s3_runs_with_the_security_config_kvmesh_writes():
     assert tomllib.loads(got) == tomllib.loads(security_config(SECRETS["SEAWEED_JWT_KEY"]))
     targets = {m["source"]: m["target"] for m in SERVICES["s3"]["configs"]}
     assert targets["seaweed-security"] == "/etc/seaweedfs/security.toml"
+
+
+def test_every_service_runs_mutual_tls_with_the_certificate_backing_secrets_makes(tmp_path):
+    """As under `kvmesh up`: every kvmesh container has the CA, the certificate and its key
+    (compose secrets), gateways keep their public ports plaintext, and the certificate
+    `backing_secrets.py --tls` writes names every service another one dials."""
+    import subprocess
+    import sys
+
+    from cryptography import x509
+
+    names = {"KVMESH_TLS_CA": "kvmesh-tls-ca", "KVMESH_TLS_CERT": "kvmesh-tls-cert",
+             "KVMESH_TLS_KEY": "kvmesh-tls-key"}
+    files = {"kvmesh-tls-ca": "./tls/ca.pem", "kvmesh-tls-cert": "./tls/mesh.pem",
+             "kvmesh-tls-key": "./tls/mesh.key"}
+    assert {k: v["file"] for k, v in COMPOSE["secrets"].items()} == files
+    for name in KVMESH_SERVICES:
+        svc = SERVICES[name]
+        env = svc["environment"]
+        assert {k: env[k] for k in names} == {k: f"/run/secrets/{v}" for k, v in names.items()}
+        assert sorted(svc["secrets"]) == sorted(files), name
+        assert (env.get("KVMESH_TLS_PUBLIC") == "off") == (svc["command"][1] == "gateway"), name
+    subprocess.run([sys.executable, str(ROOT / "scripts/backing_secrets.py"), "--tls",
+                    str(tmp_path / "tls")], check=True, timeout=60)
+    cert = x509.load_pem_x509_certificate((tmp_path / "tls" / "mesh.pem").read_bytes())
+    dns = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+              .value.get_values_for_type(x509.DNSName))
+    dialled = set()
+    for name in KVMESH_SERVICES:
+        for arg in SERVICES[name]["command"]:
+            dialled |= {a.split(":")[0] for a in arg.split(",") if re.fullmatch(r"[a-z][\w-]*:\d+", a)}
+    assert dialled and dialled <= dns, dialled - dns
+    assert set(KVMESH_SERVICES) <= dns
+    assert (tmp_path / "tls").stat().st_mode & 0o777 == 0o700
 
 
 def test_each_credential_reaches_only_the_containers_that_use_it():

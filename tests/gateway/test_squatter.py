@@ -119,3 +119,22 @@ def test_control_a_server_with_the_runs_certificate_is_dialled(up_mesh):
     method, meta, _ = squatter.calls[0]
     assert method.startswith("/kvmesh.engine.") and "authorization" in meta
     up_mesh.restart("engine-b")
+
+
+def test_healthcheck_public_flag_checks_the_gateways_plaintext_port(up_mesh):
+    """Compose's gateway healthcheck: with the mesh's TLS files in the environment,
+    `--public` dials the public port in plaintext (KVMESH_TLS_PUBLIC=off); an engine's port
+    is checked over mutual TLS."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **up_mesh.tls.env(), "KVMESH_TLS_PUBLIC": "off"}
+
+    def health(*args):
+        return subprocess.run([sys.executable, "-m", "kvmesh.healthcheck", *args], env=env,
+                              timeout=60).returncode
+
+    assert health(up_mesh.gateway, "--public") == 0
+    assert health(up_mesh.gateway) == 1                      # TLS to a plaintext port
+    assert health(up_mesh.endpoints["engine-a"]) == 0
