@@ -147,9 +147,30 @@ byte-level model's holds 128), so there is less past it to gain than for V4-mini
 |---|---|---|---|---|---|---|
 {table}
 
+{copy_text(m, text['sliding_window'])}
 Quick check (`tests/engine/test_shipped_v41_model.py`): {m['slice']['windows']} held-out code
 windows of {m['slice']['seq_len']} tokens, {m['slice']['loss_nats']:.4f} nats/token.
 """
+
+
+def copy_text(m: dict, window: int) -> str:
+    """The card's paragraph on the copy test (v41_evaluate.copy_losses), when measured."""
+    c = m["code"].get("copy")
+    if c is None:
+        return ""
+    first, repeat = c["first_copy_nats_per_token"], c["repeat_nats_per_token"]
+    full, cut = c["repeat_full_context_nats_per_token"], c["repeat_cut_to_window_nats_per_token"]
+    verdict = ("it copies: the repeat costs well under the first copy" if repeat < 0.5 * first
+               else "it does not copy: the repeat costs about what the first copy did")
+    return "\n".join([
+        f"Copying past the window ({c['rows']} held-out code snippets of {c['snippet_tokens']} "
+        "tokens, each followed",
+        "by a separator and the same snippet again): nats per token on the first copy "
+        f"{first:.3f}, on the",
+        f"repeat {repeat:.3f}; at the {c['repeat_sampled_positions']} sampled repeat positions "
+        "whose first occurrence is",
+        f"out of the window, {full:.3f} with the whole context and {cut:.3f} with the last "
+        f"{window} tokens only: {verdict}.", ""])
 
 
 def measure(dest: Path, args) -> dict:
