@@ -87,11 +87,13 @@ class V4Prefix:
     def match(self, chain: list[bytes], tokens, salt: str, fetched=None,
               limit: int | None = None) -> Match:
         """The longest run of this prompt's leading blocks cached here, continued by blocks
-        the kvstore returned (`fetched`: a cache.prefix.Prefetched), cut back to the deepest
-        boundary with a snapshot here or fetched from a peer when there is one (an exact
-        start beats a longer approximate one). A fetched block that fails its checks ends
-        the run there (`refused` counts it). limit: at most this many tokens from cache
-        (V4.1 under truncation: the decoder's cut)."""
+        the kvstore returned (`fetched`: a cache.prefix.Prefetched), L1 tokens. With a
+        snapshot (here, or fetched from a peer) at S = L1 or L1 - W the match stops at S
+        and resumes exactly; otherwise it keeps all L1 and the caller replays the last W
+        (the design's search range [L1 - W, L1], docs/design.md §5: a snapshot further back
+        would recompute more than the replay's W tokens). A fetched block that fails its
+        checks ends the run there (`refused` counts it). limit: at most this many tokens
+        from cache (V4.1 under truncation: the decoder's cut)."""
         hashes = self.hashes(chain, tokens, (len(tokens) - 1) // BLOCK, salt)
         if limit is not None:
             hashes = hashes[:limit // BLOCK]
@@ -107,7 +109,8 @@ class V4Prefix:
                 self.refused += 1
                 break
             more.append((h, blob))
-        for k in range(len(blocks) + len(more), 0, -1):
+        n = len(blocks) + len(more)
+        for k in range(n, max(n - 2, 0), -1):            # S = L1, then S = L1 - W
             key = self.key(hashes[k - 1])
             snap = self.store.get(key) or (fetched.snapshots.get(key) if fetched else None)
             if snap is not None and len(snap.data) == self.snapshot_bytes:

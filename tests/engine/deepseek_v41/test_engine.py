@@ -118,6 +118,22 @@ def test_a_replayed_prompt_leaves_its_snapshot_for_the_next_request(saved):
     assert outputs["share"] == outputs["isolate"] and len(outputs["share"][0]) == TOKENS
 
 
+def test_a_snapshot_more_than_a_block_behind_the_hit_is_not_restored(saved):
+    """The design's search range [L1 - W, L1]: under periodic:4 the first prompt's only
+    snapshot is at 512, its blocks reach 896; a prompt extending it replays the last
+    block before 896 instead of restoring 512 and recomputing 384 tokens more."""
+    directory, _ = saved
+    first = random_prompt(1000, 12)
+    core = engine(directory, "--truncation", "compact", "--keep-tokens", "134",
+                  "--swa-policy", "periodic:4")
+    run(core, [first])
+    assert core.stats()["snapshot_stores"] == 1               # at 512: (1000 - 134) // 512
+    run(core, [first + random_prompt(400, 13)])
+    stats = core.stats()
+    assert (stats["snapshot_hits"], stats["snapshot_misses"]) == (0, 1)
+    assert stats["replayed_tokens"] == 128 and stats["cache_hit_tokens"] >= 896
+
+
 def test_a_prefix_hit_without_truncation_replays(saved):
     directory, m = saved
     prompt = random_prompt(300, 7)
