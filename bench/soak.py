@@ -55,6 +55,7 @@ class Run:
     results: list[Result] = field(default_factory=list)
     started: int = 0              # requests begun: --requests caps these, not the finished ones
     samples: list[dict] = field(default_factory=list)   # {t, name: (rss_mb, fds)}
+    snapshot_mb: list[tuple[float, dict]] = field(default_factory=list)  # (t, {engine: MB})
     faults: list[str] = field(default_factory=list)
 
 
@@ -134,6 +135,21 @@ def service_pids(mesh: Mesh) -> dict[str, int]:
     return pids
 
 
+async def snapshot_store_mb(mesh: Mesh) -> dict[str, float]:
+    """Each live engine's snapshot store, MB (GetStats `snapshot_bytes`): the cache that
+    grows to its --snapshot-mb bound while RSS is read."""
+    out = {}
+    for name in mesh.engine_names:
+        try:
+            async with grpc.aio.insecure_channel(mesh.endpoints[name]) as ch:
+                stats = await engine_pb2_grpc.EngineServiceStub(ch).GetStats(
+                    engine_pb2.GetStatsRequest(), timeout=5)
+            out[name] = stats.counters["snapshot_bytes"] / 2**20
+        except grpc.RpcError:          # killed by --faults: no sample
+            continue
+    return out
+
+
 async def sampler(mesh: Mesh, run: Run, t0: float, stop_at: float, every: float):
     while time.monotonic() < stop_at:
         row = {"t": time.monotonic() - t0}
@@ -141,6 +157,7 @@ async def sampler(mesh: Mesh, run: Run, t0: float, stop_at: float, every: float)
             usage = proc_usage(pid)
             if usage is not None:
                 row[name] = usage
+        run.snapshot_mb.append((row["t"], await snapshot_store_mb(mesh)))
         run.samples.append(row)
         done = len(run.results)
         bad = sum(1 for r in run.results if r.status != "OK" and not r.deliberate_cancel)
@@ -198,6 +215,11 @@ def rss_growth(samples: list[dict], warmup_frac: float) -> dict[str, tuple[float
             a, b = start[name][0], end[name][0]
             out[name] = (a, b, (b - a) / a if a else 0.0)
     return out
+
+
+def at_start(samples: list[dict]) -> dict[str, float]:
+    """name -> RSS MB at the first sample."""
+    return {n: v[0] for n, v in samples[0].items() if n != "t"} if samples else {}
 
 
 def plot(run: Run, path: Path) -> None:
@@ -285,8 +307,19 @@ def report(args, run: Run, stats: list[dict], tracebacks: list[str]) -> int:
                 [["TTFT", pct(ttft, .5) * 1000, pct(ttft, .99) * 1000],
                  ["inter-token", pct(gaps, .5) * 1000, pct(gaps, .99) * 1000]]))
     print()
-    print(table(["service", "RSS after warm-up MB", "RSS end MB", "growth %", "fds end"],
-                [[n, a, b, g * 100, run.samples[-1][n][1]] for n, (a, b, g) in growth.items()]))
+    first = at_start(run.samples)
+    print(table(["service", "RSS start MB", "RSS after warm-up MB", "RSS end MB", "growth %",
+                 "fds end"],
+                [[n, first.get(n, float("nan")), a, b, g * 100, run.samples[-1][n][1]]
+                 for n, (a, b, g) in growth.items()]))
+    if run.snapshot_mb:
+        warm = run.snapshot_mb[min(len(run.snapshot_mb) - 1,
+                                   int(len(run.snapshot_mb) * args.warmup))][1]
+        print(table(["engine", "snapshot store start MB", "after warm-up MB", "end MB",
+                     "bound MB"],
+                    [[n, run.snapshot_mb[0][1].get(n, 0.0), warm.get(n, 0.0),
+                      run.snapshot_mb[-1][1].get(n, 0.0), args.cache_mib]
+                     for n in sorted(run.snapshot_mb[-1][1])]))
     leftovers = [(s["slots_in_use"], s["blocks_in_use"]) for s in stats]
     print(f"engine snapshot stores at the end (MB): "
           f"{[round(s['snapshot_bytes'] / 2**20, 1) for s in stats]}")
@@ -298,7 +331,8 @@ def report(args, run: Run, stats: list[dict], tracebacks: list[str]) -> int:
     (OUT / f"{stem}.json").write_text(json.dumps({
         "args": vars(args), "by_status": by_status, "failed": [r.status for r in failed],
         "ttft_p50": pct(ttft, .5), "ttft_p99": pct(ttft, .99), "gap_p50": pct(gaps, .5),
-        "gap_p99": pct(gaps, .99), "rss_growth": growth, "leftovers": leftovers,
+        "gap_p99": pct(gaps, .99), "rss_growth": growth, "rss_start": first,
+        "snapshot_mb": run.snapshot_mb, "leftovers": leftovers,
         "faults": run.faults, "tracebacks": tracebacks, "samples": run.samples}, indent=1))
     print(f"wrote {OUT / (stem + '.png')} and .json")
     problems = []
