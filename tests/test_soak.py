@@ -24,6 +24,10 @@ def test_short_soak_passes_and_reports(capsys):
     assert data["failed"] == [] and data["tracebacks"] == []
     assert all(s == 0 and b == 0 for s, b in data["leftovers"])
     assert (OUT / "soak_4x0.3m.png").stat().st_size > 10_000
+    # each sample has both engines' snapshot stores, never past their bound (--cache-mib 16)
+    stores = [mb for _, per in data["snapshot_mb"] for mb in per.values()]
+    assert stores and len(data["snapshot_mb"]) == len(data["samples"])
+    assert max(stores) <= 16 and set(data["rss_start"]) == set(data["rss_growth"])
     assert "PASS" in out
 
 
