@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kvmesh.private_file import write_private
 from kvmesh.tls import TlsFiles
 
 RUN_DAYS = 30      # a run's certificates outlive any run; a new run makes new ones
@@ -73,9 +74,7 @@ class LocalCA:
                 .sign(self.key, hashes.SHA256()))
         paths = {"cert": directory / f"{name}.pem", "key": directory / f"{name}.key",
                  "ca": directory / "ca.pem"}
-        paths["key"].touch(mode=0o600)
-        paths["key"].chmod(0o600)
-        paths["key"].write_bytes(_pem_key(key))
+        write_private(paths["key"], _pem_key(key))
         paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         paths["ca"].write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
         return TlsFiles(**{k: str(v.resolve()) for k, v in paths.items()})

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.backing.proc import ManagedProcess, free_port
+from kvmesh.private_file import write_private
 
 log = logging.getLogger("kvmesh.seaweed")
 
@@ -74,14 +75,10 @@ class S3Keys:
 def write_identity_config(path: Path, keys: S3Keys) -> Path:
     """SeaweedFS's S3 identity config: one identity with every action on every bucket.
     With any identity configured, SeaweedFS refuses anonymous requests."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch(mode=0o600)
-    path.chmod(0o600)
-    path.write_text(json.dumps({"identities": [{
+    return write_private(path, json.dumps({"identities": [{
         "name": "kvmesh",
         "credentials": [{"accessKey": keys.access_key, "secretKey": keys.secret_key}],
         "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
-    return path
 
 
 SECURITY_FILE = "security.toml"   # weed reads it from its working directory
@@ -111,12 +108,7 @@ def security_config(key: str) -> str:
 
 def write_security_config(directory: Path, key: str) -> Path:
     """security.toml (0600) in `directory`, weed's working directory."""
-    path = Path(directory) / SECURITY_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch(mode=0o600)
-    path.chmod(0o600)
-    path.write_text(security_config(key))
-    return path
+    return write_private(Path(directory) / SECURITY_FILE, security_config(key))
 
 
 def weed_binary() -> str:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from kvmesh.backing.proc import ManagedProcess, free_port, wait_port
+from kvmesh.private_file import write_private
 
 
 def valkey_binary() -> Path:
@@ -100,11 +101,7 @@ class ValkeyProcess:
         """[] or [path of a 0600 config file holding the ACL users]."""
         if not self.user:
             return []
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        path = self.work_dir / "valkey-acl.conf"
-        path.touch(mode=0o600)
-        path.chmod(0o600)
-        path.write_text(acl_config(self.user, self.password))
+        path = write_private(self.work_dir / "valkey-acl.conf", acl_config(self.user, self.password))
         return [str(path)]
 
     def argv(self) -> list[str]:
@@ -186,10 +183,8 @@ def exec_server(args: list[str], env=None) -> None:
     password = env.get("KVMESH_VALKEY_PASSWORD", "")
     if password:
         work = Path(args[args.index("--dir") + 1]) if "--dir" in args else Path(tempfile.mkdtemp())
-        conf = work / "valkey-acl.conf"
-        conf.touch(mode=0o600)
-        conf.chmod(0o600)
-        conf.write_text(acl_config(env.get("KVMESH_VALKEY_USER") or "kvmesh", password))
+        conf = write_private(work / "valkey-acl.conf",
+                             acl_config(env.get("KVMESH_VALKEY_USER") or "kvmesh", password))
         args = [str(conf), *args]
     os.execv(binary, [binary, *args])
 

@@ -216,12 +216,11 @@ def build_v4_core(args):
     config's model_type), with its tokenizer."""
     import torch
 
-    from kvmesh.checkpoint_dir import model_type
+    from kvmesh.checkpoint_dir import is_v41
     from services.engine.core.v4_engine import V4Engine
     from services.engine.model.deepseek_v4 import window_rows
     from services.engine.model.deepseek_v4.checkpoint import load_checkpoint, load_v41_checkpoint
     from services.engine.model.deepseek_v4.forward import V4Model
-    from services.engine.model.deepseek_v4.v41_config import MODEL_TYPES as V41_TYPES
     from services.engine.model.deepseek_v4.v41_forward import V41Model
 
     given = [flag for flag, on in (("--checkpoint", args.checkpoint),
@@ -235,7 +234,7 @@ def build_v4_core(args):
     directory = Path(args.model)
     ecfg = engine_config(args)
     dtype = getattr(torch, ecfg.dtype)
-    if model_type(directory) in V41_TYPES:
+    if is_v41(directory):
         cfg41, weights = load_v41_checkpoint(directory, dtype)
         tokenizer = v4_tokenizer(directory, cfg41, args.tokenizer)
         return V4Engine(V41Model(cfg41, weights, dtype, rows=window_rows.for_dtype(dtype)),

@@ -136,12 +136,11 @@ def _layout(args) -> int:
 
 
 def _v4_layout(args) -> int:
-    from kvmesh.checkpoint_dir import model_type
+    from kvmesh.checkpoint_dir import is_v41
     from services.engine.model.deepseek_v4 import layout as v4_layout
     from services.engine.model.deepseek_v4 import v41_layout, window_rows
     from services.engine.model.deepseek_v4.config import read_config
     from services.engine.model.deepseek_v4.errors import CheckpointError
-    from services.engine.model.deepseek_v4.v41_config import MODEL_TYPES as V41_TYPES
     from services.engine.model.deepseek_v4.v41_config import read_v41_config
 
     if args.model and args.config:
@@ -150,7 +149,7 @@ def _v4_layout(args) -> int:
     path = args.model or args.config
     rows_format = window_rows.for_dtype(args.dtype)
     try:
-        if model_type(path) in V41_TYPES:
+        if is_v41(path):
             layout_module = v41_layout
             import torch
 

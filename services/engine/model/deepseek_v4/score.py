@@ -12,19 +12,18 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.checkpoint_dir import model_type
+from kvmesh.checkpoint_dir import is_v41
 from services.engine.model.deepseek_v4.checkpoint import load_checkpoint, load_v41_checkpoint
 from services.engine.model.deepseek_v4.config import V4Config
 from services.engine.model.deepseek_v4.errors import CheckpointError
 from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.v41_config import MODEL_TYPES as V41_TYPES
 from services.engine.model.deepseek_v4.v41_config import V41Config
 from services.engine.model.deepseek_v4.v41_forward import V41Model
 
 
 def load_model(directory: str | Path, dtype: torch.dtype) -> V4Model | V41Model:
     """The checkpoint's full forward: DeepSeek V4's, or V4.1's by config.json's model_type."""
-    if model_type(directory) in V41_TYPES:
+    if is_v41(directory):
         cfg41, weights = load_v41_checkpoint(directory, dtype)
         return V41Model(cfg41, weights, dtype)
     cfg, weights = load_checkpoint(directory, dtype)

@@ -37,8 +37,6 @@ from services.engine.model.deepseek_v4.config import (
 )
 from services.engine.model.deepseek_v4.errors import CheckpointError
 
-MODEL_TYPES = V41_MODEL_TYPES
-
 
 @dataclass(frozen=True)
 class V41Config:
@@ -178,9 +176,9 @@ def v41_config_from_dict(raw: dict, serving: bool = True) -> V41Config:
     text.update({k: v for k, v in raw.items() if k not in ("text_config", "vision_config")
                  and k not in text})
     model_type = text.get("model_type", outer_type)
-    if model_type not in MODEL_TYPES and outer_type not in MODEL_TYPES:
+    if model_type not in V41_MODEL_TYPES and outer_type not in V41_MODEL_TYPES:
         raise CheckpointError(f"model_type {model_type!r} is not DeepSeek V4.1 (expected one of "
-                              f"{list(MODEL_TYPES)})")
+                              f"{list(V41_MODEL_TYPES)})")
     engram = list(text.get("engram_layer_ids") or [])
     if engram and serving:
         raise CheckpointError(f"engram_layer_ids {engram}: Engram (the n-gram memory layers) is "
