@@ -15,6 +15,7 @@ from services.engine.config import (
     PRESETS,
     REPLAY_BLOCKS,
     ROLES,
+    SPEC_POLICIES,
     TRUNCATION_MODES,
     EngineConfig,
     ModelConfig,
@@ -92,6 +93,11 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
                    help="speculative decoding: off | ngram:K (prompt lookup) | mtp:K (needs "
                         "mtp.* weights), K <= B drafts per step; requests may ask for off or a "
                         "smaller K")
+    g.add_argument("--spec-policy", choices=SPEC_POLICIES, default="adaptive",
+                   help="adaptive: each step drafts only where the measured verify cost and the "
+                        "acceptance seen so far promise more tokens per second than a plain step "
+                        "(a request's K is an upper bound); always: every request drafts its K, "
+                        "backing off after rejections. --deterministic implies always")
     g.add_argument("--ngram-min", type=int, default=1,
                    help="ngram drafter: shortest suffix it looks up")
     g.add_argument("--ngram-max", type=int, default=4,
@@ -125,7 +131,7 @@ def engine_config(args, env=None) -> EngineConfig:
         long_prefill_chunk=args.long_prefill_chunk, itl_ratio=args.itl_ratio,
         truncation=args.truncation, keep_tokens=args.keep_tokens, extra_state=extra, role=role,
         extra_state_size=args.extra_state_size, max_backtrack=args.max_backtrack,
-        speculative=args.speculative, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        speculative=args.speculative, spec_policy=args.spec_policy, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         deterministic=args.deterministic, swa_policy=args.swa_policy,
         replay_blocks=args.replay_blocks,
         snapshot_bytes=args.snapshot_mb << 20, snapshot_ttl_min=args.snapshot_ttl_min,

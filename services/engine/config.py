@@ -183,6 +183,7 @@ REPLAY_BLOCKS = ("share", "isolate")
 # requests off after their first token; decode: the 134 ring, adopts handoffs (and still
 # serves whole requests, e.g. a fallback). docs/design.md §9.
 ROLES = ("unified", "prefill", "decode")
+SPEC_POLICIES = ("adaptive", "always")      # core/draft_policy.py
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,7 @@ class EngineConfig:
     extra_state_size: int = 128         # PREFILL_STORE_EXTRA: rows the long ring adds
     max_backtrack: int = 6              # B: tokens a sequence may take back (speculative decoding)
     speculative: str = "off"            # off | ngram:K | mtp:K, K <= B (core/speculative.py)
+    spec_policy: str = "adaptive"       # adaptive | always (core/draft_policy.py)
     ngram_min: int = 1                  # ngram drafter: suffix lengths it looks up
     ngram_max: int = 4
     deterministic: bool = False
@@ -231,6 +233,8 @@ class EngineConfig:
         for name in ("keep_tokens", "extra_state_size", "max_backtrack", "long_prefill_chunk"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if self.spec_policy not in SPEC_POLICIES:
+            raise ValueError(f"spec_policy must be one of {SPEC_POLICIES}, not {self.spec_policy!r}")
         if self.itl_ratio < 0 or 0 < self.itl_ratio <= 1:
             raise ValueError(f"itl_ratio must be 0 (off) or above 1, not {self.itl_ratio}")
         if self.dtype not in ("float32", "float64"):

@@ -9,8 +9,8 @@ seen here by a dispatch mode) or `.tolist()` / `.numpy()` / `.cpu()` (patched). 
 these cost nothing, which is why they must be counted rather than timed.
 
 Also here: sampling draws on the logits' device with the same seeds as before (the batched
-draw of a step equals one draw per row; speculative verification equals the host-side
-reference it replaced, token for token).
+draw of a step equals one draw per row; speculative verification equals a host-side
+reference that draws one row at a time, token for token).
 """
 
 import pytest
@@ -132,43 +132,6 @@ def test_batched_draw_equals_one_draw_per_row():
     assert sample_ids(rows) == want
 
 
-def verify_on_host(logits, drafts, params, step, seed, q=None):
-    """speculative.verify as it was before its draws moved to the logits' device: CPU
-    generators and the acceptance test in Python floats."""
-    k = len(drafts)
-    qs = speculative.draft_probs(drafts, q, logits.shape[-1], params)
-    out = []
-    for j, d in enumerate(drafts):
-        p = target_probs(logits[j], params)
-        u = float(torch.rand((), generator=generator(params, step + j, seed, 1),
-                             dtype=torch.float64))
-        if qs[j][d] > 0 and u * float(qs[j][d]) < float(p[d]):
-            out.append(d)
-            continue
-        r = torch.clamp(p - qs[j], min=0)
-        r = r / r.sum() if r.sum() > 0 else p
-        return out + [int(torch.multinomial(r, 1, generator=generator(params, step + j, seed, 2)))]
-    p = target_probs(logits[k], params)
-    return out + [int(torch.multinomial(p, 1, generator=generator(params, step + k, seed)))]
-
-
-def test_seeded_verification_gives_the_same_tokens_as_before():
-    g = torch.Generator().manual_seed(5)
-    cases = accepted = 0
-    for i in range(60):
-        params = SamplingParams(temperature=0.9, top_k=[0, 8][i % 2], seed=i)
-        logits = torch.randn(4, 16, generator=g) * 2                # fp32, as the engine's
-        q = torch.randn(3, 16, generator=g) * 2 if i % 3 else None  # sampled / n-gram drafter
-        drafts = torch.randint(0, 16, (3,), generator=g).tolist()
-        if i % 4 == 0:                                              # drafts the target likes
-            drafts = torch.argmax(logits[:3], dim=-1).tolist()
-        got = speculative.verify(logits, drafts, params, i, 99, q)
-        assert got == verify_on_host(logits, drafts, params, i, 99, q)
-        cases += 1
-        accepted += len(got) - 1
-    assert cases == 60 and accepted > 10          # both acceptances and rejections happened
-
-
 def test_draw_one_equals_torch_multinomial():
     """sampling.draw_one (no validity read) draws torch.multinomial's numbers: fp32 and fp64,
     zero entries, vocabularies of several sizes."""
@@ -182,29 +145,19 @@ def test_draw_one_equals_torch_multinomial():
         assert draw_one(p, torch.Generator().manual_seed(i)).tolist() == want.tolist()
 
 
-def verify_one_at_a_time(logits, drafts, params, step, seed, q=None):
-    """speculative.verify as it was before the verdict was judged on the device in one go:
-    one draft at a time, a host read per judged draft (accept_one)."""
-    k = len(drafts)
-    if params.greedy:
-        best = torch.argmax(logits, dim=-1).tolist()
-        out = []
-        for j, d in enumerate(drafts):
-            if best[j] != d:
-                return out + [best[j]]
-            out.append(d)
-        return out + [best[k]]
-    qs = speculative.draft_probs(drafts, q, logits.shape[-1], params)
+def verify_one_at_a_time(logits, drafts, params, step, seed):
+    """Verification on the host, one row at a time: each row's token as plain decoding draws
+    it (argmax, or torch.multinomial with the token's generator), kept while it is the draft."""
     out = []
-    for j, d in enumerate(drafts):
-        p = target_probs(logits[j], params)
-        tok = speculative.accept_one(p, qs[j], d, generator(params, step + j, seed, 1),
-                                     generator(params, step + j, seed, 2))
-        if tok is not None:
-            return out + [tok]
-        out.append(d)
-    p = target_probs(logits[k], params)
-    return out + [int(torch.multinomial(p, 1, generator=generator(params, step + k, seed)))]
+    for j, row in enumerate(logits):
+        if params.greedy:
+            tok = int(torch.argmax(row))
+        else:
+            tok = int(torch.multinomial(target_probs(row, params), 1,
+                                        generator=generator(params, step + j, seed)))
+        out.append(tok)
+        if j == len(drafts) or tok != drafts[j]:
+            return out
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -216,12 +169,12 @@ def test_judging_all_drafts_at_once_gives_the_tokens_of_one_at_a_time(temperatur
         params = SamplingParams(temperature=temperature, top_k=[0, 8][i % 2],
                                 top_p=[1.0, 0.9][i % 4 // 2], seed=i)
         logits = torch.randn(k + 1, 16, generator=g) * 2
-        q = torch.randn(k, 16, generator=g) * 2 if i % 3 and k else None  # mtp / n-gram
         drafts = torch.randint(0, 16, (k,), generator=g).tolist()
         if i % 4 == 0:                                              # drafts the target likes
-            drafts = torch.argmax(logits[:k], dim=-1).tolist()
-        want = verify_one_at_a_time(logits, drafts, params, i, 99, q)
-        assert speculative.verify(logits, drafts, params, i, 99, q) == want
+            drafts = [verify_one_at_a_time(logits[j:j + 1], [], params, i + j, 99)[0]
+                      for j in range(k)]
+        want = verify_one_at_a_time(logits, drafts, params, i, 99)
+        assert speculative.verify(logits, drafts, params, i, 99) == want
         lengths.append(len(want) - 1)
     assert 0 in lengths and max(lengths) == 4          # rejections and whole acceptances
 
@@ -259,15 +212,15 @@ def run_spec(method: str, temperature: float, judge=None, monkeypatch=None):
     return [s.output for s in seqs], engine.stats()["spec_accepted_tokens"]
 
 
-# sampled: temperatures at which some drafts of these random weights are accepted
-@pytest.mark.parametrize("method, temperature", [("ngram", 0.0), ("ngram", 0.3), ("mtp", 0.0),
-                                                 ("mtp", 0.5)])
+# sampled: a temperature at which some drafts of these random weights are accepted (the
+# random MTP module's argmax drafts are accepted only greedily, and rarely)
+@pytest.mark.parametrize("method, temperature", [("ngram", 0.0), ("ngram", 0.3), ("mtp", 0.0)])
 def test_seeded_speculative_requests_give_the_tokens_of_one_at_a_time_verification(
         monkeypatch, method, temperature):
     """The engine with verdicts judged on the device and read once per step gives exactly
     the tokens of the engine verifying one draft at a time (the code it replaced)."""
-    def reference(logits, drafts, params, step, seed, q=None):
-        tokens = verify_one_at_a_time(logits, drafts, params, step, seed, q)
+    def reference(logits, drafts, params, step, seed):
+        tokens = verify_one_at_a_time(logits, drafts, params, step, seed)
         return torch.tensor([len(tokens) - 1, tokens[-1]])
 
     want, accepted = run_spec(method, temperature, reference, monkeypatch)

@@ -10,7 +10,7 @@ from kvmesh.errors import InvalidArgument, NotFound, TooLarge, Unavailable
 from services.gateway.model import Usage
 from services.gateway.openai_api import fields
 from services.gateway.openai_api.chat import JinjaTemplate, load_template, plain_template
-from services.gateway.openai_api.render import Renderer, http_error, usage_json
+from services.gateway.openai_api.render import Renderer, http_error, total_usage, usage_json
 
 
 def test_completion_fields_map_to_the_gateway_request():
@@ -103,7 +103,15 @@ def test_error_mapping_to_http():
 def test_usage_and_chunks():
     assert usage_json(Usage(300, 256, 128, 8)) == {
         "prompt_tokens": 300, "completion_tokens": 8, "total_tokens": 308,
-        "prompt_tokens_details": {"cached_tokens": 128, "replayed_tokens": 128}}  # 128 recomputed
+        "prompt_tokens_details": {"cached_tokens": 128, "replayed_tokens": 128},  # 128 recomputed
+        "completion_tokens_details": {"accepted_prediction_tokens": 0,
+                                      "rejected_prediction_tokens": 0}}
+    # speculative decoding: 12 drafted, 9 accepted in one choice, 4 and 1 in the other
+    both = total_usage([Usage(300, 0, 0, 8, drafted_tokens=12, accepted_tokens=9),
+                        Usage(300, 0, 0, 6, drafted_tokens=4, accepted_tokens=1)])
+    assert usage_json(both)["completion_tokens_details"] == {
+        "accepted_prediction_tokens": 10, "rejected_prediction_tokens": 6}
+    assert usage_json(both)["completion_tokens"] == 14
     r = Renderer(True, "rid", "tiny", include_usage=True)
     ev = r.chunk("hi", first=True)
     assert ev.startswith(b"data: ") and ev.endswith(b"\n\n")

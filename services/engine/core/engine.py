@@ -94,7 +94,8 @@ class EngineCore:
         setting = engine_setting(ecfg.speculative, self.layout.backtrack, mtp.has_mtp(self.weights))
         drafter = MtpDrafter(MtpRunner(cfg, self.weights, self.cache.states), cfg.window) \
             if setting.method == "mtp" else None
-        self.spec = Speculator(setting, ecfg.ngram_min, ecfg.ngram_max, drafter)
+        self.spec = Speculator(setting, ecfg.ngram_min, ecfg.ngram_max, drafter,
+                               adaptive=ecfg.spec_policy == "adaptive" and not ecfg.deterministic)
         # completed blocks on their way to hooks.block_done and handoff exports on their way
         # to self.handoffs (pinned, non-blocking on CUDA)
         self.copies = device_mod.HostCopies(self.device)
@@ -210,9 +211,11 @@ class EngineCore:
             events.append(self._verify(seq, work, res, i, d, verdict))
         # the step's time, its one device sync included, sizes the prefill work of later
         # steps beside decodes (scheduler.costs: StepCosts, --itl-ratio)
-        self.scheduler.costs.observe(
-            len(plan.decode) + sum(len(d) for d in drafts.values()),
-            sum(end - start for _, start, end in plan.prefill), time.perf_counter() - t_step)
+        step_s = time.perf_counter() - t_step
+        draft_rows = sum(len(d) for d in drafts.values())
+        prefill_tokens = sum(end - start for _, start, end in plan.prefill)
+        self.scheduler.costs.observe(len(plan.decode) + draft_rows, prefill_tokens, step_s)
+        self.spec.step_done(len(plan.decode), draft_rows, prefill_tokens, step_s)
         if not self.has_work:
             self._deliver_copies(wait=True)    # idle: nothing left to overlap them with
         return self.exports.ready(events)      # handoff events once their bytes landed

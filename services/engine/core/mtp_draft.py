@@ -22,9 +22,9 @@ row. A draft at position p then reads rows [max(lo, p - W + 1), p]: fewer than W
 after such a restart (documented cost: weaker drafts for W tokens; outputs never change,
 verification decides). Nothing of the MTP ring is stored in snapshots or handoffs.
 
-Drafts: greedy requests take the argmax; sampling requests draw from
-`target_probs(q, params)` with a generator seeded by (request seed, token index, DRAFT_STREAM)
-and hand q to verification (rejection sampling needs the drafter's distribution).
+Drafts are the argmax of each row, for greedy and sampling requests alike: verification
+accepts a draft when it is the token plain decoding draws there (core/speculative.py), so
+the most likely token is the best guess whatever the temperature.
 Owned by the Speculator (engine thread); only MtpRunner writes the ring.
 """
 
@@ -34,11 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.core.sampling import draw_one, generator, read_ids, target_probs
+from services.engine.core.sampling import read_ids
 from services.engine.device import Uploads
 from services.engine.model.mtp_runner import MtpRows, MtpRunner
-
-DRAFT_STREAM = 3
 
 
 @dataclass
@@ -54,7 +52,6 @@ class MtpDrafter:
     def __init__(self, runner: MtpRunner, window: int):
         self.runner, self.window = runner, window
         self.rings: dict[str, _Ring] = {}
-        self.q: dict[str, torch.Tensor] = {}     # request id -> [k, V] logits of its drafts
 
     def observe(self, request_id: str, owner: object, first: int, h: torch.Tensor) -> None:
         """Hidden states of committed positions [first, first + n) of one admission."""
@@ -65,11 +62,10 @@ class MtpDrafter:
 
     def forget(self, request_id: str) -> None:
         self.rings.pop(request_id, None)
-        self.q.pop(request_id, None)
 
     def propose(self, wanted: list[tuple[object, int]]) -> dict[str, list[int]]:
         """wanted: (decoding sequence, k) -> drafts of each sequence whose stash reaches its
-        last computed position; logits of the drafts in self.q."""
+        last computed position."""
         items, seqs = [], []
         for seq, k in wanted:
             r = self.rings.get(seq.request_id)
@@ -93,13 +89,11 @@ class MtpDrafter:
             n += len(it.next_tokens)
             ends.append(n - 1)
         y = y[Uploads(y.device).longs(ends)]      # row j: the last row of item j
-        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         picked: list[list[torch.Tensor]] = [[] for _ in seqs]    # drafts, on the device
         active = list(range(len(seqs)))          # row j of y / logits is seqs[active[j]]
         for depth in range(max(k for _, k, _ in seqs)):
             for j, i in enumerate(active):
-                qs[i].append(logits[j])
-                picked[i].append(self._pick(seqs[i][0], logits[j], depth))
+                picked[i].append(torch.argmax(logits[j]))
             more = [j for j, i in enumerate(active) if seqs[i][1] > depth + 1]
             if not more:
                 break
@@ -112,14 +106,9 @@ class MtpDrafter:
             y, logits = self.runner.forward(chained)
         # the drafting's one host read: every draft of every sequence
         drafts = read_ids([torch.stack(p) for p in picked])
-        for (seq, _, _), q, d in zip(seqs, qs, drafts, strict=True):
-            self.q[seq.request_id] = torch.stack(q)
+        for (seq, _, _), d in zip(seqs, drafts, strict=True):
             out[seq.request_id] = d
         return out
-
-    @staticmethod
-    def _pick(seq, logits: torch.Tensor, depth: int) -> torch.Tensor:
-        return pick_draft(seq, logits, depth)
 
 
 def stash(old_first: int, old: torch.Tensor | None, first: int, h: torch.Tensor,
@@ -131,14 +120,3 @@ def stash(old_first: int, old: torch.Tensor | None, first: int, h: torch.Tensor,
         h, first = torch.cat([old[: first - old_first], h]), old_first
     keep = min(len(h), window)
     return first + len(h) - keep, h[len(h) - keep:]
-
-
-def pick_draft(seq, logits: torch.Tensor, depth: int) -> torch.Tensor:
-    """The draft at this depth as a 0-d long tensor on the logits' device: the argmax for a
-    greedy request, else a draw from target_probs(q) seeded by (request seed, token index,
-    DRAFT_STREAM). `seq`: anything with params, output and seed."""
-    if seq.params.greedy:
-        return torch.argmax(logits)
-    p = target_probs(logits, seq.params)
-    g = generator(seq.params, len(seq.output) + depth, seq.seed, DRAFT_STREAM, p.device)
-    return draw_one(p, g)[0]

@@ -82,16 +82,16 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def generator(params: SamplingParams, step: int, request_seed: int, stream: int = 0,
+def generator(params: SamplingParams, step: int, request_seed: int,
               device: str | torch.device = "cpu") -> torch.Generator:
-    """The random source of token `step` of a request; `stream` > 0 gives independent
-    sources for the same token (speculative acceptance draws)."""
+    """The random source of token `step` of a request (speculative verification draws each
+    row's token from this same source: core/speculative.py)."""
     seed = params.seed if params.seed is not None else request_seed
     # on the caller's device (sampling draws on the logits' device, no host copy of the
     # distribution); a CUDA generator draws other numbers than the CPU one for the same seed,
     # so sampled tokens are reproducible per device
     return torch.Generator(device=device).manual_seed(
-        (seed * 1_000_003 + step + stream * 7_919_777) % (2**63))
+        (seed * 1_000_003 + step) % (2**63))
 
 
 def draw_one(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -3,22 +3,26 @@
 A running request proposes k draft tokens after its pending (sampled, not yet computed)
 token; one forward computes the pending token and the drafts (1 + k rows beside the
 step's other work) and returns k + 1 logit rows. Row j is the target distribution of the
-token after position start + j, so draft j + 1 is checked against row j:
+token after position start + j, so draft j + 1 is checked against row j. Verification
+takes each row's token exactly as plain decoding would take it there, and keeps the
+drafts up to the first one that differs:
 
-    greedy         accept the longest prefix of drafts equal to the argmax of their row;
-                   the first mismatch is replaced by that argmax, and if every draft was
-                   accepted the last row gives one more token (the bonus)
-    temperature>0  rejection sampling: accept draft d with probability min(1, p(d)/q(d)),
-                   else draw from the normalized residual max(0, p - q) and stop; after k
-                   acceptances the bonus is drawn from p of the last row. p and q are
-                   both truncated by the request's top_k/top_p (sampling.target_probs), so
-                   every emitted token is distributed exactly as without speculation.
+    greedy         row j's token is its argmax
+    temperature>0  row j's token is drawn as sampling.draw draws token step + j of the
+                   request: from target_probs(row) (temperature, top_k, top_p) with the
+                   generator seeded by (request seed, step + j)
 
-Every random draw comes from a generator seeded by (request seed, token index, stream),
-so a request's tokens do not depend on how it was batched. The rows of rejected drafts
-are never committed: EngineCore commits only up to the last accepted token, so no block
-hash, snapshot, kvstore upload or directory entry ever sees a rejected token
-(docs/design.md §8; the rollback analysis is in cache/manager.py).
+So the tokens emitted are plain decoding's, token for token, greedy or seeded: whether a
+step drafted, how many drafts it verified (core/draft_policy.py decides that from timing),
+the batch, or a decode engine's own setting never changes a request's output. For a
+deterministic drafter (prompt lookup) a draft d is accepted with probability p(d), as
+rejection sampling would accept it; a sampling drafter would accept more often under
+rejection sampling (min(1, p/q)), but its tokens would then depend on the drafting, so
+the MTP drafter proposes its argmax instead (core/mtp_draft.py).
+
+The rows of rejected drafts are never committed: EngineCore commits only up to the last
+accepted token, so no block hash, snapshot, kvstore upload or directory entry ever sees a
+rejected token (docs/design.md §8; the rollback analysis is in cache/manager.py).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import torch
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.generation import parse_speculative
+from services.engine.core.draft_policy import DraftPolicy
 from services.engine.core.mtp_draft import MtpDrafter
-from services.engine.core.sampling import SamplingParams, draw_one, generator, target_probs
+from services.engine.core.sampling import SamplingParams, draw
 from services.engine.device import Uploads
 
 
@@ -112,81 +117,23 @@ class NgramDrafter:
 
 
 # --- verification ---------------------------------------------------------------------
-ACCEPT_STREAM, RESIDUAL_STREAM = 1, 2
-
-
-def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The distribution of the replacement after a rejection: max(0, p - q), normalized
-    (p itself where nothing is left). Chosen on the device: no read of the total."""
-    r = torch.clamp(p - q, min=0)
-    total = r.sum(-1, keepdim=True)
-    return torch.where(total > 0, r / total, p)
-
-
-def draft_probs(drafts: list[int] | torch.Tensor, q: torch.Tensor | None, vocab: int,
-                params: SamplingParams, device: str | torch.device = "cpu") -> torch.Tensor:
-    """[k, V] draft distributions, truncated like the target: a deterministic drafter
-    (q None, e.g. n-gram) proposes with probability one; a sampling drafter's logits
-    go through the request's temperature/top_k/top_p."""
-    if q is None:
-        d = drafts if isinstance(drafts, torch.Tensor) else \
-            torch.tensor(drafts, dtype=torch.long, device=device)
-        out = torch.zeros(len(drafts), vocab, dtype=torch.float64, device=device)
-        out[torch.arange(len(drafts), device=device), d] = 1.0
-        return out
-    return torch.stack([target_probs(row, params) for row in q])
-
-
-def accept_one(p: torch.Tensor, q: torch.Tensor, d: int, gen_u: torch.Generator,
-               gen_r: torch.Generator) -> int | None:
-    """One rejection-sampling step on its own: None if draft d is accepted, else the
-    replacement (`judge` makes the same draws for all of a work's drafts at once)."""
-    u = torch.rand((), generator=gen_u, dtype=torch.float64, device=p.device)
-    if bool((q[d] > 0) & (u * q[d] < p[d])):
-        return None
-    return int(draw_one(residual(p, q), gen_r))
-
-
 def judge(logits: torch.Tensor, drafts: list[int], params: SamplingParams, step: int,
-          seed: int, q: torch.Tensor | None = None) -> torch.Tensor:
+          seed: int) -> torch.Tensor:
     """logits [k + 1, V] of one verify work -> [2] long on the logits' device: a, the number
-    of drafts accepted, and the token emitted after them (a replacement, or the bonus when
-    a = k). Nothing is read back: the caller reads every work's verdict of the step at once
-    (EngineCore.step), and the work emits drafts[:a] + [token].
+    of drafts accepted, and the token emitted after them (row a's token: a replacement, or
+    the bonus when a = k). Nothing is read back: the caller reads every work's verdict of
+    the step at once (EngineCore.step), and the work emits drafts[:a] + [token].
 
-    Every draft is judged at once. Greedy: a = the length of the prefix of drafts equal to
-    their row's argmax, the token the argmax of row a. Sampled: the acceptance draws u_j of
-    all k drafts (each from its own generator, seeded by (seed, step + j, ACCEPT_STREAM),
-    as one-at-a-time judging drew them), the accept mask u_j q_j(d_j) < p_j(d_j) in float64,
-    a = its first False; the replacement of EVERY position j is drawn (from its residual
-    with its own RESIDUAL_STREAM generator) and the bonus from p_k, and position a's is
-    picked on the device. The numbers are those of judging one at a time: each draw
-    depends on its own generator and distribution only, so the extra draws change nothing."""
+    Row j's token is plain decoding's token step + j (sampling.draw, row by row, the same
+    generator and distribution), so the work emits exactly what k + 1 plain steps would."""
     k, dev = len(drafts), logits.device
     d = Uploads(dev).longs(drafts)                   # pinned and non-blocking on CUDA
     if params.greedy:
-        best = torch.argmax(logits, dim=-1)                                    # [k + 1]
-        a = torch.cumprod((best[:k] == d).long(), 0).sum()
-        return torch.cat([a.view(1), best.gather(0, a.view(1))])    # (t[a] would read a)
-    # every draw on the logits' device, from generators made there (same seeds as ever; a
-    # CUDA generator draws other numbers than a CPU one, so tokens are reproducible per device)
-    p = torch.stack([target_probs(row, params) for row in logits])             # [k + 1, V]
-    picks = []
-    a = torch.zeros((), dtype=torch.long, device=dev)
-    if k:
-        qs = draft_probs(d, q, logits.shape[-1], params, dev)                  # [k, V]
-        u = torch.stack([torch.rand((), generator=generator(params, step + j, seed, ACCEPT_STREAM,
-                                                            dev), dtype=torch.float64, device=dev)
-                         for j in range(k)])
-        qd, pd = qs.gather(1, d[:, None])[:, 0], p[:k].gather(1, d[:, None])[:, 0]
-        a = torch.cumprod(((qd > 0) & (u * qd < pd)).long(), 0).sum()
-        # row by row, as one-at-a-time judging did (a batched row sum may order its adds
-        # differently, and the draws must be the same numbers)
-        picks = [draw_one(residual(p[j], qs[j]), generator(params, step + j, seed,
-                                                           RESIDUAL_STREAM, dev))
-                 for j in range(k)]
-    picks.append(draw_one(p[k], generator(params, step + k, seed, device=dev)))
-    return torch.cat([a.view(1), torch.cat(picks).gather(0, a.view(1))])
+        tokens = torch.argmax(logits, dim=-1)                                  # [k + 1]
+    else:
+        tokens = torch.stack([draw(row, params, step + j, seed) for j, row in enumerate(logits)])
+    a = torch.cumprod((tokens[:k] == d).long(), 0).sum()
+    return torch.cat([a.view(1), tokens.gather(0, a.view(1))])      # (t[a] would read a)
 
 
 def emitted(drafts: list[int], verdict: list[int]) -> list[int]:
@@ -196,11 +143,11 @@ def emitted(drafts: list[int], verdict: list[int]) -> list[int]:
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, step: int,
-           seed: int, q: torch.Tensor | None = None) -> list[int]:
+           seed: int) -> list[int]:
     """logits [k + 1, V] of one verify work -> the tokens it emits (accepted drafts, then
     one replacement or bonus token). `step` = tokens the request generated before. One
     work judged and read on its own (the engine reads a step's verdicts together)."""
-    return emitted(drafts, judge(logits, drafts, params, step, seed, q).tolist())
+    return emitted(drafts, judge(logits, drafts, params, step, seed).tolist())
 
 
 # --- the engine's side ----------------------------------------------------------------
@@ -209,11 +156,15 @@ MAX_BACKOFF = 16     # tokens a request decodes plainly after repeated wholly re
 
 class Speculator:
     """Owned by EngineCore (engine thread only): the engine's setting, its drafter, each
-    running request's own setting and draft counts, and the draft counters of GetStats."""
+    running request's own setting and draft counts, the draft counters of GetStats, and
+    the DraftPolicy that decides each step how many drafts are worth verifying
+    (`adaptive`; off: every request drafts what its setting allows, backing off after
+    rejections)."""
 
     def __init__(self, setting: SpecSetting, ngram_min: int = 1, ngram_max: int = 4,
-                 mtp: MtpDrafter | None = None):
+                 mtp: MtpDrafter | None = None, adaptive: bool = True):
         self.setting = setting
+        self.policy = DraftPolicy(setting.k, adaptive, learn_from_proposals=setting.method != "mtp")
         # tests may replace the drafter (any object with propose(tokens, k) -> drafts)
         self.drafter = NgramDrafter(ngram_min, ngram_max) if setting.on else None
         # mtp:K: drafts from the MTP module, batched over the step's requests (core/mtp_draft.py)
@@ -254,37 +205,54 @@ class Speculator:
         self.requests.pop(request_id, None)
         self.usage.pop(request_id, None)
         self.backoff.pop(request_id, None)
+        self.policy.forget(request_id)
 
     def propose(self, running) -> dict[str, list[int]]:
-        """Drafts of every decoding request that speculates (never more than its remaining
-        max_tokens can use: the step emits at most 1 + k tokens)."""
+        """Drafts of every decoding request that speculates, as many as the policy finds
+        worth verifying (never more than its setting or its remaining max_tokens allow:
+        the step emits at most 1 + k tokens)."""
         out: dict[str, list[int]] = {}
         if not self.requests:            # nothing speculates: no walk over the running list
             return out
-        wanted, by_mtp = [], []
-        for seq in running:
-            s = self.requests.get(seq.request_id)
-            if s is None or seq.prefilling or seq.slot is None:
+        policy = self.policy
+        decoding = [seq for seq in running if not seq.prefilling and seq.slot is not None]
+        wants: dict[str, tuple[int, int]] = {}
+        by_mtp, proposals = [], {}
+        for seq in decoding:
+            rid = seq.request_id
+            s = self.requests.get(rid)
+            if s is None:
                 continue
-            if len(seq.output) < self.backoff.get(seq.request_id, (0, 0))[0]:
+            policy.score(rid, seq.output)
+            if not policy.adaptive and len(seq.output) < self.backoff.get(rid, (0, 0))[0]:
                 continue
             k = min(s.k, seq.params.max_tokens - len(seq.output) - 1)
-            if k > 0:
-                (by_mtp if s.method == "mtp" else wanted).append((seq, k))
-        if by_mtp:
-            out = self.mtp.propose(by_mtp)            # one batched call per draft depth
-        for seq, k in wanted:
-            drafts = self.drafter.propose(seq.tokens, k)[:k]
-            if drafts:
-                out[seq.request_id] = drafts
+            if k <= 0:
+                continue
+            if s.method == "mtp":
+                by_mtp.append(seq)
+            else:
+                proposals[rid] = self.drafter.propose(seq.tokens, k)[:k]
+                policy.proposed(rid, len(seq.output), proposals[rid])
+                k = len(proposals[rid])
+            wants[rid] = (k, len(seq.output))
+        allotted = policy.allot(len(decoding), wants)
+        mtp = [(seq, allotted[seq.request_id]) for seq in by_mtp if seq.request_id in allotted]
+        if mtp:
+            out = self.mtp.propose(mtp)               # one batched call per draft depth
+        for rid, drafts in proposals.items():
+            if allotted.get(rid):
+                out[rid] = drafts[: allotted[rid]]
         return out
+
+    def step_done(self, decode_rows: int, draft_rows: int, other_tokens: int,
+                  seconds: float) -> None:
+        """The step's measured cost, for the policy (DraftPolicy.step_done)."""
+        self.policy.step_done(decode_rows, draft_rows, other_tokens, seconds)
 
     def judge(self, seq, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """The verdict of seq's drafts on the device ([2]: see `judge`); `settle` it once read."""
-        q = None
-        if self.wants_hidden(seq.request_id):
-            q = self.mtp.q.pop(seq.request_id)[: len(drafts)]     # the drafter's distribution
-        return judge(logits, drafts, seq.params, len(seq.output), seq.seed, q)
+        return judge(logits, drafts, seq.params, len(seq.output), seq.seed)
 
     def verify(self, seq, logits: torch.Tensor, drafts: list[int]) -> list[int]:
         """judge + read + settle for one sequence."""
@@ -310,10 +278,11 @@ class Speculator:
         use = self.usage.setdefault(seq.request_id, [0, 0])
         use[0] += len(drafts)
         use[1] += accepted
+        self.policy.verified(seq.request_id, len(drafts), accepted, len(seq.output) + len(tokens))
         return tokens
 
     def stats(self) -> dict[str, float]:
-        out = {k: float(v) for k, v in self.counters.items()}
+        out = {k: float(v) for k, v in (self.counters | self.policy.counters).items()}
         steps = self.counters["spec_verify_steps"]
         out["spec_mean_accepted"] = self.counters["spec_accepted_tokens"] / steps if steps else 0.0
         for key, v in self.counters.items():

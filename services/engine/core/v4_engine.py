@@ -36,6 +36,7 @@ Not yet on this path (refused at start-up, naming the flag): YOCO truncation.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 import weakref
 from collections import Counter, deque
@@ -89,7 +90,8 @@ class V4Engine:
         setting = engine_setting(ecfg.speculative, layout.BACKTRACK, mtp.has_mtp(model.weights))
         drafter = V4MtpDrafter(mtp.MtpModule(model), model.cfg.window) \
             if setting.method == "mtp" else None
-        self.spec = Speculator(setting, ecfg.ngram_min, ecfg.ngram_max, drafter)
+        self.spec = Speculator(setting, ecfg.ngram_min, ecfg.ngram_max, drafter,
+                               adaptive=ecfg.spec_policy == "adaptive" and not ecfg.deterministic)
         # handoffs waiting for a decode engine to fetch them (prefill engines), as EngineCore
         self.handoffs = HandoffStore(ecfg.snapshot_bytes, ttl_s=60.0)
 
@@ -148,14 +150,20 @@ class V4Engine:
 
     # --- one step ------------------------------------------------------------------
     def step(self) -> list[Event]:
+        t_step = time.perf_counter()
         self._admit()
         logits: dict[str, torch.Tensor] = {}
-        for req in [r for r in self.running if r.replay is not None]:
+        replaying = [r for r in self.running if r.replay is not None]
+        for req in replaying:
             row = self._replay(req)
             if row is not None:           # else it stopped at its snapshot: prefill goes on
                 logits[req.request_id] = row
         drafts = self.spec.propose([r for r in self.running if r.request_id not in logits])
         works = self._plan([r for r in self.running if r.request_id not in logits], drafts)
+        # the step's shape, for the speculation policy's cost model (a replay is other work)
+        n_decode = sum(1 for r, _ in works if r.pending == 1)
+        n_drafted = sum(len(ids) - 1 for r, ids in works if r.pending == 1)
+        other = len(replaying) + sum(len(ids) for r, ids in works if r.pending != 1)
         verifying: list[tuple[V4Request, list[int], torch.Tensor, tuple]] = []
         if works:
             starts = [r.seq.length for r, _ in works]
@@ -181,6 +189,7 @@ class V4Engine:
                   zip(ready, where, strict=True)]
         for (req, d, _, hidden), verdict in zip(verifying, read[len(parts):], strict=True):
             events.append(self._verified(req, d, verdict, hidden))
+        self.spec.step_done(n_decode, n_drafted, other, time.perf_counter() - t_step)
         return events
 
     def _forward(self, works: list[tuple[V4Request, list[int]]]):

@@ -3,8 +3,8 @@ module (model/deepseek_v4/mtp.py).
 
 The same contract as V4-mini's drafter (core/mtp_draft.py), which the Speculator drives:
 `observe` stashes the trunk's last streams of committed positions after each step (at most
-the last W), `propose` turns them into MTP rows and drafts, `q` holds each request's draft
-logits for verification, `forget` drops a request. Row p needs token p + 1, so the rows of
+the last W), `propose` turns them into MTP rows and drafts (each row's argmax), `forget`
+drops a request. Row p needs token p + 1, so the rows of
 positions [first, c) are computed once token c (the pending one) is known; the last of them
 gives draft 1, and K - 1 chained rows (each from the previous row's output streams and its
 draft) give the rest.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.core.mtp_draft import pick_draft, stash
+from services.engine.core.mtp_draft import stash
 from services.engine.core.sampling import read_ids
 from services.engine.model.deepseek_v4.attention import AttentionParts
 from services.engine.model.deepseek_v4.mtp import MtpModule
@@ -46,7 +46,6 @@ class V4MtpDrafter:
     def __init__(self, module: MtpModule, window: int):
         self.module, self.window = module, window
         self.states: dict[str, _State] = {}
-        self.q: dict[str, torch.Tensor] = {}       # request id -> [k, V] logits of its drafts
 
     def observe(self, request_id: str, owner: object, first: int, h: torch.Tensor) -> None:
         """Trunk streams [n_rows, n, D] of committed positions [first, first + n_rows)."""
@@ -57,11 +56,10 @@ class V4MtpDrafter:
 
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
-        self.q.pop(request_id, None)
 
     def propose(self, wanted: list[tuple[object, int]]) -> dict[str, list[int]]:
         """wanted: (decoding V4Request, k) -> the drafts of each request whose stash reaches
-        its last computed position; their logits in self.q."""
+        its last computed position."""
         out: dict[str, list[int]] = {}
         picked: dict[str, list[torch.Tensor]] = {}
         for req, k in wanted:
@@ -77,15 +75,12 @@ class V4MtpDrafter:
             s.window, s.done, s.h = parts.window_kv[-(self.window - 1 + SPARE_ROWS):], end, None
             y = y[-1:]
             window = s.window
-            logits = [m.logits(y)[0]]
-            drafts = [pick_draft(req, logits[0], 0)]
+            drafts = [torch.argmax(m.logits(y)[0])]
             for depth in range(1, k):             # chained rows: never kept in the window
                 y, parts = m.rows(torch.tensor([end + depth - 1]), drafts[-1].view(1), y,
                                   AttentionParts(None, window, None, None, None))
                 window = parts.window_kv[-(self.window - 1):]
-                logits.append(m.logits(y)[0])
-                drafts.append(pick_draft(req, logits[-1], depth))
-            self.q[req.request_id] = torch.stack(logits)
+                drafts.append(torch.argmax(m.logits(y)[0]))
             picked[req.request_id] = drafts
         ids = read_ids([torch.stack(d) for d in picked.values()])    # one host read
         for rid, d in zip(picked, ids, strict=True):

@@ -54,15 +54,22 @@ def total_usage(usages: list[Usage]) -> Usage:
     """The usage of n choices of one prompt: the prompt counted once (as OpenAI does), the
     completions added up."""
     first = usages[0]
-    return first._replace(generated_tokens=sum(u.generated_tokens for u in usages))
+    return first._replace(generated_tokens=sum(u.generated_tokens for u in usages),
+                          drafted_tokens=sum(u.drafted_tokens for u in usages),
+                          accepted_tokens=sum(u.accepted_tokens for u in usages))
 
 
 def usage_json(u: Usage) -> dict:
+    """OpenAI's usage; speculative decoding's drafts under OpenAI's names for predicted
+    outputs (accepted / rejected prediction tokens)."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.generated_tokens,
             "total_tokens": u.prompt_tokens + u.generated_tokens,
             "prompt_tokens_details": {
                 "cached_tokens": max(0, u.cached_tokens - u.replayed_tokens),
-                "replayed_tokens": u.replayed_tokens}}
+                "replayed_tokens": u.replayed_tokens},
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": u.accepted_tokens,
+                "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens}}
 
 
 class Renderer:

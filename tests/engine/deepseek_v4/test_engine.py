@@ -285,7 +285,7 @@ def test_ngram_speculation_with_rejected_drafts_gives_the_same_tokens(saved, k):
     """Drafts are verified and the rows of rejected ones taken back (up to 6): greedy output
     is transformers' token for token, and some drafts were rejected on the way."""
     name, directory, hf = saved
-    core = engine(directory, "--speculative", f"ngram:{k}")
+    core = engine(directory, "--speculative", f"ngram:{k}", "--spec-policy", "always")
     prompt = tiny.prompt(name).tolist()
     assert run(core, [prompt]) == [hf_greedy(hf, prompt)]
     stats = core.stats()

@@ -76,20 +76,27 @@ def test_the_loader_reads_mtp_tensors_and_names_a_missing_one(saved, tmp_path):
 
 def test_mtp_drafts_equal_the_module_over_the_whole_sequence(saved, monkeypatch):
     directory, hf = saved
-    core = engine(directory, "--speculative", "mtp:3")
-    seen = []
-    real = V4MtpDrafter.propose
+    core = engine(directory, "--speculative", "mtp:3", "--spec-policy", "always")
+    seen, rows = [], []
+    real, real_logits = V4MtpDrafter.propose, MtpModule.logits
+
+    def logits(self, y):                          # each draft depth's logits, as computed
+        out = real_logits(self, y)
+        rows.append(out[0].clone())
+        return out
 
     def recording(self, wanted):
+        rows.clear()
         out = real(self, wanted)
         for req, _ in wanted:
             if req.request_id in out:
-                seen.append((req.seq.length, list(out[req.request_id]),
-                             self.q[req.request_id].clone()))
+                seen.append((req.seq.length, list(out[req.request_id]), torch.stack(rows)))
         return out
     monkeypatch.setattr(V4MtpDrafter, "propose", recording)
+    monkeypatch.setattr(MtpModule, "logits", logits)
     prompt = tiny.prompt("mixed").tolist()
     (output,) = run(core, [prompt], TOKENS)
+    monkeypatch.undo()
     assert output == hf_greedy(hf, prompt, TOKENS)                # lossless
     assert len(seen) > 5 and core.stats()["spec_drafted_tokens"] > 0
     module = MtpModule(core.model)
@@ -119,7 +126,7 @@ def test_mtp_needs_mtp_tensors(tmp_path):
 
 def test_sampled_requests_with_mtp_drafts_run(saved):
     directory, _ = saved
-    core = engine(directory, "--speculative", "mtp:2")
+    core = engine(directory, "--speculative", "mtp:2", "--spec-policy", "always")
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
     req = core.add_request(tiny.prompt("mixed").tolist(), params)
     while core.has_work:

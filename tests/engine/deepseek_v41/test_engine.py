@@ -150,7 +150,7 @@ def test_a_prefix_hit_without_truncation_replays(saved):
 def test_ngram_speculation_takes_back_rejected_drafts(saved):
     directory, m = saved
     prompt = random_prompt(60, 8) * 2         # repeats: the n-gram drafter proposes
-    core = engine(directory, "--speculative", "ngram:4")
+    core = engine(directory, "--speculative", "ngram:4", "--spec-policy", "always")
     assert run(core, [prompt]) == [greedy(m, prompt)]
     stats = core.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]

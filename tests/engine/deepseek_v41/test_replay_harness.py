@@ -89,7 +89,7 @@ def test_float32_results_do_not_depend_on_the_chunking(setup, tmp_path):
                       [forced("f", prompt, cont, "s")])["f"].logits for chunk in (7, 256)}
     assert (got[7] - got[256]).abs().max() < 3e-5
     for method in ("off", "ngram:4"):
-        eng = make_engine(model, tok, 2, 2 * L, 64, speculative=method)
+        eng = make_engine(model, tok, 2, 2 * L, 64, speculative=method, spec_policy="always")
         out = run(eng, [Req("g", prompt[:100] * 3, "t", greedy=24)])["g"].tokens
         if method == "off":
             plain = out
