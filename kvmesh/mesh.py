@@ -225,8 +225,10 @@ def address_lines(mesh: Mesh) -> list[str]:
         lines.append("backing servers: Valkey (ACL user kvmesh) and S3 need this run's random "
                      "credentials, given only to the directory and the kvstore")
     if not mesh.tls.server_enabled:
-        lines.append("TLS: OFF (--plaintext): a process that takes a service's port after it "
-                     "dies receives the requests sent there and the service token")
+        lines.append("TLS: OFF (--plaintext): traffic between the services is readable on this "
+                     "machine, and a process that takes a kvstore's or directory's port after "
+                     "it dies receives what is sent there (never the service token: services "
+                     "send one-call proofs of it; the gateway asks an engine who it is first)")
     elif not mesh.cfg.tls_public:
         lines.append(f"TLS: mutual TLS between the services, with a CA made for this run "
                      f"({Path(mesh.tls.ca).parent}/); the gateway's gRPC and HTTP ports are "

@@ -1,6 +1,8 @@
 """The service and admin tokens on gRPC: `TokenGuard` (server side) and
 `token_interceptors` (client side). kvmesh/rpc.py installs them on every internal
 server and channel when a token is configured; kvmesh/auth.py says which token is which.
+Clients send a per-call proof of the token, never the token (kvmesh/rpc_proof.py);
+servers take a proof or `Bearer <token>`.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import grpc
 
 from kvmesh import auth
+from kvmesh.rpc_proof import ProofCheck, prove
 
 # RPCs that take the admin token instead of the service token.
 ADMIN_METHODS = frozenset(f"/kvmesh.kvstore.v1.KvstoreService/{m}"
@@ -22,7 +25,8 @@ _CODE = {auth.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 
 class TokenGuard(grpc.aio.ServerInterceptor):
     """Server interceptor: every call but health/reflection must carry the service token
-    (`ADMIN_METHODS`: the admin token) as `authorization: Bearer <token>`.
+    (`ADMIN_METHODS`: the admin token), as a proof of it (`Kvmesh-Proof ...`, what kvmesh's
+    clients send) or as `authorization: Bearer <token>`.
 
     A refused call gets a handler of the same kind that only aborts, so the servicer
     never runs and the status is UNAUTHENTICATED (missing) or PERMISSION_DENIED (wrong).
@@ -31,6 +35,7 @@ class TokenGuard(grpc.aio.ServerInterceptor):
     def __init__(self, service_token: str, admin_token: str = ""):
         self.service_token = service_token
         self.admin_token = admin_token
+        self.proofs = ProofCheck()
 
     async def intercept_service(self, continuation, details):
         method = details.method
@@ -39,13 +44,17 @@ class TokenGuard(grpc.aio.ServerInterceptor):
         admin = method in ADMIN_METHODS
         expected, what = ((self.admin_token, "admin token") if admin
                           else (self.service_token, "service token"))
-        presented = auth.bearer(auth.metadata_value(details.invocation_metadata,
-                                                    "authorization"))
+        value = auth.metadata_value(details.invocation_metadata, "authorization")
         try:
             if admin and not expected:
                 raise auth.PermissionDenied(f"{method} needs KVMESH_ADMIN_TOKEN, which this "
                                             "server does not have: admin RPCs are off")
-            auth.check_token(presented, expected, what)
+            if ProofCheck.is_proof(value):
+                why = self.proofs.verify(value, method, expected)
+                if why is not None:
+                    raise auth.PermissionDenied(f"{what}: {why}")
+            else:
+                auth.check_token(auth.bearer(value), expected, what)
         except (auth.Unauthenticated, auth.PermissionDenied) as exc:
             handler = await continuation(details)
             return _refusing(handler, _CODE[type(exc)], f"{method}: {exc}")
@@ -78,9 +87,10 @@ class _BearerDetails(grpc.aio.ClientCallDetails):
 
 
 class _SendToken:
-    """Adds `authorization: Bearer <token>` (the admin token on `ADMIN_METHODS` when one is
-    known) unless the call already carries one. grpc.aio files each interceptor object
-    under one call kind only, so `token_interceptors` makes one per kind."""
+    """Adds `authorization: Kvmesh-Proof ...`, a proof of the token for this one call (the
+    admin token on `ADMIN_METHODS` when one is known), unless the call already carries an
+    `authorization`. grpc.aio files each interceptor object under one call kind only, so
+    `token_interceptors` makes one per kind."""
 
     def __init__(self, service_token: str, admin_token: str = ""):
         self.service_token = service_token
@@ -92,7 +102,7 @@ class _SendToken:
                  else self.service_token)
         md = list(d.metadata or ())
         if token and not any(k == "authorization" for k, _ in md):
-            md.append(("authorization", f"Bearer {token}"))
+            md.append(("authorization", prove(token, method)))
         return _BearerDetails(d.method, d.timeout, grpc.aio.Metadata(*md), d.credentials,
                               d.wait_for_ready)
 
@@ -118,6 +128,6 @@ class _StreamStream(_SendToken, grpc.aio.StreamStreamClientInterceptor):
 
 
 def token_interceptors(service_token: str, admin_token: str = "") -> list:
-    """Client interceptors (one per call kind) that send the tokens."""
+    """Client interceptors (one per call kind) that send proofs of the tokens."""
     return [cls(service_token, admin_token)
             for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]

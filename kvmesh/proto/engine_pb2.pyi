@@ -131,7 +131,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("preset", "model_config_json", "model_fingerprint", "layout_fingerprint", "block_size", "tokenizer", "max_seq_len")
+    __slots__ = ("preset", "model_config_json", "model_fingerprint", "layout_fingerprint", "block_size", "tokenizer", "max_seq_len", "engine_id")
     PRESET_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class GetModelInfoResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     preset: str
     model_config_json: str
     model_fingerprint: str
@@ -146,7 +147,8 @@ class GetModelInfoResponse(_message.Message):
     block_size: int
     tokenizer: str
     max_seq_len: int
-    def __init__(self, preset: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+    engine_id: str
+    def __init__(self, preset: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class FetchSwaSnapshotRequest(_message.Message):
     __slots__ = ("key",)

@@ -59,6 +59,7 @@ class ModelInfo:
     def __init__(self, msg):
         cfg = json.loads(msg.model_config_json)
         self.layout_fp: str = msg.layout_fingerprint
+        self.served_fp: str = msg.model_fingerprint      # what engines' identities must match
         self.vocab_size: int = cfg["vocab_size"]
         self.block_size: int = cfg["block_size"]
         self.window: int = cfg["window"]
@@ -144,6 +145,35 @@ class GatewayCore:
                 log.warning("GetModelInfo from %s failed: %s", st.address, exc)
         self._info_retry_at = self.clock() + self.cfg.down_s
         return None
+
+    async def check_identity(self, st) -> None:
+        """Before a request goes to an engine not seen since it was added or since it failed:
+        its GetModelInfo must answer the identity first recorded for that address (engine
+        id, model fingerprint) and the model this gateway serves. Another process on a dead
+        engine's port (a restarted engine of another model, or anything else that took the
+        port) is refused, and stays refused until the directory registers that address
+        again under a new engine id. Raises EngineFailure (no prompt was sent)."""
+        if st.checked:
+            return
+        try:
+            msg = await self.pool.model_info(st.address)
+        except KvmeshError as exc:
+            raise EngineFailure(f"{st.address} did not say who it is: {exc}") from None
+        seen = (msg.engine_id, msg.model_fingerprint)
+        info = await self.model_info()
+        if st.identity is None and (info is None or seen[1] == info.served_fp):
+            st.identity = seen
+            if st.engine_id == st.address:         # a static engine: now known by its name
+                st.engine_id = seen[0] or st.engine_id
+        if seen != st.identity:
+            st.refused = True
+            want = st.identity or ("any id", info.served_fp if info else "?")
+            log.warning("engine at %s answers as %r, model %s; expected %r, model %s: refused "
+                        "until it registers again", st.address, seen[0], seen[1][:12],
+                        want[0], want[1][:12])
+            raise EngineFailure(f"engine at {st.address} is not the engine registered there "
+                                f"(answers as {seen[0]!r}, model {seen[1][:12]})")
+        st.checked = True
 
     # --- routing inputs -----------------------------------------------------------------
     def prompt_ids(self, req: GenRequest) -> list[int]:
@@ -293,6 +323,7 @@ class GatewayRequest:
             st.in_flight += 1
             sent_before = self.tokens
             try:
+                await core.check_identity(st)
                 async with contextlib.aclosing(
                         core.pool.stream(st.address, msg, self._remaining())) as chunks:
                     async for chunk in chunks:

@@ -101,6 +101,7 @@ async def _prefill(core, pe, pe_msg, greq) -> tuple[Chunk, HandoffInfo | None]:
     """The PE's answer: (its last chunk, the handoff) or (a finished chunk, None)."""
     pe.in_flight += 1
     try:
+        await core.check_identity(pe)
         tokens, text = [], ""
         async with contextlib.aclosing(core.pool.stream(pe.address, pe_msg, greq._remaining())) as chunks:
             async for chunk in chunks:
@@ -135,6 +136,7 @@ async def _decode(greq, pe_address: str, pe_id: str, request_id: str, info: Hand
         ce.in_flight += 1
         sent = 0
         try:
+            await core.check_identity(ce)
             async with contextlib.aclosing(core.pool.stream(ce.address, ce_msg, greq._remaining())) as chunks:
                 async for chunk in chunks:
                     sent += len(chunk.token_ids)

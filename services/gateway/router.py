@@ -37,6 +37,12 @@ class EngineState:
     queued: int = 0               # running + waiting, from the directory's last heartbeat
     in_flight: int = 0            # requests this gateway has open on it
     down_until: float = 0.0       # avoid after a failure until then
+    # identity (GatewayCore.check_identity): (engine_id, model fingerprint) its GetModelInfo
+    # first answered; whether it answered so since it last failed; refused: it answered as
+    # another engine or model, and gets nothing until the directory registers it again
+    identity: tuple[str, str] | None = None
+    checked: bool = False
+    refused: bool = False
 
     def live(self, now: float) -> bool:
         return self.static or self.lease_until > now
@@ -73,6 +79,9 @@ class Router:
             st = self.engines.get(info.address)
             if st is None:
                 st = self.engines[info.address] = EngineState(info.address, info.engine_id)
+            if st.identity is not None and info.engine_id and info.engine_id != st.identity[0]:
+                # registered again under another name: the identity to check is the new one
+                st.identity, st.checked, st.refused = None, False, False
             st.engine_id = info.engine_id or st.engine_id
             st.lease_until = now + info.lease_left_ms / 1000.0
             st.queued = info.load.running_seqs + info.load.waiting_seqs
@@ -82,7 +91,8 @@ class Router:
 
     def candidates(self, now: float, exclude: Sequence[str] = ()) -> list[EngineState]:
         """Live engines not excluded; those marked down only when nothing else is left."""
-        live = [st for st in self.engines.values() if st.live(now) and st.address not in exclude]
+        live = [st for st in self.engines.values()
+                if st.live(now) and not st.refused and st.address not in exclude]
         up = [st for st in live if st.down_until <= now]
         return up or live
 
@@ -90,6 +100,7 @@ class Router:
         st = self.engines.get(address)
         if st is not None:
             st.down_until = until
+            st.checked = False        # whoever answers there next proves who it is first
 
     def mark_up(self, address: str) -> None:
         st = self.engines.get(address)

@@ -217,6 +217,30 @@ def test_the_right_tokens_are_accepted(mesh, channels):
         _call(mesh, channels, *by_name[name], [("authorization", f"Bearer {token}")])
 
 
+def test_proofs_are_taken_once_for_their_own_method(mesh, channels):
+    """What kvmesh's clients send (kvmesh/rpc_proof.py): a proof of the token, good for one
+    call of its method; replayed, sent to another method, or of a wrong token: refused."""
+    from kvmesh.rpc_proof import prove
+
+    by_name = {f"{s.name}.{m.name}": (s, m) for s, m in METHODS}
+    svc, method = by_name["EngineService.GetModelInfo"]
+    path = f"/{svc.full_name}/{method.name}"
+    proof = [("authorization", prove(SERVICE_TOKEN, path))]
+    _call(mesh, channels, svc, method, proof)
+    for metadata, why in ((proof, "used before"),
+                          ([("authorization", prove(SERVICE_TOKEN, "/other/Method"))], "wrong token"),
+                          ([("authorization", prove("guess", path))], "wrong token")):
+        with pytest.raises(grpc.RpcError) as info:
+            _call(mesh, channels, svc, method, metadata)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert why in info.value.details()
+    admin_svc, delete = by_name["KvstoreService.Delete"]
+    with pytest.raises(grpc.RpcError) as info:       # the service token's proof: not admin
+        _call(mesh, channels, admin_svc, delete, [(
+            "authorization", prove(SERVICE_TOKEN, f"/{admin_svc.full_name}/Delete"))])
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
 def test_health_stays_open(mesh):
     from kvmesh.healthcheck import check
 

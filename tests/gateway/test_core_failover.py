@@ -11,7 +11,7 @@ from kvmesh.errors import Unavailable
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
 from services.gateway.model import Chunk, EngineFailure, GenRequest, Usage
-from tests.gateway.test_core_keys import INFO
+from tests.gateway.test_core_keys import INFO, model_info
 
 A, B = "127.0.0.1:1", "127.0.0.1:2"
 
@@ -27,6 +27,8 @@ class Clock:
 class ScriptedPool:
     """The k-th engine call plays script[k]: (seconds it takes, tokens, then fail?), on
     whichever engine the router picked (recorded in `calls`)."""
+
+    model_info = staticmethod(model_info)
 
     def __init__(self, clock: Clock, script: list[tuple[float, int, bool]]):
         self.clock, self.script, self.calls = clock, list(script), []

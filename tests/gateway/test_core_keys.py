@@ -18,8 +18,16 @@ from services.gateway.service import loop_name, run
 
 
 class _Msg:
+    """A GetModelInfo answer: every fake engine of these tests answers as the same engine."""
     model_config_json = TINY.to_json()
     layout_fingerprint = "0123456789abcdef"
+    model_fingerprint = "fedcba9876543210"
+    engine_id = "engine-1"
+
+
+async def model_info(address, timeout=2.0):
+    """A fake pool's GetModelInfo (GatewayCore.check_identity asks it before a first request)."""
+    return _Msg()
 
 
 INFO = ModelInfo(_Msg())
@@ -55,6 +63,8 @@ def test_directory_asked_only_for_restorable_keys_and_affinity_keeps_all():
             return {}
 
     class Pool:
+        model_info = staticmethod(model_info)
+
         def stream(self, address, msg, timeout):
             async def chunks():
                 from services.gateway.model import Chunk, Usage
@@ -79,6 +89,8 @@ def test_directory_asked_only_for_restorable_keys_and_affinity_keeps_all():
 
 def test_report_is_deferred_but_always_happens(caplog):
     class Pool:
+        model_info = staticmethod(model_info)
+
         def stream(self, address, msg, timeout):
             async def chunks():
                 from services.gateway.model import Chunk, Usage

@@ -1,11 +1,15 @@
-"""A process that takes a dead engine's port gets nothing from a mesh run as `kvmesh up`
-runs it (mutual TLS between the services, a CA made for the run): the gateway's calls to
-that address fail their handshake, so the squatter sees no prompt and no service token,
-and every request is served by the live engine.
+"""A process that takes a dead service's port gets nothing from a mesh run as `kvmesh up`
+runs it (mutual TLS between the services, a CA made for the run): the calls to that address
+fail their handshake, so the squatter sees no prompt and no service token, and every
+request is served. Checked on an engine's port, the kvstore's and the directory's.
 
 Two squatters: a plaintext gRPC server, and a TLS one with a certificate of its own CA.
 The control: a server on the same port holding the run's certificate (an engine
 restarted by the run) does receive the gateway's calls, so the gateway did dial there.
+
+`kvmesh up --plaintext` (the opt-out the banner warns about): a squatter on an engine's
+port is still sent no prompt (the gateway asks who it is first, and it is not the engine
+registered there) and no token (services send one-call proofs of it, kvmesh/rpc_proof.py).
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ from tests.gateway.conftest import TEST_MESH
 from tests.tls_ca import TestCA
 
 PROMPT = "the squatter must never read this prompt"
+# `kvmesh up`'s settings on free ports: its own (7000, ...) may be taken by a mesh of another
+# test run, or by this module's other mesh
+FREE_PORTS = dict(TEST_MESH, gateway_port=0, http_port=0, metrics_port=0)
 
 
 @pytest.fixture(scope="module")
 def up_mesh(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("squatter") / "logs"
     args = build_parser().parse_args(["up", "--log-dir", str(log_dir)])
-    cfg = with_run_tls(replace(mesh_config(args), **TEST_MESH), args)
+    cfg = with_run_tls(replace(mesh_config(args), **FREE_PORTS), args)
     assert cfg.tls.mutual and not cfg.tls_public            # what `kvmesh up` runs
     m = Mesh(cfg).start()
     try:
@@ -89,20 +96,25 @@ def _serve_requests(mesh: Mesh, n: int, seconds: float) -> list[str]:
     return served
 
 
+@pytest.mark.parametrize("service", ["engine-b", "kvstore", "directory"])
 @pytest.mark.parametrize("kind", ["plaintext", "foreign CA"])
-def test_a_squatter_on_a_dead_engines_port_gets_no_prompt_and_no_token(up_mesh, kind,
-                                                                      tmp_path):
-    port = int(up_mesh.endpoints["engine-b"].rsplit(":", 1)[1])
-    up_mesh.kill("engine-b")
+def test_a_squatter_on_a_dead_services_port_gets_no_prompt_and_no_token(up_mesh, kind, service,
+                                                                       tmp_path):
+    port = int(up_mesh.endpoints[service].rsplit(":", 1)[1])
+    up_mesh.kill(service)
     tls = None if kind == "plaintext" else TestCA("an attacker's CA").issue(tmp_path, "fake")
     squatter = Squatter(port, tls)
     try:
         served = _serve_requests(up_mesh, 12, 10.0)
     finally:
         squatter.stop()
-    assert set(served) == {"engine-a"}, served             # every request answered, by the live one
+    # every request answered (by the live engine when one is dead: a dead kvstore or
+    # directory is a cache miss, never a failed request)
+    assert set(served) <= {"engine-a", "engine-b"} and len(served) == 12, served
+    if service == "engine-b":
+        assert set(served) == {"engine-a"}, served
     assert squatter.calls == [], [c[:2] for c in squatter.calls]
-    up_mesh.restart("engine-b")
+    up_mesh.restart(service)
 
 
 def test_control_a_server_with_the_runs_certificate_is_dialled(up_mesh):
@@ -138,3 +150,37 @@ def test_healthcheck_public_flag_checks_the_gateways_plaintext_port(up_mesh):
     assert health(up_mesh.gateway, "--public") == 0
     assert health(up_mesh.gateway) == 1                      # TLS to a plaintext port
     assert health(up_mesh.endpoints["engine-a"]) == 0
+
+
+@pytest.fixture(scope="module")
+def plaintext_mesh(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("squatter-plain") / "logs"
+    args = build_parser().parse_args(["up", "--plaintext", "--log-dir", str(log_dir)])
+    cfg = with_run_tls(replace(mesh_config(args), **FREE_PORTS), args)
+    assert not cfg.tls.server_enabled and cfg.service_token
+    m = Mesh(cfg).start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def test_in_plaintext_mode_a_squatter_gets_no_prompt_and_no_token(plaintext_mesh):
+    mesh = plaintext_mesh
+    port = int(mesh.endpoints["engine-b"].rsplit(":", 1)[1])
+    mesh.kill("engine-b")
+    squatter = Squatter(port, None)
+    try:
+        served = _serve_requests(mesh, 12, 10.0)
+    finally:
+        squatter.stop()
+    assert set(served) == {"engine-a"}, served
+    # it was dialled (it is plaintext, as the mesh is), and asked only who it is
+    assert squatter.calls, "the gateway never dialled the dead engine's address"
+    assert {m for m, _, _ in squatter.calls} == {"/kvmesh.engine.v1.EngineService/GetModelInfo"}
+    token = mesh.cfg.service_token
+    for _, meta, request in squatter.calls:
+        assert meta["authorization"].startswith("Kvmesh-Proof ")
+        assert token not in repr(meta) and token.encode() not in request
+        assert PROMPT.encode() not in request
+    mesh.restart("engine-b")

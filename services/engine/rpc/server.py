@@ -27,7 +27,7 @@ async def serve(core: EngineCore, address: str, engine_id: str = "", advertise: 
     server = Server(address, [SERVICE_NAME], metrics_service="engine", metrics_skip=("Session",))
     remote = await _remote(engine, server.port, engine_id, advertise or address, directory,
                            kvstore, fetch_mode, fetch_deadline_s)
-    servicer = EngineServicer(engine, remote)
+    servicer = EngineServicer(engine, remote, engine_id or f"engine-{server.port}")
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server.server)
     await server.start()
     if remote is not None:

@@ -56,8 +56,9 @@ class _Fetched:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    def __init__(self, engine: AsyncEngine, remote=None):
+    def __init__(self, engine: AsyncEngine, remote=None, engine_id: str = ""):
         self.engine = engine
+        self.engine_id = engine_id      # answered in GetModelInfo (the gateway's identity check)
         self.remote = remote            # RemoteTiers: kvstore blocks and peer snapshots
         self.tokenizer = engine.core.tokenizer
         self.metrics = RequestMetrics("engine")   # tokens; RPC counts come from the interceptor
@@ -157,7 +158,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             model_fingerprint=core.cfg.fingerprint(),
             layout_fingerprint=core.prefix.layout_fp,
             block_size=core.cfg.block_size, tokenizer=getattr(core.tokenizer, "path", "byte"),
-            max_seq_len=core.cfg.max_seq_len)
+            max_seq_len=core.cfg.max_seq_len, engine_id=self.engine_id)
 
     @map_errors
     async def FetchSwaSnapshot(self, request, context):
