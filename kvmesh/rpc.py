@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh import auth, errors, grpc_logs
 from kvmesh.rpc_auth import TokenGuard, token_interceptors
-from kvmesh.tls import TlsFiles
+from kvmesh.tls import TlsFiles, health_port_from_env
 
 log = logging.getLogger("kvmesh.rpc")
 
@@ -248,10 +248,20 @@ class Server:
                      if tls.server_enabled else self.server.add_insecure_port(address))
         if self.port == 0:
             raise errors.Unavailable(f"cannot bind {address}")
+        # a plaintext port serving only health, beside a TLS one (kvmesh/tls.py)
+        self.health_server, self.health_port = None, health_port_from_env()
+        if self.tls and self.health_port is not None:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            host = address.rpartition(":")[0]
+            if self.health_server.add_insecure_port(f"{host}:{self.health_port}") == 0:
+                raise errors.Unavailable(f"cannot bind the health port {host}:{self.health_port}")
 
     async def start(self) -> None:
         grpc_logs.install()       # a reply to a caller that left is not a crash (grpc_logs.py)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         await self.set_serving(True)
 
     async def set_serving(self, ok: bool) -> None:
@@ -268,6 +278,8 @@ class Server:
         """Graceful shutdown: report NOT_SERVING, let in-flight calls finish."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()

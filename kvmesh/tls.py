@@ -16,6 +16,10 @@ they dial TLS, verify the server against the CA and present their own certificat
 HTTP API serves HTTPS with the same cert and key; its callers authenticate with API keys,
 not certificates (the `openai` client has no place for one).
 
+KVMESH_TLS_HEALTH_PORT=N (a TLS server only) adds a plaintext port N on the server's host
+that serves grpc.health.v1 and nothing else: for probes that cannot present a client
+certificate (Kubernetes' gRPC probes). It answers SERVING / NOT_SERVING, which is no secret.
+
 With KVMESH_TLS_PUBLIC=off the gateway's public gRPC and HTTP ports serve plaintext while
 its channels to the engines (and every other service's ports and channels) keep TLS: how
 `kvmesh up` runs by default, with a CA it makes per run (kvmesh/run_ca.py).
@@ -38,6 +42,17 @@ ENV = {"cert": "KVMESH_TLS_CERT", "key": "KVMESH_TLS_KEY", "ca": "KVMESH_TLS_CA"
 # internal channel keeps the files above (`kvmesh up`'s per-run CA: its users have no
 # certificate of that CA; they authenticate with API keys).
 PUBLIC_ENV = "KVMESH_TLS_PUBLIC"
+HEALTH_PORT_ENV = "KVMESH_TLS_HEALTH_PORT"
+
+
+def health_port_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """KVMESH_TLS_HEALTH_PORT: the plaintext health-only port; None when unset."""
+    value = (os.environ if env is None else env).get(HEALTH_PORT_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ValueError(f"{HEALTH_PORT_ENV} = {value!r} is not a port number")
+    return int(value)
 
 
 @dataclass(frozen=True)

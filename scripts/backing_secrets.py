@@ -5,6 +5,7 @@
     python3 scripts/backing_secrets.py --k8s > backing.env     # deploy/k8s/overlays/bundled
     python3 scripts/backing_secrets.py --k8s-token service > service-token.env   # deploy/k8s
     python3 scripts/backing_secrets.py --k8s-token admin > admin-token.env
+    python3 scripts/backing_secrets.py --k8s-tls tls-k8s       # the kvmesh-tls Secret's files
 
 Compose: REDIS_PASSWORD (the Redis ACL user `kvmesh`, used by the directory),
 S3_ACCESS_KEY/S3_SECRET_KEY (SeaweedFS's one S3 identity, used by the kvstore),
@@ -16,6 +17,9 @@ Secret under the names the containers read (backing.env.example beside the overl
 compose service (COMPOSE_HOSTS), for mutual TLS between them as under `kvmesh up`. DIR is 0700;
 the key is 0644 inside it because compose mounts the file as it is into containers that run
 as uid 10001 (the directory keeps other host users out).
+--k8s-tls DIR writes the same three files for deploy/k8s: one certificate naming only
+"kvmesh", the name every client checks servers against there (KVMESH_TLS_SERVER_NAME: pods
+are dialled at their IPs); the key stays 0600 (the Secret's mount sets the mode in the pod).
 Keep the output private (both file names are git-ignored); running this again replaces
 every credential.
 """
@@ -30,14 +34,19 @@ COMPOSE_HOSTS = ("kvstore", "kvstore-b", "directory", "engine-a", "engine-b", "g
                  "v4-engine-b", "gateway-v4")
 
 
-def write_tls(directory: str) -> None:
+# the one name a kvmesh certificate has in Kubernetes (deploy/k8s/base/config.yaml)
+K8S_SERVER_NAME = "kvmesh"
+
+
+def write_tls(directory: str, hosts: tuple[str, ...] = COMPOSE_HOSTS, key_mode: int = 0o644):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvmesh.run_ca import make_run_ca
 
-    files = make_run_ca(Path(directory), COMPOSE_HOSTS, days=3650)
-    Path(files.key).chmod(0o644)
+    files = make_run_ca(Path(directory), hosts, days=3650)
+    Path(files.key).chmod(key_mode)
+    return files
 
 
 def credentials() -> dict[str, str]:
@@ -55,9 +64,15 @@ if __name__ == "__main__":
     ap.add_argument("--tls", metavar="DIR", default=None,
                     help="write the compose services' CA and certificate into DIR instead "
                     "(default: none)")
+    ap.add_argument("--k8s-tls", metavar="DIR", default=None,
+                    help="write deploy/k8s's CA and certificate (naming 'kvmesh') into DIR "
+                    "instead (default: none)")
     args = ap.parse_args()
     if args.tls:
         write_tls(args.tls)
+        raise SystemExit(0)
+    if args.k8s_tls:
+        write_tls(args.k8s_tls, (K8S_SERVER_NAME,), 0o600)
         raise SystemExit(0)
     c = credentials()
     if args.k8s_token:

@@ -110,6 +110,8 @@ def variables() -> list[tuple[str, str, str]]:
     rows.append((tls.PUBLIC_ENV, "none", "`off`: the gateway's public gRPC and HTTP ports "
                  "serve plaintext while its channels keep TLS (`kvmesh up` sets it with its "
                  "per-run CA)"))
+    rows.append((tls.HEALTH_PORT_ENV, "none", "a TLS server's plaintext port serving only "
+                 "grpc.health.v1, for probes without a client certificate (deploy/k8s: 8086)"))
     rows += [(n, d, what) for n, (d, what) in SINGLE.items()]
     return rows
 

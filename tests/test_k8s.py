@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -78,9 +79,16 @@ def test_command_is_a_real_serve_command_on_the_declared_ports(overlay, name):
     w = workload(res, name)
     c = main_container(w)
     assert named_port(c, "grpc") == args.port
+    # a TLS port (every one but the gateway's public port) is probed on its plaintext
+    # health-only port (KVMESH_TLS_HEALTH_PORT); a TCP probe may go to the port itself
+    env = container_env(res, c)
+    health = args.port if name == "gateway" else int(env["KVMESH_TLS_HEALTH_PORT"])
+    if name != "gateway":
+        assert named_port(c, "health") == health and env["KVMESH_TLS_CERT"]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         if probe in c:
-            assert grpc_port(c[probe]) == args.port, (probe, c[probe])
+            want = args.port if "tcpSocket" in c[probe] else health
+            assert grpc_port(c[probe]) == want, (probe, c[probe])
     assert "grpc" in c["readinessProbe"], "readiness follows the service's gRPC health"
     metrics = args.metrics_port
     if name == "gateway":
@@ -220,7 +228,7 @@ def test_service_configs_build_from_the_rendered_environment(overlay, monkeypatc
     assert len(kv.locations) == kv.layout.n == 12
     w = workload(res, "kvstore")
     c = main_container(w)
-    [mount] = c["volumeMounts"]
+    [mount] = [m for m in c["volumeMounts"] if m["name"] != "tls"]
     [claim] = w["spec"]["volumeClaimTemplates"]
     assert claim["metadata"]["name"] == mount["name"]
     assert kv.data_dir.is_relative_to(mount["mountPath"])
@@ -297,6 +305,8 @@ def test_liveness_ignores_health_the_service_turns_off_at_run_time(name):
                   for p in (ROOT / "services" / name).glob("*.py"))
     live = main_container(workload(rendered("bundled"), name))["livenessProbe"]
     assert ("tcpSocket" in live) == toggles and ("grpc" in live) != toggles, live
+    if "grpc" in live and name != "gateway":       # mutual TLS: probes use the health port
+        assert live["grpc"]["port"] == 8086
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -337,10 +347,11 @@ def test_deepseek_v4_overlay_serves_the_mounted_checkpoint():
     assert parse(res, "gateway").tokenizer == "/model/tokenizer.json"
     for name in ("engine", "gateway"):
         w = workload(res, name)
-        (vol,) = w["spec"]["template"]["spec"]["volumes"]
+        tls, vol = w["spec"]["template"]["spec"]["volumes"]       # the base's, then the model
+        assert tls["secret"]["secretName"] == "kvmesh-tls"
         assert vol["persistentVolumeClaim"] == {"claimName": "deepseek-v4-model", "readOnly": True}
-        assert main_container(w)["volumeMounts"] == [{"name": "model", "mountPath": "/model",
-                                                      "readOnly": True}]
+        assert main_container(w)["volumeMounts"][1:] == [{"name": "model", "mountPath": "/model",
+                                                          "readOnly": True}]
     bundled = rendered("bundled")                                  # the shipped model
     check_serves_the_shipped_model(parse(bundled, "engine"))
     assert parse(bundled, "gateway").tokenizer == parse(bundled, "engine").model + "/tokenizer.json"
@@ -377,3 +388,53 @@ def test_every_kvmesh_container_reads_the_service_token_and_only_kvstores_the_ad
                              check=True).stdout
         key, value = out.strip().split("=", 1)
         assert key == f"KVMESH_{token.upper()}_TOKEN" and len(value) >= 32
+
+
+def test_the_tls_secret_gives_mutual_tls_between_pods_dialled_by_ip(tmp_path, monkeypatch):
+    """The documented kvmesh-tls Secret, mounted where the manifests mount it and read
+    through the rendered KVMESH_TLS_* settings: a server dialled at an IP (as pods are) is
+    verified against the name "kvmesh", a client needs the CA's certificate, and the
+    kubelet's probe gets health in plaintext on the health port."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from kvmesh.backing.proc import free_port
+    from kvmesh.healthcheck import check
+    from kvmesh.rpc import Server
+    from kvmesh.tls import TlsFiles
+
+    secret = tmp_path / "tls-k8s"
+    subprocess.run([sys.executable, str(ROOT / "scripts/backing_secrets.py"), "--k8s-tls",
+                    str(secret)], check=True)
+    assert (secret / "mesh.key").stat().st_mode & 0o777 == 0o600
+    res = rendered("bundled")
+    c = main_container(workload(res, "engine"))
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "tls"]
+    env = container_env(res, c)
+    files = {}                                   # the Secret's keys at the mount's paths
+    for var in ("KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA"):
+        path = Path(env[var])
+        assert path.parent == Path(mount["mountPath"]), (var, path)
+        files[var] = str(secret / path.name)
+    as_pods = TlsFiles(cert=files["KVMESH_TLS_CERT"], key=files["KVMESH_TLS_KEY"],
+                       ca=files["KVMESH_TLS_CA"], server_name=env["KVMESH_TLS_SERVER_NAME"])
+    health_port = free_port()        # the manifests' 8086, moved off a port this host may use
+    monkeypatch.setenv("KVMESH_TLS_HEALTH_PORT", str(health_port))
+
+    async def go():
+        server = Server("0.0.0.0:0", ["kvmesh.engine.v1.EngineService"], tls=as_pods,
+                        service_token="t" * 20)
+        await server.start()
+        try:
+            ip = f"127.0.0.2:{server.port}"     # an address the certificate does not name
+            ok = lambda tls: asyncio.to_thread(check, ip, 5, tls)  # noqa: E731
+            assert await ok(as_pods)
+            no_name = TlsFiles(cert=as_pods.cert, key=as_pods.key, ca=as_pods.ca)
+            assert not await ok(no_name)             # the certificate does not name the IP
+            assert not await ok(TlsFiles(ca=as_pods.ca, server_name="kvmesh"))  # no client cert
+            assert await asyncio.to_thread(check, f"127.0.0.2:{health_port}", 5, TlsFiles())
+        finally:
+            await server.stop(0)
+
+    asyncio.run(go())

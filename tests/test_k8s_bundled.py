@@ -135,11 +135,15 @@ def test_bundled_seaweedfs_takes_writes_to_all_12_buckets(tmp_path, monkeypatch)
             client.put_object(Bucket=bucket, Key="probe", Body=b"kv" * 500)
             assert client.get_object(Bucket=bucket, Key="probe")["Body"].read() == b"kv" * 500
         filer = f"http://127.0.0.1:{ports['-filer.port']}/buckets/kvshard-00/probe"
-        try:  # the filer's HTTP API wants weed's JWT (security.toml derived from the Secret)
-            urllib.request.urlopen(filer, timeout=10)
-            raise AssertionError("unsigned filer read accepted")
-        except urllib.error.HTTPError as exc:
-            assert exc.code == 401
+        volume = f"http://127.0.0.1:{ports['-volume.port']}/1,0123456789"
+        # -disableHttp: no filer HTTP (404); the volume's wants weed's JWT (security.toml
+        # derived from the Secret): 401
+        for url, code in ((filer, 404), (volume, 401)):
+            try:
+                urllib.request.urlopen(url, timeout=10)
+                raise AssertionError(f"unsigned read of {url} accepted")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == code, url
     finally:
         proc.stop(timeout=3)
 

@@ -12,7 +12,8 @@ matters: the default 10 s pre-stop wait made every stop take 25 s.
 `SeaweedServer(credentials=S3Keys(...))` locks S3: one identity with those keys (its S3
 identity config, `-s3.config`, a 0600 file) and no anonymous access, so unsigned
 requests are refused. Every server also runs with a `security.toml` (`security_config`):
-its filer and volume HTTP APIs refuse requests without weed's own JWTs. Clients sign with the same keys through `s3_credentials` (the one
+its filer and volume HTTP APIs refuse requests without weed's own JWTs, and the master's
+HTTP API is off (-disableHttp). Clients sign with the same keys through `s3_credentials` (the one
 place every S3 client gets its keys: $AWS_ACCESS_KEY_ID / $AWS_SECRET_ACCESS_KEY).
 """
 
@@ -96,10 +97,9 @@ def jwt_key(keys: S3Keys | None) -> str:
 def security_config(key: str) -> str:
     """weed's security.toml: the filer's HTTP API and the volume servers accept reads and
     writes only with a JWT signed by `key`, which only weed's own S3 gateway (same process)
-    makes; no volume UI, no directory listings. The master still answers /dir/status and
-    hands out per-file JWTs (/dir/assign, /dir/lookup?fileId=): SeaweedFS trusts clients
-    that reach the master (a file's id carries a random 32-bit cookie, so its data is not
-    found by listing), which is why every port binds loopback or a private network."""
+    makes; no volume UI, no directory listings. The master would hand out per-file JWTs to
+    anyone who asks (/dir/assign, /dir/lookup?fileId=), so weed runs with -disableHttp
+    (`SeaweedServer.argv`): its components talk gRPC, and nothing needs the master's HTTP."""
     sections = ["jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read"]
     jwt = "".join(f'[{name}]\nkey = "{key}"\nexpires_after_seconds = 10\n\n'
                   for name in sections)
@@ -194,6 +194,9 @@ class SeaweedServer:
             "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
             # Each server would otherwise bind the same Iceberg (8181) and Lance (9101) ports.
             "-s3.port.iceberg=0", "-s3.port.lance=0",
+            # the master's HTTP API (which hands out write JWTs to any caller) off: weed's
+            # parts talk gRPC, S3 works without it (security_config)
+            "-disableHttp",
             *([f"-s3.config={self.data_dir / 's3-identities.json'}"] if self.keys else []),
         ]
 

@@ -223,6 +223,7 @@ def test_s3_runs_with_the_security_config_kvmesh_writes():
     assert tomllib.loads(got) == tomllib.loads(security_config(SECRETS["SEAWEED_JWT_KEY"]))
     targets = {m["source"]: m["target"] for m in SERVICES["s3"]["configs"]}
     assert targets["seaweed-security"] == "/etc/seaweedfs/security.toml"
+    assert "-disableHttp" in SERVICES["s3"]["command"]       # as SeaweedServer.argv runs it
 
 
 def test_every_service_runs_mutual_tls_with_the_certificate_backing_secrets_makes(tmp_path):

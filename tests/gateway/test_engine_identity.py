@@ -12,17 +12,8 @@ from types import SimpleNamespace
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
 from services.gateway.model import Chunk, EngineFailure, GenRequest, Usage
+from tests.gateway.test_core_failover import A, B, Clock
 from tests.gateway.test_core_keys import INFO, _Msg
-
-A, B = "127.0.0.1:1", "127.0.0.1:2"
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
 
 
 class Engines:

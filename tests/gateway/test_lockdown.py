@@ -7,7 +7,6 @@ The mesh is `Mesh` with what `kvmesh up` passes (random tokens, `lock_backing`).
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import socket
@@ -151,10 +150,12 @@ def test_s3_refuses_unsigned_and_wrongly_signed_requests(mesh):
     right.list_objects_v2(Bucket=bucket)  # the kvstore's keys work
 
 
-def test_filer_and_volume_refuse_requests_without_weeds_jwt(mesh, gw):
-    """S3 is not the only door: weed's filer serves the buckets' files over plain HTTP and
-    its volume server the chunks. Both want a JWT signed with the run's key
-    (security.toml), which only weed's S3 gateway makes: unsigned -> 401."""
+def test_filer_volume_and_master_refuse_requests_without_weeds_jwt(mesh, gw):
+    """S3 is not the only door: weed's filer would serve the buckets' files over plain HTTP,
+    its master sign write JWTs for any caller, and its volume server serves the chunks. weed
+    runs with -disableHttp, so the filer and the master serve no HTTP (404), and the volume
+    server wants a JWT signed with the run's key (security.toml), which only weed's S3
+    gateway makes: unsigned -> 401."""
     prompt = " ".join(f"w{i}" for i in range(400))              # > 1 block of tokens
     gw.generate(prompt, max_tokens=2, temperature=0.0)        # its block's shards go to S3
     server = mesh.seaweed.servers[0]
@@ -166,17 +167,19 @@ def test_filer_and_volume_refuse_requests_without_weeds_jwt(mesh, gw):
         time.sleep(0.2)
     assert keys, "no shard written to the first location"
     filer = f"http://127.0.0.1:{server.ports['filer']}"
-    assert _http("GET", f"{filer}/buckets/{bucket}/{keys[0]}") == 401     # a shard
-    assert _http("GET", f"{filer}/buckets/") == 401                       # listing
-    assert _http("PUT", f"{filer}/buckets/{bucket}/intruder") == 401
-    assert _http("DELETE", f"{filer}/buckets/{bucket}/{keys[0]}") == 401
+    assert _http("GET", f"{filer}/buckets/{bucket}/{keys[0]}") == 404     # a shard
+    assert _http("GET", f"{filer}/buckets/") == 404                       # listing
+    assert _http("PUT", f"{filer}/buckets/{bucket}/intruder") == 404
+    assert _http("DELETE", f"{filer}/buckets/{bucket}/{keys[0]}") == 404
     assert right.get_object(Bucket=bucket, Key=keys[0])["Body"].read()   # still there
     master = f"http://127.0.0.1:{server.ports['master']}"
-    with urllib.request.urlopen(f"{master}/dir/assign", timeout=10) as resp:
-        fid = json.load(resp)["fid"]          # the master hands out ids (see security_config)
+    # no HTTP API (only /cluster/status, which names the raft leader, stays)
+    for path in ("/dir/status", "/dir/assign", "/dir/lookup?volumeId=1", "/vol/status"):
+        assert _http("GET", f"{master}{path}") == 404, path
     volume = f"http://127.0.0.1:{server.ports['volume']}"
-    assert _http("PUT", f"{volume}/{fid}") == 401                         # but no write
-    assert _http("GET", f"{volume}/{fid}") == 401
+    for fid in ("1,0123456789", "3,01637037d6"):                          # ids of live volumes
+        assert _http("PUT", f"{volume}/{fid}") == 401
+        assert _http("GET", f"{volume}/{fid}") == 401
 
 
 # -- credentials never in logs or on command lines -------------------------------------

@@ -145,3 +145,38 @@ def test_cli_flags_reach_the_client(tls_mesh, pki):
 def test_incomplete_tls_settings_are_refused(kw, why):
     with pytest.raises(ValueError, match=why):
         TlsFiles(**kw)
+
+
+def test_the_health_port_serves_health_in_plaintext_and_nothing_else(pki, monkeypatch):
+    """KVMESH_TLS_HEALTH_PORT (Kubernetes' gRPC probes present no certificate): a plaintext
+    port beside a mutual-TLS server that answers health, and no other service."""
+    from kvmesh.backing.proc import free_port
+    from kvmesh.proto import engine_pb2, engine_pb2_grpc
+    from kvmesh.rpc import Server
+
+    files = pki[0]
+    health_port = free_port()
+    monkeypatch.setenv("KVMESH_TLS_HEALTH_PORT", str(health_port))
+
+    async def go():
+        server = Server("127.0.0.1:0", ["kvmesh.engine.v1.EngineService"], tls=files,
+                        service_token="t" * 20)
+        await server.start()
+        try:
+            plain = f"127.0.0.1:{health_port}"
+            assert await asyncio.to_thread(_health, grpc.insecure_channel(plain)) == \
+                health_pb2.HealthCheckResponse.SERVING
+            with grpc.insecure_channel(plain) as ch, pytest.raises(grpc.RpcError) as info:
+                await asyncio.to_thread(engine_pb2_grpc.EngineServiceStub(ch).GetModelInfo,
+                                        engine_pb2.GetModelInfoRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            main = f"127.0.0.1:{server.port}"              # the main port: TLS only
+            with pytest.raises(grpc.RpcError):
+                await asyncio.to_thread(_health, grpc.insecure_channel(main))
+            await server.set_serving(False)                # one health, both ports
+            assert await asyncio.to_thread(_health, grpc.insecure_channel(plain)) == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            await server.stop(0)
+
+    asyncio.run(go())
