@@ -7,8 +7,12 @@ Metric families are defined once per process (module level) and labelled by
     RequestMetrics(service)            per-request: status counts, latency, TTFT, tokens
                                        (the engine counts its tokens in EngineServicer.events,
                                        the one path of Generate calls and Session generations)
-    StatsExporter(service, read)       expose a dict of numbers (e.g. engine GetStats
-                                       counters) as gauges kvmesh_<service>_<name>
+    StatsExporter(service, read, counters)
+                                       expose a dict of numbers (e.g. engine GetStats) as
+                                       kvmesh_<service>_<name>: counters (`_total`) for the
+                                       names `counters()` gives, gauges for the rest
+    VllmEngineStats(read, model_name)  the same engine numbers under vLLM's names
+    GenerationTimes(model_name)        vLLM's TTFT, inter-token and end-to-end histograms
 
 For engines: `StatsExporter("engine", lambda: last_stats)` where `last_stats` is the
 dict the engine's heartbeat loop refreshes from `EngineCore.stats()` (slots_in_use,
@@ -20,14 +24,15 @@ and `RequestMetrics("kvstore")` for its RPCs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import grpc
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Latency buckets from 1 ms to 60 s: a CPU engine's TTFT is tens of ms, a long
 # generation tens of seconds.
@@ -49,6 +54,22 @@ RETRIES = Counter("kvmesh_retries_total", "Requests moved to another engine befo
 MIGRATIONS = Counter("kvmesh_migrations_total",
                      "Streams continued on another engine after their engine failed mid-stream",
                      ["service"])
+
+
+
+
+@functools.cache
+def vllm_histograms() -> tuple[Histogram, Histogram, Histogram]:
+    """vLLM's names for an engine's latencies (TTFT, inter-token, end-to-end), labelled by
+    the served model as vLLM's are, so a dashboard built on vLLM's /metrics reads a kvmesh
+    engine's unchanged (docs/metrics.md). Registered on first use: only an engine has them."""
+    return (Histogram("vllm:time_to_first_token_seconds", "Time to the first generated token",
+                      ["model_name"], buckets=LATENCY_BUCKETS),
+            Histogram("vllm:inter_token_latency_seconds",
+                      "Time between generated tokens (tokens that arrive together share the gap)",
+                      ["model_name"], buckets=LATENCY_BUCKETS),
+            Histogram("vllm:e2e_request_latency_seconds", "Whole-generation latency",
+                      ["model_name"], buckets=LATENCY_BUCKETS))
 
 
 def serve_metrics(port: int, host: str) -> int:
@@ -89,25 +110,100 @@ _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 
 
 class StatsExporter:
-    """Exposes `read()` (name -> number) as gauges `kvmesh_<service>_<name>` at scrape time.
+    """Exposes `read()` (name -> number) as `kvmesh_<service>_<name>` at scrape time: a
+    counter (`kvmesh_<service>_<name>_total`, so `rate()` works) for each name in
+    `counters()`, which only ever grow; a gauge for the rest (levels: slots in use, ...).
 
-    `read` runs in the HTTP server's thread: give it something cheap and
-    thread-safe, such as returning the latest dict a service loop stored.
+    `read` and `counters` run in the HTTP server's thread: give them something cheap and
+    thread-safe, such as returning what a service loop stored last.
     """
 
-    def __init__(self, service: str, read: Callable[[], Mapping[str, float]], registry=REGISTRY):
+    def __init__(self, service: str, read: Callable[[], Mapping[str, float]], registry=REGISTRY,
+                 counters: Callable[[], Iterable[str]] = lambda: ()):
         self.service = service
         self.read = read
+        self.counters = counters
         registry.register(self)
 
     def collect(self):
         try:
             stats = dict(self.read() or {})
+            monotonic = set(self.counters())
         except Exception:  # noqa: BLE001 - a failed read must not break the scrape
-            stats = {}
+            stats, monotonic = {}, set()
         for name, value in sorted(stats.items()):
             metric = f"kvmesh_{self.service}_{_NAME_RE.sub('_', name)}"
-            yield GaugeMetricFamily(metric, f"{self.service} stat {name}", value=float(value))
+            kind = CounterMetricFamily if name in monotonic else GaugeMetricFamily
+            yield kind(metric, f"{self.service} stat {name}", value=float(value))
+
+
+class VllmEngineStats:
+    """An engine's GetStats numbers under vLLM's metric names, labelled model_name:
+
+        vllm:num_requests_running / _waiting     running, waiting
+        vllm:kv_cache_usage_perc                 blocks_in_use / blocks_total (0..1)
+        vllm:prompt_tokens_total                 prompt_tokens
+        vllm:generation_tokens_total             generated_tokens
+        vllm:prefix_cache_queries_total          prompt_tokens
+        vllm:prefix_cache_hits_total             cache_hit_tokens - replayed_tokens (tokens
+                                                 whose state was reused, not recomputed)
+    """
+
+    def __init__(self, read: Callable[[], Mapping[str, float]], model_name: Callable[[], str],
+                 registry=REGISTRY):
+        self.read, self.model_name = read, model_name
+        registry.register(self)
+
+    def collect(self):
+        try:
+            s, model = dict(self.read() or {}), self.model_name()
+        except Exception:  # noqa: BLE001 - a failed read must not break the scrape
+            return
+        if not s:
+            return
+        gauges = {"vllm:num_requests_running": ("Requests running", s.get("running", 0)),
+                  "vllm:num_requests_waiting": ("Requests waiting", s.get("waiting", 0)),
+                  "vllm:kv_cache_usage_perc": (
+                      "Fraction of KV-cache blocks in use",
+                      s.get("blocks_in_use", 0) / s["blocks_total"] if s.get("blocks_total") else 0.0)}
+        counters = {"vllm:prompt_tokens": ("Prompt tokens", s.get("prompt_tokens", 0)),
+                    "vllm:generation_tokens": ("Generated tokens", s.get("generated_tokens", 0)),
+                    "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
+                                                  s.get("prompt_tokens", 0)),
+                    "vllm:prefix_cache_hits": (
+                        "Prompt tokens served from the prefix cache",
+                        s.get("cache_hit_tokens", 0) - s.get("replayed_tokens", 0))}
+        for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, (doc, value) in table.items():
+                family = kind(name, doc, labels=["model_name"])
+                family.add_metric([model], float(value))
+                yield family
+
+
+class GenerationTimes:
+    """One generation's vLLM latency histograms: `token(n)` as each message of n generated
+    tokens leaves, `done()` once at the end. Tokens that arrive together (speculative
+    decoding, a handoff's first token) share the gap since the previous message."""
+
+    def __init__(self, model_name: str, clock=time.monotonic):
+        self.ttft, self.itl, self.e2e = (h.labels(model_name) for h in vllm_histograms())
+        self.clock = clock
+        self.t0 = self.last = clock()
+        self.first = True
+
+    def token(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = self.clock()
+        if self.first:               # the first token ends the TTFT; any with it come at once
+            self.ttft.observe(now - self.t0)
+            n, self.first, self.last = n - 1, False, now
+        for _ in range(n):
+            self.itl.observe((now - self.last) / n)
+        self.last = now
+
+    def done(self) -> None:
+        self.e2e.observe(self.clock() - self.t0)
 
 
 class RpcMetrics(grpc.aio.ServerInterceptor):

@@ -66,11 +66,12 @@ def scrape(url: str) -> Samples:
 
 def exported(samples: Samples, name: str) -> bool:
     """True if `name` (or, ending in `*`, a name with that prefix) has at least one sample.
-    A histogram counts by its `_bucket`/`_count`/`_sum` samples."""
+    A histogram counts by its `_bucket`/`_count`/`_sum` samples, a counter exported from a
+    stat (`kvmesh_engine_<name>`) by its `_total` one."""
     names = {n for n, _ in samples}
     if name.endswith("*"):
         return any(n.startswith(name[:-1]) for n in names)
-    return any(n == name or n in (f"{name}_bucket", f"{name}_count") for n in names)
+    return any(n in (name, f"{name}_bucket", f"{name}_count", f"{name}_total") for n in names)
 
 
 def total(samples: Samples, name: str, **labels: str) -> float:

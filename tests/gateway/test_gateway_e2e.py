@@ -405,3 +405,44 @@ def test_every_metric_the_readme_names_is_exported_and_counts(gw, mesh):
     assert levels["snapshot_bytes"] > 0 and levels["blocks_cached"] > 0
     assert wait_for(lambda: readme_facts.total(readme_facts.scrape(
         mesh.endpoints["kvstore-metrics"]), "kvmesh_kvstore_durable_bytes") > 0)
+
+
+def test_engine_metrics_are_typed_and_carry_vllms_names(gw, mesh):
+    """Stats that only grow are counters, levels gauges; the names a vLLM dashboard queries
+    are on every engine, labelled by the served model, and the latency histograms count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for i in range(4):
+        gw.generate(f"typed metrics {i}", max_tokens=4, temperature=0.0)
+
+    def families(name):
+        body = urllib.request.urlopen(mesh.endpoints[f"{name}-metrics"], timeout=5).read()
+        return {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+    def ttft_count():
+        return sum(s.value for n in mesh.engine_names
+                   for s in families(n)["vllm:time_to_first_token_seconds"].samples
+                   if s.name.endswith("_count"))
+
+    assert wait_for(lambda: ttft_count() >= 4), ttft_count()
+    model = gw.model_name() if hasattr(gw, "model_name") else None
+    for n in mesh.engine_names:
+        fams = families(n)
+        assert fams["kvmesh_engine_requests"].type == "counter"
+        assert fams["kvmesh_engine_generated_tokens"].type == "counter"
+        assert fams["kvmesh_engine_running"].type == "gauge"
+        for name, kind in (("vllm:num_requests_running", "gauge"),
+                           ("vllm:num_requests_waiting", "gauge"),
+                           ("vllm:kv_cache_usage_perc", "gauge"),
+                           ("vllm:prompt_tokens", "counter"),
+                           ("vllm:generation_tokens", "counter"),
+                           ("vllm:prefix_cache_queries", "counter"),
+                           ("vllm:prefix_cache_hits", "counter"),
+                           ("vllm:time_to_first_token_seconds", "histogram"),
+                           ("vllm:inter_token_latency_seconds", "histogram"),
+                           ("vllm:e2e_request_latency_seconds", "histogram")):
+            assert fams[name].type == kind, (n, name)
+            labels = {s.labels.get("model_name") for s in fams[name].samples}
+            assert labels and None not in labels and (model is None or labels == {model}), labels
+    pages = [families(n) for n in ("gateway", "kvstore", "directory")]
+    assert not any(name.startswith("vllm:") for page in pages for name in page)

@@ -50,15 +50,26 @@ async def _export_stats(engine: AsyncEngine, port: int, host: str, every_s: floa
                         ) -> None:
     """/metrics: engine counters (slots, blocks, cache hits, ...) refreshed once a second
     on the event loop, so a scrape never touches the engine thread."""
-    from kvmesh.metrics import StatsExporter, serve_metrics
+    from kvmesh.metrics import StatsExporter, VllmEngineStats, serve_metrics, vllm_histograms
 
     latest: dict[str, float] = {}
-    StatsExporter("engine", lambda: latest)
+    counters: frozenset[str] = frozenset()
+    model = engine.core.cfg.name
+    StatsExporter("engine", lambda: latest, counters=lambda: counters)
+    VllmEngineStats(lambda: latest, lambda: model)
+    vllm_histograms()                 # on the page from the start, empty until a generation
     bound = serve_metrics(port, host)  # the gRPC host: loopback stays loopback
     log.info("engine metrics on port %d", bound)
     while True:
-        latest = await engine.call(lambda core: core.stats())
+        latest, counters = await engine.call(lambda core: (core.stats(), counter_names(core)))
         await asyncio.sleep(every_s)
+
+
+def counter_names(core) -> frozenset[str]:
+    """The stats that only grow (exported as counters): the engine's event counters (its own,
+    and those the remote tiers add) and speculative decoding's."""
+    spec = core.spec
+    return frozenset(core.counters) | frozenset(spec.counters) | frozenset(spec.policy.counters)
 
 
 async def _remote(engine, port, engine_id, advertise, directory, kvstore, fetch_mode, deadline):

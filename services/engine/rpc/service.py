@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.generation import DEFAULT_MAX_TOKENS, finish_to_proto, traffic_class_name
-from kvmesh.metrics import RequestMetrics
+from kvmesh.metrics import GenerationTimes, RequestMetrics
 from kvmesh.proto import common_pb2, engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
 from services.engine.core.async_engine import AsyncEngine
@@ -84,7 +84,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
         Counts kvmesh_tokens_total{service="engine"} as the gateway does: every token sent
         as generated (an aborted generation's too), prompt/cached/replayed from the usage
-        of a generation that finished."""
+        of a generation that finished, and vLLM's latency histograms (kvmesh/metrics.py)."""
+        times = GenerationTimes(self.engine.core.cfg.name)     # from the call's arrival
         if request.HasField("handoff_from"):
             stream = await self._adopted(request.handoff_from)
         else:
@@ -103,6 +104,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 msg = engine_pb2.GenerateResponse(request_id=ev.request_id,
                                                   token_ids=ev.token_ids, text=ev.text)
                 generated += len(ev.token_ids)
+                times.token(len(ev.token_ids))
                 if ev.finish is not None:
                     msg.finish_reason = finish_to_proto(ev.finish.value)
                     usage = usage_proto(ev)
@@ -113,6 +115,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     msg.handoff.CopyFrom(handoff_rpc.handoff_info(ev.handoff))
                 yield msg
         finally:
+            if usage is not None:                 # vLLM counts finished generations only
+                times.done()
             counts = {"generated": generated}
             if usage is not None:
                 counts.update(prompt=usage.prompt_tokens, cached=usage.cached_tokens,
