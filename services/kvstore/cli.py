@@ -148,8 +148,9 @@ async def _serve_async(cfg: KvstoreConfig, metrics_port: int | None = None) -> N
 
 
 def _export_metrics(server, port: int, host: str) -> None:
-    """Gauges read at scrape time from plain attributes (no I/O): durable bytes, hot-tier
-    bytes and the core's counters (GC deletions, bytes freed, repairs, ...)."""
+    """Read at scrape time from plain attributes (no I/O): durable bytes, hot-tier bytes and
+    locations down (gauges), and the core's counters (GC deletions, bytes freed, repairs,
+    ...: Prometheus counters, `_total`)."""
     from kvmesh.metrics import StatsExporter, serve_metrics
 
     core = server.core
@@ -162,7 +163,8 @@ def _export_metrics(server, port: int, host: str) -> None:
                 "locations_down": len(core.cfg.locations) - core.shards.up_count(),
                 **dict(core.counters)}
 
-    StatsExporter("kvstore", read)
+    StatsExporter("kvstore", read,
+                  counters=lambda: set(GC_COUNTERS + READ_COUNTERS) | set(core.counters))
     serve_metrics(port, host)
 
 

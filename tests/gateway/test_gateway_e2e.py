@@ -446,3 +446,7 @@ def test_engine_metrics_are_typed_and_carry_vllms_names(gw, mesh):
             assert labels and None not in labels and (model is None or labels == {model}), labels
     pages = [families(n) for n in ("gateway", "kvstore", "directory")]
     assert not any(name.startswith("vllm:") for page in pages for name in page)
+    kvstore = pages[1]
+    assert kvstore["kvmesh_kvstore_gc_deleted"].type == "counter"
+    assert kvstore["kvmesh_kvstore_shard_reads_hedged"].type == "counter"
+    assert kvstore["kvmesh_kvstore_durable_bytes"].type == "gauge"
