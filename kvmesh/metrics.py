@@ -45,15 +45,26 @@ LATENCY = Histogram("kvmesh_request_duration_seconds", "Whole-request latency",
                     ["service", "method"], buckets=LATENCY_BUCKETS)
 TTFT = Histogram("kvmesh_time_to_first_token_seconds", "Time to the first generated token",
                  ["service", "method"], buckets=LATENCY_BUCKETS)
-TOKENS = Counter("kvmesh_tokens_total",
-                 "Tokens by kind: prompt, cached (from cache), replayed (bounded replay), generated",
-                 ["service", "kind"])
 IN_FLIGHT = Gauge("kvmesh_in_flight_requests", "Requests being served now", ["service"])
-RETRIES = Counter("kvmesh_retries_total", "Requests moved to another engine before the first token",
-                  ["service"])
-MIGRATIONS = Counter("kvmesh_migrations_total",
-                     "Streams continued on another engine after their engine failed mid-stream",
-                     ["service"])
+
+
+@functools.cache
+def token_counter() -> Counter:
+    """kvmesh_tokens_total: only services that generate (gateway, engine) register it."""
+    return Counter("kvmesh_tokens_total",
+                   "Tokens by kind: prompt, cached (from cache), replayed (bounded replay), "
+                   "generated", ["service", "kind"])
+
+
+@functools.cache
+def gateway_counters() -> tuple[Counter, Counter]:
+    """The gateway's own families (retries, migrations), registered on first use so that no
+    other service's page shows them."""
+    return (Counter("kvmesh_retries_total",
+                    "Requests moved to another engine before the first token", ["service"]),
+            Counter("kvmesh_migrations_total",
+                    "Streams continued on another engine after their engine failed mid-stream",
+                    ["service"]))
 
 
 
@@ -86,10 +97,12 @@ class RequestMetrics:
     def __init__(self, service: str):
         self.service = service
         self.in_flight = IN_FLIGHT.labels(service)
-        self.retries = RETRIES.labels(service)
-        self.migrations = MIGRATIONS.labels(service)
-        self._tokens = {k: TOKENS.labels(service, k)
-                        for k in ("prompt", "cached", "replayed", "generated")}
+        self._tokens = {k: token_counter().labels(service, k)          # gateway and engine
+                        for k in ("prompt", "cached", "replayed", "generated")
+                        } if service in ("gateway", "engine") else {}
+        if service == "gateway":      # only a gateway moves requests between engines
+            retries, migrations = gateway_counters()
+            self.retries, self.migrations = retries.labels(service), migrations.labels(service)
 
     def observe(self, method: str, status: str, total_s: float, ttft_s: float | None = None,
                 usage: Mapping[str, int] | None = None) -> None:

@@ -425,7 +425,9 @@ def test_engine_metrics_are_typed_and_carry_vllms_names(gw, mesh):
                    if s.name.endswith("_count"))
 
     assert wait_for(lambda: ttft_count() >= 4), ttft_count()
-    model = gw.model_name() if hasattr(gw, "model_name") else None
+    from kvmesh.shipped import DEFAULT_MODEL
+
+    model = DEFAULT_MODEL.resolve().name       # the served name: the checkpoint directory's
     for n in mesh.engine_names:
         fams = families(n)
         assert fams["kvmesh_engine_requests"].type == "counter"
@@ -443,9 +445,16 @@ def test_engine_metrics_are_typed_and_carry_vllms_names(gw, mesh):
                            ("vllm:e2e_request_latency_seconds", "histogram")):
             assert fams[name].type == kind, (n, name)
             labels = {s.labels.get("model_name") for s in fams[name].samples}
-            assert labels and None not in labels and (model is None or labels == {model}), labels
+            # (a histogram has samples once its engine served a generation)
+            assert (labels or kind == "histogram") and None not in labels, (n, name, labels)
+            assert labels <= {model}, labels
     pages = [families(n) for n in ("gateway", "kvstore", "directory")]
     assert not any(name.startswith("vllm:") for page in pages for name in page)
+    for page in (*pages[1:], families(mesh.engine_names[0])):     # the gateway's own
+        assert not {"kvmesh_retries", "kvmesh_migrations"} & set(page), set(page)
+    assert {"kvmesh_retries", "kvmesh_migrations", "kvmesh_tokens"} <= set(pages[0])
+    for page in pages[1:]:                         # tokens: the gateway's and engines' only
+        assert "kvmesh_tokens" not in page
     kvstore = pages[1]
     assert kvstore["kvmesh_kvstore_gc_deleted"].type == "counter"
     assert kvstore["kvmesh_kvstore_shard_reads_hedged"].type == "counter"
