@@ -12,7 +12,8 @@ Metric families are defined once per process (module level) and labelled by
                                        kvmesh_<service>_<name>: counters (`_total`) for the
                                        names `counters()` gives, gauges for the rest
     VllmEngineStats(read, model_name)  the same engine numbers under vLLM's names
-    GenerationTimes(model_name)        vLLM's TTFT, inter-token and end-to-end histograms
+    GenerationTimes(model_name)        vLLM's TTFT, inter-token and end-to-end histograms, and
+                                       each generation's speculative acceptance
 
 For engines: `StatsExporter("engine", lambda: last_stats)` where `last_stats` is the
 dict the engine's heartbeat loop refreshes from `EngineCore.stats()` (slots_in_use,
@@ -54,6 +55,14 @@ def token_counter() -> Counter:
     return Counter("kvmesh_tokens_total",
                    "Tokens by kind: prompt, cached (from cache), replayed (bounded replay), "
                    "generated", ["service", "kind"])
+
+
+@functools.cache
+def spec_acceptance() -> Histogram:
+    """Per finished generation that drafted: accepted / drafted tokens (an engine's only)."""
+    return Histogram("kvmesh_engine_spec_request_acceptance",
+                     "Accepted / drafted tokens of each finished generation that drafted",
+                     ["model_name"], buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
 
 
 @functools.cache
@@ -200,6 +209,7 @@ class GenerationTimes:
 
     def __init__(self, model_name: str, clock=time.monotonic):
         self.ttft, self.itl, self.e2e = (h.labels(model_name) for h in vllm_histograms())
+        self.acceptance = spec_acceptance().labels(model_name)
         self.clock = clock
         self.t0 = self.last = clock()
         self.first = True
@@ -215,8 +225,11 @@ class GenerationTimes:
             self.itl.observe((now - self.last) / n)
         self.last = now
 
-    def done(self) -> None:
+    def done(self, drafted: int = 0, accepted: int = 0) -> None:
+        """The generation finished; `drafted`/`accepted`: its speculative tokens."""
         self.e2e.observe(self.clock() - self.t0)
+        if drafted:
+            self.acceptance.observe(accepted / drafted)
 
 
 class RpcMetrics(grpc.aio.ServerInterceptor):

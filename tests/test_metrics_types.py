@@ -63,3 +63,13 @@ def test_generation_times_observe_ttft_gaps_and_end_to_end():
     assert round(sums[ttft], 6) == 0.5
     assert round(sums[itl], 6) == 0.3
     assert round(sums[e2e], 6) == 0.8
+
+
+def test_each_drafting_generation_adds_its_acceptance():
+    t = GenerationTimes("m-acceptance", clock=lambda: 1.0)
+    hist = metrics.spec_acceptance().labels("m-acceptance")
+    before = (hist._sum.get(), sum(b.get() for b in hist._buckets))
+    t.done(drafted=8, accepted=6)
+    GenerationTimes("m-acceptance", clock=lambda: 1.0).done()           # drafted nothing
+    after = (hist._sum.get(), sum(b.get() for b in hist._buckets))
+    assert round(after[0] - before[0], 6) == 0.75 and after[1] - before[1] == 1

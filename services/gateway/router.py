@@ -88,6 +88,12 @@ class Router:
         for addr in [a for a, st in self.engines.items() if not st.live(now)]:
             if self.engines[addr].in_flight == 0:
                 del self.engines[addr]
+        for st in self.engines.values():
+            if st.static and st.lease_until <= now:
+                # a static engine the directory no longer vouches for (it died, or the
+                # directory is down): its last reported queue is stale, and kept it would
+                # keep the engine from ever being the least loaded again
+                st.queued = 0
 
     def candidates(self, now: float, exclude: Sequence[str] = ()) -> list[EngineState]:
         """Live engines not excluded; those marked down only when nothing else is left."""

@@ -61,6 +61,17 @@ def test_lapsed_lease_is_never_chosen():
     assert r.pick(6.0) is None and r.engines == {}
 
 
+def test_a_static_engines_stale_queue_is_forgotten_when_its_lease_lapses():
+    """A static engine whose last heartbeat showed work, then nothing (it died, or the
+    directory did): its load is what this gateway sends it again, so it gets chosen."""
+    r = Router([A, B])
+    r.update_from_directory([info(A, lease_ms=1000), info(B, lease_ms=1000, running=1)], now=0.0)
+    assert {r.pick(0.5).engine.address for _ in range(4)} == {A}
+    r.update_from_directory([info(A, lease_ms=10_000)], now=2.0)   # B's lease lapsed
+    assert r.engines[B].queued == 0
+    assert {r.pick(2.0).engine.address for _ in range(4)} == {A, B}
+
+
 def test_failed_engine_avoided_until_down_period_ends():
     r = Router([A, B])
     r.mark_down(A, until=2.0)

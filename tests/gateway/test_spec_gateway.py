@@ -8,6 +8,8 @@ not served yet), and MTP through the gateway is what this module pins."""
 
 from __future__ import annotations
 
+import urllib.request
+
 import pytest
 
 from services.gateway.client import gateway_request
@@ -42,3 +44,27 @@ def test_engine_stats_count_drafts_per_position(gw):
     assert stats["spec_accepted_pos1"] > 0 and stats["spec_drafted_pos2"] > 0
     assert stats["spec_drafted_tokens"] >= stats["spec_accepted_tokens"] > 0
     assert "spec_acceptance_pos4" in stats          # the engine's K = 4 (the ngram request's)
+
+
+def test_metrics_show_each_requests_acceptance_and_the_policys_choices(gw, mesh):
+    """Per-request acceptance on the engine's /metrics (a histogram of accepted / drafted per
+    finished generation) and the adaptive policy's counters, as counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.gateway.conftest import wait_for
+
+    _generate(gw, "ngram:4", salt="metrics")
+
+    def families():
+        body = urllib.request.urlopen(mesh.endpoints["engine-a-metrics"], timeout=5).read()
+        return {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+    def drafting_generations():
+        hist = families()["kvmesh_engine_spec_request_acceptance"]
+        return sum(s.value for s in hist.samples if s.name.endswith("_count"))
+
+    assert wait_for(lambda: drafting_generations() >= 1), drafting_generations()
+    fams = families()
+    for name in ("kvmesh_engine_spec_drafted_tokens", "kvmesh_engine_spec_policy_drafted_steps",
+                 "kvmesh_engine_spec_withheld_tokens"):
+        assert fams[name].type == "counter", name

@@ -18,6 +18,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -82,9 +83,9 @@ class Squatter:
         self.server.stop(0)
 
 
-def _serve_requests(mesh: Mesh, n: int, seconds: float) -> list[str]:
+def _serve_requests(mesh: Mesh, n: int, seconds: float, until=None) -> list[str]:
     """n requests spread over `seconds` (past the gateway's 2 s down time, so it redials
-    the dead engine's address); the engine each was served by."""
+    the dead engine's address), or fewer once `until()` holds; the engine each was served by."""
     served = []
     with grpc.insecure_channel(mesh.gateway) as ch:        # the public port: plaintext
         stub = gateway_pb2_grpc.GatewayServiceStub(ch)
@@ -92,6 +93,8 @@ def _serve_requests(mesh: Mesh, n: int, seconds: float) -> list[str]:
             r = stub.Generate(gateway_request(f"{PROMPT} #{i}", max_tokens=2, temperature=0.0),
                               timeout=60)
             served.append(r.engine_id)
+            if until is not None and until():
+                break
             time.sleep(seconds / n)
     return served
 
@@ -123,11 +126,13 @@ def test_control_a_server_with_the_runs_certificate_is_dialled(up_mesh):
     port = int(up_mesh.endpoints["engine-b"].rsplit(":", 1)[1])
     up_mesh.kill("engine-b")
     squatter = Squatter(port, up_mesh.tls)
-    try:
-        _serve_requests(up_mesh, 12, 10.0)
+    try:     # up to 40 requests over 30 s: on a busy machine gRPC's redial backoff grows
+        _serve_requests(up_mesh, 40, 30.0, until=lambda: bool(squatter.calls))
     finally:
         squatter.stop()
-    assert squatter.calls, "the gateway never dialled the dead engine's address"
+    gateway_log = (Path(up_mesh.cfg.log_dir) / "gateway.log")
+    assert squatter.calls, ("the gateway never dialled the dead engine's address:\n"
+                            + (gateway_log.read_text()[-3000:] if gateway_log.exists() else ""))
     method, meta, _ = squatter.calls[0]
     assert method.startswith("/kvmesh.engine.") and "authorization" in meta
     up_mesh.restart("engine-b")

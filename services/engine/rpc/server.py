@@ -50,14 +50,21 @@ async def _export_stats(engine: AsyncEngine, port: int, host: str, every_s: floa
                         ) -> None:
     """/metrics: engine counters (slots, blocks, cache hits, ...) refreshed once a second
     on the event loop, so a scrape never touches the engine thread."""
-    from kvmesh.metrics import StatsExporter, VllmEngineStats, serve_metrics, vllm_histograms
+    from kvmesh.metrics import (
+        StatsExporter,
+        VllmEngineStats,
+        serve_metrics,
+        spec_acceptance,
+        vllm_histograms,
+    )
 
     latest: dict[str, float] = {}
     counters: frozenset[str] = frozenset()
     model = engine.core.cfg.name
     StatsExporter("engine", lambda: latest, counters=lambda: counters)
     VllmEngineStats(lambda: latest, lambda: model)
-    vllm_histograms()                 # on the page from the start, empty until a generation
+    for histogram in (*vllm_histograms(), spec_acceptance()):
+        histogram.labels(model)       # on the page from the start (zero counts), as vLLM's are
     bound = serve_metrics(port, host)  # the gRPC host: loopback stays loopback
     log.info("engine metrics on port %d", bound)
     while True:

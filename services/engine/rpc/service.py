@@ -116,7 +116,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 yield msg
         finally:
             if usage is not None:                 # vLLM counts finished generations only
-                times.done()
+                times.done(usage.drafted_tokens, usage.accepted_tokens)
             counts = {"generated": generated}
             if usage is not None:
                 counts.update(prompt=usage.prompt_tokens, cached=usage.cached_tokens,
