@@ -35,11 +35,14 @@ from services.gateway import validate
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EnginePool, engine_request, resume_request
 from services.gateway.model import (
+    HTTP_METHODS,
+    HTTP_STATUS,
     Chunk,
     DeadlineExceeded,
     EngineFailure,
     GenRequest,
     Usage,
+    http_status,
     status_name,
 )
 from services.gateway.pd import PdFailed, PdRoutes, serve_pd
@@ -215,7 +218,8 @@ class GatewayCore:
         the size limit, unparsable fields): the same metric and log line as the others,
         so a 5 MiB request shows up like any refused request. `where`: e.g. " http=413"."""
         status = status_name(exc)
-        self.metrics.observe(method, status, total_s)
+        label = str(http_status(exc)) if method in HTTP_METHODS else status
+        self.metrics.observe(method, label, total_s)
         log.info("request id=- status=%s%s method=%s: %s", status, where, method, exc)
 
 
@@ -235,6 +239,7 @@ class GatewayRequest:
         self.tenant = principal.tenant if principal is not None else None
         self.deadline = None if timeout is None else core.clock() + timeout
         self.method = method
+        self.error: KvmeshError | None = None     # what ended it, if an error did
         self.engine_id = ""
         self.attempts = 0
         self.migrations = 0
@@ -262,7 +267,7 @@ class GatewayRequest:
                 yield chunk
             status = "OK"
         except KvmeshError as exc:
-            status = status_name(exc)
+            status, self.error = status_name(exc), exc
             raise
         except (asyncio.CancelledError, GeneratorExit):
             status = "CANCELLED"
@@ -397,7 +402,10 @@ class GatewayRequest:
 
     def _report(self, status: str, total: float, ttft: float | None, u: Usage,
                 generated: int) -> None:
-        self.core.metrics.observe(self.method, status, total, ttft, dict(
+        label = status
+        if self.method in HTTP_METHODS:       # the HTTP API's requests: by HTTP status
+            label = str(http_status(self.error) if self.error else HTTP_STATUS.get(status, 500))
+        self.core.metrics.observe(self.method, label, total, ttft, dict(
             prompt=u.prompt_tokens, cached=u.cached_tokens, replayed=u.replayed_tokens,
             generated=generated))
         log.info("request id=%s status=%s engine=%s route=%s attempts=%d prompt=%d cached=%d "

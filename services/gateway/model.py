@@ -16,6 +16,7 @@ from kvmesh.errors import (
     KvmeshError,
     NotFound,
     ResourceExhausted,
+    TooLarge,
     Unavailable,
 )
 
@@ -108,3 +109,18 @@ def status_name(exc: BaseException) -> str:
         if isinstance(exc, cls):
             return name
     return "INTERNAL"
+
+
+# gRPC status name -> HTTP status (the HTTP API's answers, and the status label of its
+# requests in kvmesh_requests_total). A size limit on the request (TooLarge) is 413; other
+# RESOURCE_EXHAUSTED (capacity) 429.
+HTTP_STATUS = {"OK": 200, "INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401,
+               "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
+               "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "CANCELLED": 499, "INTERNAL": 500}
+# the HTTP API's method labels: their requests are counted by HTTP status
+HTTP_METHODS = ("http_completions", "http_chat_completions")
+
+
+def http_status(exc: BaseException) -> int:
+    return 413 if isinstance(exc, TooLarge) else HTTP_STATUS.get(status_name(exc), 500)
+

@@ -276,7 +276,7 @@ def test_too_large_body_and_prompt_are_413_and_counted(base):
     assert status == 413 and "prompt is" in out["error"]["message"], out
     metrics = _get_text(base, "/metrics")
     assert ('kvmesh_requests_total{method="http_completions",service="gateway",'
-            'status="RESOURCE_EXHAUSTED"} 2.0') in metrics
+            'status="413"} 2.0') in metrics              # the HTTP API's: by HTTP status
 
 
 def test_a_5_mib_request_is_counted_and_logged_like_the_others(base, gw, mesh):
@@ -287,8 +287,9 @@ def test_a_5_mib_request_is_counted_and_logged_like_the_others(base, gw, mesh):
     from services.gateway.client import gateway_request
 
     def count(method: str) -> float:
+        status = "413" if method.startswith("http_") else "RESOURCE_EXHAUSTED"
         want = (f'kvmesh_requests_total{{method="{method}",service="gateway",'
-                'status="RESOURCE_EXHAUSTED"} ')
+                f'status="{status}"}} ')
         line = [x for x in _get_text(base, "/metrics").splitlines() if x.startswith(want)]
         return float(line[0].split()[-1]) if line else 0.0
 
@@ -330,7 +331,7 @@ def test_health_and_metrics(base, client):
     assert status == 200 and out == {"status": "ok", "engines": 2}
     client.completions.create(model=MODEL, prompt=uniq("count me"), **GREEDY)
     text = _get_text(base, "/metrics")
-    assert 'kvmesh_requests_total{method="http_completions",service="gateway",status="OK"}' in text
+    assert 'kvmesh_requests_total{method="http_completions",service="gateway",status="200"}' in text
     assert "kvmesh_tokens_total" in text
 
 

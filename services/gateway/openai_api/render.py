@@ -14,14 +14,10 @@ from __future__ import annotations
 import json
 import time
 
-from kvmesh.errors import NotFound, TooLarge
-from services.gateway.model import Usage, status_name
+from kvmesh.errors import NotFound
+from services.gateway.model import Usage, http_status, status_name
 
-# gRPC status name -> HTTP status. A size limit on the request (TooLarge) is 413; other
-# RESOURCE_EXHAUSTED (capacity) 429.
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403,
-               "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
-               "DEADLINE_EXCEEDED": 504, "CANCELLED": 499, "INTERNAL": 500}
+# HTTP status -> OpenAI's error type (the statuses: services/gateway/model.py HTTP_STATUS)
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
               404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
               499: "cancelled", 503: "service_unavailable", 504: "timeout", 500: "internal_error"}
@@ -42,7 +38,7 @@ class ModelNotFound(NotFound):
 def http_error(exc: BaseException) -> tuple[int, dict]:
     """(HTTP status, OpenAI error body) for a domain error; the gRPC status name is the code."""
     name = status_name(exc)
-    status = 413 if isinstance(exc, TooLarge) else HTTP_STATUS.get(name, 500)
+    status = http_status(exc)
     message = str(exc) if name != "INTERNAL" else f"internal error: {type(exc).__name__}: {exc}"
     body = error_body(status, message, name.lower(), getattr(exc, "param", None))
     if isinstance(exc, ModelNotFound):
