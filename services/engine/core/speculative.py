@@ -269,17 +269,22 @@ class Speculator:
         for j in range(1, len(drafts) + 1):
             c[f"spec_drafted_pos{j}"] += 1          # j <= K: made in __init__
             c[f"spec_accepted_pos{j}"] += j <= accepted
-        if accepted:
-            self.backoff.pop(seq.request_id, None)
-        else:
-            misses = self.backoff.get(seq.request_id, (0, 0))[1] + 1
-            wait = min(MAX_BACKOFF, 1 << (misses - 1))
-            self.backoff[seq.request_id] = (len(seq.output) + len(tokens) + wait, misses)
+        if not self.policy.adaptive:     # (the adaptive policy's estimates replace backoff)
+            self._back_off(seq, accepted, len(tokens))
         use = self.usage.setdefault(seq.request_id, [0, 0])
         use[0] += len(drafts)
         use[1] += accepted
         self.policy.verified(seq.request_id, len(drafts), accepted, len(seq.output) + len(tokens))
         return tokens
+
+    def _back_off(self, seq, accepted: int, emitted_n: int) -> None:
+        """--spec-policy always: a wholly rejected draft pauses drafting 1, 2, 4 .. tokens."""
+        if accepted:
+            self.backoff.pop(seq.request_id, None)
+            return
+        misses = self.backoff.get(seq.request_id, (0, 0))[1] + 1
+        wait = min(MAX_BACKOFF, 1 << (misses - 1))
+        self.backoff[seq.request_id] = (len(seq.output) + emitted_n + wait, misses)
 
     def stats(self) -> dict[str, float]:
         out = {k: float(v) for k, v in (self.counters | self.policy.counters).items()}
