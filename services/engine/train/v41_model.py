@@ -32,6 +32,7 @@ from services.engine.model.deepseek_v4.v41_forward import (
     SourceState,
     V41Model,
     attention,
+    index_query,
     index_scores,
     moe,
     norm,
@@ -168,7 +169,7 @@ def indexer_kl(model: V41Model, layer: int, x: torch.Tensor, positions: torch.Te
     latent = apply_rope(entries, cos_e, -sin_e)
     keys = apply_rope(norm(F.linear(latent, src["indexer.wk.weight"]),
                            src["indexer.k_norm.weight"], cfg.rms_eps), cos_e, sin_e)
-    scores = index_scores(cfg, _indexer(w), x, q_res, keys, positions, tables)[rows]
+    scores = index_scores(index_query(cfg, _indexer(w), x, q_res, positions, tables), keys)[rows]
     logp = scores.masked_fill(~seen[rows], float("-inf")).log_softmax(dim=-1)
     terms = target * (target.clamp_min(1e-30).log() - logp)
     return terms.masked_fill(~seen[rows], 0.0).sum(dim=-1).mean()

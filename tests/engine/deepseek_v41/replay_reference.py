@@ -22,6 +22,7 @@ from services.engine.model.deepseek_v4.v41_forward import (
     V41Model,
     candidate_blocks,
     compress,
+    index_query,
     index_scores,
     moe,
     norm,
@@ -59,7 +60,7 @@ def truncated_window_logits(m: V41Model, prompt: list[int], hit: int) -> torch.T
             if i in cfg.index_sources:
                 seen = visible(pos, source.entries.shape[0], r)
                 iw = {k[len("indexer."):]: v for k, v in a.items() if k.startswith("indexer.")}
-                scores = index_scores(cfg, iw, x, q_res, source.keys, pos, m.tables)
+                scores = index_scores(index_query(cfg, iw, x, q_res, pos, m.tables), source.keys)
                 if i == cfg.candidate_source:
                     candidates = candidate_blocks(scores, seen, cfg.candidate_topk_blocks,
                                                   cfg.candidate_block_size)

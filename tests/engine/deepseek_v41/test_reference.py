@@ -16,6 +16,7 @@ from services.engine.model.deepseek_v4.v41_forward import (
     V41Model,
     candidate_blocks,
     compress,
+    index_query,
     index_scores,
     select,
 )
@@ -162,7 +163,7 @@ def test_the_compressor_is_v4s_unbiased_non_overlapping_pool():
     q_res = torch.randn(27, cfg.q_lora_rank, generator=g)
     positions = torch.arange(27)
     iw = {k[len("indexer."):]: v for k, v in attn.items() if k.startswith("indexer.")}
-    scores = index_scores(cfg, iw, x, q_res, mine.keys, positions, tables)
+    scores = index_scores(index_query(cfg, iw, x, q_res, positions, tables), mine.keys)
     seen = v4_compressor.visible(positions, 13, 2)
     chosen = select(scores, seen, cfg.index_topk)
     v4_chosen = v4_compressor.index_select(x, q_res, mine.keys, iw, positions, 2, cfg.index_topk,

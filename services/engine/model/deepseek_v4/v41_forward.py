@@ -127,17 +127,22 @@ def compress(cfg: V41Config, w: dict, x: torch.Tensor, tables: RopeTables, layer
     return SourceState(layer, entries, keys, open_kv, open_gate, new_kv, new_gate)
 
 
-def index_scores(cfg: V41Config, w: dict, x: torch.Tensor, q_res: torch.Tensor,
-                 keys: torch.Tensor, positions: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-    """[S, T] (at least fp32): sum_h weight[i, h] * relu(q[i, h] . key[t]), weight = weights_proj(x) /
-    sqrt(c_I H_I). w: the layer's weights under `attn.indexer.`."""
+def index_query(cfg: V41Config, w: dict, x: torch.Tensor, q_res: torch.Tensor,
+                positions: torch.Tensor, tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's rotated queries [S, H_I, c_I] and head weights [S, H_I] (at least fp32),
+    weights_proj(x) / sqrt(c_I H_I). w: the layer's weights under `attn.indexer.`."""
     heads, dim = cfg.index_heads, cfg.index_head_dim
     q = F.linear(q_res, w["wq_b.weight"]).view(x.shape[0], heads, dim)
     cos, sin = tables.at(cfg.compress_rope, positions)
-    q = apply_rope(q, cos, sin)
     work = wide(x.dtype)
-    scores = F.relu(torch.matmul(q.to(work), keys.transpose(-1, -2).to(work)))   # [S, H_I, T]
     head_weights = F.linear(x, w["weights_proj.weight"]).to(work) * (dim * heads) ** -0.5
+    return apply_rope(q, cos, sin).to(work), head_weights
+
+
+def index_scores(query: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
+    """[S, T]: sum_h weight[i, h] * relu(q[i, h] . key[t]) for `index_query`'s (q, weight)."""
+    q, head_weights = query
+    scores = F.relu(torch.matmul(q, keys.transpose(-1, -2).to(q.dtype)))        # [S, H_I, T]
     return (scores * head_weights.unsqueeze(-1)).sum(dim=1)
 
 
@@ -176,6 +181,43 @@ def select(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tens
     return chosen
 
 
+class Projected(NamedTuple):
+    """What attention computes of each row alone (`project`), before rows meet."""
+    q_res: torch.Tensor                  # [S, q_lora] normed: the indexer's query input
+    q: torch.Tensor                      # [S, H, d] rotated
+    kv: torch.Tensor                     # [S, d] rotated K = V rows, in the ring's rounding
+    cos: torch.Tensor                    # [S, r / 2] the layer's RoPE at the rows' positions
+    sin: torch.Tensor
+    index: tuple[torch.Tensor, torch.Tensor] | None = None   # `index_query`, index sources
+
+    def rows(self, at: torch.Tensor | slice) -> Projected:
+        index = None if self.index is None else (self.index[0][at], self.index[1][at])
+        return Projected(*(t[at] for t in self[:5]), index)
+
+
+def project(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
+            tables: RopeTables, rows: str | None = None) -> Projected:
+    """The per-row projections of an attention sub-block (x [S, D] its normed input; any rows,
+    of any sequences: nothing here mixes rows). rows: see `attention`."""
+    s = x.shape[0]
+    cos, sin = tables.at(cfg.rope(layer), positions)
+    q_res = norm(F.linear(x, w["wq_a.weight"]), w["q_norm.weight"], cfg.rms_eps)
+    q = apply_rope(F.linear(q_res, w["wq_b.weight"]).view(s, cfg.num_heads, cfg.head_dim), cos, sin)
+    kv = apply_rope(norm(F.linear(x, w["wkv.weight"]), w["kv_norm.weight"], cfg.rms_eps),
+                    cos, sin)
+    if rows is not None:
+        kv = window_rows.round_like_stored(rows, kv)
+    index = index_query(cfg, _sub(w, "indexer."), x, q_res, positions, tables) \
+        if layer in cfg.index_sources else None
+    return Projected(q_res, q, kv, cos, sin, index)
+
+
+def output(cfg: V41Config, w: dict, o: torch.Tensor, p: Projected) -> torch.Tensor:
+    """Attention's result o [S, H, d] (any rows) -> the sub-block's output [S, D]."""
+    return grouped_output(apply_rope(o, p.cos, -p.sin), w["wo_a.weight"], w["wo_b.weight"],
+                          cfg.o_groups)
+
+
 def attention(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
               tables: RopeTables, shared_in: Shared, prior: LayerState | None = None,
               floor: int = 0, compressed: SourceState | None = None, rows: str | None = None,
@@ -190,16 +232,18 @@ def attention(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: t
     back, whatever the chunking (None: unrounded, the reference). Returns the output [S, D],
     what later layers read, and what this layer keeps (its window rows: the prior's followed
     by this call's)."""
-    s, rope = x.shape[0], cfg.rope(layer)
-    cos, sin = tables.at(rope, positions)
-    q_res = norm(F.linear(x, w["wq_a.weight"]), w["q_norm.weight"], cfg.rms_eps)
-    q = apply_rope(F.linear(q_res, w["wq_b.weight"]).view(s, cfg.num_heads, cfg.head_dim), cos, sin)
-    kv = apply_rope(norm(F.linear(x, w["wkv.weight"]), w["kv_norm.weight"], cfg.rms_eps),
-                    cos, sin)
-    if rows is not None:
-        kv = window_rows.round_like_stored(rows, kv)
-    if prior is not None:
-        kv = torch.cat([prior.window, kv])
+    p = project(cfg, layer, w, x, positions, tables, rows)
+    o, out_shared, state = attend_span(cfg, layer, w, x, positions, tables, shared_in, p, prior,
+                                       floor, compressed)
+    return output(cfg, w, o, p), out_shared, state
+
+
+def attend_span(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
+                tables: RopeTables, shared_in: Shared, p: Projected,
+                prior: LayerState | None = None, floor: int = 0,
+                compressed: SourceState | None = None) -> tuple[torch.Tensor, Shared, LayerState]:
+    """`attention` after `project` (p: these rows'), before `output`: o [S, H, d]."""
+    kv = p.kv if prior is None else torch.cat([prior.window, p.kv])
     end = int(positions[-1]) + 1
     key_pos = torch.arange(end - kv.shape[0], end)
     keys = kv
@@ -216,7 +260,7 @@ def attention(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: t
         chosen, candidates = shared_in.chosen, shared_in.candidates
         if layer in cfg.index_sources:
             seen = visible(positions, source.entries.shape[0], cfg.ratio(layer))
-            scores = index_scores(cfg, _sub(w, "indexer."), x, q_res, source.keys, positions, tables)
+            scores = index_scores(p.index, source.keys)
             if layer == cfg.candidate_source:
                 candidates = candidate_blocks(scores, seen, cfg.candidate_topk_blocks,
                                               cfg.candidate_block_size)
@@ -225,10 +269,8 @@ def attention(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: t
         out_shared = Shared(source, chosen, candidates)
         keys = torch.cat([kv, source.entries])
         allowed = torch.cat([allowed, chosen], dim=1)
-    o = attend(q, keys, allowed, w["attn_sink"], cfg.head_dim ** -0.5)
-    o = apply_rope(o, cos, -sin)
-    out = grouped_output(o, w["wo_a.weight"], w["wo_b.weight"], cfg.o_groups)
-    return out, out_shared, LayerState(kv, own)
+    o = attend(p.q, keys, allowed, w["attn_sink"], cfg.head_dim ** -0.5)
+    return o, out_shared, LayerState(kv, own)
 
 
 def route(cfg: V41Config, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,46 +325,73 @@ class V41Model:
                     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Shared, LayerState]]]:
         """Several sequences' rows through layer i: streams [S, n, D] and the `pre` the
         sub-block before computed, spans[k] the k-th run of rows in order. Everything but
-        attention runs over all rows at once; attention per span. Returns the streams after
+        attention runs over all rows at once; attention runs per span, except that spans of
+        one decode row each attend together (v41_decode.py). Returns the streams after
         the layer, its MoE's `pre` (for the next layer), and per span what later layers read
         and what the layer keeps (`attention`). A span's `rows` is decoder-side truncation's
         cut (compact form): the layer's compressor, if it has one, runs on every row of the
         span; the rest of the layer, and what it returns, on these rows only."""
-        cfg, w = self.cfg, self.layers[i]
+        # (imported here: v41_decode builds on this module)
+        from services.engine.model.deepseek_v4.v41_decode import decode_rows
+
+        cfg, w, aw = self.cfg, self.layers[i], self.attn[i]
         attn_pre, post, comb = self._mix(streams, w, "hc_attn")
         x = norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
-        kept, outs, results, start = [], [], [], 0
+        plans, start = [], 0        # per span: the rows attention runs on and their inputs
         for span in spans:
             end = start + span.positions.shape[0]
             rows = torch.arange(start, end)
             positions, shared_in, compressed = span.positions, span.shared, None
             if span.rows is not None:
                 if i in cfg.kv_sources:
-                    compressed = compress(cfg, self.attn[i], x[rows], self.tables, i,
+                    compressed = compress(cfg, aw, x[rows], self.tables, i,
                                           span.prior.source if span.prior is not None else None,
                                           int(positions[0]))
                 rows, positions = rows[span.rows], positions[span.rows]
                 shared_in = shared_in.rows(span.rows)
             start = end
-            if positions.numel() == 0:   # nothing kept yet: only the compressor has run
-                prior = span.prior
-                window = prior.window if prior is not None else x.new_zeros((0, cfg.head_dim))
-                source = compressed if compressed is not None else shared_in.source
-                results.append((shared_in._replace(source=source), LayerState(window, compressed)))
-                continue
-            out, shared_out, state = attention(cfg, i, self.attn[i], x[rows], positions,
-                                               self.tables, shared_in, span.prior, span.floor,
-                                               compressed, self.rows)
-            kept.append(rows)
-            outs.append(out)
-            results.append((shared_out, state))
+            plans.append((rows, positions, shared_in, compressed))
+        results: list = [None] * len(spans)
+        kept = [k for k, plan in enumerate(plans) if plan[1].numel()]
+        for k in set(range(len(spans))) - set(kept):   # nothing kept yet: only the compressor ran
+            prior, (_, _, shared_in, compressed) = spans[k].prior, plans[k]
+            window = prior.window if prior is not None else x.new_zeros((0, cfg.head_dim))
+            source = compressed if compressed is not None else shared_in.source
+            results[k] = (shared_in._replace(source=source), LayerState(window, compressed))
         if len(kept) != len(spans) or any(span.rows is not None for span in spans):
-            rows = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)
+            rows = torch.cat([plans[k][0] for k in kept]) if kept else torch.zeros(0, dtype=torch.long)
             streams, attn_pre, post, comb = streams[rows], attn_pre[rows], post[rows], comb[rows]
-        if not outs:
+            x = x[rows]
+        if not kept:
             return streams, attn_pre, results
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        streams = hyper.expand(streams, out, post, comb)
+        # every row's own projections at once, then attention: decode rows (one row, a prior,
+        # no cut) together (v41_decode.py), the other spans one by one
+        positions = torch.cat([plans[k][1] for k in kept])
+        p = project(cfg, i, aw, x, positions, self.tables, self.rows)
+        o = p.q.new_empty(p.q.shape)
+        offsets, at = {}, 0
+        for k in kept:
+            offsets[k], at = at, at + plans[k][1].shape[0]
+        decoding = [k for k in kept if plans[k][1].shape[0] == 1 and spans[k].rows is None
+                    and spans[k].prior is not None]
+        if len(decoding) > 1:
+            rows = torch.tensor([offsets[k] for k in decoding])
+            o[rows], outs = decode_rows(cfg, i, aw, x[rows], positions[rows], self.tables,
+                                        [plans[k][2] for k in decoding], p.rows(rows),
+                                        [spans[k].prior for k in decoding],
+                                        [spans[k].floor for k in decoding])
+            for k, res in zip(decoding, outs, strict=True):
+                results[k] = res
+        for k in kept:
+            if results[k] is not None:
+                continue
+            _, span_pos, shared_in, compressed = plans[k]
+            rows = slice(offsets[k], offsets[k] + span_pos.shape[0])
+            o[rows], shared_out, state = attend_span(cfg, i, aw, x[rows], span_pos, self.tables,
+                                                     shared_in, p.rows(rows), spans[k].prior,
+                                                     spans[k].floor, compressed)
+            results[k] = (shared_out, state)
+        streams = hyper.expand(streams, output(cfg, aw, o, p), post, comb)
         ffn_pre, post, comb = self._mix(streams, w, "hc_ffn")
         x = norm(hyper.collapse(streams, attn_pre), w["ffn_norm.weight"], cfg.rms_eps)
         streams = hyper.expand(streams, moe(cfg, self.ffn[i], x), post, comb)

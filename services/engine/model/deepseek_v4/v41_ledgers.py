@@ -112,7 +112,8 @@ class V41Ledgers(LedgerBook):
 def step(model: V41Model, led: V41Ledgers, works: list[tuple[Sequence, list[int]]],
          decoder_from: list[int | None] | None = None, mode: str = "compact") -> list[torch.Tensor]:
     """One forward over several sequences' next tokens (decode rows and prefill chunks
-    together, one sequence once): per-token work runs over all rows, attention per sequence.
+    together, one sequence once): per-token work runs over all rows; the decode rows read
+    their rings, attend and write back together (v41_decode.py), other spans one at a time.
     decoder_from[k]: work k's decoder-side cut (prefill truncation: its decoder layers run on
     positions from there on; None: every position). Returns each work's logits [rows, vocab]
     for the rows that went through every layer (all of them without a cut)."""
@@ -154,24 +155,42 @@ def _run(model: V41Model, led: V41Ledgers, works, cuts: list[int | None], mode: 
     shared = [Shared() for _ in works]
     for i in range(cfg.num_layers):
         spans, live = [], []
-        for k, (seq, pos) in enumerate(zip(seqs, positions, strict=True)):
+        for k, pos in enumerate(positions):
             if pos.numel() == 0:          # every row dropped at the decoder's cut
                 continue
             cut = cuts[k]
             floor = cut if cut is not None and i >= cfg.decoder_start else 0
             rows = pos >= cut if floor and mode == "compact" and i == cfg.decoder_start else None
-            prior = _read(model, led, seq, i, floor, replay_hit) \
-                if seq.length or replay_hit is not None else None
-            spans.append(Span(pos, shared[k], prior, floor, rows))
+            spans.append(Span(pos, shared[k], None, floor, rows))
             live.append(k)
         if not spans:
             break
+        # decode rows (one token after a prefix, no cut here) read their rings together
+        decoding = [j for j, (k, span) in enumerate(zip(live, spans, strict=True))
+                    if span.positions.numel() == 1 and span.rows is None and seqs[k].length
+                    and replay_hit is None]
+        batched = len(decoding) > 1
+        if not batched:
+            decoding = []
+        priors = _read_rows(model, led, [seqs[live[j]] for j in decoding], i,
+                            [spans[j].floor for j in decoding]) if batched else []
+        for j, prior in zip(decoding, priors, strict=True):
+            spans[j] = spans[j]._replace(prior=prior)
+        for j, (k, span) in enumerate(zip(live, spans, strict=True)):
+            if span.prior is None and (seqs[k].length or replay_hit is not None):
+                spans[j] = span._replace(prior=_read(model, led, seqs[k], i, span.floor,
+                                                     replay_hit))
         streams, pre, results = model.layer_spans(i, streams, pre, spans)
-        for k, span, (shared_out, state) in zip(live, spans, results, strict=True):
+        for j, (k, span, (shared_out, state)) in enumerate(zip(live, spans, results, strict=True)):
             kept = span.positions if span.rows is None else span.positions[span.rows]
-            _write(led, seqs[k], i, span.positions, kept, state, replay_hit)
+            if j not in decoding:
+                _write(led, seqs[k], i, span.positions, kept, state, replay_hit)
             shared[k] = shared_out
             positions[k] = kept
+        if batched:
+            _write_rows(led, [seqs[live[j]] for j in decoding], i,
+                        torch.cat([spans[j].positions for j in decoding]),
+                        [results[j][1] for j in decoding])
     for seq, chunk in zip(seqs, chunks, strict=True):
         seq.length += chunk.shape[0]
     sizes = [pos.shape[0] for pos in positions]
@@ -199,19 +218,66 @@ def _read(model: V41Model, led: V41Ledgers, seq: Sequence, layer: int, floor: in
     ring = led.swa[layer][seq.slot]
     window = window_rows.decode(led.rows, ring[torch.arange(first, end) % ring.shape[0]],
                                 model.dtype)
-    source = None
-    if layer in cfg.kv_sources:
-        m = cfg.ratio(layer)
-        n = (replay_hit if replay_hit is not None else end) // m
-        entries = led.blocks.gather(seq.blocks, layer, n).to(model.dtype)
-        keys = led.blocks.gather(seq.blocks, layer, n, keys=True).to(model.dtype)
-        if m > 1 and replay_hit is None:
-            tail = led.tail[layer][seq.slot]
-            open_rows = tail[torch.arange(n * m, end) % tail.shape[0]]
-        else:
-            open_rows = torch.zeros(0, 2, cfg.head_dim, dtype=led.state_dtype)
-        source = SourceState(layer, entries, keys, open_rows[:, 0], open_rows[:, 1])
-    return LayerState(window, source)
+    return LayerState(window, _source(model, led, seq, layer, replay_hit))
+
+
+def _source(model: V41Model, led: V41Ledgers, seq: Sequence, layer: int,
+            replay_hit: int | None) -> SourceState | None:
+    """A KV source's compressor state after `seq.length` tokens (through a replay's hit):
+    its entries and keys from the blocks, its open group from the tail."""
+    cfg, end = model.cfg, seq.length
+    if layer not in cfg.kv_sources:
+        return None
+    m = cfg.ratio(layer)
+    n = (replay_hit if replay_hit is not None else end) // m
+    entries = led.blocks.gather(seq.blocks, layer, n).to(model.dtype)
+    keys = led.blocks.gather(seq.blocks, layer, n, keys=True).to(model.dtype)
+    if m > 1 and replay_hit is None:
+        tail = led.tail[layer][seq.slot]
+        open_rows = tail[torch.arange(n * m, end) % tail.shape[0]]
+    else:
+        open_rows = torch.zeros(0, 2, cfg.head_dim, dtype=led.state_dtype)
+    return SourceState(layer, entries, keys, open_rows[:, 0], open_rows[:, 1])
+
+
+def _read_rows(model: V41Model, led: V41Ledgers, seqs: list[Sequence], layer: int,
+               floors: list[int]) -> list[LayerState]:
+    """`_read` for several sequences at once (decode rows): every ring's window rows in one
+    gather and one decode. Shorter windows gather rows past their own, cut off unread."""
+    cfg = model.cfg
+    ends = torch.tensor([s.length for s in seqs])
+    firsts = torch.minimum(torch.clamp(torch.maximum(ends - (cfg.window - 1),
+                                                     torch.tensor(floors)), min=0), ends)
+    counts = (ends - firsts).tolist()
+    ring = led.swa[layer]
+    at = (firsts.view(-1, 1) + torch.arange(max(counts))) % ring.shape[1]
+    slots = torch.tensor([s.slot for s in seqs]).view(-1, 1)
+    windows = window_rows.decode(led.rows, ring[slots, at], model.dtype)       # [B, K, d]
+    return [LayerState(windows[b, :n], _source(model, led, seq, layer, None))
+            for b, (seq, n) in enumerate(zip(seqs, counts, strict=True))]
+
+
+def _write_rows(led: V41Ledgers, seqs: list[Sequence], layer: int, positions: torch.Tensor,
+                states: list[LayerState]) -> None:
+    """`_write` for several sequences' single decode rows (positions [B]): the window rows
+    and the tails' rows in one scatter each; entries where a row closed its group."""
+    slots = torch.tensor([s.slot for s in seqs])
+    ring = led.swa[layer]
+    rows = torch.stack([state.window[-1] for state in states])
+    ring[slots, positions % ring.shape[1]] = window_rows.encode(led.rows, rows)
+    if states[0].source is None:
+        return
+    m = led.cfg.ratio(layer)
+    if m > 1:
+        tail = led.tail[layer]
+        at = positions % tail.shape[1]
+        tail[slots, at, 0] = torch.cat([st.source.new_kv[-1:] for st in states]).to(tail.dtype)
+        tail[slots, at, 1] = torch.cat([st.source.new_gate[-1:] for st in states]).to(tail.dtype)
+    for seq, state in zip(seqs, states, strict=True):
+        old = seq.length // m
+        if state.source.entries.shape[0] > old:
+            led.blocks.scatter(seq.blocks, layer, old, state.source.entries[old:])
+            led.blocks.scatter(seq.blocks, layer, old, state.source.keys[old:], keys=True)
 
 
 def _write(led: V41Ledgers, seq: Sequence, layer: int, positions: torch.Tensor,

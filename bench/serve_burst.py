@@ -1,0 +1,211 @@
+"""Does batching pay over the engine's gRPC API, with the flags a user gets by default?
+
+Starts `kvmesh engine serve` (the shipped default model, default flags unless --flags adds
+some), then on that one engine, same run:
+
+    sequential  N distinct P-token prompts, one after another, T greedy tokens each
+    burst       N other distinct P-token prompts sent at once
+
+and reports, per phase: generated tokens/s end to end, TTFT p50/p99, ITL p50/p99 (the gaps
+between a stream's messages), and how many streams were decoding at once (a stream decodes
+from its first token to its last), at peak and on average over the time any decoded.
+Targets (issue 45): burst end to end >= 4x sequential, peak concurrent decoding >= 24, burst
+ITL p99 <= 4x the sequential ITL p50.
+
+Each --flags value is its own engine (started, measured, stopped) so a policy and the
+defaults are compared in one run:
+
+    python bench/serve_burst.py                                    # defaults only
+    python bench/serve_burst.py --flags "" --flags "--itl-ratio 1.6"
+
+Writes bench/out/serve_burst.json and .png.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import OUT, parser, pct, plot, table  # noqa: E402
+from kvmesh.backing.proc import free_port  # noqa: E402
+from services.engine.rpc.client import EngineClient  # noqa: E402
+
+KVMESH = [sys.executable, "-m", "kvmesh.cli"]
+
+
+class Engine:
+    """One `kvmesh engine serve` process on a free port, its log in bench/out."""
+
+    def __init__(self, flags: list[str], log: Path):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log.open("w")
+        argv = [*KVMESH, "engine", "serve", "--port", str(self.port), *flags]
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=ROOT, env=dict(os.environ))
+
+    async def ready(self, timeout_s: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited {self.proc.returncode}; see {self._log.name}")
+            client = EngineClient(self.address)
+            try:
+                info = await client.model_info()
+                return {"model": info.model_name} if hasattr(info, "model_name") else {}
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+            finally:
+                await client.close()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """n distinct prompts (no shared prefix block, so no prefix-cache hits between them)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+async def one(client: EngineClient, prompt: list[int], tokens: int) -> dict:
+    """One streamed generation: when it was sent, and when each message arrived."""
+    sent = time.perf_counter()
+    arrivals, count = [], 0
+    async for msg in client.generate(prompt, max_tokens=tokens, temperature=0.0,
+                                     ignore_eos=True, speculative="off"):
+        if msg.token_ids:
+            arrivals.append(time.perf_counter())
+            count += len(msg.token_ids)
+    return {"sent": sent, "arrivals": arrivals, "tokens": count}
+
+
+def summarize(runs: list[dict], start: float, end: float) -> dict:
+    ttft = [r["arrivals"][0] - r["sent"] for r in runs]
+    itl = [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
+    # streams decoding at once: +1 at a stream's first token, -1 at its last
+    events = sorted([(r["arrivals"][0], 1) for r in runs] + [(r["arrivals"][-1], -1) for r in runs])
+    now = peak = 0
+    weighted, busy, last = 0.0, 0.0, events[0][0]
+    for t, step in events:
+        if now:
+            weighted += now * (t - last)
+            busy += t - last
+        now += step
+        peak = max(peak, now)
+        last = t
+    tokens = sum(r["tokens"] for r in runs)
+    return {"tokens": tokens, "seconds": end - start, "tok_s": tokens / (end - start),
+            "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p99_ms": 1e3 * pct(ttft, 0.99),
+            "ttft_max_ms": 1e3 * max(ttft),
+            "itl_p50_ms": 1e3 * pct(itl, 0.5), "itl_p99_ms": 1e3 * pct(itl, 0.99),
+            "peak_decoding": peak, "mean_decoding": weighted / busy if busy else 0.0}
+
+
+async def measure(address: str, n: int, length: int, tokens: int, vocab: int) -> dict:
+    client = EngineClient(address)
+    try:
+        await one(client, prompts(1, length, vocab, 999)[0], 4)        # warm-up
+        seq_prompts, burst_prompts = prompts(n, length, vocab, 1), prompts(n, length, vocab, 2)
+        start = time.perf_counter()
+        seq = []
+        for i, p in enumerate(seq_prompts):
+            seq.append(await one(client, p, tokens))
+            print(f"  sequential {i + 1}/{n}", end="\r", flush=True)
+        seq_end = time.perf_counter()
+        burst = await asyncio.gather(*(one(client, p, tokens) for p in burst_prompts))
+        burst_end = time.perf_counter()
+    finally:
+        await client.close()
+    res = {"sequential": summarize(seq, start, seq_end),
+           "burst": summarize(list(burst), seq_end, burst_end)}
+    res["speedup"] = res["burst"]["tok_s"] / res["sequential"]["tok_s"]
+    res["itl_p99_over_single_p50"] = res["burst"]["itl_p99_ms"] / res["sequential"]["itl_p50_ms"]
+    return res
+
+
+def model_vocab(flags: list[str]) -> int:
+    """Prompt ids drawn below the served model's vocabulary (the shipped default's unless
+    --model is among the flags)."""
+    from kvmesh.shipped import DEFAULT_MODEL
+    model = Path(flags[flags.index("--model") + 1]) if "--model" in flags else DEFAULT_MODEL
+    cfg = json.loads((model / "config.json").read_text())
+    return cfg.get("text_config", cfg)["vocab_size"]
+
+
+def main() -> int:
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--flags", action="append", default=None,
+                   help="extra `engine serve` flags, one engine each (repeat to compare; "
+                        "default: one engine with no extra flags)")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the engine")
+    args = p.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    results = {}
+    for flags in args.flags or [""]:
+        argv = shlex.split(flags)
+        label = flags or "defaults"
+        print(f"engine serve {label} ...", flush=True)
+        engine = Engine(argv, OUT / f"serve_burst_{len(results)}.log")
+        try:
+            asyncio.run(engine.ready())
+            results[label] = asyncio.run(measure(engine.address, args.requests,
+                                                 args.prompt_tokens, args.tokens,
+                                                 model_vocab(argv)))
+        finally:
+            engine.stop()
+    report(results, args)
+    return 0
+
+
+def report(results: dict, args) -> None:
+    rows = []
+    for label, res in results.items():
+        for phase in ("sequential", "burst"):
+            s = res[phase]
+            rows.append([label, phase, round(s["tok_s"], 1), round(s["ttft_p50_ms"]),
+                         round(s["ttft_p99_ms"]), round(s["itl_p50_ms"], 1),
+                         round(s["itl_p99_ms"], 1), s["peak_decoding"],
+                         round(s["mean_decoding"], 1)])
+    print(table(["flags", "phase", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                 "ITL p99 ms", "peak decoding", "mean decoding"], rows))
+    print(table(["flags", "burst / sequential", "burst ITL p99 / single ITL p50"],
+                [[label, f"{r['speedup']:.2f}x", f"{r['itl_p99_over_single_p50']:.2f}x"]
+                 for label, r in results.items()]))
+    OUT.mkdir(parents=True, exist_ok=True)
+    meta = {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
+            "tokens": args.tokens, "threads": args.threads}
+    (OUT / "serve_burst.json").write_text(json.dumps({"args": meta, "results": results},
+                                                     indent=1))
+    labels = list(results)
+    plot(OUT / "serve_burst.png", f"{args.requests} requests over gRPC: burst vs sequential",
+         "run", "generated tokens/s",
+         {phase: (list(range(len(labels))), [results[k][phase]["tok_s"] for k in labels])
+          for phase in ("sequential", "burst")}, logx=False, logy=False)
+    print(f"wrote {OUT / 'serve_burst.json'}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
