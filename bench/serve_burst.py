@@ -9,6 +9,8 @@ some), then on that one engine, same run:
 and reports, per phase: generated tokens/s end to end, TTFT p50/p99, ITL p50/p99 (the gaps
 between a stream's messages), and how many streams were decoding at once (a stream decodes
 from its first token to its last), at peak and on average over the time any decoded.
+Then 16 streams decode while a 4096-token prompt arrives beside them: their gaps while it
+is prefilled against their gaps just before, and its time to first token.
 Targets (issue 45): burst end to end >= 4x sequential, peak concurrent decoding >= 24, burst
 ITL p99 <= 4x the sequential ITL p50.
 
@@ -87,16 +89,43 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-async def one(client: EngineClient, prompt: list[int], tokens: int) -> dict:
-    """One streamed generation: when it was sent, and when each message arrived."""
-    sent = time.perf_counter()
-    arrivals, count = [], 0
+async def one(client: EngineClient, prompt: list[int], tokens: int, rec: dict | None = None
+              ) -> dict:
+    """One streamed generation: when it was sent, and when each message arrived (filled in
+    `rec` as they come, for a caller that watches)."""
+    rec = {"arrivals": [], "tokens": 0} if rec is None else rec
+    rec["sent"] = time.perf_counter()
     async for msg in client.generate(prompt, max_tokens=tokens, temperature=0.0,
                                      ignore_eos=True, speculative="off"):
         if msg.token_ids:
-            arrivals.append(time.perf_counter())
-            count += len(msg.token_ids)
-    return {"sent": sent, "arrivals": arrivals, "tokens": count}
+            rec["arrivals"].append(time.perf_counter())
+            rec["tokens"] += len(msg.token_ids)
+    return rec
+
+
+async def beside(client: EngineClient, vocab: int, streams: int, long: int) -> dict:
+    """`streams` requests decoding, then a `long`-token prompt arrives: their gaps while it
+    is prefilled (from its sending to its first token) against their gaps in the 2 s before,
+    and its time to first token."""
+    recs = [{"arrivals": [], "tokens": 0} for _ in range(streams)]
+    tasks = [asyncio.create_task(one(client, p, 2000, r))
+             for p, r in zip(prompts(streams, 64, vocab, 3), recs, strict=True)]
+    while min(len(r["arrivals"]) for r in recs) < 2:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(2.0)
+    new = await one(client, prompts(1, long, vocab, 4)[0], 1)
+    sent, first = new["sent"], new["arrivals"][0]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    gaps = [(b, b - a) for r in recs for a, b in zip(r["arrivals"], r["arrivals"][1:],
+                                                       strict=False)]
+    during = [g for t, g in gaps if sent < t <= first]
+    alone = [g for t, g in gaps if sent - 2.0 <= t < sent]
+    return {"streams": streams, "prompt_tokens": long, "ttft_ms": 1e3 * (first - sent),
+            "alone_p50_ms": 1e3 * pct(alone, 0.5), "alone_p99_ms": 1e3 * pct(alone, 0.99),
+            "during_p50_ms": 1e3 * pct(during, 0.5), "during_p99_ms": 1e3 * pct(during, 0.99),
+            "during_max_ms": 1e3 * max(during), "gaps_during": len(during)}
 
 
 def summarize(runs: list[dict], start: float, end: float) -> dict:
@@ -134,10 +163,13 @@ async def measure(address: str, n: int, length: int, tokens: int, vocab: int) ->
         seq_end = time.perf_counter()
         burst = await asyncio.gather(*(one(client, p, tokens) for p in burst_prompts))
         burst_end = time.perf_counter()
+        print("  16 streams beside a 4K prompt", flush=True)
+        side = await beside(client, vocab, 16, 4096)
     finally:
         await client.close()
     res = {"sequential": summarize(seq, start, seq_end),
            "burst": summarize(list(burst), seq_end, burst_end)}
+    res["beside"] = side
     res["speedup"] = res["burst"]["tok_s"] / res["sequential"]["tok_s"]
     res["itl_p99_over_single_p50"] = res["burst"]["itl_p99_ms"] / res["sequential"]["itl_p50_ms"]
     return res
@@ -160,9 +192,14 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
-    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the engine")
+    p.add_argument("--threads", type=int, default=None,
+                   help="OMP_NUM_THREADS of the engine (default: unset, the engine's own "
+                        "default: the CPUs less one)")
     args = p.parse_args()
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    else:
+        os.environ.pop("OMP_NUM_THREADS", None)
     results = {}
     for flags in args.flags or [""]:
         argv = shlex.split(flags)
@@ -194,6 +231,13 @@ def report(results: dict, args) -> None:
     print(table(["flags", "burst / sequential", "burst ITL p99 / single ITL p50"],
                 [[label, f"{r['speedup']:.2f}x", f"{r['itl_p99_over_single_p50']:.2f}x"]
                  for label, r in results.items()]))
+    print("16 streams decoding while a 4096-token prompt is prefilled beside them")
+    print(table(["flags", "ITL p50 alone ms", "ITL p99 alone ms", "ITL p50 beside ms",
+                 "ITL p99 beside ms", "max beside ms", "gaps", "4K TTFT ms"],
+                [[label, round(b["alone_p50_ms"], 1), round(b["alone_p99_ms"], 1),
+                  round(b["during_p50_ms"], 1), round(b["during_p99_ms"], 1),
+                  round(b["during_max_ms"], 1), b["gaps_during"], round(b["ttft_ms"])]
+                 for label, b in ((k, r["beside"]) for k, r in results.items())]))
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
             "tokens": args.tokens, "threads": args.threads}

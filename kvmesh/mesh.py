@@ -139,7 +139,9 @@ def register(sub) -> None:
     up.add_argument("--restart", action="store_true",
                     help="start a service that exits again, on its port (default: off, its "
                     "exit is reported and it stays down)")
-    up.add_argument("--num-slots", type=int, default=8, help="state slots per engine")
+    up.add_argument("--num-slots", type=int, default=32,
+                    help="state slots per engine: requests each runs at once (engine serve's "
+                         "default)")
     up.add_argument("--num-blocks", type=int, default=512, help="cache blocks per engine")
     up.add_argument("--pd", action="store_true",
                     help="prefill/decode disaggregation: engine-a prefills (--role prefill), "

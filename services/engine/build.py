@@ -25,13 +25,18 @@ from services.engine.config import (
 # The trained V4-mini checkpoint (models/v4-mini-tiny/MODEL_CARD.md): the default weights of
 # the `tiny` preset (--preset tiny). Seeded random weights only with --random-weights.
 DEFAULT_CHECKPOINTS = {"tiny": MODELS / "v4-mini-tiny" / "model.safetensors"}
-# --itl-ratio's default: a step carrying prefill work beside decodes is sized to about this
-# many decode-only steps (core/step_costs.py). The target is a p99 gap <= 3x the p50 without
-# prefill work, and a step's own tail is most of that: on the 2-core development machine
-# decode-only steps alone reach 1.4-2x their p50 at p99, so a typical step of X reaches
-# ~1.9X. 16 streams beside a 4K prompt, seven runs each: p99 2.5-3.0x the p50 alone at 1.6
-# (one noisy run 3.5x), 2.7-3.7x at 2.0; the prompt ~1.5x longer to its first token.
-ITL_RATIO = 1.6
+# --step-slo-ms's default: a step that carries prefill work beside decodes is sized to finish
+# within this many milliseconds (core/step_budget.py, docs/engine/scheduling.md), so a stream
+# keeps getting a token about this often while new prompts are admitted beside it. 32
+# requests at once over gRPC on the 2-core development machine (bench/serve_burst.py): at 70
+# ms, 5.5x the sequential run, 30 decoding together, ITL p99 78 ms = 4.5x a lone stream's
+# p50; at 100 ms, 6.5x and 5.7x; off, 6.7x and 9.8x (a decode-only step of 32 there is
+# already 3x a lone stream's).
+STEP_SLO_MS = 70.0
+# Requests an engine runs at once (slots and scheduled sequences): enough that a burst of
+# this many decodes together. A slot costs what `kvmesh engine layout` prints (the shipped
+# model: 127 KB; DeepSeek V4.1-Flash: 2.9 MB), so 32 are cheap beside the blocks.
+MAX_RUNNING = 32
 
 
 def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
@@ -56,7 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
                    help="auto | cpu | cuda | cuda:N: where weights, state pool, block store and "
                         "the forward live (env KVMESH_ENGINE_DEVICE, default auto: CUDA when "
                         "available)")
-    g.add_argument("--num-slots", type=int, default=16,
+    g.add_argument("--num-slots", type=int, default=MAX_RUNNING,
                    help="state slots: requests that can run at once")
     g.add_argument("--num-blocks", type=int, default=1024,
                    help="128-token cache blocks of compressed entries")
@@ -65,12 +70,16 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     g.add_argument("--long-prefill-chunk", type=int, default=256,
                    help="most prompt tokens one sequence prefills per step (0: up to the "
                         "budget); bounds the inter-token latency of decodes beside a long prompt")
-    g.add_argument("--itl-ratio", type=float, default=ITL_RATIO,
-                   help="size the prefill work of a step that has decodes so that it is "
-                        "predicted (from measured step times) to take at most this many times "
-                        "a decode-only step; 0: off (only --long-prefill-chunk and the budget); "
-                        "ignored with --deterministic")
-    g.add_argument("--max-running", type=int, default=16,
+    g.add_argument("--step-slo-ms", type=float, default=None,
+                   help="size the prefill work of a step that has decodes so that the step is "
+                        "predicted (from a fit of measured step times) to finish within this "
+                        "many milliseconds: the inter-token latency target while prompts are "
+                        "admitted; 0: off (only --max-batched-tokens and --long-prefill-chunk); "
+                        f"ignored with --deterministic (default {STEP_SLO_MS:g}; 0 with --itl-ratio)")
+    g.add_argument("--itl-ratio", type=float, default=0.0,
+                   help="V4-mini engines, instead of --step-slo-ms: size such a step to at "
+                        "most this many times a decode-only step; 0: off")
+    g.add_argument("--max-running", type=int, default=MAX_RUNNING,
                    help="sequences scheduled in one step")
     g.add_argument("--truncation", choices=TRUNCATION_MODES, default=None,
                    help="YOCO prefill truncation (env KVMESH_YOCO_PREFILL_TRUNCATION_MODE, default off)")
@@ -118,6 +127,14 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     return g
 
 
+def step_slo_ms(args) -> float:
+    """--step-slo-ms as given, else its default, or 0 (off) when --itl-ratio sizes steps."""
+    given = getattr(args, "step_slo_ms", None)
+    if given is not None:
+        return given
+    return 0.0 if getattr(args, "itl_ratio", 0.0) else STEP_SLO_MS
+
+
 def engine_config(args, env=None) -> EngineConfig:
     """Flags first; the KVMESH_* variables (env, default os.environ) only for flags not given."""
     role = getattr(args, "role", "unified")
@@ -129,6 +146,7 @@ def engine_config(args, env=None) -> EngineConfig:
         num_slots=args.num_slots, num_blocks=args.num_blocks,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running,
         long_prefill_chunk=args.long_prefill_chunk, itl_ratio=args.itl_ratio,
+        step_slo_ms=step_slo_ms(args),
         truncation=args.truncation, keep_tokens=args.keep_tokens, extra_state=extra, role=role,
         extra_state_size=args.extra_state_size, max_backtrack=args.max_backtrack,
         speculative=args.speculative, spec_policy=args.spec_policy, ngram_min=args.ngram_min, ngram_max=args.ngram_max,

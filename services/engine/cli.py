@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +34,11 @@ def register(sub) -> None:
                        help="peer snapshot fetch vs bounded replay (auto: cost model)")
     serve.add_argument("--fetch-deadline-ms", type=int, default=1000,
                        help="a peer snapshot fetch slower than this replays instead")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="CPU threads of the forward (default: $OMP_NUM_THREADS if set, else "
+                            "the CPUs less one, at least 1: the gRPC server's thread streams "
+                            "every token beside the engine's, and a forward on every CPU "
+                            "slows both)")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus /metrics on this port (0 = any free port; "
                        "default: off)")
@@ -90,8 +96,11 @@ def register(sub) -> None:
 
 
 def _serve(args) -> int:
+    import torch
+
     from services.engine.rpc.server import serve
 
+    torch.set_num_threads(serve_threads(args.threads))
     try:
         core = build_core(args)
     except ValueError as exc:
@@ -101,6 +110,18 @@ def _serve(args) -> int:
                       args.directory, args.kvstore, args.swa_fetch, args.fetch_deadline_ms / 1000,
                       args.metrics_port))
     return 0
+
+
+def serve_threads(given: int | None, env=None) -> int:
+    """--threads as given, else $OMP_NUM_THREADS, else the CPUs this process may use less one."""
+    env = os.environ if env is None else env
+    if given is not None:
+        if given < 1:
+            raise SystemExit(f"kvmesh engine: --threads must be >= 1, not {given}")
+        return given
+    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+        return int(env["OMP_NUM_THREADS"])
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def _budget(text: str) -> int:

@@ -195,6 +195,8 @@ class EngineConfig:
     long_prefill_chunk: int = 0         # most prompt tokens per sequence per step (0: budget only)
     itl_ratio: float = 0.0              # a step with decodes sized to <= this x a decode-only step
                                         # (measured, core/step_costs.py); 0: off
+    step_slo_ms: float = 0.0            # a step with decodes sized to finish within this many
+                                        # ms (fitted, core/step_budget.py); 0: off
     truncation: str = "off"             # YOCO prefill truncation: off | mask | compact
     keep_tokens: int = 0                # KEEP; must be explicit when truncation is on
     extra_state: bool = False           # prefill-engine SWA ring of 396
@@ -237,6 +239,11 @@ class EngineConfig:
             raise ValueError(f"spec_policy must be one of {SPEC_POLICIES}, not {self.spec_policy!r}")
         if self.itl_ratio < 0 or 0 < self.itl_ratio <= 1:
             raise ValueError(f"itl_ratio must be 0 (off) or above 1, not {self.itl_ratio}")
+        if self.step_slo_ms < 0:
+            raise ValueError(f"step_slo_ms must be >= 0 (0: off), not {self.step_slo_ms}")
+        if self.step_slo_ms and self.itl_ratio:
+            raise ValueError("itl_ratio and step_slo_ms both size a step's prefill work: give "
+                             "one (--itl-ratio X --step-slo-ms 0, or the default)")
         if self.dtype not in ("float32", "float64"):
             raise ValueError("dtype must be float32 or float64")
         dev = self.device

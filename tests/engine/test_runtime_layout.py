@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cli import build_parser
-from services.engine.build import build_core, runtime_layout
+from services.engine.build import MAX_RUNNING, build_core, runtime_layout
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import V41_FLASH, EngineConfig
@@ -170,8 +170,9 @@ def test_layout_command_json_for_v41_flash_prefill_engine():
         ("encoder_swa", 0, stored_end), ("decoder_swa", stored_end, swa_end),
         ("compression", swa_end, slot_end)]
     assert d["slot"]["bytes"] == slot_end
-    assert d["memory"]["budget"] == 80 << 30 and d["memory"]["slots"] == 16
-    assert d["memory"]["blocks"] == ((80 << 30) - 16 * (slot_end + 1_415_040)) // 1_595_392
+    slots = MAX_RUNNING                   # engine serve's default --num-slots
+    assert d["memory"]["budget"] == 80 << 30 and d["memory"]["slots"] == slots
+    assert d["memory"]["blocks"] == ((80 << 30) - slots * (slot_end + 1_415_040)) // 1_595_392
 
 
 def test_layout_command_table_and_errors():

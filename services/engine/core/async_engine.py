@@ -111,8 +111,7 @@ class AsyncEngine:
                     self.core.abort(rid)
                     self._sinks.pop(rid, None)
                 continue
-            for ev in events:
-                self._deliver(ev)
+            self._deliver_all(events)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -161,10 +160,24 @@ class AsyncEngine:
         self.core.abort(request_id)
         self._sinks.pop(request_id, None)
 
-    def _deliver(self, ev: Event) -> None:
-        self._post(ev.request_id, ev)
-        if ev.finish is not None:
-            self._sinks.pop(ev.request_id, None)
+    def _deliver_all(self, events: list[Event]) -> None:
+        """A step's events, handed to each caller's loop in one wake-up (one
+        call_soon_threadsafe per loop, not one per stream: at 32 streams the wake-ups alone
+        cost the loop thread a share of the GIL the engine thread then waits for)."""
+        batches: dict[object, list] = {}
+        for ev in events:
+            target = self._sinks.get(ev.request_id)
+            if target is not None:
+                loop, sink = target
+                batches.setdefault(loop, []).append((sink, ev))
+            if ev.finish is not None:
+                self._sinks.pop(ev.request_id, None)
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the callers' loop is closed
+                for rid in [r for r, (lp, _) in self._sinks.items() if lp is loop]:
+                    self._sinks.pop(rid, None)
 
     def _post(self, rid: str, item) -> None:
         target = self._sinks.get(rid)
@@ -174,3 +187,8 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(sink.put_nowait, item)
             except RuntimeError:  # the caller's loop is closed
                 self._sinks.pop(rid, None)
+
+
+def _put_all(items) -> None:
+    for sink, item in items:
+        sink.put_nowait(item)

@@ -9,8 +9,10 @@ Owns the waiting queue, the running list and each sequence's scheduling fields
        token budget `max_batched_tokens` (decode tokens count against it), each chunk at
        most `long_prefill_chunk` tokens when that is set, so one long prompt cannot make
        a step (and the inter-token latency of every decode in it) arbitrarily long; with
-       `itl_ratio`, a step that has decodes carries at most the prefill tokens its measured
-       costs say keep it within that many decode-only steps (StepCosts, step_costs.py);
+       `step_slo_ms` (the default), a step that has decodes carries at most the prefill
+       tokens a fit of recent step times says keep it within that many milliseconds
+       (StepBudget, step_budget.py); with `itl_ratio` instead, within that many decode-only
+       steps (StepCosts, step_costs.py);
     3. waiting sequences are admitted while a slot, blocks for their first chunk,
        and budget remain: the cache manager plans the prefix hit (match_prefix) and
        fills the slot from it (admit); the plan goes back to the engine in the StepPlan.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from services.engine.cache.manager import CacheManager, MatchResult
 from services.engine.config import EngineConfig
 from services.engine.core.sequence import Finish, Sequence, Status
+from services.engine.core.step_budget import StepBudget
 from services.engine.core.step_costs import StepCosts
 
 
@@ -54,7 +57,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._admissions = 0
         # timing-sized steps would change chunk boundaries (and fp32 bits) between runs
-        self.costs = StepCosts(0.0 if ecfg.deterministic else ecfg.itl_ratio)
+        self.costs = StepBudget(0.0 if ecfg.deterministic else ecfg.step_slo_ms) \
+            if ecfg.step_slo_ms else StepCosts(0.0 if ecfg.deterministic else ecfg.itl_ratio)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

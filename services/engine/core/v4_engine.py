@@ -54,6 +54,7 @@ from services.engine.core.request_checks import check_prompt
 from services.engine.core.sampling import SamplingParams, draw_batch, read_ids
 from services.engine.core.sequence import Finish
 from services.engine.core.speculative import Speculator, engine_setting
+from services.engine.core.step_budget import StepBudget
 from services.engine.core.v4_mtp_draft import V4MtpDrafter
 from services.engine.core.v4_paths import model_path
 from services.engine.core.v4_prefix import Match, V4Prefix
@@ -86,6 +87,9 @@ class V4Engine:
         self.running: list[V4Request] = []
         self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
         self.prefill_token_s = 0.0
+        # prefill tokens a step beside decodes may carry (--step-slo-ms); off when
+        # deterministic: timing-sized chunks would change fp32 results between runs
+        self.step_budget = StepBudget(0.0 if ecfg.deterministic else ecfg.step_slo_ms)
         # speculative decoding: ngram:K, K <= the 6 tokens a slot can take back
         setting = engine_setting(ecfg.speculative, layout.BACKTRACK, mtp.has_mtp(model.weights))
         drafter = V4MtpDrafter(mtp.MtpModule(model), model.cfg.window) \
@@ -189,7 +193,10 @@ class V4Engine:
                   zip(ready, where, strict=True)]
         for (req, d, _, hidden), verdict in zip(verifying, read[len(parts):], strict=True):
             events.append(self._verified(req, d, verdict, hidden))
-        self.spec.step_done(n_decode, n_drafted, other, time.perf_counter() - t_step)
+        seconds = time.perf_counter() - t_step
+        self.spec.step_done(n_decode, n_drafted, other, seconds)
+        if not replaying:      # a replay is work the step-time fit does not model
+            self.step_budget.observe(n_decode + n_drafted, other, seconds)
         return events
 
     def _forward(self, works: list[tuple[V4Request, list[int]]]):
@@ -259,11 +266,16 @@ class V4Engine:
               ) -> list[tuple[V4Request, list[int]]]:
         """This step's tokens per request: every decode row first (one token and its
         drafts each), then prefill chunks in admission order within --max-batched-tokens
-        and --long-prefill-chunk, a chunk ending at its request's snapshot position."""
+        and --long-prefill-chunk (and, beside decodes, --step-slo-ms), a chunk ending at
+        its request's snapshot position."""
         budget = self.ecfg.max_batched_tokens
         decodes = [r for r in reqs if r.pending == 1]
         works = [(r, r.tokens[-1:] + drafts.get(r.request_id, [])) for r in decodes]
-        budget -= sum(len(ids) for _, ids in works)
+        rows = sum(len(ids) for _, ids in works)
+        budget -= rows
+        cap = self.step_budget.prefill_cap(rows)
+        if cap is not None:
+            budget = min(budget, cap)
         for req in reqs:
             if req.pending <= 1 or budget <= 0:
                 continue
