@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import OUT, parser, pct, plot, table  # noqa: E402
+from bench._common import OUT, parser, pct, table  # noqa: E402
 from kvmesh.backing.proc import free_port  # noqa: E402
 from services.engine.rpc.client import EngineClient  # noqa: E402
 
@@ -49,14 +49,15 @@ KVMESH = [sys.executable, "-m", "kvmesh.cli"]
 class Engine:
     """One `kvmesh engine serve` process on a free port, its log in bench/out."""
 
-    def __init__(self, flags: list[str], log: Path):
+    def __init__(self, flags: list[str], log: Path, root: Path = ROOT):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = log.open("w")
         argv = [*KVMESH, "engine", "serve", "--port", str(self.port), *flags]
+        env = dict(os.environ, PYTHONPATH=str(root))
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=ROOT, env=dict(os.environ))
+                                     cwd=root, env=env)
 
     async def ready(self, timeout_s: float = 120.0) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -150,7 +151,8 @@ def summarize(runs: list[dict], start: float, end: float) -> dict:
             "peak_decoding": peak, "mean_decoding": weighted / busy if busy else 0.0}
 
 
-async def measure(address: str, n: int, length: int, tokens: int, vocab: int) -> dict:
+async def measure(address: str, n: int, length: int, tokens: int, vocab: int,
+                  beside_shape: tuple[int, int]) -> dict:
     client = EngineClient(address)
     try:
         await one(client, prompts(1, length, vocab, 999)[0], 4)        # warm-up
@@ -163,8 +165,10 @@ async def measure(address: str, n: int, length: int, tokens: int, vocab: int) ->
         seq_end = time.perf_counter()
         burst = await asyncio.gather(*(one(client, p, tokens) for p in burst_prompts))
         burst_end = time.perf_counter()
-        print("  16 streams beside a 4K prompt", flush=True)
-        side = await beside(client, vocab, 16, 4096)
+        side = None
+        if beside_shape[0]:
+            print(f"  {beside_shape[0]} streams beside a {beside_shape[1]}-token prompt", flush=True)
+            side = await beside(client, vocab, *beside_shape)
     finally:
         await client.close()
     res = {"sequential": summarize(seq, start, seq_end),
@@ -189,9 +193,16 @@ def main() -> int:
     p.add_argument("--flags", action="append", default=None,
                    help="extra `engine serve` flags, one engine each (repeat to compare; "
                         "default: one engine with no extra flags)")
+    p.add_argument("--before", type=Path, default=None,
+                   help="also run an older checkout's engine first (its own defaults with "
+                        "--before-flags), labelled 'before'")
+    p.add_argument("--before-flags", default="--num-slots 32 --max-running 32")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--beside-streams", type=int, default=16,
+                   help="streams decoding beside the long prompt (0: skip that phase)")
+    p.add_argument("--beside-tokens", type=int, default=4096, help="the long prompt's tokens")
     p.add_argument("--threads", type=int, default=None,
                    help="OMP_NUM_THREADS of the engine (default: unset, the engine's own "
                         "default: the CPUs less one)")
@@ -201,16 +212,19 @@ def main() -> int:
     else:
         os.environ.pop("OMP_NUM_THREADS", None)
     results = {}
-    for flags in args.flags or [""]:
+    runs = [(f"before: {args.before_flags}", args.before_flags, args.before.resolve())] \
+        if args.before else []
+    runs += [(flags or "defaults", flags, ROOT) for flags in args.flags or [""]]
+    for label, flags, root in runs:
         argv = shlex.split(flags)
-        label = flags or "defaults"
         print(f"engine serve {label} ...", flush=True)
-        engine = Engine(argv, OUT / f"serve_burst_{len(results)}.log")
+        engine = Engine(argv, OUT / f"serve_burst_{len(results)}.log", root)
         try:
             asyncio.run(engine.ready())
             results[label] = asyncio.run(measure(engine.address, args.requests,
                                                  args.prompt_tokens, args.tokens,
-                                                 model_vocab(argv)))
+                                                 model_vocab(argv),
+                                                 (args.beside_streams, args.beside_tokens)))
         finally:
             engine.stop()
     report(results, args)
@@ -231,24 +245,52 @@ def report(results: dict, args) -> None:
     print(table(["flags", "burst / sequential", "burst ITL p99 / single ITL p50"],
                 [[label, f"{r['speedup']:.2f}x", f"{r['itl_p99_over_single_p50']:.2f}x"]
                  for label, r in results.items()]))
-    print("16 streams decoding while a 4096-token prompt is prefilled beside them")
-    print(table(["flags", "ITL p50 alone ms", "ITL p99 alone ms", "ITL p50 beside ms",
-                 "ITL p99 beside ms", "max beside ms", "gaps", "4K TTFT ms"],
-                [[label, round(b["alone_p50_ms"], 1), round(b["alone_p99_ms"], 1),
-                  round(b["during_p50_ms"], 1), round(b["during_p99_ms"], 1),
-                  round(b["during_max_ms"], 1), b["gaps_during"], round(b["ttft_ms"])]
-                 for label, b in ((k, r["beside"]) for k, r in results.items())]))
+    if all(r["beside"] is not None for r in results.values()):
+        print(f"{args.beside_streams} streams decoding while a {args.beside_tokens}-token prompt "
+              "is prefilled beside them")
+        print(table(["flags", "ITL p50 alone ms", "ITL p99 alone ms", "ITL p50 beside ms",
+                     "ITL p99 beside ms", "max beside ms", "gaps", "long TTFT ms"],
+                    [[label, round(b["alone_p50_ms"], 1), round(b["alone_p99_ms"], 1),
+                      round(b["during_p50_ms"], 1), round(b["during_p99_ms"], 1),
+                      round(b["during_max_ms"], 1), b["gaps_during"], round(b["ttft_ms"])]
+                     for label, b in ((k, r["beside"]) for k, r in results.items())]))
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
             "tokens": args.tokens, "threads": args.threads}
     (OUT / "serve_burst.json").write_text(json.dumps({"args": meta, "results": results},
                                                      indent=1))
-    labels = list(results)
-    plot(OUT / "serve_burst.png", f"{args.requests} requests over gRPC: burst vs sequential",
-         "run", "generated tokens/s",
-         {phase: (list(range(len(labels))), [results[k][phase]["tok_s"] for k in labels])
-          for phase in ("sequential", "burst")}, logx=False, logy=False)
+    plot_runs(results, OUT / "serve_burst.png", args.requests)
     print(f"wrote {OUT / 'serve_burst.json'}", flush=True)
+
+
+def plot_runs(results: dict, path: Path, n: int) -> None:
+    """Per engine setting: tokens/s of both phases (left), the burst's ITL p50/p99 and a lone
+    stream's ITL p50 (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(results)
+    x = range(len(labels))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for k, phase in enumerate(("sequential", "burst")):
+        left.bar([i + 0.4 * k for i in x], [results[lb][phase]["tok_s"] for lb in labels],
+                 0.4, label=phase)
+    left.set(ylabel="generated tokens/s", title=f"{n} requests: one after another vs at once")
+    for k, (phase, key, name) in enumerate((("sequential", "itl_p50_ms", "lone stream ITL p50"),
+                                            ("burst", "itl_p50_ms", "burst ITL p50"),
+                                            ("burst", "itl_p99_ms", "burst ITL p99"))):
+        right.bar([i + 0.27 * k for i in x], [results[lb][phase][key] for lb in labels], 0.27,
+                  label=name)
+    right.set(ylabel="ms", title="inter-token latency")
+    for ax in (left, right):
+        ax.set_xticks([i + 0.2 for i in x], labels, fontsize=7, rotation=10)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
