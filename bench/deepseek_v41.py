@@ -4,7 +4,7 @@
        position (`--truncation off`) and on the last 134 only (`compact`): seconds and the
        ratio. The decoder (the last KV source and the layers after it) is half of this
        model's layers, so compact approaches 2x as the prompt grows past 134 tokens;
-    2. decode tokens/s of 1 and of 8 sequences after a 256-token prompt.
+    2. decode tokens/s of 1, 8 and 32 sequences after a 256-token prompt.
 
 Random weights of a small config with V4.1-Flash's attention geometry (head_dim 512, window
 128, ratio-2 and ratio-1 KV sources with consumers, index sources with and without keys, a
@@ -59,8 +59,9 @@ def v41_model() -> V41Model:
     return V41Model(cfg, weights, torch.float32, rows=window_rows.for_dtype(torch.float32))
 
 
-def engine(model: V41Model, blocks: int, truncation: str) -> V4Engine:
-    ecfg = EngineConfig(num_slots=8, num_blocks=blocks, max_batched_tokens=CHUNK,
+def engine(model: V41Model, blocks: int, truncation: str, slots: int = 8) -> V4Engine:
+    ecfg = EngineConfig(num_slots=slots, max_running=slots, num_blocks=blocks,
+                        max_batched_tokens=CHUNK,
                         long_prefill_chunk=CHUNK, truncation=truncation,
                         keep_tokens=KEEP if truncation != "off" else 0)
     return V4Engine(model, ecfg, ByteTokenizer(), "bench")
@@ -75,7 +76,7 @@ def prefill(model: V41Model, length: int, truncation: str) -> float:
 def decode(model: V41Model, streams: int, steps: int) -> float:
     """Tokens/s of `streams` sequences decoding together after 256-token prompts."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    return decode_tok_s(engine(model, streams * 6, "off"),
+    return decode_tok_s(engine(model, streams * 6, "off", slots=max(8, streams)),
                         [random_ids(256, 10 + k, model.cfg.vocab_size) for k in range(streams)],
                         params, steps)
 
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
         out["prefill_s"]["off"][n], out["prefill_s"]["compact"][n] = off, compact
         rows.append([f"prefill {n}", off, compact, off / compact])
         print(f"  prefill {n}: off {off:.2f} s, compact {compact:.2f} s", flush=True)
-    for streams in (1, 8):
+    for streams in (1, 8, 32):
         rate = decode(model, streams, args.decode_steps)
         out["decode_tok_s"][streams] = rate
         rows.append([f"decode x{streams} (tok/s)", rate, float("nan"), float("nan")])

@@ -18,5 +18,5 @@ def test_deepseek_v41_bench_writes_its_report():
     for mode in ("off", "compact"):
         assert set(report["prefill_s"][mode]) == {"256", "384"}
         assert all(v > 0 for v in report["prefill_s"][mode].values())
-    assert all(report["decode_tok_s"][k] > 0 for k in ("1", "8"))
+    assert all(report["decode_tok_s"][k] > 0 for k in ("1", "8", "32"))
     assert "off / compact" in run.stdout and (ROOT / "bench/out/deepseek_v41.png").stat().st_size > 1000

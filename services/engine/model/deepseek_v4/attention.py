@@ -51,6 +51,27 @@ def attend(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: to
     return torch.matmul(probs.to(keys.dtype), keys).transpose(0, 1)               # [S, H, d]
 
 
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """`attention.attend` with one query row per batch entry: q [B, H, d], keys [B, K, d]
+    (also the values), allowed [B, K] -> [B, H, d]."""
+    logits = torch.matmul(q, keys.transpose(1, 2)) * scale                       # [B, H, K]
+    logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    sink = sinks.to(logits.dtype).view(1, -1, 1).expand(logits.shape[0], -1, 1)
+    logits = torch.cat([logits, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(keys.dtype), keys)
+
+
+def pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """[n_b, ...] tensors -> [B, width, ...], zeros after each one's rows."""
+    out = rows[0].new_zeros((len(rows), width, *rows[0].shape[1:]))
+    for b, r in enumerate(rows):
+        out[b, :r.shape[0]] = r
+    return out
+
+
 def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, groups: int) -> torch.Tensor:
     """o [S, H, d] -> [S, D]: heads split into `groups`, each projected by its own block of wo_a."""
     s = o.shape[0]

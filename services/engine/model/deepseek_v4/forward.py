@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from services.engine.model.deepseek_v4 import hyper
 from services.engine.model.deepseek_v4.attention import AttentionParts, attention
 from services.engine.model.deepseek_v4.config import Rope, V4Config
+from services.engine.model.deepseek_v4.decode import decode_rows
 from services.engine.model.deepseek_v4.moe import moe
 from services.engine.model.deepseek_v4.numerics import inv_freq, rms_norm, rope_tables
 
@@ -58,16 +59,31 @@ class V4Model:
         """Several sequences' tokens in one pass: spans[k] = (positions, prior) or
         (positions, prior, given) of the k-th run of rows, in row order (`given`: see
         `attention`). Everything but attention runs over all rows at once (the MoE's grouped
-        products included); attention runs per span."""
+        products included); attention runs per span, except that spans of one decode row
+        each attend together (decode.py)."""
         cfg, w = self.cfg, self.layers[i]
         pre, post, comb = self._mix(streams, w, "hc_attn")
         x = rms_norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
-        parts, start = [], 0
-        for positions, prior, *given in spans:
-            end = start + positions.shape[0]
-            parts.append(attention(cfg, i, self.attn[i], x[start:end], positions, self.tables,
-                                   prior, self.stored, *given, rows=self.rows))
-            start = end
+        bounds, start = [], 0
+        for positions, *_ in spans:
+            bounds.append((start, start + positions.shape[0]))
+            start += positions.shape[0]
+        parts: list = [None] * len(spans)
+        # spans of one decode row after a prefix attend together (decode.py)
+        decoding = [k for k, (positions, prior, *given) in enumerate(spans)
+                    if positions.shape[0] == 1 and prior is not None and not any(given)]
+        if len(decoding) > 1:
+            rows = torch.tensor([bounds[k][0] for k in decoding])
+            batch = decode_rows(cfg, i, self.attn[i], x[rows],
+                                torch.cat([spans[k][0] for k in decoding]), self.tables,
+                                [spans[k][1] for k in decoding], self.stored, self.rows)
+            for k, part in zip(decoding, batch, strict=True):
+                parts[k] = part
+        for k, (positions, prior, *given) in enumerate(spans):
+            if parts[k] is None:
+                start, end = bounds[k]
+                parts[k] = attention(cfg, i, self.attn[i], x[start:end], positions, self.tables,
+                                     prior, self.stored, *given, rows=self.rows)
         out = parts[0].out if len(parts) == 1 else torch.cat([p.out for p in parts])
         streams = hyper.expand(streams, out, post, comb)
         pre, post, comb = self._mix(streams, w, "hc_ffn")

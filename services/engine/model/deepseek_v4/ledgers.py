@@ -187,7 +187,8 @@ def extend(model: V4Model, led: Ledgers, seq: Sequence, ids) -> torch.Tensor:
 def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]],
          streams_too: bool = False):
     """One forward over several sequences' next tokens (decode rows and prefill chunks
-    together, one sequence once): per-token work runs over all rows, attention per sequence.
+    together, one sequence once): per-token work runs over all rows; decode rows read and
+    write their rings and attend together (decode.py), other spans one at a time.
     Returns each work's logits [len(ids), vocab]; with `streams_too`, (logits, the last
     layer's streams [len(ids), n, D] of each work: what the MTP module reads)."""
     _check_model(model, led)
@@ -197,12 +198,24 @@ def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]],
         led._reserve(seq, int(pos[-1]) + 1)
     ids = torch.cat(chunks)
     streams = model.embed(ids)
+    # decode rows (one token after a prefix) read and write their rings together
+    decoding = [k for k, (seq, pos) in enumerate(zip(seqs, positions, strict=True))
+                if pos.numel() == 1 and seq.length]
+    if len(decoding) < 2:
+        decoding = []
     for i in range(model.cfg.num_layers):
-        spans = [(pos, _read(model, led, seq, i) if seq.length else None)
-                 for seq, pos in zip(seqs, positions, strict=True)]
+        priors = dict(zip(decoding, _read_rows(model, led, [seqs[k] for k in decoding], i),
+                          strict=True)) if decoding else {}
+        spans = [(pos, priors[k] if k in priors else
+                  _read(model, led, seq, i) if seq.length else None)
+                 for k, (seq, pos) in enumerate(zip(seqs, positions, strict=True))]
         streams, parts = model.layer_spans(i, streams, spans, ids)
-        for seq, pos, p in zip(seqs, positions, parts, strict=True):
-            _write(model, led, seq, i, pos, p)
+        for k, (seq, pos, p) in enumerate(zip(seqs, positions, parts, strict=True)):
+            if k not in priors:
+                _write(model, led, seq, i, pos, p)
+        if decoding:
+            _write_rows(model, led, [seqs[k] for k in decoding], i,
+                        torch.cat([positions[k] for k in decoding]), [parts[k] for k in decoding])
     for seq, chunk in zip(seqs, chunks, strict=True):
         seq.length += chunk.shape[0]
     sizes = [c.shape[0] for c in chunks]
@@ -285,6 +298,37 @@ def _read(model: V4Model, led: Ledgers, seq: Sequence, layer: int) -> AttentionP
     ring = led.swa[layer][seq.slot]
     window = window_rows.decode(led.rows, ring[window_pos % ring.shape[0]], model.dtype)
     return _prior(model, led, seq, layer, end, window, overlap=True)
+
+
+def _read_rows(model: V4Model, led: Ledgers, seqs: list[Sequence], layer: int
+               ) -> list[AttentionParts]:
+    """`_read` for several sequences at once (decode rows): every ring's window rows in one
+    gather and one decode. Shorter windows gather rows past their own, cut off unread."""
+    ends = torch.tensor([s.length for s in seqs])
+    firsts = torch.clamp(ends - (model.cfg.window - 1), min=0)
+    counts = (ends - firsts).tolist()
+    ring = led.swa[layer]
+    at = (firsts.view(-1, 1) + torch.arange(max(counts))) % ring.shape[1]
+    slots = torch.tensor([s.slot for s in seqs]).view(-1, 1)
+    windows = window_rows.decode(led.rows, ring[slots, at], model.dtype)
+    return [_prior(model, led, seq, layer, seq.length, windows[b, :n], overlap=True)
+            for b, (seq, n) in enumerate(zip(seqs, counts, strict=True))]
+
+
+def _write_rows(model: V4Model, led: Ledgers, seqs: list[Sequence], layer: int,
+                positions: torch.Tensor, parts: list[AttentionParts]) -> None:
+    """`_write` for several sequences' single decode rows (positions [B]): the window rows in
+    one scatter, then each one's compressors."""
+    ring = led.swa[layer]
+    slots = torch.tensor([s.slot for s in seqs])
+    rows = torch.stack([p.window_kv[-1] for p in parts])
+    ring[slots, positions % ring.shape[1]] = window_rows.encode(led.rows, rows)
+    if parts[0].pooled is None:
+        return
+    for b, (seq, p) in enumerate(zip(seqs, parts, strict=True)):
+        _write_compressor(led, seq, layer, False, positions[b:b + 1], p.pooled, 0)
+        if p.index_pooled is not None:
+            _write_compressor(led, seq, layer, True, positions[b:b + 1], p.index_pooled, 0)
 
 
 def _prior(model: V4Model, led: Ledgers, seq: Sequence, layer: int, length: int,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.engine.model.deepseek_v4.attention import attend_rows, pad_rows
 from services.engine.model.deepseek_v4.v41_forward import (
     LayerState,
     Projected,
@@ -37,27 +38,6 @@ from services.engine.model.deepseek_v4.v41_forward import (
 )
 
 
-def attend_rows(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    """`attention.attend` with one query row per batch entry: q [B, H, d], keys [B, K, d]
-    (also the values), allowed [B, K] -> [B, H, d]."""
-    logits = torch.matmul(q, keys.transpose(1, 2)) * scale                       # [B, H, K]
-    logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    sink = sinks.to(logits.dtype).view(1, -1, 1).expand(logits.shape[0], -1, 1)
-    logits = torch.cat([logits, sink], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
-    return torch.matmul(probs.to(keys.dtype), keys)
-
-
-def _pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    """[n_b, ...] tensors -> [B, width, ...], zeros after each one's rows."""
-    out = rows[0].new_zeros((len(rows), width, *rows[0].shape[1:]))
-    for b, r in enumerate(rows):
-        out[b, :r.shape[0]] = r
-    return out
-
-
 def decode_rows(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
                 tables: RopeTables, shareds: list[Shared], p: Projected,
                 priors: list[LayerState], floors: list[int]
@@ -72,7 +52,7 @@ def decode_rows(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions:
     key_pos = positions.view(-1, 1) - (lengths.view(-1, 1) - 1) + slot
     allowed = (slot < lengths.view(-1, 1)) & (positions.view(-1, 1) - key_pos < cfg.window) \
         & (key_pos >= torch.tensor(floors).view(-1, 1))
-    keys = _pad(windows, width)
+    keys = pad_rows(windows, width)
     states = [LayerState(k, None) for k in windows]
     results = [(shared, state) for shared, state in zip(shareds, states, strict=True)]
     if cfg.ratio(layer):
@@ -88,7 +68,7 @@ def decode_rows(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions:
             # the entries each row sees: written (slot < count) and closed before it
             seen = (slot < counts.view(-1, 1)) & (slot < ((positions + 1) // cfg.ratio(layer)).view(-1, 1))
             q, head_weights = p.index
-            index_keys = _pad([s.keys for s in sources], t).to(q.dtype)
+            index_keys = pad_rows([s.keys for s in sources], t).to(q.dtype)
             scores = (F.relu(torch.matmul(q, index_keys.transpose(1, 2)))
                       * head_weights.unsqueeze(-1)).sum(dim=1)                     # [B, T]
             if layer == cfg.candidate_source:
@@ -104,7 +84,7 @@ def decode_rows(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions:
         else:
             chosen = _chosen([s.chosen for s in shareds], t)
             shareds = [s._replace(source=src) for s, src in zip(shareds, sources, strict=True)]
-        keys = torch.cat([keys, _pad([s.entries for s in sources], t)], dim=1)
+        keys = torch.cat([keys, pad_rows([s.entries for s in sources], t)], dim=1)
         allowed = torch.cat([allowed, chosen], dim=1)
         results = list(zip(shareds, states, strict=True))
     o = attend_rows(p.q, keys, allowed, w["attn_sink"], cfg.head_dim ** -0.5)
