@@ -142,7 +142,8 @@ def register(sub) -> None:
     up.add_argument("--num-slots", type=int, default=32,
                     help="state slots per engine: requests each runs at once (engine serve's "
                          "default)")
-    up.add_argument("--num-blocks", type=int, default=512, help="cache blocks per engine")
+    up.add_argument("--num-blocks", type=int, default=1024,
+                    help="128-token cache blocks per engine (engine serve's default)")
     up.add_argument("--pd", action="store_true",
                     help="prefill/decode disaggregation: engine-a prefills (--role prefill), "
                     "the other engines decode (--role decode); with the default --engines "

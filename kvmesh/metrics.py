@@ -66,6 +66,18 @@ def spec_acceptance() -> Histogram:
 
 
 @functools.cache
+def request_success() -> Counter:
+    """vllm:request_success_total: an engine's finished generations by vLLM's finished_reason
+    (stop, length, abort). Registered on first use: only an engine has it."""
+    return Counter("vllm:request_success", "Finished generations by why they ended",
+                   ["model_name", "finished_reason"])
+
+
+# kvmesh's finish reasons in vLLM's words; a handoff is not an end (a decode engine goes on)
+FINISHED_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
+
+
+@functools.cache
 def gateway_counters() -> tuple[Counter, Counter]:
     """The gateway's own families (retries, migrations), registered on first use so that no
     other service's page shows them."""
@@ -210,6 +222,7 @@ class GenerationTimes:
     def __init__(self, model_name: str, clock=time.monotonic):
         self.ttft, self.itl, self.e2e = (h.labels(model_name) for h in vllm_histograms())
         self.acceptance = spec_acceptance().labels(model_name)
+        self.model_name = model_name
         self.clock = clock
         self.t0 = self.last = clock()
         self.first = True
@@ -225,11 +238,14 @@ class GenerationTimes:
             self.itl.observe((now - self.last) / n)
         self.last = now
 
-    def done(self, drafted: int = 0, accepted: int = 0) -> None:
-        """The generation finished; `drafted`/`accepted`: its speculative tokens."""
+    def done(self, drafted: int = 0, accepted: int = 0, finish: str = "") -> None:
+        """The generation finished (`finish`: kvmesh's reason, e.g. "stop"); `drafted` /
+        `accepted`: its speculative tokens."""
         self.e2e.observe(self.clock() - self.t0)
         if drafted:
             self.acceptance.observe(accepted / drafted)
+        if finish in FINISHED_REASONS:
+            request_success().labels(self.model_name, FINISHED_REASONS[finish]).inc()
 
 
 class RpcMetrics(grpc.aio.ServerInterceptor):

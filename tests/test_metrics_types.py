@@ -73,3 +73,12 @@ def test_each_drafting_generation_adds_its_acceptance():
     GenerationTimes("m-acceptance", clock=lambda: 1.0).done()           # drafted nothing
     after = (hist._sum.get(), sum(b.get() for b in hist._buckets))
     assert round(after[0] - before[0], 6) == 0.75 and after[1] - before[1] == 1
+
+
+def test_finished_generations_count_by_vllms_finish_reason():
+    counter = metrics.request_success()
+    before = {r: counter.labels("m-finish", r)._value.get() for r in ("stop", "length", "abort")}
+    for finish in ("stop", "stop", "length", "aborted", "handoff", ""):
+        GenerationTimes("m-finish", clock=lambda: 1.0).done(finish=finish)
+    got = {r: counter.labels("m-finish", r)._value.get() - before[r] for r in before}
+    assert got == {"stop": 2, "length": 1, "abort": 1}     # a handoff is not an end

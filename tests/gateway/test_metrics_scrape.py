@@ -43,7 +43,8 @@ def test_engine_metrics_are_typed_and_carry_vllms_names(gw, mesh):
                            ("vllm:prefix_cache_hits", "counter"),
                            ("vllm:time_to_first_token_seconds", "histogram"),
                            ("vllm:inter_token_latency_seconds", "histogram"),
-                           ("vllm:e2e_request_latency_seconds", "histogram")):
+                           ("vllm:e2e_request_latency_seconds", "histogram"),
+                           ("vllm:request_success", "counter")):
             assert fams[name].type == kind, (n, name)
             labels = {s.labels.get("model_name") for s in fams[name].samples}
             # (a histogram has samples once its engine served a generation)

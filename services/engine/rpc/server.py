@@ -51,8 +51,10 @@ async def _export_stats(engine: AsyncEngine, port: int, host: str, every_s: floa
     """/metrics: engine counters (slots, blocks, cache hits, ...) refreshed once a second
     on the event loop, so a scrape never touches the engine thread."""
     from kvmesh.metrics import (
+        FINISHED_REASONS,
         StatsExporter,
         VllmEngineStats,
+        request_success,
         serve_metrics,
         spec_acceptance,
         vllm_histograms,
@@ -65,6 +67,8 @@ async def _export_stats(engine: AsyncEngine, port: int, host: str, every_s: floa
     VllmEngineStats(lambda: latest, lambda: model)
     for histogram in (*vllm_histograms(), spec_acceptance()):
         histogram.labels(model)       # on the page from the start (zero counts), as vLLM's are
+    for reason in sorted(set(FINISHED_REASONS.values())):
+        request_success().labels(model, reason)
     bound = serve_metrics(port, host)  # the gRPC host: loopback stays loopback
     log.info("engine metrics on port %d", bound)
     while True:

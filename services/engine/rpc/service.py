@@ -98,7 +98,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             stream = self.engine.generate(ids, params, request.request_id, request.cache_salt,
                                           traffic_class, prefetched, request.resume_generated,
                                           request.handoff)
-        generated, usage = 0, None
+        generated, usage, finish = 0, None, ""
         try:
             async for ev in stream:
                 msg = engine_pb2.GenerateResponse(request_id=ev.request_id,
@@ -106,6 +106,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 generated += len(ev.token_ids)
                 times.token(len(ev.token_ids))
                 if ev.finish is not None:
+                    finish = ev.finish.value
                     msg.finish_reason = finish_to_proto(ev.finish.value)
                     usage = usage_proto(ev)
                     msg.usage.CopyFrom(usage)
@@ -116,7 +117,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 yield msg
         finally:
             if usage is not None:                 # vLLM counts finished generations only
-                times.done(usage.drafted_tokens, usage.accepted_tokens)
+                times.done(usage.drafted_tokens, usage.accepted_tokens, finish)
             counts = {"generated": generated}
             if usage is not None:
                 counts.update(prompt=usage.prompt_tokens, cached=usage.cached_tokens,
