@@ -66,6 +66,20 @@ def spec_acceptance() -> Histogram:
 
 
 @functools.cache
+def vllm_phase_histograms() -> tuple[Histogram, Histogram, Histogram, Histogram]:
+    """vLLM's phases of a finished generation, from when the engine first scheduled it:
+    queue (arrival -> scheduled), prefill (scheduled -> first token), decode (first -> last
+    token), inference (scheduled -> last token). Registered on first use: only an engine
+    has them."""
+    return tuple(Histogram(f"vllm:request_{name}_time_seconds", text, ["model_name"],
+                           buckets=LATENCY_BUCKETS)
+                 for name, text in (("queue", "Arrival to first scheduled"),
+                                    ("prefill", "First scheduled to the first token"),
+                                    ("decode", "First token to the last"),
+                                    ("inference", "First scheduled to the last token")))
+
+
+@functools.cache
 def request_success() -> Counter:
     """vllm:request_success_total: an engine's finished generations by vLLM's finished_reason
     (stop, length, abort). Registered on first use: only an engine has it."""
@@ -226,6 +240,8 @@ class GenerationTimes:
         self.clock = clock
         self.t0 = self.last = clock()
         self.first = True
+        self.first_s = 0.0             # when the first token left
+        self.scheduled_s = 0.0         # when the engine first scheduled it (`scheduled`)
 
     def token(self, n: int) -> None:
         if n <= 0:
@@ -233,15 +249,28 @@ class GenerationTimes:
         now = self.clock()
         if self.first:               # the first token ends the TTFT; any with it come at once
             self.ttft.observe(now - self.t0)
-            n, self.first, self.last = n - 1, False, now
+            n, self.first, self.last, self.first_s = n - 1, False, now, now
         for _ in range(n):
             self.itl.observe((now - self.last) / n)
         self.last = now
 
+    def scheduled(self, at: float) -> None:
+        """The engine first scheduled the generation at `at` (the same clock; 0: unknown)."""
+        if at and not self.scheduled_s:
+            self.scheduled_s = at
+
     def done(self, drafted: int = 0, accepted: int = 0, finish: str = "") -> None:
         """The generation finished (`finish`: kvmesh's reason, e.g. "stop"); `drafted` /
         `accepted`: its speculative tokens."""
-        self.e2e.observe(self.clock() - self.t0)
+        end = self.clock()
+        self.e2e.observe(end - self.t0)
+        if self.scheduled_s and self.first_s:
+            queue, prefill, decode, inference = (h.labels(self.model_name)
+                                                 for h in vllm_phase_histograms())
+            queue.observe(max(0.0, self.scheduled_s - self.t0))
+            prefill.observe(max(0.0, self.first_s - self.scheduled_s))
+            decode.observe(end - self.first_s)
+            inference.observe(max(0.0, end - self.scheduled_s))
         if drafted:
             self.acceptance.observe(accepted / drafted)
         if finish in FINISHED_REASONS:

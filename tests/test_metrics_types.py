@@ -82,3 +82,25 @@ def test_finished_generations_count_by_vllms_finish_reason():
         GenerationTimes("m-finish", clock=lambda: 1.0).done(finish=finish)
     got = {r: counter.labels("m-finish", r)._value.get() - before[r] for r in before}
     assert got == {"stop": 2, "length": 1, "abort": 1}     # a handoff is not an end
+
+
+def test_a_finished_generation_records_its_queue_prefill_and_decode_phases():
+    now = [100.0]
+    t = GenerationTimes("m-phases", clock=lambda: now[0])
+    hists = metrics.vllm_phase_histograms()
+    before = [h.labels("m-phases")._sum.get() for h in hists]
+    t.scheduled(100.2)              # waited 0.2 s for a slot
+    now[0] = 100.5
+    t.token(1)                      # prefill 0.3 s
+    t.scheduled(100.4)              # a later admission (after a preemption) changes nothing
+    now[0] = 100.8
+    t.token(1)
+    now[0] = 100.9
+    t.done(finish="length")         # decode 0.4 s, inference 0.7 s
+    got = [round(h.labels("m-phases")._sum.get() - b, 6) for h, b in zip(hists, before, strict=True)]
+    assert got == [0.2, 0.3, 0.4, 0.7]
+    unscheduled = GenerationTimes("m-phases", clock=lambda: now[0])
+    unscheduled.token(1)
+    unscheduled.done()              # never scheduled (e.g. an adopted stream without a time)
+    assert [round(h.labels("m-phases")._sum.get() - b, 6) for h, b in
+            zip(hists, before, strict=True)] == got

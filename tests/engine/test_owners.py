@@ -15,13 +15,13 @@ WRITERS = {
                          "prefill_len", "enc_lo", "dec_lo", "cmp_from", "cached_tokens",
                          "replayed_tokens", "recomputed_tokens", "prefetched", "block_hashes",
                          "lineage"},
-    "core/scheduler.py": {"status", "finish", "preemptions", "admitted_at"},
+    "core/scheduler.py": {"status", "finish", "preemptions", "admitted_at", "scheduled_s"},
 }
 # same names on other objects: a GenerateRequest's `prompt` field, argparse args, and the
 # DeepSeek V4 engine's own request record (V4Request, whose fields V4Engine alone writes)
 NOT_SEQUENCES = {"rpc/client.py": {"prompt"}, "cli.py": {"prompt"},
                  "core/v4_engine.py": {"output", "finish", "cached_tokens", "replayed_tokens",
-                                       "prefetched"}}
+                                       "prefetched", "scheduled_s"}}
 FIELDS = {f.name for f in dataclasses.fields(Sequence)}
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear"}
 

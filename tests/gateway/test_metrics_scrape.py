@@ -26,6 +26,13 @@ def test_engine_metrics_are_typed_and_carry_vllms_names(gw, mesh):
                    if s.name.endswith("_count"))
 
     assert wait_for(lambda: ttft_count() >= 4), ttft_count()
+
+    def finished(name):        # generations a phase histogram counted, over both engines
+        return sum(s.value for n in mesh.engine_names for s in families(n)[name].samples
+                   if s.name.endswith("_count"))
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert wait_for(lambda p=phase: finished(f"vllm:request_{p}_time_seconds") >= 4), phase
     from kvmesh.shipped import DEFAULT_MODEL
 
     model = DEFAULT_MODEL.resolve().name       # the served name: the checkpoint directory's
@@ -44,6 +51,10 @@ def test_engine_metrics_are_typed_and_carry_vllms_names(gw, mesh):
                            ("vllm:time_to_first_token_seconds", "histogram"),
                            ("vllm:inter_token_latency_seconds", "histogram"),
                            ("vllm:e2e_request_latency_seconds", "histogram"),
+                           ("vllm:request_queue_time_seconds", "histogram"),
+                           ("vllm:request_prefill_time_seconds", "histogram"),
+                           ("vllm:request_decode_time_seconds", "histogram"),
+                           ("vllm:request_inference_time_seconds", "histogram"),
                            ("vllm:request_success", "counter")):
             assert fams[name].type == kind, (n, name)
             labels = {s.labels.get("model_name") for s in fams[name].samples}

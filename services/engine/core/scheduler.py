@@ -26,6 +26,7 @@ readmission can resume from it (see the replica rule in prefix.py).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -69,6 +70,7 @@ class Scheduler:
         seq.status = Status.RUNNING
         self._admissions += 1
         seq.admitted_at = self._admissions
+        seq.scheduled_s = seq.scheduled_s or time.monotonic()
         self.running.append(seq)
 
     @property
@@ -129,6 +131,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self._admissions += 1
             seq.admitted_at = self._admissions
+            seq.scheduled_s = seq.scheduled_s or time.monotonic()   # the first admission
             self.running.append(seq)
             budget -= self._plan_chunk(seq, budget, plan)
             if seq.status is Status.WAITING:

@@ -14,7 +14,7 @@ Every field has one writer, all on the engine thread:
                  prefetched
                  CacheManager (match, admit, grow, commit, release, rollback); EngineCore
                  seeds `prefetched` and `block_hashes` (the prefetch's hashes) at creation
-    scheduling   status, finish, preemptions, admitted_at
+    scheduling   status, finish, preemptions, admitted_at, scheduled_s
                  Scheduler (admission, preemption, finish)
 
 What the cache fields say about the two ledgers:
@@ -148,6 +148,7 @@ class Sequence:
     lineage: str = ""
     preemptions: int = 0
     admitted_at: int = 0
+    scheduled_s: float = 0.0    # time.monotonic() of its first admission (0: still waiting)
 
     @property
     def tokens(self) -> list[int]:

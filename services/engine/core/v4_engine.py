@@ -247,6 +247,7 @@ class V4Engine:
             if match.replay:
                 req.replay = match
             self._count_hit(match)
+            req.scheduled_s = time.monotonic()
             self.running.append(req)
 
     def _count_hit(self, match: Match) -> None:
@@ -393,6 +394,7 @@ class V4Engine:
         req.registered = len(h.slot.hashes)
         self.requests[req.request_id] = req
         self.outputs[req.request_id] = out
+        req.scheduled_s = time.monotonic()
         self.running.append(req)
         c = self.counters
         c["requests"] += 1

@@ -82,6 +82,7 @@ class V4Request:
     replayed_tokens: int = 0
     cut: int | None = None                    # V4.1 truncation: the decoder runs from here
     recomputed_tokens: int = 0
+    scheduled_s: float = 0.0                  # time.monotonic() at admission (0: waiting)
 
     @property
     def tokens(self) -> list[int]:

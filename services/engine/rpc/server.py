@@ -58,6 +58,7 @@ async def _export_stats(engine: AsyncEngine, port: int, host: str, every_s: floa
         serve_metrics,
         spec_acceptance,
         vllm_histograms,
+        vllm_phase_histograms,
     )
 
     latest: dict[str, float] = {}
@@ -65,7 +66,7 @@ async def _export_stats(engine: AsyncEngine, port: int, host: str, every_s: floa
     model = engine.core.cfg.name
     StatsExporter("engine", lambda: latest, counters=lambda: counters)
     VllmEngineStats(lambda: latest, lambda: model)
-    for histogram in (*vllm_histograms(), spec_acceptance()):
+    for histogram in (*vllm_histograms(), *vllm_phase_histograms(), spec_acceptance()):
         histogram.labels(model)       # on the page from the start (zero counts), as vLLM's are
     for reason in sorted(set(FINISHED_REASONS.values())):
         request_success().labels(model, reason)

@@ -104,6 +104,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 msg = engine_pb2.GenerateResponse(request_id=ev.request_id,
                                                   token_ids=ev.token_ids, text=ev.text)
                 generated += len(ev.token_ids)
+                times.scheduled(getattr(ev.seq, "scheduled_s", 0.0))
                 times.token(len(ev.token_ids))
                 if ev.finish is not None:
                     finish = ev.finish.value
