@@ -81,6 +81,23 @@ def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, grou
     return F.linear(mid, wo_b)
 
 
+def project(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
+            tables, stored: bool, rows: str):
+    """What attention computes of each row alone (any rows, of any sequences): the indexer's
+    query input q_res, the rotated queries [S, H, d] and K = V rows [S, d] (in the ring's
+    rounding when `stored`), and the layer's RoPE (cos, sin) at the rows' positions."""
+    cos, sin = tables.at(cfg.rope(layer), positions)
+    s = x.shape[0]
+    q_res = rms_norm(F.linear(x, w["wq_a.weight"]), w["q_norm.weight"], cfg.rms_eps)
+    q = unit_rms_norm(F.linear(q_res, w["wq_b.weight"]).view(s, cfg.num_heads, cfg.head_dim),
+                      cfg.rms_eps)
+    q = apply_rope(q, cos, sin)
+    kv = apply_rope(rms_norm(F.linear(x, w["wkv.weight"]), w["norm.weight"], cfg.rms_eps), cos, sin)
+    if stored:
+        kv = window_rows.round_like_stored(rows, kv)
+    return q_res, q, kv, cos, sin
+
+
 def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
               tables, prior: AttentionParts | None = None, stored: bool = False,
               given: int = 0, rows: str = "mxfp8") -> AttentionParts:
@@ -97,17 +114,7 @@ def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: to
     (`compressor.pool`).
     """
     kind = cfg.layer_kinds[layer]
-    rope = cfg.rope(layer)
-    cos, sin = tables.at(rope, positions)
-    s = x.shape[0]
-    q_res = rms_norm(F.linear(x, w["wq_a.weight"]), w["q_norm.weight"], cfg.rms_eps)
-    q = unit_rms_norm(F.linear(q_res, w["wq_b.weight"]).view(s, cfg.num_heads, cfg.head_dim),
-                      cfg.rms_eps)
-    q = apply_rope(q, cos, sin)
-    kv = apply_rope(rms_norm(F.linear(x, w["wkv.weight"]), w["norm.weight"], cfg.rms_eps), cos, sin)
-    if stored:
-        kv = window_rows.round_like_stored(rows, kv)
-
+    q_res, q, kv, cos, sin = project(cfg, layer, w, x, positions, tables, stored, rows)
     if prior is not None:
         kv = torch.cat([prior.window_kv, kv])
     end = int(positions[-1]) + 1

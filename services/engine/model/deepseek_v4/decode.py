@@ -12,18 +12,18 @@ open window) and the indexer's choice among that sequence's entries.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4 import compressor, window_rows
+from services.engine.model.deepseek_v4 import compressor
 from services.engine.model.deepseek_v4.attention import (
     AttentionParts,
     _sub,
     attend_rows,
     grouped_output,
     pad_rows,
+    project,
 )
 from services.engine.model.deepseek_v4.config import CSA, HCA, V4Config
-from services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm, unit_rms_norm
+from services.engine.model.deepseek_v4.numerics import apply_rope
 
 
 def decode_rows(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,
@@ -32,15 +32,8 @@ def decode_rows(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: 
     """B sequences' single next rows (x [B, D] normed, positions [B]) after each one's
     `prior`: what `attention.attention` returns for each, one row each."""
     kind = cfg.layer_kinds[layer]
-    cos, sin = tables.at(cfg.rope(layer), positions)
     b = x.shape[0]
-    q_res = rms_norm(F.linear(x, w["wq_a.weight"]), w["q_norm.weight"], cfg.rms_eps)
-    q = unit_rms_norm(F.linear(q_res, w["wq_b.weight"]).view(b, cfg.num_heads, cfg.head_dim),
-                      cfg.rms_eps)
-    q = apply_rope(q, cos, sin)
-    kv = apply_rope(rms_norm(F.linear(x, w["wkv.weight"]), w["norm.weight"], cfg.rms_eps), cos, sin)
-    if stored:
-        kv = window_rows.round_like_stored(rows, kv)
+    q_res, q, kv, cos, sin = project(cfg, layer, w, x, positions, tables, stored, rows)
     windows = [torch.cat([prior.window_kv, kv[k:k + 1]]) for k, prior in enumerate(priors)]
     lengths = torch.tensor([k.shape[0] for k in windows])
     slot = torch.arange(int(lengths.max())).view(1, -1)
