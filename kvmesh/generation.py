@@ -79,19 +79,41 @@ class _SamplingRequest(Protocol):
 _Req = TypeVar("_Req", bound=_SamplingRequest)
 
 
+# SamplingParams fields that every hop carries by name, unchanged, with their defaults
+# (the gateway's GenRequest, the engine's SamplingParams and the proto share the names)
+SAMPLING_CONTROLS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                     "repetition_penalty": 1.0}
+# vLLM takes any positive repetition penalty; past a few it only flattens every seen
+# logit to ~0, so a bound keeps float overflow out of the question.
+MAX_REPETITION_PENALTY = 100.0
+
+
 def set_sampling(req: _Req, max_tokens: int | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 speculative: str | None = None) -> _Req:
+                 speculative: str | None = None, **controls: float | None) -> _Req:
     """Fill max_tokens and the common.v1 SamplingParams fields that were given, on a gateway
     or engine GenerateRequest (both carry `max_tokens` and `sampling`); unset ones keep
-    the server-side defaults."""
+    the server-side defaults. `controls`: SAMPLING_CONTROLS by name."""
+    unknown = set(controls) - set(SAMPLING_CONTROLS)
+    if unknown:
+        raise TypeError(f"set_sampling: unknown sampling fields {sorted(unknown)}")
     if max_tokens is not None:
         req.max_tokens = max_tokens
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                        ("seed", seed), ("speculative", speculative)):
+                        ("seed", seed), ("speculative", speculative), *controls.items()):
         if value is not None:
             setattr(req.sampling, name, value)
     return req
+
+
+def sampling_controls(s: common_pb2.SamplingParams) -> dict[str, float | None]:
+    """The SAMPLING_CONTROLS a SamplingParams message sets (None: unset)."""
+    return {name: getattr(s, name) if s.HasField(name) else None for name in SAMPLING_CONTROLS}
+
+
+def controls_given(args) -> dict[str, float]:
+    """The SAMPLING_CONTROLS a command line gave (`--min-p`, `--presence-penalty`, ...)."""
+    return {name: v for name in SAMPLING_CONTROLS if (v := getattr(args, name, None)) is not None}
 
 
 SPECULATIVE_METHODS = ("ngram", "mtp")

@@ -43,3 +43,26 @@ def test_default_max_tokens_is_the_engines_default():
 
     assert SamplingParams().max_tokens == g.DEFAULT_MAX_TOKENS == 64
     assert params_from_proto(engine_pb2.GenerateRequest()).max_tokens == 64
+
+
+def test_sampling_controls_survive_every_hop():
+    """gateway proto -> GenRequest -> engine proto -> SamplingParams -> the PD handoff's
+    request -> SamplingParams: min_p and the penalties arrive as given, unset ones as the
+    engine's defaults."""
+    from services.engine.core.sampling import SamplingParams
+    from services.engine.rpc.handoff import params_to_request
+    from services.engine.rpc.service import params_from_proto
+    from services.gateway.engines import engine_request
+    from services.gateway.service import request_from_proto
+
+    given = {"min_p": 0.25, "presence_penalty": -0.5, "repetition_penalty": 1.25}
+    msg = g.set_sampling(gateway_pb2.GenerateRequest(prompt="x"), **given)
+    req = request_from_proto(msg, 1 << 20)
+    assert req.controls() == {**given, "frequency_penalty": None}
+    params = params_from_proto(engine_request(req))
+    assert (params.min_p, params.presence_penalty, params.frequency_penalty,
+            params.repetition_penalty) == (0.25, -0.5, 0.0, 1.25)
+    assert params_from_proto(params_to_request(params, "", "")) == params
+    assert params_from_proto(engine_pb2.GenerateRequest()) == SamplingParams()
+    with pytest.raises(TypeError, match="min_q"):
+        g.set_sampling(engine_pb2.GenerateRequest(), min_q=1.0)

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/common.proto\x12\x10kvmesh.common.v1\"\xbc\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x05 \x01(\tH\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0e\n\x0c_speculative\"\xdf\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x17\n\x0freplayed_tokens\x18\x03 \x01(\r\x12\x18\n\x10generated_tokens\x18\x04 \x01(\r\x12\x16\n\x0eprefill_engine\x18\x05 \x01(\t\x12\x15\n\rdecode_engine\x18\x06 \x01(\t\x12\x15\n\rhandoff_bytes\x18\x07 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\t \x01(\r*a\n\x0cTrafficClass\x12\x1d\n\x19TRAFFIC_CLASS_UNSPECIFIED\x10\x00\x12\x17\n\x13TRAFFIC_CLASS_AGENT\x10\x01\x12\x19\n\x15TRAFFIC_CLASS_CHATBOT\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x19\n\x15\x46INISH_REASON_HANDOFF\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/common.proto\x12\x10kvmesh.common.v1\"\xfc\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x05 \x01(\tH\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0e\n\x0c_speculativeB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\xdf\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x17\n\x0freplayed_tokens\x18\x03 \x01(\r\x12\x18\n\x10generated_tokens\x18\x04 \x01(\r\x12\x16\n\x0eprefill_engine\x18\x05 \x01(\t\x12\x15\n\rdecode_engine\x18\x06 \x01(\t\x12\x15\n\rhandoff_bytes\x18\x07 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\t \x01(\r*a\n\x0cTrafficClass\x12\x1d\n\x19TRAFFIC_CLASS_UNSPECIFIED\x10\x00\x12\x17\n\x13TRAFFIC_CLASS_AGENT\x10\x01\x12\x19\n\x15TRAFFIC_CLASS_CHATBOT\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x19\n\x15\x46INISH_REASON_HANDOFF\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.proto.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAFFICCLASS']._serialized_start=464
-  _globals['_TRAFFICCLASS']._serialized_end=561
-  _globals['_FINISHREASON']._serialized_start=564
-  _globals['_FINISHREASON']._serialized_end=713
+  _globals['_TRAFFICCLASS']._serialized_start=656
+  _globals['_TRAFFICCLASS']._serialized_end=753
+  _globals['_FINISHREASON']._serialized_start=756
+  _globals['_FINISHREASON']._serialized_end=905
   _globals['_SAMPLINGPARAMS']._serialized_start=48
-  _globals['_SAMPLINGPARAMS']._serialized_end=236
-  _globals['_USAGE']._serialized_start=239
-  _globals['_USAGE']._serialized_end=462
+  _globals['_SAMPLINGPARAMS']._serialized_end=428
+  _globals['_USAGE']._serialized_start=431
+  _globals['_USAGE']._serialized_end=654
 # @@protoc_insertion_point(module_scope)

@@ -85,6 +85,14 @@ def register(sub) -> None:
     samp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     samp.add_argument("--gen-seed", type=int, default=None,
                       help="sampling seed (default: none, a fresh draw per request)")
+    samp.add_argument("--min-p", type=float, default=None,
+                      help="drop tokens below min_p x the likeliest one's probability (default 0)")
+    samp.add_argument("--presence-penalty", type=float, default=None,
+                      help="in [-2, 2], subtracted once from each generated token (default 0)")
+    samp.add_argument("--frequency-penalty", type=float, default=None,
+                      help="in [-2, 2], subtracted per occurrence in the output (default 0)")
+    samp.add_argument("--repetition-penalty", type=float, default=None,
+                      help="> 0, divides prompt and output tokens' positive logits (default 1)")
     samp.add_argument("--stop", action="append", default=[], type=unescape,
                       help="stop string, repeatable; backslash escapes are decoded, so \"\\n\" "
                       "is a newline (default: none)")
@@ -247,13 +255,14 @@ def _generate(args) -> int:
 
 
 def _generate_local(args) -> int:
+    from kvmesh.generation import controls_given
     from services.engine.core.sampling import SamplingParams
 
     try:
         core = build_core(args)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 seed=args.gen_seed, max_tokens=args.max_tokens,
-                                stop=tuple(args.stop))
+                                stop=tuple(args.stop), **controls_given(args))
         seq = core.add_request(core.tokenizer.encode(args.prompt), params)
     except (KvmeshError, ValueError) as exc:
         print(f"kvmesh generate: {exc}", file=sys.stderr)

@@ -26,7 +26,8 @@ def gateway_request(prompt: str | list[int], max_tokens: int | None = None,
                     top_p: float | None = None, seed: int | None = None,
                     stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
                     traffic_class: str = "", cache_salt: str = "", request_id: str = "",
-                    ignore_eos: bool = False) -> pb.GenerateRequest:
+                    ignore_eos: bool = False, **controls: float | None) -> pb.GenerateRequest:
+    """`controls`: kvmesh.generation.SAMPLING_CONTROLS by name (min_p, penalties)."""
     req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt,
                              traffic_class=traffic_class_to_proto(traffic_class), ignore_eos=ignore_eos,
                              stop=stop or [], stop_token_ids=stop_token_ids or [])
@@ -34,7 +35,7 @@ def gateway_request(prompt: str | list[int], max_tokens: int | None = None,
         req.prompt = prompt
     else:
         req.prompt_token_ids.ids.extend(prompt)
-    return set_sampling(req, max_tokens, temperature, top_k, top_p, seed)
+    return set_sampling(req, max_tokens, temperature, top_k, top_p, seed, **controls)
 
 
 API_KEY_ENV = "KVMESH_API_KEY"

@@ -42,7 +42,7 @@ def engine_request(req: GenRequest) -> engine_pb2.GenerateRequest:
     else:
         msg.prompt = req.prompt
     return set_sampling(msg, req.max_tokens, req.temperature, req.top_k, req.top_p, req.seed,
-                        req.speculative)
+                        req.speculative, **req.controls())
 
 
 def resume_request(msg: engine_pb2.GenerateRequest, prompt_ids: list[int],

@@ -19,6 +19,7 @@ from kvmesh.errors import (
     TooLarge,
     Unavailable,
 )
+from kvmesh.generation import SAMPLING_CONTROLS
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,14 @@ class GenRequest:
     cache_salt: str = ""
     ignore_eos: bool = False
     speculative: str | None = None      # None: the engine's setting (kvmesh.generation)
+    # kvmesh.generation.SAMPLING_CONTROLS (None: the engine's default)
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+    def controls(self) -> dict[str, float | None]:
+        return {name: getattr(self, name) for name in SAMPLING_CONTROLS}
 
 
 class Usage(NamedTuple):

@@ -18,7 +18,7 @@ import grpc
 
 from kvmesh.auth import metadata_value
 from kvmesh.errors import KvmeshError, TooLarge
-from kvmesh.generation import finish_to_proto, traffic_class_name
+from kvmesh.generation import finish_to_proto, sampling_controls, traffic_class_name
 from kvmesh.metrics import serve_metrics
 from kvmesh.proto import common_pb2
 from kvmesh.proto import gateway_pb2 as pb
@@ -53,6 +53,7 @@ def request_from_proto(msg: pb.GenerateRequest, max_bytes: int) -> GenRequest:
         # An unknown enum number maps to a name validation rejects with the number in it.
         traffic_class=traffic_class_name(msg.traffic_class),
         cache_salt=msg.cache_salt, ignore_eos=msg.ignore_eos,
+        **sampling_controls(s),
     )
 
 

@@ -12,7 +12,7 @@ import math
 import re
 
 from kvmesh.errors import InvalidArgument, TooLarge
-from kvmesh.generation import check_traffic_class, parse_speculative
+from kvmesh.generation import MAX_REPETITION_PENALTY, check_traffic_class, parse_speculative
 from services.gateway.config import GatewayConfig
 from services.gateway.model import GenRequest
 
@@ -40,6 +40,18 @@ def check_sampling(req: GenRequest, cfg: GatewayConfig) -> None:
                               f"got {req.top_k}", param="top_k")
     if req.seed is not None and not 0 <= req.seed < 2**63:
         raise InvalidArgument(f"sampling.seed must be in [0, 2**63), got {req.seed}", param="seed")
+    if req.min_p is not None and not 0 <= req.min_p <= 1:
+        raise InvalidArgument(f"sampling.min_p must be in [0, 1] (0 = off), got {req.min_p}",
+                              param="min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and not -2 <= v <= 2:
+            raise InvalidArgument(f"sampling.{name} must be in [-2, 2], got {v}", param=name)
+    r = req.repetition_penalty
+    if r is not None and not 0 < r <= MAX_REPETITION_PENALTY:
+        raise InvalidArgument(f"sampling.repetition_penalty must be in (0, "
+                              f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {r}",
+                              param="repetition_penalty")
     if req.speculative is not None:
         parse_speculative(req.speculative)      # the engine checks it against its own setting
     if req.max_tokens is not None:

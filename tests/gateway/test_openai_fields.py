@@ -58,7 +58,8 @@ def test_chat_max_completion_tokens_wins_and_parts_join():
     ({"prompt": "x"}, "model"), ({"model": "m", "prompt": "x", "n": 17}, "n"),
     ({"model": "m", "prompt": "x", "temperature": True}, "temperature"),
     ({"model": "m", "prompt": "x", "temperature": float("nan")}, "temperature"),
-    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "min_p": float("inf")}, "min_p"),
     ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
     ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
     ({"model": "m", "prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids"),
@@ -71,6 +72,17 @@ def test_bad_fields_name_the_param(body, param):
     with pytest.raises(fields.FieldError) as err:
         fields.completion_request(body)
     assert err.value.param == param and isinstance(err.value, InvalidArgument)
+
+
+def test_min_p_and_penalties_reach_the_request_as_given():
+    req, _ = fields.completion_request({"model": "m", "prompt": "x", "min_p": 0.1,
+                                        "presence_penalty": 0.5, "frequency_penalty": -1,
+                                        "repetition_penalty": 1.2})
+    assert req.controls() == {"min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -1.0,
+                              "repetition_penalty": 1.2}
+    req, _ = fields.chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                                 lambda msgs: "x")
+    assert set(req.controls().values()) == {None}       # unset: the engine's defaults
 
 
 def test_unknown_fields_are_ignored_unless_strict():

@@ -181,6 +181,10 @@ BAD_FIELDS = [
     ({"prompt": "x", "temperature": 1e300}, "temperature"),
     ({"prompt": [5, 2**32]}, "prompt"),
     ({"prompt": "x", "stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
     # lone surrogates cannot be tokenized: refused by the body's Unicode check
     ({"prompt": "abc\ud800"}, "prompt"),
     ({"prompt": "x", "stop": ["ok", "\udfff"]}, "stop[1]"),
@@ -415,6 +419,20 @@ def test_stop_token_ids_end_the_generation(client, gw):
                                     temperature=0, max_tokens=8)
     assert (out.choices[0].text, out.choices[0].finish_reason) == ("", "stop")
     assert out.usage.completion_tokens == 1
+
+
+def test_penalties_and_min_p_reach_the_engine_unary_and_streamed(client, gw):
+    prompt = uniq("again and again and again and again")
+    pen = dict(frequency_penalty=1.5, presence_penalty=1.0)
+    extra = {"repetition_penalty": 1.5, "min_p": 0.05, "ignore_eos": True}
+    out = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16,
+                                    extra_body=extra, **pen)
+    want = gw.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True,
+                       repetition_penalty=1.5, min_p=0.05, **pen).text
+    assert out.choices[0].text == want != grpc_text(gw, prompt, 16)
+    streamed = client.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                         max_tokens=16, stream=True, extra_body=extra, **pen)
+    assert "".join(c.choices[0].text for c in streamed) == want
 
 
 def test_n_choices_unary_and_streamed(client):

@@ -44,7 +44,13 @@ from services.engine.core.handoff import (
 from services.engine.core.mtp_draft import MtpDrafter
 from services.engine.core.output import OutputState
 from services.engine.core.request_checks import check_prompt
-from services.engine.core.sampling import SamplingParams, draw_batch, read_ids, sample
+from services.engine.core.sampling import (
+    SamplingParams,
+    draw_batch,
+    penalize,
+    read_ids,
+    sample,
+)
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Finish, Sequence
 from services.engine.core.speculative import Speculator, engine_setting
@@ -201,7 +207,8 @@ class EngineCore:
             self.prefix.expire()
         # the step's one device sync: every sampled id and every verification verdict
         # (speculative.judge, drawn on the device) in one host read (sampling.read_ids)
-        parts, where = draw_batch([(logits, seq.params, len(seq.output), seq.seed)
+        parts, where = draw_batch([(penalize(logits, seq.params, seq.prompt, seq.output),
+                                    seq.params, len(seq.output), seq.seed)
                                    for seq, logits in sampled])
         read = read_ids(parts + [self.spec.judge(seq, res.logits[i], d)
                                  for seq, _, i, d in verifying])
@@ -274,7 +281,8 @@ class EngineCore:
         committing the accepted ones."""
         if drafts is None:
             tokens = [token if token is not None else
-                      sample(logits, seq.params, len(seq.output), seq.seed)]
+                      sample(penalize(logits, seq.params, seq.prompt, seq.output), seq.params,
+                             len(seq.output), seq.seed)]
         elif verdict is not None:
             tokens = self.spec.settle(seq, drafts, verdict)
         else:

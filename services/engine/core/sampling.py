@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.generation import DEFAULT_MAX_TOKENS
+from kvmesh.generation import DEFAULT_MAX_TOKENS, MAX_REPETITION_PENALTY
 
 # Engines are reachable by every peer, not only through the gateway (whose own limits,
 # `--max-stop` and `--max-stop-bytes`, default to 16 and 256), so they bound stop work too.
@@ -32,6 +32,10 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     speculative: str = ""       # "" = the engine's setting; "off" or METHOD:K (bounded by it)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def validate(self, vocab_size: int) -> None:
         t = self.temperature
@@ -57,17 +61,57 @@ class SamplingParams:
                                       f"{MAX_STOP_BYTES}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidArgument("seed must be in [0, 2**63)")
+        if not 0 <= self.min_p <= 1:                     # NaN fails too
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidArgument(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidArgument(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}]"
+                                  f" (1 = off), got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Do this request's logits depend on the tokens before them (penalize())? Such a
+        request decodes without drafts: a verified row's penalties would need the drafts
+        before it in its history."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
+             output: list[int]) -> torch.Tensor:
+    """The logits a token is chosen from, after vLLM's and OpenAI's penalties: each token
+    seen in the prompt or the output has its logit divided by repetition_penalty when
+    positive, multiplied when negative (CTRL's form); each token of the output loses
+    frequency_penalty per occurrence and presence_penalty once. Greedy choices see them
+    too. `output` holds every generated token, a resumed stream's included."""
+    if not params.penalized:
+        return logits
+    x = logits.float().clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=x.device)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    if output and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(output, dtype=torch.long, device=x.device).unique(
+            return_counts=True)
+        x[ids] -= params.frequency_penalty * counts.float() + params.presence_penalty
+    return x
+
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a token is drawn from: temperature, then top_k, then top_p
-    (float64). Speculative verification applies the same function to the draft's
-    distribution (core/speculative.py), so p and q are truncated alike."""
+    """The distribution a token is drawn from: temperature, then min_p, top_k and top_p
+    (float64; vLLM's order). Speculative verification applies the same function to the
+    draft's distribution (core/speculative.py), so p and q are truncated alike."""
     x = logits.double() / params.temperature
+    if params.min_p > 0:
+        # log p_i < log(min_p) + log p_max  <=>  p_i < min_p * p_max; the top token stays
+        x = x.masked_fill(x < x.max() + math.log(params.min_p), float("-inf"))
     if params.top_k:
         kth = torch.topk(x, min(params.top_k, x.numel())).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -51,7 +51,7 @@ from services.engine.core.events import COUNTERS, Event, Hooks
 from services.engine.core.handoff import Handoff, HandoffStore, handoff_problem
 from services.engine.core.output import OutputState
 from services.engine.core.request_checks import check_prompt
-from services.engine.core.sampling import SamplingParams, draw_batch, read_ids
+from services.engine.core.sampling import SamplingParams, draw_batch, penalize, read_ids
 from services.engine.core.sequence import Finish
 from services.engine.core.speculative import Speculator, engine_setting
 from services.engine.core.step_budget import StepBudget
@@ -186,8 +186,8 @@ class V4Engine:
             self.prefix.store.expire()
         # one host read for every sampled id and every verdict (sampling.read_ids)
         ready = [r for r in self.running if r.request_id in logits]
-        parts, where = draw_batch([(logits[r.request_id], r.params, len(r.output), r.seed)
-                                   for r in ready])
+        parts, where = draw_batch([(penalize(logits[r.request_id], r.params, r.prompt, r.output),
+                                    r.params, len(r.output), r.seed) for r in ready])
         read = read_ids(parts + [self.spec.judge(r, out, d) for r, d, out, _ in verifying])
         events = [self._emit(req, [read[part][at]]) for req, (part, at) in
                   zip(ready, where, strict=True)]

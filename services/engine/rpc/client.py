@@ -14,10 +14,11 @@ def generate_request(prompt: str | list[int], max_tokens: int | None = None,
                      top_p: float | None = None, seed: int | None = None,
                      stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
                      cache_salt: str = "", traffic_class: str | int = "", request_id: str = "",
-                     ignore_eos: bool = False, speculative: str | None = None
-                     ) -> engine_pb2.GenerateRequest:
+                     ignore_eos: bool = False, speculative: str | None = None,
+                     **controls: float | None) -> engine_pb2.GenerateRequest:
     """`traffic_class`: a name ("agent", "chatbot", "" = none) or a common.v1 TrafficClass
-    number as is (the engine rejects numbers outside the enum)."""
+    number as is (the engine rejects numbers outside the enum); `controls`:
+    kvmesh.generation.SAMPLING_CONTROLS by name (min_p, penalties)."""
     if isinstance(traffic_class, str):
         traffic_class = traffic_class_to_proto(traffic_class)
     req = engine_pb2.GenerateRequest(request_id=request_id, cache_salt=cache_salt,
@@ -27,7 +28,7 @@ def generate_request(prompt: str | list[int], max_tokens: int | None = None,
         req.prompt = prompt
     else:
         req.prompt_token_ids.extend(prompt)
-    return set_sampling(req, max_tokens, temperature, top_k, top_p, seed, speculative)
+    return set_sampling(req, max_tokens, temperature, top_k, top_p, seed, speculative, **controls)
 
 
 class EngineClient(RpcClient):

@@ -22,7 +22,12 @@ import hashlib
 import time
 
 from kvmesh.errors import InvalidArgument, NotFound, Unavailable
-from kvmesh.generation import set_sampling, traffic_class_name, traffic_class_to_proto
+from kvmesh.generation import (
+    SAMPLING_CONTROLS,
+    set_sampling,
+    traffic_class_name,
+    traffic_class_to_proto,
+)
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import channel
 from services.engine.cache.handoff import SlotHandoff
@@ -54,7 +59,8 @@ def params_to_request(p: SamplingParams, salt: str, traffic_class: str) -> engin
                                      ignore_eos=p.ignore_eos, cache_salt=salt,
                                      traffic_class=traffic_class_to_proto(traffic_class))
     return set_sampling(req, p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed,
-                        p.speculative or None)
+                        p.speculative or None,
+                        **{name: getattr(p, name) for name in SAMPLING_CONTROLS})
 
 
 def handoff_messages(h: Handoff | None, request_id: str, skip=()):

@@ -6,7 +6,13 @@ import math
 from collections.abc import AsyncIterator
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.generation import DEFAULT_MAX_TOKENS, finish_to_proto, traffic_class_name
+from kvmesh.generation import (
+    DEFAULT_MAX_TOKENS,
+    SAMPLING_CONTROLS,
+    finish_to_proto,
+    sampling_controls,
+    traffic_class_name,
+)
 from kvmesh.metrics import GenerationTimes, RequestMetrics
 from kvmesh.proto import common_pb2, engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
@@ -33,6 +39,8 @@ def params_from_proto(req) -> SamplingParams:
         stop=tuple(req.stop),
         ignore_eos=req.ignore_eos,
         speculative=s.speculative if s.HasField("speculative") else "",
+        **{name: SAMPLING_CONTROLS[name] if value is None else value
+           for name, value in sampling_controls(s).items()},
     )
 
 

@@ -1,13 +1,14 @@
 """OpenAI request bodies -> `GenRequest` plus how to answer (`Options`).
 
 kvmesh follows the OpenAI field names and types, and refuses what it cannot honour
-with a 400 naming the field (`logprobs`, `tools`, penalties, ...) instead of
+with a 400 naming the field (`logprobs`, `tools`, `logit_bias`, ...) instead of
 answering something else. A field it does not know at all is ignored, as vLLM does (the
 response names it), or refused in strict mode. `echo` (completions) puts the prompt's text before the answer. The ranges the gateway core checks again (max_tokens limit,
 prompt size, stop counts) are left to it, so there is one rule for gRPC and HTTP.
 
 Extension fields (not in OpenAI's API): `cache_salt` (prefix-cache namespace),
-`top_k`, `ignore_eos`, `stop_token_ids` (as vLLM's), `traffic_class` (agent | chatbot). `user` is accepted and
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` (as vLLM's),
+`traffic_class` (agent | chatbot). `user` is accepted and
 ignored: it is not a cache salt (a salt must be chosen on purpose; see README).
 """
 
@@ -18,6 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.generation import SAMPLING_CONTROLS
 from services.gateway.model import GenRequest
 
 
@@ -43,7 +45,7 @@ IGNORED = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool
 COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
                     "stream_options", "presence_penalty", "frequency_penalty", "logit_bias",
                     "logprobs", "cache_salt", "top_k", "ignore_eos", "traffic_class",
-                    "stop_token_ids"}) | IGNORED
+                    "stop_token_ids", "min_p", "repetition_penalty"}) | IGNORED
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                         "tool_choice", "response_format"}
@@ -152,9 +154,6 @@ def _check_fields(body, allowed: frozenset, strict: bool) -> tuple[str, ...]:
 
 def _refuse_unsupported(body: dict) -> None:
     """Fields kvmesh does not implement: refused unless they ask for the default."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _opt_number(body, name) not in (None, 0.0):
-            raise FieldError(name, f"{name} is not supported (only 0)")
     if body.get("logit_bias"):
         raise FieldError("logit_bias", "logit_bias is not supported")
     if body.get("logprobs") not in (None, False, 0):
@@ -232,8 +231,10 @@ def _sampling(body: dict, max_tokens: int | None) -> dict:
     if seed is not None and not 0 <= seed < 2**63:
         raise FieldError("seed", f"seed must be in [0, 2**63), got {seed}")
     _opt_str(body, "user")
+    # their ranges: the gateway core's check (services/gateway/validate.py), as over gRPC
+    controls = {name: _opt_number(body, name) for name in SAMPLING_CONTROLS}
     return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                seed=seed, stop=_stop(body), stop_token_ids=_stop_token_ids(body),
+                seed=seed, stop=_stop(body), stop_token_ids=_stop_token_ids(body), **controls,
                 cache_salt=_opt_str(body, "cache_salt") or "",
                 traffic_class=_opt_str(body, "traffic_class") or "",
                 ignore_eos=bool(_opt_bool(body, "ignore_eos")))
