@@ -17,7 +17,7 @@ class added to the proto without a name here fails at start-up, not on a request
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.proto import common_pb2
@@ -81,11 +81,13 @@ _Req = TypeVar("_Req", bound=_SamplingRequest)
 
 # SamplingParams fields that every hop carries by name, unchanged, with their defaults
 # (the gateway's GenRequest, the engine's SamplingParams and the proto share the names)
-SAMPLING_CONTROLS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                     "repetition_penalty": 1.0}
+SAMPLING_CONTROLS: dict[str, float | None] = {
+    "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "logprobs": None}
 # vLLM takes any positive repetition penalty; past a few it only flattens every seen
 # logit to ~0, so a bound keeps float overflow out of the question.
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGPROBS = 20           # top log-probabilities per token (OpenAI's top_logprobs bound)
 
 
 def set_sampling(req: _Req, max_tokens: int | None = None, temperature: float | None = None,
@@ -109,6 +111,21 @@ def set_sampling(req: _Req, max_tokens: int | None = None, temperature: float | 
 def sampling_controls(s: common_pb2.SamplingParams) -> dict[str, float | None]:
     """The SAMPLING_CONTROLS a SamplingParams message sets (None: unset)."""
     return {name: getattr(s, name) if s.HasField(name) else None for name in SAMPLING_CONTROLS}
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability, and the k likeliest tokens' (id, log-prob),
+    likeliest first (common.v1 TokenLogprob)."""
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_proto(self) -> common_pb2.TokenLogprob:
+        return common_pb2.TokenLogprob(logprob=self.logprob, top_ids=[i for i, _ in self.top],
+                                       top_logprobs=[v for _, v in self.top])
+
+    @classmethod
+    def from_proto(cls, m: common_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(m.logprob, tuple(zip(m.top_ids, m.top_logprobs, strict=True)))
 
 
 def controls_given(args) -> dict[str, float]:

@@ -12,6 +12,28 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's stand-ins (GPT-2's table): printable bytes stand for themselves,
+    the other 68 for the code points from 256 on, in byte order; char -> byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
+BYTE_OF_CHAR = _byte_level_chars()
+
+
+def token_text(raw: bytes) -> str:
+    """A token's name in OpenAI's logprobs: its text, or `bytes:\\xNN...` when its bytes
+    are not whole UTF-8 characters (a piece of one), as OpenAI writes them."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 class ByteTokenizer:
     BOS, EOS, PAD = 256, 257, 258
     specials = {"<bos>": 256, "<eos>": 257, "<pad>": 258}
@@ -26,6 +48,12 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a special token's name)."""
+        if token < 256:
+            return bytes([token])
+        return next((name.encode() for name, i in self.specials.items() if i == token), b"")
 
     @property
     def eos_id(self) -> int:
@@ -49,12 +77,22 @@ class HFTokenizer:
         eos = eos_token or next((t for t in ("</s>", "<|endoftext|>", "<eos>")
                                  if self.tok.token_to_id(t) is not None), None)
         self._eos = eos_id if eos_id is not None else (self.tok.token_to_id(eos) if eos else None)
+        self._byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids))
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for: a byte-level BPE piece read back through the
+        byte table (one token may hold part of a character), else its decoded text (a
+        special token's name)."""
+        piece = self.tok.id_to_token(token)
+        if self._byte_level and piece and all(c in BYTE_OF_CHAR for c in piece):
+            return bytes(BYTE_OF_CHAR[c] for c in piece)
+        return self.tok.decode([token], skip_special_tokens=False).encode()
 
     @property
     def eos_id(self) -> int | None:

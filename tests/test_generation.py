@@ -55,13 +55,13 @@ def test_sampling_controls_survive_every_hop():
     from services.gateway.engines import engine_request
     from services.gateway.service import request_from_proto
 
-    given = {"min_p": 0.25, "presence_penalty": -0.5, "repetition_penalty": 1.25}
+    given = {"min_p": 0.25, "presence_penalty": -0.5, "repetition_penalty": 1.25, "logprobs": 4}
     msg = g.set_sampling(gateway_pb2.GenerateRequest(prompt="x"), **given)
     req = request_from_proto(msg, 1 << 20)
     assert req.controls() == {**given, "frequency_penalty": None}
     params = params_from_proto(engine_request(req))
     assert (params.min_p, params.presence_penalty, params.frequency_penalty,
-            params.repetition_penalty) == (0.25, -0.5, 0.0, 1.25)
+            params.repetition_penalty, params.logprobs) == (0.25, -0.5, 0.0, 1.25, 4)
     assert params_from_proto(params_to_request(params, "", "")) == params
     assert params_from_proto(engine_pb2.GenerateRequest()) == SamplingParams()
     with pytest.raises(TypeError, match="min_q"):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.proto import common_pb2 as kvmesh_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/engine.proto\x12\x10kvmesh.engine.v1\x1a\x19kvmesh/proto/common.proto\"\x92\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x35\n\rtraffic_class\x18\n \x01(\x0e\x32\x1e.kvmesh.common.v1.TrafficClass\x12\x18\n\x10resume_generated\x18\x0b \x01(\r\x12\x0f\n\x07handoff\x18\x0c \x01(\x08\x12\x35\n\x0chandoff_from\x18\r \x01(\x0b\x32\x1f.kvmesh.engine.v1.HandoffSourceB\r\n\x0b_max_tokens\"o\n\rHandoffSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"m\n\x0bHandoffInfo\x12\x13\n\x0bstate_bytes\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x03 \x01(\r\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"\xd6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12&\n\x05usage\x18\x05 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12.\n\x07handoff\x18\x06 \x01(\x0b\x32\x1d.kvmesh.engine.v1.HandoffInfo\"l\n\x0eSessionRequest\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x35\n\x08generate\x18\x02 \x01(\x0b\x32!.kvmesh.engine.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x04\n\x02op\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8c\x01\n\x0fSessionResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x33\n\x05\x65vent\x18\x02 \x01(\x0b\x32\".kvmesh.engine.v1.GenerateResponseH\x00\x12/\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1e.kvmesh.engine.v1.SessionErrorH\x00\x42\x06\n\x04part\"\x11\n\x0fGetStatsRequest\"\x87\x01\n\x10GetStatsResponse\x12\x42\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\x30.kvmesh.engine.v1.GetStatsResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x15\n\x13GetModelInfoRequest\"\xc7\x01\n\x14GetModelInfoResponse\x12\x0e\n\x06preset\x18\x01 \x01(\t\x12\x19\n\x11model_config_json\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\ttokenizer\x18\x06 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x07 \x01(\r\x12\x11\n\tengine_id\x18\x08 \x01(\t\"&\n\x17\x46\x65tchSwaSnapshotRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x96\x01\n\x18\x46\x65tchSwaSnapshotResponse\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"7\n\x13\x46\x65tchHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04skip\x18\x02 \x03(\x0c\"\xed\x02\n\rHandoffHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x32\n\x07request\x18\x04 \x01(\x0b\x32!.kvmesh.engine.v1.GenerateRequest\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x14\n\x0cnum_computed\x18\x06 \x01(\r\x12\x0e\n\x06\x65nc_lo\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65\x63_lo\x18\x08 \x01(\r\x12\x10\n\x08\x63mp_from\x18\t \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\n \x03(\x0c\x12\x13\n\x0b\x62lock_sizes\x18\x0b \x03(\x04\x12\x13\n\x0bstate_bytes\x18\x0c \x01(\x04\x12\x13\n\x0btotal_bytes\x18\r \x01(\x04\x12\x1a\n\x12layout_fingerprint\x18\x0e \x01(\t\x12\x19\n\x11model_fingerprint\x18\x0f \x01(\t\"e\n\x14\x46\x65tchHandoffResponse\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.kvmesh.engine.v1.HandoffHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06sha256\x18\x03 \x01(\t2\xb8\x04\n\rEngineService\x12S\n\x08Generate\x12!.kvmesh.engine.v1.GenerateRequest\x1a\".kvmesh.engine.v1.GenerateResponse0\x01\x12R\n\x07Session\x12 .kvmesh.engine.v1.SessionRequest\x1a!.kvmesh.engine.v1.SessionResponse(\x01\x30\x01\x12Q\n\x08GetStats\x12!.kvmesh.engine.v1.GetStatsRequest\x1a\".kvmesh.engine.v1.GetStatsResponse\x12]\n\x0cGetModelInfo\x12%.kvmesh.engine.v1.GetModelInfoRequest\x1a&.kvmesh.engine.v1.GetModelInfoResponse\x12k\n\x10\x46\x65tchSwaSnapshot\x12).kvmesh.engine.v1.FetchSwaSnapshotRequest\x1a*.kvmesh.engine.v1.FetchSwaSnapshotResponse0\x01\x12_\n\x0c\x46\x65tchHandoff\x12%.kvmesh.engine.v1.FetchHandoffRequest\x1a&.kvmesh.engine.v1.FetchHandoffResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/engine.proto\x12\x10kvmesh.engine.v1\x1a\x19kvmesh/proto/common.proto\"\x92\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x35\n\rtraffic_class\x18\n \x01(\x0e\x32\x1e.kvmesh.common.v1.TrafficClass\x12\x18\n\x10resume_generated\x18\x0b \x01(\r\x12\x0f\n\x07handoff\x18\x0c \x01(\x08\x12\x35\n\x0chandoff_from\x18\r \x01(\x0b\x32\x1f.kvmesh.engine.v1.HandoffSourceB\r\n\x0b_max_tokens\"o\n\rHandoffSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"m\n\x0bHandoffInfo\x12\x13\n\x0bstate_bytes\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x03 \x01(\r\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"\x88\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12&\n\x05usage\x18\x05 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12.\n\x07handoff\x18\x06 \x01(\x0b\x32\x1d.kvmesh.engine.v1.HandoffInfo\x12\x30\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1e.kvmesh.common.v1.TokenLogprob\"l\n\x0eSessionRequest\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x35\n\x08generate\x18\x02 \x01(\x0b\x32!.kvmesh.engine.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x04\n\x02op\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8c\x01\n\x0fSessionResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x33\n\x05\x65vent\x18\x02 \x01(\x0b\x32\".kvmesh.engine.v1.GenerateResponseH\x00\x12/\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1e.kvmesh.engine.v1.SessionErrorH\x00\x42\x06\n\x04part\"\x11\n\x0fGetStatsRequest\"\x87\x01\n\x10GetStatsResponse\x12\x42\n\x08\x63ounters\x18\x01 \x03(\x0b\x32\x30.kvmesh.engine.v1.GetStatsResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x15\n\x13GetModelInfoRequest\"\xc7\x01\n\x14GetModelInfoResponse\x12\x0e\n\x06preset\x18\x01 \x01(\t\x12\x19\n\x11model_config_json\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\ttokenizer\x18\x06 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x07 \x01(\r\x12\x11\n\tengine_id\x18\x08 \x01(\t\"&\n\x17\x46\x65tchSwaSnapshotRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x96\x01\n\x18\x46\x65tchSwaSnapshotResponse\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"7\n\x13\x46\x65tchHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04skip\x18\x02 \x03(\x0c\"\xed\x02\n\rHandoffHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x32\n\x07request\x18\x04 \x01(\x0b\x32!.kvmesh.engine.v1.GenerateRequest\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x14\n\x0cnum_computed\x18\x06 \x01(\r\x12\x0e\n\x06\x65nc_lo\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65\x63_lo\x18\x08 \x01(\r\x12\x10\n\x08\x63mp_from\x18\t \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\n \x03(\x0c\x12\x13\n\x0b\x62lock_sizes\x18\x0b \x03(\x04\x12\x13\n\x0bstate_bytes\x18\x0c \x01(\x04\x12\x13\n\x0btotal_bytes\x18\r \x01(\x04\x12\x1a\n\x12layout_fingerprint\x18\x0e \x01(\t\x12\x19\n\x11model_fingerprint\x18\x0f \x01(\t\"e\n\x14\x46\x65tchHandoffResponse\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.kvmesh.engine.v1.HandoffHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06sha256\x18\x03 \x01(\t2\xb8\x04\n\rEngineService\x12S\n\x08Generate\x12!.kvmesh.engine.v1.GenerateRequest\x1a\".kvmesh.engine.v1.GenerateResponse0\x01\x12R\n\x07Session\x12 .kvmesh.engine.v1.SessionRequest\x1a!.kvmesh.engine.v1.SessionResponse(\x01\x30\x01\x12Q\n\x08GetStats\x12!.kvmesh.engine.v1.GetStatsRequest\x1a\".kvmesh.engine.v1.GetStatsResponse\x12]\n\x0cGetModelInfo\x12%.kvmesh.engine.v1.GetModelInfoRequest\x1a&.kvmesh.engine.v1.GetModelInfoResponse\x12k\n\x10\x46\x65tchSwaSnapshot\x12).kvmesh.engine.v1.FetchSwaSnapshotRequest\x1a*.kvmesh.engine.v1.FetchSwaSnapshotResponse0\x01\x12_\n\x0c\x46\x65tchHandoff\x12%.kvmesh.engine.v1.FetchHandoffRequest\x1a&.kvmesh.engine.v1.FetchHandoffResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,33 +41,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDOFFINFO']._serialized_start=592
   _globals['_HANDOFFINFO']._serialized_end=701
   _globals['_GENERATERESPONSE']._serialized_start=704
-  _globals['_GENERATERESPONSE']._serialized_end=918
-  _globals['_SESSIONREQUEST']._serialized_start=920
-  _globals['_SESSIONREQUEST']._serialized_end=1028
-  _globals['_SESSIONERROR']._serialized_start=1030
-  _globals['_SESSIONERROR']._serialized_end=1075
-  _globals['_SESSIONRESPONSE']._serialized_start=1078
-  _globals['_SESSIONRESPONSE']._serialized_end=1218
-  _globals['_GETSTATSREQUEST']._serialized_start=1220
-  _globals['_GETSTATSREQUEST']._serialized_end=1237
-  _globals['_GETSTATSRESPONSE']._serialized_start=1240
-  _globals['_GETSTATSRESPONSE']._serialized_end=1375
-  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_start=1328
-  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_end=1375
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1377
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1398
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1401
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1600
-  _globals['_FETCHSWASNAPSHOTREQUEST']._serialized_start=1602
-  _globals['_FETCHSWASNAPSHOTREQUEST']._serialized_end=1640
-  _globals['_FETCHSWASNAPSHOTRESPONSE']._serialized_start=1643
-  _globals['_FETCHSWASNAPSHOTRESPONSE']._serialized_end=1793
-  _globals['_FETCHHANDOFFREQUEST']._serialized_start=1795
-  _globals['_FETCHHANDOFFREQUEST']._serialized_end=1850
-  _globals['_HANDOFFHEADER']._serialized_start=1853
-  _globals['_HANDOFFHEADER']._serialized_end=2218
-  _globals['_FETCHHANDOFFRESPONSE']._serialized_start=2220
-  _globals['_FETCHHANDOFFRESPONSE']._serialized_end=2321
-  _globals['_ENGINESERVICE']._serialized_start=2324
-  _globals['_ENGINESERVICE']._serialized_end=2892
+  _globals['_GENERATERESPONSE']._serialized_end=968
+  _globals['_SESSIONREQUEST']._serialized_start=970
+  _globals['_SESSIONREQUEST']._serialized_end=1078
+  _globals['_SESSIONERROR']._serialized_start=1080
+  _globals['_SESSIONERROR']._serialized_end=1125
+  _globals['_SESSIONRESPONSE']._serialized_start=1128
+  _globals['_SESSIONRESPONSE']._serialized_end=1268
+  _globals['_GETSTATSREQUEST']._serialized_start=1270
+  _globals['_GETSTATSREQUEST']._serialized_end=1287
+  _globals['_GETSTATSRESPONSE']._serialized_start=1290
+  _globals['_GETSTATSRESPONSE']._serialized_end=1425
+  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_start=1378
+  _globals['_GETSTATSRESPONSE_COUNTERSENTRY']._serialized_end=1425
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1427
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1448
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1451
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1650
+  _globals['_FETCHSWASNAPSHOTREQUEST']._serialized_start=1652
+  _globals['_FETCHSWASNAPSHOTREQUEST']._serialized_end=1690
+  _globals['_FETCHSWASNAPSHOTRESPONSE']._serialized_start=1693
+  _globals['_FETCHSWASNAPSHOTRESPONSE']._serialized_end=1843
+  _globals['_FETCHHANDOFFREQUEST']._serialized_start=1845
+  _globals['_FETCHHANDOFFREQUEST']._serialized_end=1900
+  _globals['_HANDOFFHEADER']._serialized_start=1903
+  _globals['_HANDOFFHEADER']._serialized_end=2268
+  _globals['_FETCHHANDOFFRESPONSE']._serialized_start=2270
+  _globals['_FETCHHANDOFFRESPONSE']._serialized_end=2371
+  _globals['_ENGINESERVICE']._serialized_start=2374
+  _globals['_ENGINESERVICE']._serialized_end=2942
 # @@protoc_insertion_point(module_scope)

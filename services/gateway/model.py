@@ -19,7 +19,7 @@ from kvmesh.errors import (
     TooLarge,
     Unavailable,
 )
-from kvmesh.generation import SAMPLING_CONTROLS
+from kvmesh.generation import SAMPLING_CONTROLS, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class GenRequest:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logprobs: int | None = None         # k: each token's log-probability and the k likeliest
 
     def controls(self) -> dict[str, float | None]:
         return {name: getattr(self, name) for name in SAMPLING_CONTROLS}
@@ -75,6 +76,7 @@ class Chunk(NamedTuple):
     finish: str | None = None
     usage: Usage | None = None
     handoff: HandoffInfo | None = None     # finish "handoff" (a prefill engine's last chunk)
+    logprobs: tuple[TokenLogprob, ...] = ()   # one per token id, when the request asked
 
 
 class Outcome(NamedTuple):

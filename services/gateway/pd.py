@@ -91,7 +91,7 @@ async def serve_pd(greq, msg: engine_pb2.GenerateRequest, keys, holders) -> Asyn
     if info is None:                 # finished on the PE (an end token, or max_tokens = 1)
         yield first._replace(usage=first.usage._replace(prefill_engine=pe.engine_id))
         return
-    yield Chunk(first.token_ids, first.text)
+    yield Chunk(first.token_ids, first.text, logprobs=first.logprobs)
     async for chunk in _decode(greq, pe.address, pe.engine_id, msg.request_id, info, keys,
                                first.usage):
         yield chunk
@@ -102,13 +102,14 @@ async def _prefill(core, pe, pe_msg, greq) -> tuple[Chunk, HandoffInfo | None]:
     pe.in_flight += 1
     try:
         await core.check_identity(pe)
-        tokens, text = [], ""
+        tokens, text, logprobs = [], "", ()
         async with contextlib.aclosing(core.pool.stream(pe.address, pe_msg, greq._remaining())) as chunks:
             async for chunk in chunks:
                 tokens += chunk.token_ids
                 text += chunk.text
+                logprobs += chunk.logprobs
                 if chunk.finish is not None:
-                    last = Chunk(tokens, text, chunk.finish, chunk.usage)
+                    last = Chunk(tokens, text, chunk.finish, chunk.usage, logprobs=logprobs)
                     return last, chunk.handoff if chunk.finish == "handoff" else None
         raise EngineFailure("prefill stream ended without a finish reason")
     finally:

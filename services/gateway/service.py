@@ -87,7 +87,8 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             gr = self._open(request, context, "stream")
             async for c in gr:
                 msg = pb.GenerateStreamResponse(request_id=gr.req.request_id,
-                                                token_ids=c.token_ids, text=c.text)
+                                                token_ids=c.token_ids, text=c.text,
+                                                logprobs=[lp.to_proto() for lp in c.logprobs])
                 if c.finish is not None:
                     msg.finish_reason = finish_to_proto(c.finish)
                     msg.usage.CopyFrom(common_pb2.Usage(**c.usage._asdict()))
@@ -106,6 +107,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
             async for c in gr:
                 out.token_ids.extend(c.token_ids)
                 out.text += c.text
+                out.logprobs.extend(lp.to_proto() for lp in c.logprobs)
                 if c.finish is not None:
                     out.finish_reason = finish_to_proto(c.finish)
                     out.usage.CopyFrom(common_pb2.Usage(**c.usage._asdict()))

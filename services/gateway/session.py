@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.generation import finish_name
+from kvmesh.generation import TokenLogprob, finish_name
 from kvmesh.proto import engine_pb2
 from services.gateway.model import (
     Chunk,
@@ -50,15 +50,16 @@ def error_for(address: str, code: grpc.StatusCode, details: str) -> Exception:
 
 
 def to_chunk(m: engine_pb2.GenerateResponse) -> Chunk:
+    logprobs = tuple(TokenLogprob.from_proto(lp) for lp in m.logprobs)
     if not m.finish_reason:
-        return Chunk(list(m.token_ids), m.text)
+        return Chunk(list(m.token_ids), m.text, logprobs=logprobs)
     u = m.usage
     handoff = HandoffInfo(m.handoff.total_bytes, m.handoff.sha256,
                           tuple(m.handoff.block_hashes)) if m.HasField("handoff") else None
     return Chunk(list(m.token_ids), m.text, finish_name(m.finish_reason) or "aborted",
                  Usage(u.prompt_tokens, u.cached_tokens, u.replayed_tokens, u.generated_tokens,
                        drafted_tokens=u.drafted_tokens, accepted_tokens=u.accepted_tokens),
-                 handoff)
+                 handoff, logprobs)
 
 
 class EngineSession:

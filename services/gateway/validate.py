@@ -12,7 +12,12 @@ import math
 import re
 
 from kvmesh.errors import InvalidArgument, TooLarge
-from kvmesh.generation import MAX_REPETITION_PENALTY, check_traffic_class, parse_speculative
+from kvmesh.generation import (
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    check_traffic_class,
+    parse_speculative,
+)
 from services.gateway.config import GatewayConfig
 from services.gateway.model import GenRequest
 
@@ -52,6 +57,9 @@ def check_sampling(req: GenRequest, cfg: GatewayConfig) -> None:
         raise InvalidArgument(f"sampling.repetition_penalty must be in (0, "
                               f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {r}",
                               param="repetition_penalty")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
+                              param="logprobs")
     if req.speculative is not None:
         parse_speculative(req.speculative)      # the engine checks it against its own setting
     if req.max_tokens is not None:

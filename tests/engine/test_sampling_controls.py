@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from kvmesh.errors import InvalidArgument
-from services.engine.core.sampling import SamplingParams, penalize, target_probs
+from services.engine.core.sampling import (
+    SamplingParams,
+    penalize,
+    target_probs,
+    token_logprobs,
+)
 from services.engine.core.speculative import SpecSetting, Speculator
 
 
@@ -57,7 +62,7 @@ def test_min_p_keeps_tokens_at_least_min_p_of_the_top_one():
 @pytest.mark.parametrize("field,value", [
     ("min_p", -0.1), ("min_p", 1.5), ("min_p", math.nan), ("presence_penalty", 2.5),
     ("frequency_penalty", -3.0), ("frequency_penalty", math.nan), ("repetition_penalty", 0.0),
-    ("repetition_penalty", 101.0),
+    ("repetition_penalty", 101.0), ("logprobs", -1), ("logprobs", 21),
 ])
 def test_out_of_range_controls_name_their_field(field, value):
     with pytest.raises(InvalidArgument, match=field):
@@ -69,3 +74,16 @@ def test_a_penalized_request_decodes_without_drafts():
     spec.add("plain", SamplingParams(temperature=0))
     spec.add("penalized", SamplingParams(temperature=0, frequency_penalty=0.5))
     assert set(spec.requests) == {"plain"}
+
+
+def test_token_logprobs_give_each_row_its_own_k():
+    a = torch.log(torch.tensor([0.1, 0.6, 0.3]))
+    b = torch.tensor([2.0, 0.0, 1.0])
+    got = token_logprobs([(a, 2, 0), (b, 1, 2)])
+    assert got[0].top == () and abs(got[0].logprob - math.log(0.3)) < 1e-6
+    lb = torch.log_softmax(b, -1).tolist()
+    assert abs(got[1].logprob - lb[1]) < 1e-6
+    assert [i for i, _ in got[1].top] == [0, 2]
+    assert all(abs(v - lb[i]) < 1e-6 for i, v in got[1].top)
+    assert token_logprobs([]) == []
+    assert not SamplingParams(logprobs=0).draftable and SamplingParams().draftable

@@ -79,10 +79,22 @@ def test_min_p_and_penalties_reach_the_request_as_given():
                                         "presence_penalty": 0.5, "frequency_penalty": -1,
                                         "repetition_penalty": 1.2})
     assert req.controls() == {"min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -1.0,
-                              "repetition_penalty": 1.2}
+                              "repetition_penalty": 1.2, "logprobs": None}
     req, _ = fields.chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]},
                                  lambda msgs: "x")
     assert set(req.controls().values()) == {None}       # unset: the engine's defaults
+
+
+def test_logprobs_in_each_apis_form():
+    req, _ = fields.completion_request({"model": "m", "prompt": "x", "logprobs": 3})
+    assert req.logprobs == 3
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    for extra, want in (({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0),
+                        ({"logprobs": True, "top_logprobs": 5}, 5)):
+        assert fields.chat_request({**chat, **extra}, lambda msgs: "x")[0].logprobs == want
+    with pytest.raises(fields.FieldError) as err:
+        fields.chat_request({**chat, "top_logprobs": 2}, lambda msgs: "x")
+    assert err.value.param == "top_logprobs"
 
 
 def test_unknown_fields_are_ignored_unless_strict():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import socket
 import time
 import urllib.parse
@@ -168,7 +169,6 @@ BAD_FIELDS = [
     ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "stop": 5}, "stop"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": []}, "prompt"),
@@ -185,6 +185,8 @@ BAD_FIELDS = [
     ({"prompt": "x", "frequency_penalty": -2.01}, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": 2, "echo": True}, "logprobs"),
     # lone surrogates cannot be tokenized: refused by the body's Unicode check
     ({"prompt": "abc\ud800"}, "prompt"),
     ({"prompt": "x", "stop": ["ok", "\udfff"]}, "stop[1]"),
@@ -433,6 +435,46 @@ def test_penalties_and_min_p_reach_the_engine_unary_and_streamed(client, gw):
     streamed = client.completions.create(model=MODEL, prompt=prompt, temperature=0,
                                          max_tokens=16, stream=True, extra_body=extra, **pen)
     assert "".join(c.choices[0].text for c in streamed) == want
+
+
+def test_logprobs_unary_and_streamed_completions_and_chat(client, gw):
+    prompt = uniq("log probabilities of ")
+    out = client.completions.create(model=MODEL, prompt=prompt, logprobs=2, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    text = out.choices[0].text
+    # each token named by its text (or bytes:\xNN, a piece of a character), where it starts
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    assert all(text.startswith(t, at) for t, at in zip(lp.tokens, lp.text_offset, strict=True)
+               if not t.startswith("bytes:"))
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 2 and chosen <= 0
+        assert abs(max(top.values()) - chosen) < 1e-6    # greedy: the likeliest
+    # gRPC carries the same numbers
+    ref = gw.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    assert [round(x.logprob, 5) for x in ref.logprobs] == [round(x, 5) for x in lp.token_logprobs]
+    assert len(ref.logprobs[0].top_ids) == 2
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, logprobs=2,
+                                              stream=True, **GREEDY))
+    assert [t for c in streamed for t in c.choices[0].logprobs.token_logprobs] == \
+        lp.token_logprobs
+    assert [t for c in streamed for t in c.choices[0].logprobs.text_offset] == lp.text_offset
+    chat = client.chat.completions.create(model=MODEL, logprobs=True, top_logprobs=3, messages=[
+        {"role": "user", "content": prompt}], **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(e.top_logprobs) == 3 for e in content)
+    # the text is the tokens' bytes, less special tokens (named, but not in the text)
+    words = [bytes(e.bytes) for e in content if not re.fullmatch(r"<｜.*｜>", e.token)]
+    assert b"".join(words).decode() == chat.choices[0].message.content
+    assert all(abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6 for e in content)
+    plain = client.chat.completions.create(model=MODEL, messages=[
+        {"role": "user", "content": prompt}], **GREEDY)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == chat.choices[0].message.content
+    status, body, _ = raw(client.base_url.__str__().removesuffix("/v1/"), "POST",
+                          "/v1/chat/completions", {"model": MODEL, "top_logprobs": 2,
+                                                   "messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and body["error"]["param"] == "top_logprobs"
 
 
 def test_n_choices_unary_and_streamed(client):

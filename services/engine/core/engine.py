@@ -46,6 +46,7 @@ from services.engine.core.output import OutputState
 from services.engine.core.request_checks import check_prompt
 from services.engine.core.sampling import (
     SamplingParams,
+    attach_logprobs,
     draw_batch,
     penalize,
     read_ids,
@@ -212,8 +213,11 @@ class EngineCore:
                                    for seq, logits in sampled])
         read = read_ids(parts + [self.spec.judge(seq, res.logits[i], d)
                                  for seq, _, i, d in verifying])
-        for (seq, logits), (part, at) in zip(sampled, where, strict=True):
-            events.append(self._emit(seq, logits, token=read[part][at]))
+        emitted = [self._emit(seq, logits, token=read[part][at])
+                   for (seq, logits), (part, at) in zip(sampled, where, strict=True)]
+        attach_logprobs(emitted, [logits for _, logits in sampled],
+                        [seq.params.logprobs for seq, _ in sampled])
+        events.extend(emitted)
         for (seq, work, i, d), verdict in zip(verifying, read[len(parts):], strict=True):
             events.append(self._verify(seq, work, res, i, d, verdict))
         # the step's time, its one device sync included, sizes the prefill work of later

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.generation import TokenLogprob
 from services.engine.core.handoff import Handoff
 from services.engine.core.sequence import Finish, Sequence
 
@@ -45,3 +46,4 @@ class Event:
     handoff: Handoff | None = None      # finish HANDOFF: what a decode engine adopts
     drafted: int = 0           # on the last event: draft tokens this request proposed
     accepted: int = 0          # and how many of them verification accepted
+    logprobs: list[TokenLogprob] | None = None   # one per token id, when the request asks

@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.generation import DEFAULT_MAX_TOKENS, MAX_REPETITION_PENALTY
+from kvmesh.generation import (
+    DEFAULT_MAX_TOKENS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    TokenLogprob,
+)
 
 # Engines are reachable by every peer, not only through the gateway (whose own limits,
 # `--max-stop` and `--max-stop-bytes`, default to 16 and 256), so they bound stop work too.
@@ -36,6 +41,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None   # None: none; k: each token's log-probability and the k likeliest
 
     def validate(self, vocab_size: int) -> None:
         t = self.temperature
@@ -66,6 +72,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidArgument(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidArgument(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}]"
                                   f" (1 = off), got {self.repetition_penalty}")
@@ -76,11 +84,34 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Do this request's logits depend on the tokens before them (penalize())? Such a
-        request decodes without drafts: a verified row's penalties would need the drafts
-        before it in its history."""
+        """Do this request's logits depend on the tokens before them (penalize())?"""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
+
+    @property
+    def draftable(self) -> bool:
+        """May speculative drafts be verified for this request? Not with penalties (a
+        verified row's would need the drafts before it in its history) nor logprobs (each
+        token's are read from the row that chose it, one per step)."""
+        return not self.penalized and self.logprobs is None
+
+
+def token_logprobs(rows: list[tuple[torch.Tensor, int, int]]) -> list[TokenLogprob]:
+    """(logits [V], chosen id, k) of each row -> its TokenLogprob, from the log-softmax of
+    the model's own logits: before penalties, temperature and truncation, what vLLM
+    reports by default (`raw_logprobs`). Two host reads for all the rows; only requests
+    that ask for logprobs come here."""
+    if not rows:
+        return []
+    lp = torch.log_softmax(torch.stack([r[0] for r in rows]).float(), -1)
+    chosen = lp.gather(1, torch.tensor([[r[1]] for r in rows], device=lp.device))[:, 0]
+    k = max(r[2] for r in rows)
+    top = torch.topk(lp, k) if k else None
+    values = torch.cat([chosen[:, None], top.values if top is not None else chosen[:, :0]],
+                       1).tolist()
+    ids = top.indices.tolist() if top is not None else [[] for _ in rows]
+    return [TokenLogprob(v[0], tuple(zip(i[:r[2]], v[1:1 + r[2]], strict=True)))
+            for r, v, i in zip(rows, values, ids, strict=True)]
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
@@ -198,3 +229,14 @@ def sample_ids(rows: list[tuple[torch.Tensor, SamplingParams, int, int]]) -> lis
     """Tokens of many rows (logits [V], params, step, request seed), each drawn on its logits'
     device with its own generator; ONE host read for all of them (read_ids)."""
     return [ids[0] for ids in read_ids([draw(*row) for row in rows])]
+
+
+def attach_logprobs(events, logits: list[torch.Tensor], wanted: list[int | None]) -> None:
+    """Give each event whose request asked (`wanted` k not None) the TokenLogprob of its one
+    token, read from the logits row that chose it (events, logits and wanted in step)."""
+    rows = [(row, ev.token_ids[0], k) for ev, row, k in zip(events, logits, wanted, strict=True)
+            if k is not None]
+    found = iter(token_logprobs(rows))
+    for ev, k in zip(events, wanted, strict=True):
+        if k is not None:
+            ev.logprobs = [next(found)]

@@ -182,7 +182,7 @@ class Speculator:
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         s = request_setting(params, self.setting)      # InvalidArgument naming `speculative`
-        if s.on and self.drafter is not None and not params.penalized:
+        if s.on and self.drafter is not None and params.draftable:
             self.requests[request_id] = s
         self.usage[request_id] = [0, 0]
 

@@ -51,7 +51,13 @@ from services.engine.core.events import COUNTERS, Event, Hooks
 from services.engine.core.handoff import Handoff, HandoffStore, handoff_problem
 from services.engine.core.output import OutputState
 from services.engine.core.request_checks import check_prompt
-from services.engine.core.sampling import SamplingParams, draw_batch, penalize, read_ids
+from services.engine.core.sampling import (
+    SamplingParams,
+    attach_logprobs,
+    draw_batch,
+    penalize,
+    read_ids,
+)
 from services.engine.core.sequence import Finish
 from services.engine.core.speculative import Speculator, engine_setting
 from services.engine.core.step_budget import StepBudget
@@ -191,6 +197,8 @@ class V4Engine:
         read = read_ids(parts + [self.spec.judge(r, out, d) for r, d, out, _ in verifying])
         events = [self._emit(req, [read[part][at]]) for req, (part, at) in
                   zip(ready, where, strict=True)]
+        attach_logprobs(events, [logits[r.request_id] for r in ready],
+                        [r.params.logprobs for r in ready])
         for (req, d, _, hidden), verdict in zip(verifying, read[len(parts):], strict=True):
             events.append(self._verified(req, d, verdict, hidden))
         seconds = time.perf_counter() - t_step

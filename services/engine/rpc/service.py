@@ -111,6 +111,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             async for ev in stream:
                 msg = engine_pb2.GenerateResponse(request_id=ev.request_id,
                                                   token_ids=ev.token_ids, text=ev.text)
+                if ev.logprobs:
+                    msg.logprobs.extend(lp.to_proto() for lp in ev.logprobs)
                 generated += len(ev.token_ids)
                 times.scheduled(getattr(ev.seq, "scheduled_s", 0.0))
                 times.token(len(ev.token_ids))

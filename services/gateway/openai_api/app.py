@@ -46,6 +46,7 @@ from services.gateway.openai_api import fields, tokenize
 from services.gateway.openai_api.chat import load_template
 from services.gateway.openai_api.render import (
     DONE,
+    Logprobs,
     ModelNotFound,
     Renderer,
     error_body,
@@ -130,12 +131,13 @@ class Generation:
         await self._body(send, json.dumps(body).encode())
 
     async def _unary(self, send) -> None:
-        async def collect(gr) -> tuple[str, str | None]:
-            parts, finish = [], None
+        async def collect(gr) -> tuple[str, str | None, list]:
+            parts, finish, pairs = [], None, []
             async for c in gr:
                 parts.append(c.text)
                 finish = c.finish or finish
-            return "".join(parts), finish
+                pairs += _pairs(c)
+            return "".join(parts), finish, pairs
         try:
             results = await asyncio.gather(*map(collect, self.grs))
         except Exception as exc:  # noqa: BLE001 - mapped to a status, 500 if unknown
@@ -160,13 +162,13 @@ class Generation:
                 return
             await self._start(send, 200, SSE_HEADERS)
             for index, first in enumerate(firsts):
-                await self._body(send, self.r.chunk(first.text, first.finish, True, index),
-                                 more=True)
+                await self._body(send, self.r.chunk(first.text, first.finish, True, index,
+                                                    _pairs(first)), more=True)
             try:
                 async for index, c in _merged(its):
-                    if c.text or c.finish is not None:
-                        await self._body(send, self.r.chunk(c.text, c.finish, index=index),
-                                         more=True)
+                    if c.text or c.finish is not None or c.logprobs:
+                        await self._body(send, self.r.chunk(c.text, c.finish, index=index,
+                                                            pairs=_pairs(c)), more=True)
             except Exception as exc:  # noqa: BLE001 - after the 200: an error event, as OpenAI
                 if not isinstance(exc, KvmeshError):
                     log.exception("internal error mid-stream (request %s)",
@@ -177,6 +179,11 @@ class Generation:
                     usage = total_usage([gr.usage for gr in self.grs])
                     await self._body(send, self.r.usage_chunk(usage), more=True)
         await self._body(send, DONE)
+
+
+def _pairs(c) -> list:
+    """A chunk's (token id, TokenLogprob) pairs (none unless the request asked)."""
+    return list(zip(c.token_ids, c.logprobs, strict=True)) if c.logprobs else []
 
 
 async def _merged(its: list):
@@ -241,7 +248,8 @@ class OpenAIApp:
         grs = [self.core.open(choice, None, method, principal) for choice in choices(req, opts.n)]
         echo = "" if not opts.echo else req.prompt if req.prompt is not None else \
             self.core.tokenizer.decode(req.prompt_token_ids)
-        r = Renderer(chat, grs[0].req.request_id, opts.model, opts.include_usage, echo)
+        lps = None if req.logprobs is None else Logprobs(self.core.tokenizer.token_bytes)
+        r = Renderer(chat, grs[0].req.request_id, opts.model, opts.include_usage, echo, lps)
         if opts.ignored:
             log.warning("request id=%s: fields ignored (not part of this API): %s",
                         grs[0].req.request_id, ", ".join(opts.ignored))

@@ -1,7 +1,7 @@
 """OpenAI request bodies -> `GenRequest` plus how to answer (`Options`).
 
 kvmesh follows the OpenAI field names and types, and refuses what it cannot honour
-with a 400 naming the field (`logprobs`, `tools`, `logit_bias`, ...) instead of
+with a 400 naming the field (`tools`, `logit_bias`, ...) instead of
 answering something else. A field it does not know at all is ignored, as vLLM does (the
 response names it), or refused in strict mode. `echo` (completions) puts the prompt's text before the answer. The ranges the gateway core checks again (max_tokens limit,
 prompt size, stop counts) are left to it, so there is one rule for gRPC and HTTP.
@@ -156,10 +156,6 @@ def _refuse_unsupported(body: dict) -> None:
     """Fields kvmesh does not implement: refused unless they ask for the default."""
     if body.get("logit_bias"):
         raise FieldError("logit_bias", "logit_bias is not supported")
-    if body.get("logprobs") not in (None, False, 0):
-        raise FieldError("logprobs", "logprobs are not supported")
-    if body.get("top_logprobs") is not None:
-        raise FieldError("top_logprobs", "top_logprobs is not supported")
     if body.get("best_of") not in (None, 1):
         raise FieldError("best_of", "best_of must be 1 (one choice per request)")
     if body.get("suffix") is not None:
@@ -232,7 +228,8 @@ def _sampling(body: dict, max_tokens: int | None) -> dict:
         raise FieldError("seed", f"seed must be in [0, 2**63), got {seed}")
     _opt_str(body, "user")
     # their ranges: the gateway core's check (services/gateway/validate.py), as over gRPC
-    controls = {name: _opt_number(body, name) for name in SAMPLING_CONTROLS}
+    controls = {name: _opt_number(body, name) for name in SAMPLING_CONTROLS
+                if name != "logprobs"}
     return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                 seed=seed, stop=_stop(body), stop_token_ids=_stop_token_ids(body), **controls,
                 cache_salt=_opt_str(body, "cache_salt") or "",
@@ -260,7 +257,13 @@ def completion_request(body, strict: bool = False) -> tuple[GenRequest, Options]
     else:
         raise FieldError("prompt", "prompt must be a string or a non-empty list of token ids >= 0")
     kw = _sampling(body, _opt_int(body, "max_tokens"))
-    return GenRequest(request_id="", prompt=text, prompt_token_ids=ids, **kw), opts
+    # completions: `logprobs` is k, the likeliest tokens to list beside each one's own
+    logprobs = _opt_int(body, "logprobs")
+    if logprobs is not None and opts.echo:
+        raise FieldError("logprobs", "logprobs with echo (the prompt's log-probabilities) "
+                         "is not supported")
+    return GenRequest(request_id="", prompt=text, prompt_token_ids=ids, logprobs=logprobs,
+                      **kw), opts
 
 
 def chat_messages(body) -> list[dict]:
@@ -308,4 +311,10 @@ def chat_request(body, render, strict: bool = False) -> tuple[GenRequest, Option
     if mct is not None and mct <= 0:
         raise FieldError("max_completion_tokens", f"max_completion_tokens must be > 0, got {mct}")
     kw = _sampling(body, mct if mct is not None else mt)
-    return GenRequest(request_id="", prompt=render(messages), prompt_token_ids=None, **kw), opts
+    # chat: `logprobs` says whether, `top_logprobs` how many likeliest tokens beside
+    top = _opt_int(body, "top_logprobs")
+    if top is not None and not _opt_bool(body, "logprobs"):
+        raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+    logprobs = (top or 0) if _opt_bool(body, "logprobs") else None
+    return GenRequest(request_id="", prompt=render(messages), prompt_token_ids=None,
+                      logprobs=logprobs, **kw), opts

@@ -11,10 +11,14 @@ request started on); here the replayed ones are taken out.
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
+from collections.abc import Callable, Sequence
 
 from kvmesh.errors import NotFound
+from kvmesh.generation import TokenLogprob
+from kvmesh.tokenizer import token_text
 from services.gateway.model import Usage, http_status, status_name
 
 # HTTP status -> OpenAI's error type (the statuses: services/gateway/model.py HTTP_STATUS)
@@ -68,48 +72,99 @@ def usage_json(u: Usage) -> dict:
                 "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens}}
 
 
+class Logprobs:
+    """Tokens' log-probabilities in OpenAI's two shapes: completions' parallel lists
+    (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, `text_offset`: where
+    in the choice's text each token's characters start) and chat's `content` entries
+    ({token, logprob, bytes, top_logprobs}). A token is named by its text, or
+    `bytes:\\xNN` when it holds part of a character (kvmesh.tokenizer.token_text)."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]):
+        self.bytes = token_bytes
+        # completions, per choice index: characters of text so far and the decoder of the
+        # bytes so far (a character split over tokens starts where its first piece is)
+        self.offset: dict[int, int] = {}
+        self.utf8: dict[int, codecs.IncrementalDecoder] = {}
+
+    def _name(self, token: int) -> str:
+        return token_text(self.bytes(token))
+
+    def completion(self, index: int, start: int, pairs: Sequence[tuple[int, TokenLogprob]]
+                   ) -> dict:
+        at = self.offset.get(index, start)
+        utf8 = self.utf8.setdefault(index, codecs.getincrementaldecoder("utf-8")("replace"))
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": []}
+        for token, lp in pairs:
+            out["tokens"].append(self._name(token))
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append({self._name(i): v for i, v in lp.top})
+            out["text_offset"].append(at)
+            at += len(utf8.decode(self.bytes(token)))
+        self.offset[index] = at
+        return out
+
+    def chat(self, pairs: Sequence[tuple[int, TokenLogprob]]) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            raw = self.bytes(token)
+            return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
+        return {"content": [{**entry(token, lp.logprob),
+                             "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                            for token, lp in pairs]}
+
+
 class Renderer:
     """Shapes of one response: `chat` picks chat.completion(.chunk) over text_completion."""
 
     def __init__(self, chat: bool, request_id: str, model: str, include_usage: bool = False,
-                 echo: str = ""):
-        """`echo`: text put before the generated text (completions' `echo`)."""
+                 echo: str = "", logprobs: Logprobs | None = None):
+        """`echo`: text put before the generated text (completions' `echo`); `logprobs`:
+        set when the request asked for them."""
         self.chat = chat
         self.echo = echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.logprobs = logprobs
+
+    def _logprobs(self, index: int, pairs) -> dict | None:
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return self.logprobs.chat(pairs)
+        return self.logprobs.completion(index, len(self.echo), pairs)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, results: list[tuple[str, str | None]], usage: Usage) -> dict:
-        """The whole (non-streaming) response: one choice per (text, finish) of `results`."""
+    def full(self, results: list[tuple[str, str | None, list]], usage: Usage) -> dict:
+        """The whole (non-streaming) response: one choice per (text, finish, [(token id,
+        TokenLogprob)]) of `results`."""
         out = self._head("chat.completion" if self.chat else "text_completion")
         out["choices"] = []
-        for index, (text, finish) in enumerate(results):
+        for index, (text, finish, pairs) in enumerate(results):
             choice = {"index": index, "finish_reason": FINISH.get(finish, finish)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = self.echo + text
-            choice["logprobs"] = None
+            choice["logprobs"] = self._logprobs(index, pairs)
             out["choices"].append(choice)
         out["usage"] = usage_json(usage)
         return out
 
     def chunk(self, text: str, finish: str | None = None, first: bool = False,
-              index: int = 0) -> bytes:
+              index: int = 0, pairs=()) -> bytes:
         """One stream event with `text` for choice `index` (chat: a choice's first delta
-        also carries the role)."""
+        also carries the role), and its tokens' (id, TokenLogprob) `pairs`."""
         out = self._head("chat.completion.chunk" if self.chat else "text_completion")
         choice = {"index": index}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
             choice["text"] = self.echo + text if first else text
-        choice["logprobs"] = None
+        choice["logprobs"] = self._logprobs(index, pairs)
         choice["finish_reason"] = FINISH.get(finish, finish)
         out["choices"] = [choice]
         if self.include_usage:

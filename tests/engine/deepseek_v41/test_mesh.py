@@ -95,3 +95,13 @@ def test_prefill_decode_handoff_over_grpc(pd_mesh):
     pe, *ces = (m.endpoints[n] for n in m.engine_names)
     assert _stats(pe)["handoffs_out"] == 1
     assert sum(_stats(ce)["handoffs_in"] for ce in ces) == 1
+    # logprobs come through the handoff too: the first token's from the prefill engine, the
+    # rest from the decode engine, each the reference's log-softmax at its position
+    full = greedy(m41, prompt, 10, keep=134)
+    lp = client.completions.create(model=directory.name, prompt=tok.decode(prompt), max_tokens=10,
+                                   temperature=0, logprobs=1).choices[0].logprobs
+    assert 0 < len(lp.token_logprobs) <= 10
+    for i, got in enumerate(lp.token_logprobs):
+        ids = prompt + full[:i]
+        ref = torch.log_softmax(m41.logits(torch.tensor(ids), keep=len(ids) - (200 - 134))[-1], -1)
+        assert abs(got - float(ref[full[i]])) < 1e-4
