@@ -35,7 +35,7 @@ def generate_remote(args: argparse.Namespace) -> int:
 
 async def _stream(address: str, engine: str | None, args) -> int:
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.gen_seed, stop=args.stop,
+              top_p=args.top_p, seed=args.seed, stop=args.stop,
               **controls_given(args))
     if engine:  # straight to one engine (debugging), same output format
         from services.engine.rpc.client import EngineClient

@@ -17,6 +17,7 @@ class added to the proto without a name here fails at start-up, not on a request
 
 from __future__ import annotations
 
+import argparse
 from typing import NamedTuple, Protocol, TypeVar
 
 from kvmesh.errors import InvalidArgument
@@ -128,7 +129,7 @@ class TokenLogprob(NamedTuple):
         return cls(m.logprob, tuple(zip(m.top_ids, m.top_logprobs, strict=True)))
 
 
-def controls_given(args) -> dict[str, float]:
+def controls_given(args: argparse.Namespace) -> dict[str, float]:
     """The SAMPLING_CONTROLS a command line gave (`--min-p`, `--presence-penalty`, ...)."""
     return {name: v for name in SAMPLING_CONTROLS if (v := getattr(args, name, None)) is not None}
 

@@ -38,6 +38,10 @@ from kvmesh.tls import add_flags as add_tls_flags
 
 # A Python snippet the shipped model (trained on the standard library) continues: long
 # enough to fill two 128-token cache blocks whether the tokenizer is byte-level or BPE.
+# The gateway's /metrics under `kvmesh up` (the Kubernetes manifests' port); the other
+# services' follow it (MeshConfig.metrics_port).
+METRICS_PORT = 9100
+
 DEMO_PROMPT = '''import os
 import sys
 
@@ -100,16 +104,18 @@ DEMO_ANSWER_TOKENS = 48
 
 def register(sub) -> None:
     up = sub.add_parser("up", help="start the whole mesh locally (Ctrl-C stops it)")
-    up.add_argument("--engines", type=int, default=2, help="number of engines")
+    up.add_argument("--num-engines", type=int, default=2, help="number of engines")
     up.add_argument("--gateway-port", type=int, default=7000,
                     help="gateway gRPC port; 0 = a free port")
     up.add_argument("--http-port", type=int, default=8000,
                     help="gateway OpenAI-compatible HTTP API port; 0 = a free port, -1 = off")
-    up.add_argument("--metrics-port", type=int, default=0,
-                    help="gateway /metrics port; 0 = a free port")
+    up.add_argument("--metrics-port", type=int, default=METRICS_PORT,
+                    help="the gateway's /metrics port; the directory, kvstores and engines "
+                    "take the ports after it, in that order (docs/metrics.md); 0 = a free "
+                    "port for each")
     up.add_argument("--log-dir", default=".kvmesh/logs",
                     help="service logs, SeaweedFS and kvstore data")
-    up.add_argument("--kvstores", type=int, default=1,
+    up.add_argument("--num-kvstores", type=int, default=1,
                     help="kvstore replicas over the same shard locations and one shared index "
                     "in the mesh's Valkey; engines spread over them (default 1)")
     up.add_argument("--model", default="",
@@ -146,7 +152,7 @@ def register(sub) -> None:
                     help="128-token cache blocks per engine (engine serve's default)")
     up.add_argument("--pd", action="store_true",
                     help="prefill/decode disaggregation: engine-a prefills (--role prefill), "
-                    "the other engines decode (--role decode); with the default --engines "
+                    "the other engines decode (--role decode); with the default --num-engines "
                     "that is 1 prefill + 2 decode engines")
     up.add_argument("--demo", action="store_true",
                     help=f"stream two requests through the gateway ({DEMO_TOKENS} tokens each, "
@@ -363,11 +369,11 @@ def engine_model(flag: str) -> str:
 def mesh_config(args: argparse.Namespace) -> MeshConfig:
     """The MeshConfig `kvmesh up`'s flags ask for, with fresh random internal tokens."""
     pd = getattr(args, "pd", False)
-    engines = 3 if pd and args.engines == 2 else args.engines   # --pd: 1 PE + 2 CEs by default
+    engines = 3 if pd and args.num_engines == 2 else args.num_engines   # --pd: 1 PE + 2 CEs by default
     return MeshConfig(engines=engines, pd=pd, gateway_port=args.gateway_port,
                       http_port=args.http_port, metrics_port=args.metrics_port,
                       log_dir=Path(args.log_dir), num_slots=args.num_slots,
-                      num_blocks=args.num_blocks, kvstores=args.kvstores,
+                      num_blocks=args.num_blocks, kvstores=args.num_kvstores,
                       model=engine_model(getattr(args, "model", "")),
                       **{k: getattr(args, k, "") for k in ("tokenizer", "dtype", "device",
                                                            "speculative")},

@@ -40,7 +40,9 @@ KVMESH = [sys.executable, "-m", "kvmesh.cli"]
 class MeshConfig:
     engines: int = 2
     gateway_port: int = 0            # 0 = a free port (kvmesh up uses 7000)
-    metrics_port: int = 0            # gateway /metrics; 0 = a free port
+    # /metrics: the gateway's port, then one each for the directory, kvstores and engines;
+    # 0 = a free port for each
+    metrics_port: int = 0
     http_port: int = 0               # gateway OpenAI-compatible HTTP API; 0 = a free port, -1 = off
     log_dir: Path = Path(".kvmesh/logs")
     preset: str = "tiny"
@@ -90,7 +92,7 @@ class MeshConfig:
     # engines (`kvmesh up --pd`: 1 + 2); the decode engines are also the gateway's fallback.
     pd: bool = False
     # kvstore replicas over the same 12 locations and one shared index in the mesh's
-    # Valkey (`kvmesh up --kvstores N`); engines spread over them (`--kvstore a,b`).
+    # Valkey (`kvmesh up --num-kvstores N`); engines spread over them (`--kvstore a,b`).
     kvstores: int = 1
 
     def __post_init__(self):
@@ -210,7 +212,7 @@ class Mesh:
         self.endpoints["valkey"] = self.valkey.url
         self.on_progress("valkey", "healthy")
         kvstore = self._start_kvstore(log_dir)
-        dir_port, dir_metrics = free_port(), free_port()
+        dir_port, dir_metrics = free_port(), self._metrics_port("directory")
         self._spawn("directory", [*KVMESH, "directory", "serve", "--host", "127.0.0.1",
                                   "--port", str(dir_port), "--redis-url", self.valkey.url,
                                   "--key-prefix", f"kvmesh:mesh:{uuid.uuid4().hex[:8]}",
@@ -221,14 +223,23 @@ class Mesh:
         self.endpoints["directory-metrics"] = f"http://127.0.0.1:{dir_metrics}/metrics"
         self._wait_healthy(["directory"])
         for i, name in enumerate(self.engine_names):
-            port, metrics = free_port(), free_port()
+            port, metrics = free_port(), self._metrics_port(name)
             self._spawn(name, [*engine_argv(cfg, name, port, self.endpoints["directory"], kvstore,
                                             cfg.role(i)),
                                "--metrics-port", str(metrics)], port)
             self.endpoints[f"{name}-metrics"] = f"http://127.0.0.1:{metrics}/metrics"
         self._wait_healthy(self.engine_names)
-        self.add_gateway("gateway", cfg.api_keys, cfg.gateway_port, cfg.metrics_port,
-                         cfg.http_port)
+        self.add_gateway("gateway", cfg.api_keys, cfg.gateway_port,
+                         self._metrics_port("gateway"), cfg.http_port)
+
+    def _metrics_port(self, name: str) -> int:
+        """`metrics_port` 0: a free port per service; else the gateway's, and after it the
+        directory's, the kvstores' and the engines', one each in that order (fixed, so a
+        Prometheus configuration written once keeps working)."""
+        if not self.cfg.metrics_port:
+            return free_port()
+        order = ["gateway", "directory", *self.kvstore_names, *self.engine_names]
+        return self.cfg.metrics_port + order.index(name)
 
     def add_gateway(self, name: str, api_keys: str = "", port: int = 0, metrics_port: int = 0,
                     http_port: int = 0) -> None:
@@ -237,7 +248,7 @@ class Mesh:
         benchmark may add a second one (auth on beside auth off, same engines)."""
         cfg = self.cfg
         port, metrics_port = port or free_port(), metrics_port or free_port()
-        http_port = 0 if http_port < 0 else http_port or free_port()
+        http_port = -1 if http_port < 0 else http_port or free_port()
         self._spawn(name, [*KVMESH, "gateway", "serve", "--host", cfg.public_host,
                            "--port", str(port),
                            "--engines", ",".join(self.endpoints[n] for n in self.engine_names),
@@ -251,7 +262,7 @@ class Mesh:
         self._wait_healthy([name])
         host = self.gateway_host
         self.endpoints[f"{name}-metrics"] = f"http://{host}:{metrics_port}/metrics"
-        if http_port:
+        if http_port > 0:
             self._wait_port(name, host, http_port)
             scheme = "https" if self.public_tls.server_enabled else "http"
             self.endpoints[f"{name}-http"] = f"{scheme}://{host}:{http_port}"
@@ -286,7 +297,7 @@ class Mesh:
                     "KVMESH_KVSTORE_REDIS_PASSWORD": self.redis_password}
         names = self.kvstore_names
         for name in names:
-            port, metrics = free_port(), free_port()
+            port, metrics = free_port(), self._metrics_port(name)
             self._spawn(name, [*kvstore_argv(port, self.seaweed.locations, log_dir / name,
                                              self.valkey.url, name),
                                "--metrics-port", str(metrics)], port, own_env=own or None)

@@ -52,9 +52,12 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     g.add_argument("--checkpoint", help="safetensors file (default for tiny: the shipped "
                                         "models/v4-mini-tiny checkpoint)")
     g.add_argument("--random-weights", action="store_true",
-                   help="seeded random weights (--seed) instead of a checkpoint: tests, benchmarks")
+                   help="seeded random weights (--weights-seed) instead of a checkpoint: tests, "
+                   "benchmarks")
     g.add_argument("--tokenizer", help="HuggingFace tokenizer.json (default: byte-level)")
-    g.add_argument("--seed", type=int, default=0, help="weight init seed with --random-weights")
+    g.add_argument("--weights-seed", type=int, default=0,
+                   help="weight init seed with --random-weights (not sampling's: requests "
+                   "carry their own seed)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                    help="weights and activations (float64: the exactness tests)")
     g.add_argument("--device", default=None,
@@ -153,7 +156,7 @@ def engine_config(args, env=None) -> EngineConfig:
         deterministic=args.deterministic, swa_policy=args.swa_policy,
         replay_blocks=args.replay_blocks,
         snapshot_bytes=args.snapshot_mb << 20, snapshot_ttl_min=args.snapshot_ttl_min,
-        dtype=args.dtype, seed=args.seed, device=args.device,
+        dtype=args.dtype, seed=args.weights_seed, device=args.device,
     )
 
 

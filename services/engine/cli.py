@@ -83,8 +83,8 @@ def register(sub) -> None:
     samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     samp.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest; 0 = off")
     samp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-    samp.add_argument("--gen-seed", type=int, default=None,
-                      help="sampling seed (default: none, a fresh draw per request)")
+    samp.add_argument("--seed", type=int, default=None,
+                      help="sampling seed, as vLLM's (default: none, a fresh draw per request)")
     samp.add_argument("--min-p", type=float, default=None,
                       help="drop tokens below min_p x the likeliest one's probability (default 0)")
     samp.add_argument("--presence-penalty", type=float, default=None,
@@ -261,7 +261,7 @@ def _generate_local(args) -> int:
     try:
         core = build_core(args)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                seed=args.gen_seed, max_tokens=args.max_tokens,
+                                seed=args.seed, max_tokens=args.max_tokens,
                                 stop=tuple(args.stop), **controls_given(args))
         seq = core.add_request(core.tokenizer.encode(args.prompt), params)
     except (KvmeshError, ValueError) as exc:

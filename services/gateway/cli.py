@@ -23,11 +23,11 @@ def register(sub) -> None:
                        "(default $KVMESH_GATEWAY_ENGINES or none)")
     serve.add_argument("--directory", help="directory host:port for live engines and snapshot "
                        "lookups (default $KVMESH_GATEWAY_DIRECTORY or none)")
-    serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port; 0 = off "
-                       "(default $KVMESH_GATEWAY_METRICS_PORT or 0)")
+    serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port; 0 = a free "
+                       "port, -1 = off (default $KVMESH_GATEWAY_METRICS_PORT or -1)")
     serve.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP API port "
-                       "(/v1/completions, /v1/chat/completions, ...); 0 = off "
-                       "(default $KVMESH_GATEWAY_HTTP_PORT or 0)")
+                       "(/v1/completions, /v1/chat/completions, ...); 0 = a free port, -1 = off "
+                       "(default $KVMESH_GATEWAY_HTTP_PORT or -1)")
     serve.add_argument("--tokenizer", help="tokenizer.json for routing keys; a "
                        "tokenizer_config.json beside it may give the HTTP chat_template "
                        "(default byte-level)")

@@ -6,8 +6,8 @@
 | KVMESH_GATEWAY_PORT                  | port                  | 7000               |
 | KVMESH_GATEWAY_ENGINES               | engines               | "" (host:port,...) |
 | KVMESH_GATEWAY_DIRECTORY             | directory             | "" (host:port)     |
-| KVMESH_GATEWAY_METRICS_PORT          | metrics_port          | 0 = off            |
-| KVMESH_GATEWAY_HTTP_PORT             | http_port             | 0 = off            |
+| KVMESH_GATEWAY_METRICS_PORT          | metrics_port          | -1 = off           |
+| KVMESH_GATEWAY_HTTP_PORT             | http_port             | -1 = off           |
 | KVMESH_GATEWAY_TOKENIZER             | tokenizer             | "" = byte-level    |
 | KVMESH_GATEWAY_MAX_REQUEST_BYTES     | max_request_bytes     | 4 MiB              |
 | KVMESH_GATEWAY_MAX_PROMPT_BYTES      | max_prompt_bytes      | 1 MiB              |
@@ -83,8 +83,9 @@ class GatewayConfig:
     port: int = 7000
     engines: str = ""                   # static engines, comma-separated host:port
     directory: str = ""                 # directory host:port; "" = static engines only
-    metrics_port: int = 0               # Prometheus /metrics; 0 = off
-    http_port: int = 0                  # OpenAI-compatible HTTP API; 0 = off
+    # every kvmesh port flag: 0 = a free port, -1 = off (never 0 = off)
+    metrics_port: int = -1              # Prometheus /metrics
+    http_port: int = -1                 # OpenAI-compatible HTTP API
     tokenizer: str = ""                 # tokenizer.json for routing keys; "" = byte-level
     # Limits. Oversize input is RESOURCE_EXHAUSTED, out-of-range fields INVALID_ARGUMENT.
     max_request_bytes: int = 4 << 20
@@ -115,9 +116,12 @@ class GatewayConfig:
             raise ValueError("prefill_engines and decode_engines go together: give both or neither")
         if self.directory:
             split_addresses(self.directory)
-        for name in ("port", "metrics_port", "http_port"):
-            if not 0 <= getattr(self, name) < 65536:
-                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535] (0 = a free port), got {self.port}")
+        for name in ("metrics_port", "http_port"):
+            if not -1 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [-1, 65535] (0 = a free port, -1 = off), "
+                                 f"got {getattr(self, name)}")
         for name in ("max_request_bytes", "max_prompt_bytes", "max_prompt_tokens",
                      "max_tokens_limit", "max_stop", "max_stop_bytes", "max_attempts",
                      "affinity_entries", "max_imbalance"):

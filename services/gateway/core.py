@@ -106,9 +106,8 @@ class GatewayCore:
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        if self.directory is not None:
-            await self.refresh_engines()
-            self._refresher = asyncio.create_task(self._refresh_loop())
+        await self.refresh_engines()
+        self._refresher = asyncio.create_task(self._refresh_loop())
         await self.model_info()
 
     async def close(self) -> None:
@@ -126,15 +125,26 @@ class GatewayCore:
             await self.refresh_engines()
 
     async def refresh_engines(self) -> None:
-        """One ListEngines; on failure engines keep their leases and lapse on their own."""
-        try:
-            engines = await self.directory.list_engines(timeout=max(self.cfg.refresh_s, 0.5))
-        except KvmeshError as exc:
-            log.warning("directory ListEngines failed: %s", exc)
-            engines = []
-        self.router.update_from_directory(engines, self.clock())
-        if self.pd is not None:
-            self.pd.update_from_directory(engines, self.clock())
+        """One ListEngines (on failure engines keep their leases and lapse on their own),
+        then every engine's connection looked at: an engine whose process died refuses
+        connections, and leaves the candidates within a refresh or two instead of when its
+        lease lapses (a static engine's never does)."""
+        if self.directory is not None:
+            try:
+                engines = await self.directory.list_engines(timeout=max(self.cfg.refresh_s, 0.5))
+            except KvmeshError as exc:
+                log.warning("directory ListEngines failed: %s", exc)
+                engines = []
+            self.router.update_from_directory(engines, self.clock())
+            if self.pd is not None:
+                self.pd.update_from_directory(engines, self.clock())
+        routers = [self.router] + ([self.pd.prefill, self.pd.decode] if self.pd else [])
+        for st in (st for r in routers for st in r.engines.values()):
+            reachable = self.pool.connectable(st.address)
+            if reachable == st.unreachable:
+                log.warning("engine %s (%s) is %s", st.engine_id, st.address,
+                            "reachable again" if reachable else "unreachable: refused connection")
+            st.unreachable = not reachable
 
     async def model_info(self) -> ModelInfo | None:
         """GetModelInfo from the first engine that answers; cached once known."""

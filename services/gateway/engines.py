@@ -75,6 +75,13 @@ class EnginePool:
             entry = self._stubs[address] = (ch, engine_pb2_grpc.EngineServiceStub(ch))
         return entry[1]
 
+    def connectable(self, address: str) -> bool:
+        """False when the last try to connect to `address` failed (nothing listens there:
+        its process is gone); asks the channel to connect if it is idle. No RPC is sent."""
+        self.stub(address)
+        state = self._stubs[address][0].get_state(try_to_connect=True)
+        return state != grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
     def session(self, address: str) -> EngineSession:
         """The open session to `address`; a new one when there is none or it broke."""
         s = self._sessions.get(address)

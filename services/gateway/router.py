@@ -37,6 +37,7 @@ class EngineState:
     queued: int = 0               # running + waiting, from the directory's last heartbeat
     in_flight: int = 0            # requests this gateway has open on it
     down_until: float = 0.0       # avoid after a failure until then
+    unreachable: bool = False     # its address refuses connections (GatewayCore.refresh_engines)
     # identity (GatewayCore.check_identity): (engine_id, model fingerprint) its GetModelInfo
     # first answered; whether it answered so since it last failed; refused: it answered as
     # another engine or model, and gets nothing until the directory registers it again
@@ -96,10 +97,11 @@ class Router:
                 st.queued = 0
 
     def candidates(self, now: float, exclude: Sequence[str] = ()) -> list[EngineState]:
-        """Live engines not excluded; those marked down only when nothing else is left."""
+        """Live engines not excluded; those marked down or unreachable only when nothing
+        else is left."""
         live = [st for st in self.engines.values()
                 if st.live(now) and not st.refused and st.address not in exclude]
-        up = [st for st in live if st.down_until <= now]
+        up = [st for st in live if st.down_until <= now and not st.unreachable]
         return up or live
 
     def mark_down(self, address: str, until: float) -> None:

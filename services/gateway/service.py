@@ -156,11 +156,10 @@ async def serve(cfg: GatewayConfig) -> None:
         from services.directory.client import DirectoryClient
 
         directory = DirectoryClient(cfg.directory)
-    if cfg.metrics_port:
-        serve_metrics(cfg.metrics_port, cfg.host)
+    metrics = serve_metrics(cfg.metrics_port, cfg.host) if cfg.metrics_port >= 0 else None
     server, core = await start_gateway(cfg, directory)
     http = None
-    if cfg.http_port:
+    if cfg.http_port >= 0:
         from services.gateway.openai_api.server import HttpServer
 
         http = HttpServer(core, cfg.host, cfg.http_port, tls=TlsFiles.public_from_env())
@@ -172,7 +171,7 @@ async def serve(cfg: GatewayConfig) -> None:
             raise
     log.info("gateway listening on %s:%d (engines %s, directory %s, metrics %s, HTTP API %s, "
              "loop %s)", cfg.host, server.port, cfg.engines or "-", cfg.directory or "-",
-             cfg.metrics_port or "off", http.port if http else "off",
+             metrics or "off", http.port if http else "off",
              type(asyncio.get_running_loop()).__module__)
     stop = shutdown_signal()
     await stop.wait()

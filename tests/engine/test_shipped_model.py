@@ -52,7 +52,7 @@ def test_generate_local_tiny_preset_writes_text():
     weights' arbitrary bytes."""
     out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "--preset",
                           "tiny", "def read(path):\n    with open(path) as f:\n", "--max-tokens", "32",
-                          "--temperature", "0.8", "--gen-seed", "1"],
+                          "--temperature", "0.8", "--seed", "1"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     text = out.stdout.rstrip("\n")

@@ -71,7 +71,7 @@ def test_generate_local_serves_it_and_the_chat_turns_tokenize_to_single_ids():
     assert ids[0] == 0 and ids[-2:] == [3, 5] and 2 in ids
     out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local",
                           "def read(path):\n    with open(path) as f:\n", "--max-tokens", "24",
-                          "--temperature", "0.8", "--gen-seed", "1"],
+                          "--temperature", "0.8", "--seed", "1"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     text = out.stdout.rstrip("\n")

@@ -19,6 +19,7 @@ from kvmesh.shipped import DEFAULT_MODEL
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
 UP = [sys.executable, "-m", "kvmesh.cli", "up", "--gateway-port", "0", "--http-port", "0",
+      "--metrics-port", "0",
       "--num-slots", "4", "--num-blocks", "64"]
 
 
@@ -28,7 +29,7 @@ def ports_in(text: str) -> set[int]:
 
 def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
     # two kvstore replicas on the shared index in the mesh's Valkey, engines over both
-    out = subprocess.run([*UP, "--demo", "--kvstores", "2", "--log-dir", str(tmp_path / "logs")],
+    out = subprocess.run([*UP, "--demo", "--num-kvstores", "2", "--log-dir", str(tmp_path / "logs")],
                          env=ENV,
                          capture_output=True, text=True, timeout=180)
     text = out.stdout + out.stderr

@@ -15,7 +15,7 @@ def _engine_args(argv: list[str]):
 def test_up_flags_pass_through_to_every_engine(tmp_path):
     args = build_parser().parse_args(
         ["up", "--model", str(tmp_path), "--tokenizer", "tok.json", "--dtype", "float64",
-         "--device", "cpu", "--speculative", "ngram:3", "--engines", "3", "--pd"])
+         "--device", "cpu", "--speculative", "ngram:3", "--num-engines", "3", "--pd"])
     cfg = mesh_config(args)
     for i, role in enumerate(("prefill", "decode", "decode")):
         e = _engine_args(engine_argv(cfg, f"engine-{i}", 7200 + i, "d:1", "k:2", role))
@@ -91,3 +91,15 @@ def test_a_second_up_on_the_same_log_dir_is_refused_by_pid(tmp_path):
         pass
     release(mark)
     assert not mark.exists()
+
+
+def test_metrics_ports_are_fixed_by_default_and_free_on_0():
+    """Every service's /metrics port under `kvmesh up` is known before it starts: the
+    gateway's --metrics-port (9100), then the directory, the kvstores and the engines."""
+    m = Mesh(mesh_config(build_parser().parse_args(["up", "--num-kvstores", "2", "--num-engines", "3"])))
+    ports = {n: m._metrics_port(n) for n in ("gateway", "directory", *m.kvstore_names,
+                                              *m.engine_names)}
+    assert list(ports.values()) == list(range(9100, 9107))
+    assert ports["gateway"] == 9100 and ports["directory"] == 9101
+    free = Mesh(mesh_config(build_parser().parse_args(["up", "--metrics-port", "0"])))
+    assert free._metrics_port("gateway") != 9100 and free._metrics_port("engine-a") != 9104

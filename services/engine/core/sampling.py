@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -231,7 +232,8 @@ def sample_ids(rows: list[tuple[torch.Tensor, SamplingParams, int, int]]) -> lis
     return [ids[0] for ids in read_ids([draw(*row) for row in rows])]
 
 
-def attach_logprobs(events, logits: list[torch.Tensor], wanted: list[int | None]) -> None:
+def attach_logprobs(events: list[Any], logits: list[torch.Tensor],
+                    wanted: list[int | None]) -> None:
     """Give each event whose request asked (`wanted` k not None) the TokenLogprob of its one
     token, read from the logits row that chose it (events, logits and wanted in step)."""
     rows = [(row, ev.token_ids[0], k) for ev, row, k in zip(events, logits, wanted, strict=True)
