@@ -44,9 +44,15 @@ REQUESTS = Counter("kvmesh_requests_total", "Requests finished, by final status"
                    ["service", "method", "status"])
 LATENCY = Histogram("kvmesh_request_duration_seconds", "Whole-request latency",
                     ["service", "method"], buckets=LATENCY_BUCKETS)
-TTFT = Histogram("kvmesh_time_to_first_token_seconds", "Time to the first generated token",
-                 ["service", "method"], buckets=LATENCY_BUCKETS)
 IN_FLIGHT = Gauge("kvmesh_in_flight_requests", "Requests being served now", ["service"])
+
+
+@functools.cache
+def ttft_histogram() -> Histogram:
+    """kvmesh_time_to_first_token_seconds: only services that generate (gateway, engine)
+    register it."""
+    return Histogram("kvmesh_time_to_first_token_seconds", "Time to the first generated token",
+                     ["service", "method"], buckets=LATENCY_BUCKETS)
 
 
 @functools.cache
@@ -132,9 +138,11 @@ class RequestMetrics:
     def __init__(self, service: str):
         self.service = service
         self.in_flight = IN_FLIGHT.labels(service)
-        self._tokens = {k: token_counter().labels(service, k)          # gateway and engine
+        generates = service in ("gateway", "engine")
+        self._tokens = {k: token_counter().labels(service, k)
                         for k in ("prompt", "cached", "replayed", "generated")
-                        } if service in ("gateway", "engine") else {}
+                        } if generates else {}
+        self._ttft = ttft_histogram() if generates else None
         if service == "gateway":      # only a gateway moves requests between engines
             retries, migrations = gateway_counters()
             self.retries, self.migrations = retries.labels(service), migrations.labels(service)
@@ -143,8 +151,8 @@ class RequestMetrics:
                 usage: Mapping[str, int] | None = None) -> None:
         REQUESTS.labels(self.service, method, status).inc()
         LATENCY.labels(self.service, method).observe(total_s)
-        if ttft_s is not None:
-            TTFT.labels(self.service, method).observe(ttft_s)
+        if ttft_s is not None and self._ttft is not None:
+            self._ttft.labels(self.service, method).observe(ttft_s)
         self.count_tokens(usage or {})
 
     def count_tokens(self, usage: Mapping[str, int]) -> None:

@@ -80,9 +80,13 @@ def register(sub) -> None:
                      "$KVMESH_API_KEY; none: unauthenticated)")
     samp = gen.add_argument_group("sampling")
     samp.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
-    samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    samp.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest; 0 = off")
-    samp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    # unset sampling flags take the engine's defaults, the same as gRPC's and HTTP's
+    samp.add_argument("--temperature", type=float, default=None,
+                      help="0 = greedy (default: the engine's, 1.0, as over HTTP and gRPC)")
+    samp.add_argument("--top-k", type=int, default=None,
+                      help="sample from the k likeliest; 0 = off (default 0)")
+    samp.add_argument("--top-p", type=float, default=None,
+                      help="nucleus sampling mass in (0, 1] (default 1)")
     samp.add_argument("--seed", type=int, default=None,
                       help="sampling seed, as vLLM's (default: none, a fresh draw per request)")
     samp.add_argument("--min-p", type=float, default=None,
@@ -260,9 +264,10 @@ def _generate_local(args) -> int:
 
     try:
         core = build_core(args)
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                seed=args.seed, max_tokens=args.max_tokens,
-                                stop=tuple(args.stop), **controls_given(args))
+        given = {k: v for k in ("temperature", "top_k", "top_p")
+                 if (v := getattr(args, k)) is not None}
+        params = SamplingParams(seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                                **given, **controls_given(args))
         seq = core.add_request(core.tokenizer.encode(args.prompt), params)
     except (KvmeshError, ValueError) as exc:
         print(f"kvmesh generate: {exc}", file=sys.stderr)

@@ -111,7 +111,7 @@ def test_eos_and_stop_tokens_finish():
 
 def test_cli_generate_local_streams_and_rejects_bad_input():
     ok = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "hi there",
-                         "--max-tokens", "5", "--random-weights"], capture_output=True, text=True, timeout=120)
+                         "--max-tokens", "5", "--random-weights", "--temperature", "0"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "[length: 8 prompt tokens, 5 generated]" in ok.stderr
     bad = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "x",

@@ -66,8 +66,13 @@ def test_engine_metrics_are_typed_and_carry_vllms_names(gw, mesh):
     for page in (*pages[1:], families(mesh.engine_names[0])):     # the gateway's own
         assert not {"kvmesh_retries", "kvmesh_migrations"} & set(page), set(page)
     assert {"kvmesh_retries", "kvmesh_migrations", "kvmesh_tokens"} <= set(pages[0])
-    for page in pages[1:]:                         # tokens: the gateway's and engines' only
-        assert "kvmesh_tokens" not in page
+    for page in pages[1:]:              # tokens and TTFT: the gateway's and engines' only
+        assert not {"kvmesh_tokens", "kvmesh_time_to_first_token_seconds"} & set(page)
+    assert "kvmesh_time_to_first_token_seconds" in pages[0]
+    # and nothing registered there but never produced: every family has samples
+    for name, page in zip(("gateway", "kvstore", "directory"), pages, strict=True):
+        empty = sorted(f.name for f in page.values() if not f.samples)
+        assert not empty, (name, empty)
     kvstore = pages[1]
     assert kvstore["kvmesh_kvstore_gc_deleted"].type == "counter"
     assert kvstore["kvmesh_kvstore_shard_reads_hedged"].type == "counter"
