@@ -18,6 +18,7 @@ COPY pyproject.toml README.md ./
 COPY kvmesh kvmesh
 COPY services services
 COPY kernels kernels
+COPY launch launch
 RUN pip install .
 # The shipped trained models (the compose file's and deploy/k8s' engines load
 # models/deepseek-v41-tiny by path: the installed package carries no models/).

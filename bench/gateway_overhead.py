@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import OUT, cpu_s, parser, pct  # noqa: E402
-from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
+from launch.mesh import Mesh, MeshConfig  # noqa: E402
 from services.engine.rpc.client import EngineClient  # noqa: E402
 from services.gateway.client import GatewayClient  # noqa: E402
 from services.gateway.config import EVENT_LOOPS, GatewayConfig  # noqa: E402
@@ -109,9 +109,9 @@ def proxy_process(upstream: str, event_loop: str):
 @contextlib.contextmanager
 def calls_gateway(mesh: Mesh, event_loop: str):
     """A second gateway on the same engine and directory, one engine call per request."""
-    from kvmesh.backing.proc import ManagedProcess, free_port
     from kvmesh.healthcheck import wait_healthy
-    from kvmesh.mesh_runner import KVMESH
+    from launch.backing.proc import ManagedProcess, free_port
+    from launch.mesh import KVMESH
 
     port = free_port()
     proc = ManagedProcess("gateway-calls", [

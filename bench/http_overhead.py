@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import OUT, cpu_s, parser, pct, table  # noqa: E402
 from kvmesh.auth import ApiKeys  # noqa: E402
-from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
+from launch.mesh import Mesh, MeshConfig  # noqa: E402
 from services.gateway.client import GatewayClient, gateway_request  # noqa: E402
 
 PROMPT = "Hi there"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from bench._common import OUT
 from bench.kvstore_throughput import CpuMeter, _timed, raw_clients, start_kvstore
-from kvmesh.backing.seaweed import start_seaweed_cluster
-from kvmesh.backing.valkey import ValkeyProcess
+from launch.backing.seaweed import start_seaweed_cluster
+from launch.backing.valkey import ValkeyProcess
 from services.kvstore.client import KvstoreClient, KvstorePool, connect
 
 BLOCKS = 16

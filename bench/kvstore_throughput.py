@@ -46,8 +46,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._common import OUT, cpu_s, parser  # noqa: E402
-from kvmesh.backing.proc import ManagedProcess, free_port, wait_port  # noqa: E402
-from kvmesh.backing.seaweed import s3_client, start_seaweed_cluster  # noqa: E402
+from kvmesh.s3 import s3_client  # noqa: E402
+from launch.backing.proc import ManagedProcess, free_port, wait_port  # noqa: E402
+from launch.backing.seaweed import start_seaweed_cluster  # noqa: E402
 from services.kvstore.client import KvstoreClient  # noqa: E402
 from services.kvstore.config import KvstoreConfig, ShardLocation  # noqa: E402
 from services.kvstore.durable import DurableStore  # noqa: E402
@@ -197,7 +198,7 @@ def start_kvstore(cluster, tmp: Path, name: str, tiers: bool, run_blocks: int = 
     mem = str(2 << 30) if tiers else "0"
     env = {"KVMESH_KVSTORE_LOCATIONS": ",".join(cluster.locations),
            "KVMESH_KVSTORE_RUN_BLOCKS": str(run_blocks)}
-    proc = ManagedProcess(name, [sys.executable, "-m", "kvmesh.cli", "--log-level", "WARNING",
+    proc = ManagedProcess(name, [sys.executable, "-m", "launch.cli", "--log-level", "WARNING",
                                  "kvstore", "serve", "--port", str(port),
                                  "--data-dir", str(tmp / name), "--mem-bytes", mem,
                                  "--disk-bytes", "0", "--capacity-bytes", str(1 << 40),

@@ -34,9 +34,9 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import OUT, parser, pct, plot, table  # noqa: E402
-from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
 from kvmesh.proto import engine_pb2, engine_pb2_grpc, gateway_pb2_grpc  # noqa: E402
 from kvmesh.shipped import DEFAULT_MODEL  # noqa: E402
+from launch.mesh import Mesh, MeshConfig  # noqa: E402
 from services.gateway.client import gateway_request  # noqa: E402
 
 

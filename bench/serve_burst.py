@@ -40,10 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import OUT, parser, pct, table  # noqa: E402
-from kvmesh.backing.proc import free_port  # noqa: E402
+from launch.backing.proc import free_port  # noqa: E402
 from services.engine.rpc.client import EngineClient  # noqa: E402
 
-KVMESH = [sys.executable, "-m", "kvmesh.cli"]
+KVMESH = [sys.executable, "-m", "launch.cli"]
 
 
 class Engine:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import OUT, parser, pct, table  # noqa: E402
 from bench.serve_burst import model_vocab, prompts  # noqa: E402
-from kvmesh.mesh_runner import Mesh, MeshConfig  # noqa: E402
+from launch.mesh import Mesh, MeshConfig  # noqa: E402
 
 
 async def one(session, url: str, model: str, prompt: list[int], tokens: int, start_at: float

@@ -31,8 +31,8 @@ from pathlib import Path
 import grpc
 
 from bench._common import OUT, parser, pct, table
-from kvmesh.mesh_runner import Mesh, MeshConfig
 from kvmesh.proto import engine_pb2, engine_pb2_grpc, gateway_pb2_grpc
+from launch.mesh import Mesh, MeshConfig
 from services.gateway.client import gateway_request
 
 AGENT_PREFIXES = [f"You are agent {i}. Tools: search, read, write, run. " * 12 for i in range(3)]

@@ -53,8 +53,8 @@ def _help(action) -> str:
 
 
 def flags() -> list[str]:
-    from kvmesh.cli import build_parser
     from kvmesh.clihelp import walk
+    from launch.cli import build_parser
 
     out = []
     for parser in walk(build_parser()):

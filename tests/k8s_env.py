@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from kvmesh.cli import build_parser
+from launch.cli import build_parser
 from tests.kustomize import render
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -43,7 +43,7 @@ OVERLAYS = ["bundled", "external", "deepseek-v4"]
 SERVICES = ["gateway", "engine", "directory", "kvstore"]
 # Oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) and newest.
 K8S_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
-SOURCE = "\n".join(p.read_text() for d in ("kvmesh", "services") for p in (ROOT / d).rglob("*.py"))
+SOURCE = "\n".join(p.read_text() for d in ("kvmesh", "services", "launch") for p in (ROOT / d).rglob("*.py"))
 
 
 # -- schemas ---------------------------------------------------------------------------
@@ -243,7 +243,7 @@ def test_service_configs_build_from_the_rendered_environment(overlay, monkeypatc
 
 
 def test_external_credentials_reach_the_s3_client(monkeypatch):
-    from kvmesh.backing.seaweed import ANY_CREDENTIALS, s3_client
+    from kvmesh.s3 import ANY_CREDENTIALS, s3_client
 
     res = rendered("external")
     env = container_env(res, main_container(workload(res, "kvstore")))
@@ -399,10 +399,10 @@ def test_the_tls_secret_gives_mutual_tls_between_pods_dialled_by_ip(tmp_path, mo
     import subprocess
     import sys
 
-    from kvmesh.backing.proc import free_port
     from kvmesh.healthcheck import check
     from kvmesh.rpc import Server
     from kvmesh.tls import TlsFiles
+    from launch.backing.proc import free_port
 
     secret = tmp_path / "tls-k8s"
     subprocess.run([sys.executable, str(ROOT / "scripts/backing_secrets.py"), "--k8s-tls",

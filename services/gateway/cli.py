@@ -1,4 +1,4 @@
-"""`kvmesh gateway serve` (the remote half of `kvmesh generate` is kvmesh/generate.py).
+"""`kvmesh gateway serve` (the remote half of `kvmesh generate` is launch/generate.py).
 
 Flags override `KVMESH_GATEWAY_*` environment variables (see config.py).
 """

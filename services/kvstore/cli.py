@@ -115,7 +115,7 @@ def _create_buckets(cfg: KvstoreConfig, wait_s: float = 60.0) -> None:
     """Make every shard bucket exist, waiting for S3 servers that are still starting."""
     import time
 
-    from kvmesh.backing.seaweed import ensure_bucket, s3_client
+    from kvmesh.s3 import ensure_bucket, s3_client
 
     deadline = time.monotonic() + wait_s
     for loc in cfg.locations:

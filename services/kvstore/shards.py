@@ -34,7 +34,7 @@ import aiohttp
 import yarl
 from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
 
-from kvmesh.backing.seaweed import s3_client
+from kvmesh.s3 import s3_client
 from services.kvstore.config import KvstoreConfig, ShardLocation
 from services.kvstore.health import HealthPolicy, LocationHealth
 
@@ -66,7 +66,7 @@ def _fast_timestamp(value):
 def shard_client(endpoint: str, connect_timeout: float, read_timeout: float, pool: int):
     """A boto3 S3 client for one location, tuned for many small GETs:
 
-    `kvmesh.backing.seaweed.s3_client` (one attempt, short
+    `kvmesh.s3.s3_client` (one attempt, short
     timeouts, path addressing) plus: no response checksum validation unless the
     operation requires it (every shard carries its own crc32 over all its bytes,
     checked in `ec.parse`; botocore's would hash each body a second time) and a

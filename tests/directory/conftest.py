@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from kvmesh.backing.valkey import ValkeyProcess
+from launch.backing.valkey import ValkeyProcess
 from services.directory.client import DirectoryClient
 from services.directory.config import DirectoryConfig
 from services.directory.service import DirectoryServer

@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh import errors
-from kvmesh.backing.valkey import ValkeyProcess
+from launch.backing.valkey import ValkeyProcess
 from services.directory.model import Entry
 
 # With redis_timeout 1 s / connect 0.5 s / one retry, a refused connection fails

@@ -18,7 +18,7 @@ import pytest
 import redis
 from redis.asyncio.connection import AbstractConnection
 
-from kvmesh.backing.valkey import ValkeyProcess
+from launch.backing.valkey import ValkeyProcess
 from services.directory.core import CLIENT_NAME
 from services.directory.model import Entry
 

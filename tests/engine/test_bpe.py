@@ -59,6 +59,6 @@ def test_saved_directory_loads(tok, tmp_path):
 
 
 def test_the_cli_refuses_a_vocabulary_too_small(tmp_path, capsys):
-    from kvmesh.cli import main
+    from launch.cli import main
     assert main(["train-tokenizer", "--out", str(tmp_path), "--vocab-size", "100"]) == 2
     assert "vocab_size 100" in capsys.readouterr().err

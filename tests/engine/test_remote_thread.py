@@ -9,7 +9,7 @@ import asyncio
 import threading
 from collections import Counter
 
-from kvmesh.backing.proc import free_port
+from launch.backing.proc import free_port
 from services.engine.config import EngineConfig, small_test_config
 from services.engine.core.async_engine import AsyncEngine
 from services.engine.core.engine import EngineCore

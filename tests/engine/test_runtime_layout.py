@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cli import build_parser
+from launch.cli import build_parser
 from services.engine.build import MAX_RUNNING, build_core, runtime_layout
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.state_pool import StatePool
@@ -151,7 +151,7 @@ def test_memory_budget_fit(no_env):
 def kvmesh_cli(*args) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "kvmesh.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True,
                           text=True, timeout=120, env=env, cwd=ROOT)
 
 

@@ -50,7 +50,7 @@ def test_generate_local_tiny_preset_writes_text():
     """--preset tiny, no --checkpoint: the shipped V4-mini model. Sampled (its greedy
     continuation of code is spaces), it writes printable ASCII with letters, unlike random
     weights' arbitrary bytes."""
-    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "--preset",
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--local", "--preset",
                           "tiny", "def read(path):\n    with open(path) as f:\n", "--max-tokens", "32",
                           "--temperature", "0.8", "--seed", "1"],
                          capture_output=True, text=True, timeout=120)

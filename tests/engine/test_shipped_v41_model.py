@@ -69,7 +69,7 @@ def test_generate_local_serves_it_and_the_chat_turns_tokenize_to_single_ids():
     tok = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
     ids = tok.encode(encode_chat([{"role": "user", "content": "hi"}]), add_special_tokens=False).ids
     assert ids[0] == 0 and ids[-2:] == [3, 5] and 2 in ids
-    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local",
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--local",
                           "def read(path):\n    with open(path) as f:\n", "--max-tokens", "24",
                           "--temperature", "0.8", "--seed", "1"],
                          capture_output=True, text=True, timeout=120)

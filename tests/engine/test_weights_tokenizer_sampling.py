@@ -110,14 +110,14 @@ def test_eos_and_stop_tokens_finish():
 
 
 def test_cli_generate_local_streams_and_rejects_bad_input():
-    ok = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "hi there",
+    ok = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--local", "hi there",
                          "--max-tokens", "5", "--random-weights", "--temperature", "0"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "[length: 8 prompt tokens, 5 generated]" in ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "x",
+    bad = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--local", "x",
                           "--top-p", "0", "--random-weights"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
-    trunc = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "x",
+    trunc = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--local", "x",
                             "--truncation", "compact", "--keep-tokens", "100", "--random-weights"],
                            capture_output=True, text=True, timeout=120)
     assert trunc.returncode == 2 and "smaller than W + B = 134" in trunc.stderr

@@ -78,7 +78,7 @@ def test_the_cli_and_the_client_send_a_key(mesh):
 
     from services.gateway.client import GatewayClient
 
-    cmd = [sys.executable, "-m", "kvmesh.cli", "generate", "hi", "--gateway", mesh.gateway,
+    cmd = [sys.executable, "-m", "launch.cli", "generate", "hi", "--gateway", mesh.gateway,
            "--max-tokens", "2"]
     env = {k: v for k, v in os.environ.items() if k != "KVMESH_API_KEY"}
     runs = {"none": subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60),

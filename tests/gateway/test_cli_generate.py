@@ -18,14 +18,14 @@ import sys
 
 import pytest
 
-from kvmesh.backing.proc import ManagedProcess, free_port
-from kvmesh.cli import build_parser
 from kvmesh.clihelp import walk
 from kvmesh.healthcheck import check as health_check
-from services.engine.cli import read_prompt, unescape
+from launch.backing.proc import ManagedProcess, free_port
+from launch.cli import build_parser
+from launch.generate import read_prompt, unescape
 from tests.gateway.conftest import wait_for
 
-KVMESH = [sys.executable, "-m", "kvmesh.cli"]
+KVMESH = [sys.executable, "-m", "launch.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
 TWO_MB = 2 << 20
 

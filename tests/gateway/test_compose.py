@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvmesh.cli import build_parser
+from launch.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -20,7 +20,7 @@ SERVICES = COMPOSE["services"]
 KVMESH_SERVICES = [n for n, s in SERVICES.items() if s.get("command", [None])[0] == "kvmesh"]
 # Ports the third-party images listen on with the commands used in the file.
 IMAGE_PORTS = {"redis": {6379}, "s3": {8333}}
-SOURCE = "\n".join(p.read_text() for d in ("kvmesh", "services") for p in (ROOT / d).rglob("*.py"))
+SOURCE = "\n".join(p.read_text() for d in ("kvmesh", "services", "launch") for p in (ROOT / d).rglob("*.py"))
 
 
 def container_ports(service: dict) -> set[int]:
@@ -183,7 +183,7 @@ def test_credentials_come_from_the_environment_and_are_required():
 
 
 def test_redis_runs_with_the_acl_kvmesh_writes():
-    from kvmesh.backing.valkey import acl_config
+    from launch.backing.valkey import acl_config
 
     conf = interpolate(COMPOSE["configs"]["redis-acl"]["content"])
     assert conf == acl_config("kvmesh", SECRETS["REDIS_PASSWORD"])
@@ -200,7 +200,8 @@ def test_redis_runs_with_the_acl_kvmesh_writes():
 def test_s3_runs_with_the_identities_kvmesh_writes(tmp_path):
     import json
 
-    from kvmesh.backing.seaweed import S3Keys, write_identity_config
+    from kvmesh.s3 import S3Keys
+    from launch.backing.seaweed import write_identity_config
 
     keys = S3Keys(SECRETS["S3_ACCESS_KEY"], SECRETS["S3_SECRET_KEY"])
     want = json.loads(write_identity_config(tmp_path / "s3.json", keys).read_text())
@@ -214,10 +215,10 @@ def test_s3_runs_with_the_identities_kvmesh_writes(tmp_path):
 
 def test_s3_runs_with_the_security_config_kvmesh_writes():
     """weed's filer and volume servers want JWTs: the same security.toml `kvmesh up`
-    writes (kvmesh.backing.seaweed.security_config), at a path weed reads."""
+    writes (launch.backing.seaweed.security_config), at a path weed reads."""
     import tomllib
 
-    from kvmesh.backing.seaweed import security_config
+    from launch.backing.seaweed import security_config
 
     got = interpolate(COMPOSE["configs"]["seaweed-security"]["content"])
     assert tomllib.loads(got) == tomllib.loads(security_config(SECRETS["SEAWEED_JWT_KEY"]))

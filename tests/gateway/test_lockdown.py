@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from kvmesh.auth import check_public_bind, is_loopback
-from kvmesh.backing.seaweed import S3Keys, s3_client
 from kvmesh.errors import InvalidArgument
+from kvmesh.s3 import S3Keys, s3_client
 
 MESH_OVERRIDES = dict(lock_backing=True, service_token=secrets.token_urlsafe(32),
                       admin_token=secrets.token_urlsafe(32))
-KVMESH = [sys.executable, "-m", "kvmesh.cli"]
+KVMESH = [sys.executable, "-m", "launch.cli"]
 
 
 # -- no port beyond loopback ---------------------------------------------------------
@@ -97,7 +97,7 @@ def _redis(mesh, *commands: bytes) -> bytes:
 
 
 def _cmd(*args: str) -> bytes:
-    from kvmesh.backing.valkey import _resp
+    from launch.backing.valkey import _resp
 
     return _resp(*args)
 

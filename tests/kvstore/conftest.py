@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.backing.seaweed import ensure_bucket, s3_client, start_seaweed_cluster
+from kvmesh.s3 import ensure_bucket, s3_client
+from launch.backing.seaweed import start_seaweed_cluster
 from services.kvstore.client import KvstoreClient
 from services.kvstore.config import KvstoreConfig, ShardLocation
 from services.kvstore.server import ServerThread
@@ -86,7 +87,7 @@ def _wait_writable(cluster, server: int, timeout: float = 30.0) -> None:
 @pytest.fixture(scope="session")
 def valkey(tmp_path_factory):
     """One real Valkey for the shared-index tests (each test has its own key prefix)."""
-    from kvmesh.backing.valkey import ValkeyProcess
+    from launch.backing.valkey import ValkeyProcess
 
     v = ValkeyProcess(work_dir=tmp_path_factory.mktemp("valkey")).start()
     yield v

@@ -86,7 +86,7 @@ def test_bitrot_found_by_scrub_and_repaired_by_cli(stored, tmp_path):
         f"{[kv.core.shards.error_rate(i)[0] for i in range(12)]}")
     assert report.shards_repaired == 0
     cli = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "admin", "--kvstore", kv.address, "scrub", "--repair"],
+        [sys.executable, "-m", "launch.cli", "admin", "--kvstore", kv.address, "scrub", "--repair"],
         capture_output=True, text=True, timeout=60,
     )
     assert cli.returncode == 0, cli.stderr

@@ -6,9 +6,9 @@ import asyncio
 import grpc
 import pytest
 
-from kvmesh.backing.proc import free_port
 from kvmesh.errors import InvalidArgument
 from kvmesh.proto import kvstore_pb2 as pb
+from launch.backing.proc import free_port
 from services.kvstore.config import KvstoreConfig, ShardLocation
 from tests.kvstore.conftest import call, hexkey
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvmesh.backing.seaweed import ensure_bucket, s3_client
+from kvmesh.s3 import ensure_bucket, s3_client
 from services.kvstore.config import KvstoreConfig, ShardLocation
 from tests.kvstore.conftest import call, hexkey
 
@@ -149,7 +149,7 @@ def test_hung_locations_hedged_health_by_rate_scrub_repairs(make_server, own_lay
     # -- all back: scrub --repair heals what the stall left, then all exact ---------------------
     stopper.resume()
     cli = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "admin", "--kvstore", kv.address, "scrub", "--repair"],
+        [sys.executable, "-m", "launch.cli", "admin", "--kvstore", kv.address, "scrub", "--repair"],
         capture_output=True, text=True, timeout=60,
     )
     assert cli.returncode == 0, cli.stdout + cli.stderr

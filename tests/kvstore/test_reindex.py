@@ -12,7 +12,7 @@ from tests.kvstore.conftest import call, hexkey
 
 
 def kvmesh_admin(address: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvmesh.cli", "admin", "--kvstore", address,
+    return subprocess.run([sys.executable, "-m", "launch.cli", "admin", "--kvstore", address,
                            *args], capture_output=True, text=True, timeout=120)
 
 

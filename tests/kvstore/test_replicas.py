@@ -173,7 +173,7 @@ def test_redis_outage_is_unavailable_and_the_index_persists(make_server, tmp_pat
     """Its own Valkey with the append-only file on (as `kvmesh up` runs it): while it is
     down every call is UNAVAILABLE (nothing crashes); restarted, it has the index back
     from disk and every object is served exact."""
-    from kvmesh.backing.valkey import ValkeyProcess
+    from launch.backing.valkey import ValkeyProcess
 
     with ValkeyProcess(work_dir=tmp_path / "valkey", persist=True) as v:
         kv = make_server(data_dir=tmp_path / "kv", mem_bytes=0, disk_bytes=0, index=v.url)

@@ -11,16 +11,16 @@ import sys
 
 import pytest
 
-from kvmesh.backing.proc import ManagedProcess, free_port
-from kvmesh.backing.seaweed import start_seaweed_cluster
-from kvmesh.backing.valkey import ValkeyProcess
 from kvmesh.healthcheck import wait_healthy
+from launch.backing.proc import ManagedProcess, free_port
+from launch.backing.seaweed import start_seaweed_cluster
+from launch.backing.valkey import ValkeyProcess
 from services.directory.client import DirectoryClient
 from services.engine.rpc.client import EngineClient
 from services.kvstore.client import KvstoreClient
 from tests.loop import LoopThread
 
-KVMESH = [sys.executable, "-m", "kvmesh.cli"]
+KVMESH = [sys.executable, "-m", "launch.cli"]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 

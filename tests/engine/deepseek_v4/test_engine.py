@@ -207,7 +207,7 @@ def test_cli_generate_local_gives_transformers_continuation(saved):
     eos = hf.config.eos_token_id
     if eos in expected:
         expected = expected[:expected.index(eos)]
-    run_ = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--local", "--model",
+    run_ = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--local", "--model",
                            str(directory), "--dtype", "float64", "--temperature", "0",
                            "--max-tokens", "24", tok.decode(prompt)],
                           capture_output=True, text=True, timeout=300)
@@ -227,7 +227,7 @@ def test_layout_prints_what_the_engine_allocates(flash):
     directory, _ = flash
     for dtype in ("float32", "float64"):
         core = engine(directory, "--dtype", dtype, "--num-blocks", "8")
-        out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "engine", "layout", "--model",
+        out = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--model",
                               str(directory), "--dtype", dtype, "--json"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr

@@ -40,10 +40,10 @@ def test_extra_state_grows_the_ring_to_396_but_not_what_is_persisted():
 
 
 def test_cli_prints_the_same_numbers():
-    run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "engine", "layout", "--config",
+    run = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--config",
                           str(FLASH), "--json"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == json.loads(json.dumps(layout.report(read_config(FLASH))))
-    table = subprocess.run([sys.executable, "-m", "kvmesh.cli", "engine", "layout", "--config",
+    table = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--config",
                             str(FLASH)], capture_output=True, text=True, timeout=60).stdout
     assert "134 rows x 528 B (mxfp8) x 43 layers = 3,042,336 B" in table

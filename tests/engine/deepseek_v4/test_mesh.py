@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvmesh.mesh_runner import Mesh, MeshConfig
+from launch.mesh import Mesh, MeshConfig
 from services.engine.rpc.client import EngineClient
 from tests.engine.deepseek_v4.test_engine import checkpoint, hf_greedy, random_prompt
 

@@ -12,14 +12,14 @@ import sys
 import grpc
 import pytest
 
-from kvmesh.backing.proc import ManagedProcess, free_port
 from kvmesh.healthcheck import wait_healthy
+from launch.backing.proc import ManagedProcess, free_port
 from services.engine.rpc.client import EngineClient
 from tests.engine.deepseek_v4 import tiny
 from tests.engine.deepseek_v4.test_engine import checkpoint, hf_greedy, random_prompt
 
 pytest.importorskip("transformers")
-KVMESH = [sys.executable, "-m", "kvmesh.cli"]
+KVMESH = [sys.executable, "-m", "launch.cli"]
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def test_a_quantized_release_loads_as_the_weights_it_stands_for(release):
 def test_kvmesh_score_runs_a_v41_checkpoint(release):
     directory, cfg, meant = release
     ids = tiny.prompt(NAME)[:20].tolist()
-    run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "score", "--model", str(directory),
+    run = subprocess.run([sys.executable, "-m", "launch.cli", "score", "--model", str(directory),
                           "--ids", ",".join(map(str, ids)), "--dtype", "float64"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kvmesh.mesh_runner import Mesh, MeshConfig
+from launch.mesh import Mesh, MeshConfig
 from services.engine.model.deepseek_v4.v41_forward import V41Model
 from tests.engine.deepseek_v4.test_engine import word_tokenizer
 from tests.engine.deepseek_v4.test_mesh import _engine_call, _stats

