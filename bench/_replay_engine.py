@@ -11,7 +11,7 @@ Two kinds of request:
              admission) and the prefix match (capped at L - KEEP, as the prompt alone would
              be). With those, every row is the same computation a decode step would do for a
              request of the L-token prompt whose sampled tokens were replaced by the forced
-             ones (tests/engine/test_replay_harness.py pins that in float64), at a fraction of
+             ones (tests/engine/bench/test_replay_harness.py pins that in float64), at a fraction of
              the steps: 64 decode steps become two prefill chunks.
     greedy   free-running, temperature 0 (only for the exact path: a variant's greedy
              agreement is read from a forced request over the exact path's greedy tokens:

@@ -292,7 +292,7 @@ def _ring_bias(ok, rows: SlotRows, h: int, dtype):
         bias = bias.unsqueeze(2).expand(-1, -1, h, -1)
     bias = bias.reshape(rows.count, 1, -1, ok.shape[-1])
     # fixed on every row rather than asking whether any needs it: that question is a host
-    # read (a sync on a device; tests/engine/test_host_reads.py counts them)
+    # read (a sync on a device; tests/engine/core/test_host_reads.py counts them)
     return bias, ~ok.any(-1).view(-1, 1, 1)
 
 

@@ -4,7 +4,7 @@
 #      MoE expert products of DeepSeek V4 included) against
 #      its torch reference, the gpu-marked v41-flash-geometry cases, and the engine on CUDA
 #      with Triton vs the same engine with KVMESH_KERNELS=torch (greedy tokens, logits);
-#   2. the engine placed on CUDA against the CPU engine in float64 (tests/engine/test_device.py:
+#   2. the engine placed on CUDA against the CPU engine in float64 (tests/engine/core/test_device.py:
 #      placement, exact logits, pinned non-blocking host copies);
 #   3. the engine on Triton's interpreter vs the torch kernels (the CPU check, kept here);
 #   4. bench/kernels.py: GB/s and fraction of peak per kernel, Triton vs torch, and the
@@ -20,7 +20,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "== 1. kernel tests on CUDA (and the engine: Triton path vs torch path on CUDA)"
 timeout 150 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels -m "not interpreter"
 echo "== 2. engine on CUDA (--device cuda) vs the CPU engine, every engine tensor on the GPU"
-timeout 60 "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/test_device.py -m gpu
+timeout 60 "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/core/test_device.py -m gpu
 echo "== 3. engine: Triton interpreter vs torch kernels (greedy tokens)"
 timeout 100 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels/test_engine_triton.py -m interpreter
 echo "== 4. bench/kernels.py"

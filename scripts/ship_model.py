@@ -101,7 +101,7 @@ full context {bw['full_context_nats']:.4f} nats/byte, context cut to the last 12
 {bw['cut_to_128_nats']:.4f} nats/byte: **gap {bw['gap_nats']:.4f} nats/byte** (standard
 error {bw['gap_stderr_nats']:.4f}; the target was >= 0.05).
 
-Quick check (`tests/engine/test_shipped_model.py`): {m['slice']['windows']} held-out windows of
+Quick check (`tests/engine/model/test_shipped_model.py`): {m['slice']['windows']} held-out windows of
 {m['slice']['seq_len']} bytes, {m['slice']['loss_nats']:.4f} nats/byte.
 """
 

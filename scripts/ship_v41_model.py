@@ -148,7 +148,7 @@ byte-level model's holds 128), so there is less past it to gain than for V4-mini
 {table}
 
 {copy_text(m, text['sliding_window'])}
-Quick check (`tests/engine/test_shipped_v41_model.py`): {m['slice']['windows']} held-out code
+Quick check (`tests/engine/model/test_shipped_v41_model.py`): {m['slice']['windows']} held-out code
 windows of {m['slice']['seq_len']} tokens, {m['slice']['loss_nats']:.4f} nats/token.
 """
 

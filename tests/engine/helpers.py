@@ -26,7 +26,7 @@ class RecordingEngine(EngineCore):
 
 def make_engine(cfg, dtype="float64", weights=None, seed=0, **ecfg) -> RecordingEngine:
     # verification is tested with every proposed draft verified: the adaptive policy's
-    # choices depend on step times (tests/engine/test_draft_policy.py drives it by hand)
+    # choices depend on step times (tests/engine/core/test_draft_policy.py drives it by hand)
     ecfg.setdefault("spec_policy", "always")
     w = weights if weights is not None else weights_mod.init_weights(cfg, seed, getattr(torch, dtype))
     return RecordingEngine(cfg, EngineConfig(dtype=dtype, **ecfg), weights=w)

@@ -12,8 +12,8 @@ from kvmesh.errors import InvalidArgument
 from services.engine.rpc.client import generate_request
 from services.gateway.engines import EnginePool
 from services.gateway.model import DeadlineExceeded, EngineFailure
-from tests.engine.test_service import wait_idle
-from tests.engine.test_session import REQUESTS, SessionHarness
+from tests.engine.rpc.test_service import wait_idle
+from tests.engine.rpc.test_session import REQUESTS, SessionHarness
 
 
 @pytest.fixture(scope="module")

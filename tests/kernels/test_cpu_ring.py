@@ -15,7 +15,7 @@ from kernels.ragged import RingKeys, SlotRows, ragged_union_attention
 
 needs_cc = pytest.mark.skipif(
     cpu_ring._compiler() is None, reason="no C compiler on this machine: the kernel is not built "
-    "and the engine takes the torch path (covered by tests/engine/test_ring_passes.py)")
+    "and the engine takes the torch path (covered by tests/engine/model/test_ring_passes.py)")
 
 S, R, D, H = 10, 11, 64, 3
 F32_BOUND = 2e-6      # of the output's largest magnitude: fp32 sums in another order

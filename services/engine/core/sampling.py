@@ -173,7 +173,7 @@ def generator(params: SamplingParams, step: int, request_seed: int,
 def draw_one(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """One index drawn from `probs` ([V] or [n, V]), as torch.multinomial(probs, 1) draws it:
     the index of the largest probs / E with E ~ Exp(1) from `gen` (the same numbers, tested
-    in tests/engine/test_host_reads.py). Not multinomial itself: before drawing it checks its
+    in tests/engine/core/test_host_reads.py). Not multinomial itself: before drawing it checks its
     input with a flag that it reads back to the host, a sync per draw on a GPU."""
     e = torch.empty_like(probs).exponential_(1, generator=gen)
     return torch.argmax(probs / e, dim=-1, keepdim=True)

@@ -8,9 +8,9 @@ import torch
 
 from services.engine.core.sampling import SamplingParams
 from services.engine.model.deepseek_v4.v41_forward import V41Model
+from tests.engine.core.test_sampling_controls import by_hand
 from tests.engine.deepseek_v4.test_engine import random_prompt
 from tests.engine.deepseek_v41.test_engine import engine, saved  # noqa: F401  (fixture)
-from tests.engine.test_sampling_controls import by_hand
 
 TOKENS = 24
 REP, FREQ, PRES = 1.4, 0.7, 0.5

@@ -14,7 +14,7 @@ from kvmesh.rpc import Server
 from services.engine.rpc.client import generate_request
 from services.engine.rpc.server import SERVICE_NAME
 from services.engine.rpc.service import EngineServicer
-from tests.engine.test_service import EngineHarness, wait_idle
+from tests.engine.rpc.test_service import EngineHarness, wait_idle
 
 
 class SessionHarness(EngineHarness):

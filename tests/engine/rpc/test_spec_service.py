@@ -12,7 +12,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.engines import engine_request
 from services.gateway.model import GenRequest
 from services.gateway.validate import check_sampling
-from tests.engine.test_service import EngineHarness
+from tests.engine.rpc.test_service import EngineHarness
 
 PROMPT = [7, 8, 9, 10, 11] * 8
 

@@ -14,8 +14,8 @@ import torch
 
 from services.engine.core.sampling import SamplingParams
 from services.engine.model import reference
+from tests.engine.cache.test_snapshot_rules import CFG, KEEP, verify_step
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
-from tests.engine.test_snapshot_rules import CFG, KEEP, verify_step
 
 EXACT = 1e-9
 GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)

@@ -16,7 +16,7 @@ from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.state_pool import StatePool
 from services.engine.config import V41_FLASH, EngineConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # v41-flash slot regions for each slot ring R: [stored end, dropped SWA end, slot end].
 # Stored = 20 encoder rings x R x 528 B; compression state (11,401,216 B) does not depend on R.

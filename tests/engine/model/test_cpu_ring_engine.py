@@ -10,8 +10,8 @@ from kernels import cpu_ring
 from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
 from services.engine.model import reference
+from tests.engine.core.test_equivalence import EXACT, max_logit_error
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
-from tests.engine.test_equivalence import EXACT, max_logit_error
 
 pytestmark = pytest.mark.skipif(cpu_ring._compiler() is None,
                                 reason="no C compiler: the engine takes the torch path")

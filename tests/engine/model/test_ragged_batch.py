@@ -12,8 +12,8 @@ from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
 from services.engine.model import ops
 from services.engine.model import runner as runner_mod
+from tests.engine.core.test_equivalence import EXACT, max_logit_error
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
-from tests.engine.test_equivalence import EXACT, max_logit_error
 
 CFG = small_test_config()
 

@@ -14,7 +14,7 @@ from services.engine.config import TINY
 from services.engine.model import weights as weights_mod
 from services.engine.train import evaluate
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "v4-mini-tiny"
+MODEL = Path(__file__).resolve().parents[3] / "models" / "v4-mini-tiny"
 METRICS = json.loads((MODEL / "metrics.json").read_text())
 
 

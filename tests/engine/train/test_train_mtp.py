@@ -56,7 +56,7 @@ def test_chained_training_forward_is_the_engines_second_draft():
     logits the engine's chained row computes: the reference chain of test_mtp.py, float64."""
     from services.engine.model import reference
     from services.engine.train.mtp_chain import chained, depth1
-    from tests.engine.test_mtp import CFG, EXACT, W64, reference_chain
+    from tests.engine.core.test_mtp import CFG, EXACT, W64, reference_chain
 
     tokens = _snippet(40).tolist()
     t = 32

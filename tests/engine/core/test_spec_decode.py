@@ -1,5 +1,5 @@
 """Speculative decoding is lossless (issue 12, "Must show"): greedy outputs with ngram:4,
-with mtp:3 (a random MTP module: tests/engine/test_mtp.py pins its drafts and ring to the
+with mtp:3 (a random MTP module: tests/engine/core/test_mtp.py pins its drafts and ring to the
 reference) and with a drafter that is wrong on purpose at every draft position 0..k equal those of
 `off` for 50 prompts whose generations cross block (16), CSA (4) and HCA (16) boundaries,
 in float64 with every emitted token's logits <= 1e-9 of the run without speculation,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from services.engine.core.sequence import Sequence
 
-ENGINE = Path(__file__).resolve().parents[2] / "services" / "engine"
+ENGINE = Path(__file__).resolve().parents[3] / "services" / "engine"
 WRITERS = {
     "cache/manager.py": {"prompt", "output", "slot", "table", "hashes", "num_computed",
                          "prefill_len", "enc_lo", "dec_lo", "cmp_from", "cached_tokens",

@@ -7,8 +7,8 @@ import pytest
 from services.engine.config import EngineConfig, small_test_config
 from services.engine.core.sampling import SamplingParams
 from services.engine.core.step_costs import MIN_PREFILL, WINDOW, StepCosts
+from tests.engine.core.test_equivalence import EXACT, max_logit_error
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
-from tests.engine.test_equivalence import EXACT, max_logit_error
 
 CFG = small_test_config()
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from services.engine.core.sampling import MAX_STOP_BYTES, MAX_STOPS
 from services.engine.core.stops import StopMatcher
 from services.engine.rpc.client import generate_request
-from tests.engine.test_service import h  # noqa: F401 - the module's engine harness fixture
+from tests.engine.rpc.test_service import h  # noqa: F401 - the module's engine harness fixture
 
 ALPHABET = "ab\u00e9"       # few letters: overlaps and repeats are common
 

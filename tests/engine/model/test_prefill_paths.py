@@ -9,8 +9,8 @@ from kernels.ring_rows import dequantize_rows
 from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
 from services.engine.model.window_mirror import WindowMirror
+from tests.engine.core.test_equivalence import EXACT, max_logit_error
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
-from tests.engine.test_equivalence import EXACT, max_logit_error
 
 CFG = small_test_config()
 

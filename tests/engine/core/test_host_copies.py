@@ -3,7 +3,7 @@ block's bytes (kvstore write-through) and a snapshot's bytes (host store) land a
 more after the forward that made them, and the engine hands them on when they have landed,
 all of them once it is idle. This machine has no GPU, so the copies here are made to land
 one poll late, as a CUDA copy still in flight would (the CUDA class itself is tested in
-tests/engine/test_device.py, gpu-marked); everything else is the real engine. The blocks and
+tests/engine/core/test_device.py, gpu-marked); everything else is the real engine. The blocks and
 snapshots delivered must be byte-identical to those of the engine whose copies land at once,
 and some of them must really have waited. The prefill/decode handoff export goes the same
 way (its HANDOFF event waits for its bytes)."""

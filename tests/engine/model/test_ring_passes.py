@@ -12,8 +12,8 @@ from kernels.ragged import RingKeys, SlotRows, ragged_union_attention
 from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
 from services.engine.model import runner as runner_mod
+from tests.engine.core.test_equivalence import EXACT, max_logit_error
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion
-from tests.engine.test_equivalence import EXACT, max_logit_error
 
 S, R, D, H = 12, 9, 16, 2
 F32_BOUND = 2e-6      # of the output's largest magnitude: fp32 sums in another order
