@@ -424,13 +424,15 @@ def test_stop_token_ids_end_the_generation(client, gw):
 
 
 def test_penalties_and_min_p_reach_the_engine_unary_and_streamed(client, gw):
-    prompt = uniq("again and again and again and again")
-    pen = dict(frequency_penalty=1.5, presence_penalty=1.0)
-    extra = {"repetition_penalty": 1.5, "min_p": 0.05, "ignore_eos": True}
+    # a fixed prompt (under one block: no cache hit changes the numbers) whose plain greedy
+    # answer repeats itself, so strong penalties must change it
+    prompt = "def f(x):\n    return x + x + x + x + x + x"
+    pen = dict(frequency_penalty=2.0, presence_penalty=2.0)
+    extra = {"repetition_penalty": 2.0, "min_p": 0.05, "ignore_eos": True}
     out = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16,
                                     extra_body=extra, **pen)
     want = gw.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True,
-                       repetition_penalty=1.5, min_p=0.05, **pen).text
+                       repetition_penalty=2.0, min_p=0.05, **pen).text
     assert out.choices[0].text == want != grpc_text(gw, prompt, 16)
     streamed = client.completions.create(model=MODEL, prompt=prompt, temperature=0,
                                          max_tokens=16, stream=True, extra_body=extra, **pen)
