@@ -26,8 +26,7 @@ compressed entries, indexer, compressor feeding, MXFP8). best x = (step(1) + wha
 matmuls and attention add from batch 1 to b) / step(1): the ratio if nothing else grew.
 The floors are timed alone, with their data hot; inside a step at batch 32 the rings and
 weights come from memory (they do not stay in cache between steps), so `rest` also holds
-the attention's and the gathers' cold-read excess. What each piece costs inside the step
-(the saving without it): bench/engine_step_costs.py.
+the attention's and the gathers' cold-read excess.
 End to end is bounded by the prefills (their compute is linear in tokens on a CPU): the
 table prints the share of the N-request run spent in steps with prefill work, and the e2e
 speedup that would leave if every decode-only step were free.

@@ -5,7 +5,7 @@ the compiler's macros for the CPU it builds on (-march=native). A path that does
 is invisible on a machine that never takes it, and the engine then falls back to torch with
 a warning: an AVX2 machine (Zen 3) met a missing <stddef.h> that the AVX-512 path had
 included by way of <immintrin.h>, and its decode steps took 22.6 ms at batch 1 and 55.1 at
-batch 32 on torch's paths (bench/step_pieces.py) against 9.2 and 22.9 with the library."""
+batch 32 on torch's paths against 9.2 and 22.9 with the library."""
 
 import platform
 import subprocess
