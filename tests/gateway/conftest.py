@@ -99,3 +99,18 @@ def channels():
     yield opened
     for ch in opened.values():
         ch.close()
+
+
+@pytest.fixture(scope="module")
+def base(mesh):
+    """The module's mesh's OpenAI-compatible HTTP API."""
+    return mesh.endpoints["gateway-http"]
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    """The official `openai` client on it (no retries: a test sees every error)."""
+    import openai
+
+    with openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c

@@ -8,6 +8,7 @@ tokens it would have drawn without preemption.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,14 +106,12 @@ def token_logprobs(rows: list[tuple[torch.Tensor, int, int]]) -> list[TokenLogpr
     if not rows:
         return []
     lp = torch.log_softmax(torch.stack([r[0] for r in rows]).float(), -1)
-    chosen = lp.gather(1, torch.tensor([[r[1]] for r in rows], device=lp.device))[:, 0]
-    k = max(r[2] for r in rows)
-    top = torch.topk(lp, k) if k else None
-    values = torch.cat([chosen[:, None], top.values if top is not None else chosen[:, :0]],
-                       1).tolist()
-    ids = top.indices.tolist() if top is not None else [[] for _ in rows]
-    return [TokenLogprob(v[0], tuple(zip(i[:r[2]], v[1:1 + r[2]], strict=True)))
-            for r, v, i in zip(rows, values, ids, strict=True)]
+    at = torch.tensor([[n, r[1]] for n, r in enumerate(rows)], device=lp.device)
+    chosen = lp[at[:, 0], at[:, 1]]
+    top = torch.topk(lp, max(r[2] for r in rows))           # k = 0 gives empty columns
+    values = torch.cat([chosen[:, None], top.values], 1).tolist()
+    return [TokenLogprob(v[0], tuple(zip(i[:k], v[1:1 + k], strict=True)))
+            for (_, _, k), v, i in zip(rows, values, top.indices.tolist(), strict=True)]
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
@@ -125,15 +124,35 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
     if not params.penalized:
         return logits
     x = logits.float().clone()
+    out = torch.tensor(output, dtype=torch.long, device=x.device)
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=x.device)
-        v = x[seen]
-        x[seen] = torch.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+        seen = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
+        seen[_distinct(prompt, x.device)] = True
+        seen[out] = True
+        rp = params.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
     if output and (params.presence_penalty or params.frequency_penalty):
-        ids, counts = torch.tensor(output, dtype=torch.long, device=x.device).unique(
-            return_counts=True)
+        ids, counts = out.unique(return_counts=True)
         x[ids] -= params.frequency_penalty * counts.float() + params.presence_penalty
     return x
+
+
+# A prompt's distinct ids, made once per prompt and kept for the last few hundred: a
+# request's prompt list never changes, and building them on every step cost ~10 ms at 64K
+# tokens. Keyed by the list's identity; the entry holds the list, so the id is not reused.
+_PROMPT_IDS: OrderedDict[int, tuple[list[int], torch.Tensor]] = OrderedDict()
+_PROMPTS_KEPT = 256
+
+
+def _distinct(prompt: list[int], device: torch.device) -> torch.Tensor:
+    entry = _PROMPT_IDS.get(id(prompt))
+    if entry is None or entry[0] is not prompt or entry[1].device != device:
+        entry = (prompt, torch.tensor(prompt, dtype=torch.long, device=device).unique())
+        _PROMPT_IDS[id(prompt)] = entry
+        if len(_PROMPT_IDS) > _PROMPTS_KEPT:
+            _PROMPT_IDS.popitem(last=False)
+    _PROMPT_IDS.move_to_end(id(prompt))
+    return entry[1]
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
