@@ -1,16 +1,17 @@
-"""Run benchmarks of this checkout and of an older one in one run, alternating, side by side.
+"""Run benchmarks of this tree and of an older commit in one run, alternating, side by side.
 
-For scripts that print their measurements as `name 1.234s` after a `L=<n>` label (the replay
-TTFT and YOCO prefill benchmarks do), this runs each script `--rounds` times per checkout,
-before and after taking turns so that drift in the machine's load hits both alike, keeps the
-best (smallest) time of every (L, name) per checkout, and prints them with after / before.
+For benchmarks that print their measurements as `name 1.234s` after a `L=<n>` label (the replay
+TTFT and YOCO prefill benchmarks do), this runs each module `--rounds` times per tree, before
+and after taking turns so that drift in the machine's load hits both alike, keeps the best
+(smallest) time of every (L, name) per tree, and prints them with after / before.
 
-    python bench/before_after.py --before /old/checkout \\
-        "replay_ttft.py --lengths 1024,4096 --random-weights" \\
-        "yoco_prefill.py --lengths 2048,8192 --random-weights"
+    python -m bench.before_after --before <commit> \\
+        "bench.engine.replay_ttft --lengths 1024,4096 --random-weights" \\
+        "bench.engine.yoco_prefill --lengths 2048,8192 --random-weights"
 
-Each script runs as it ships in its own checkout (`DIR/bench/<script>`, PYTHONPATH=DIR), so
-the old numbers are the old code's. Writes bench/out/before_after.{json,png}.
+The older commit is checked out in a git worktree and each module runs there as that commit
+ships it (cwd and PYTHONPATH the worktree), so the old numbers are the old code's. Writes
+bench/out/before_after.{json,png}.
 """
 
 from __future__ import annotations
@@ -23,20 +24,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import OUT, ROOT, parser, plot, table, worktree
 
-from bench._common import OUT, parser, plot, table  # noqa: E402
-
-HERE = Path(__file__).resolve().parents[1]
 LABEL = re.compile(r"L=(\d+)")
 VALUE = re.compile(r"([A-Za-z_]+) ([0-9.]+)s\b")
 
 
-def measure(checkout: Path, script: str) -> dict[str, float]:
-    """Run one script of one checkout -> {"L=<n> <name>": seconds}."""
-    name, *args = shlex.split(script)
-    proc = subprocess.run([sys.executable, str(checkout / "bench" / name), *args], cwd=checkout,
-                          env={**os.environ, "PYTHONPATH": str(checkout)}, capture_output=True,
+def measure(tree: Path, command: str) -> dict[str, float]:
+    """Run one bench module in one tree -> {"L=<n> <name>": seconds}."""
+    proc = subprocess.run([sys.executable, "-m", *shlex.split(command)], cwd=tree,
+                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True,
                           text=True, check=True)
     out, label = {}, ""
     for line in proc.stdout.splitlines():
@@ -49,18 +46,19 @@ def measure(checkout: Path, script: str) -> dict[str, float]:
 
 def main(argv=None) -> int:
     ap = parser(__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True, help="the older checkout")
+    ap.add_argument("--before", required=True, help="the older commit (any git ref)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("scripts", nargs="+", help='"script.py args" (quoted), from bench/')
+    ap.add_argument("modules", nargs="+", help='"bench.x.y args" (quoted)')
     args = ap.parse_args(argv)
     best: dict[str, dict[str, dict[str, float]]] = {}
-    for script in args.scripts:
-        best[script] = {"before": {}, "after": {}}
-        for r in range(args.rounds):
-            for side, checkout in (("before", Path(args.before).resolve()), ("after", HERE)):
-                print(f"{script} round {r + 1}: {side}", flush=True)
-                for k, v in measure(checkout, script).items():
-                    best[script][side][k] = min(v, best[script][side].get(k, v))
+    with worktree(args.before) as before:
+        for script in args.modules:
+            best[script] = {"before": {}, "after": {}}
+            for r in range(args.rounds):
+                for side, tree in (("before", before), ("after", ROOT)):
+                    print(f"{script} round {r + 1}: {side}", flush=True)
+                    for k, v in measure(tree, script).items():
+                        best[script][side][k] = min(v, best[script][side].get(k, v))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "before_after.json").write_text(json.dumps(best, indent=1))
     series = {}

@@ -7,7 +7,7 @@
 #   2. the engine placed on CUDA against the CPU engine in float64 (tests/engine/core/test_device.py:
 #      placement, exact logits, pinned non-blocking host copies);
 #   3. the engine on Triton's interpreter vs the torch kernels (the CPU check, kept here);
-#   4. bench/kernels.py: GB/s and fraction of peak per kernel, Triton vs torch, and the
+#   4. bench/kernels/bandwidth.py: GB/s and fraction of peak per kernel, Triton vs torch, and the
 #      end-to-end decode tokens/s of a v41-flash-shaped stack.
 # Figures go to bench/out/kernels.json (and kernels_decode.png); copy them, with the date,
 # into README's "Kernels / GPU" section.
@@ -23,5 +23,5 @@ echo "== 2. engine on CUDA (--device cuda) vs the CPU engine, every engine tenso
 timeout 60 "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/core/test_device.py -m gpu
 echo "== 3. engine: Triton interpreter vs torch kernels (greedy tokens)"
 timeout 100 "$PY" -m pytest -q -x -p no:cacheprovider tests/kernels/test_engine_triton.py -m interpreter
-echo "== 4. bench/kernels.py"
-timeout 160 "$PY" bench/kernels.py
+echo "== 4. bench/kernels/bandwidth.py"
+timeout 160 "$PY" -m bench.kernels.bandwidth

@@ -1,4 +1,4 @@
-"""bench/serve_burst.py (engine serve over gRPC) and bench/serving.py (a mesh under Poisson
+"""bench/engine/serve_burst.py (engine serve over gRPC) and bench/gateway/serving.py (a mesh under Poisson
 arrivals over the HTTP API) run end to end at toy sizes and write their reports. Their
 figures are timings; this checks the scripts, and that every request was served in full."""
 
@@ -18,7 +18,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_serve_burst_compares_engine_settings_in_one_run():
-    run = _run("bench/serve_burst.py", "--requests", "3", "--prompt-tokens", "40", "--tokens",
+    run = _run("-m", "bench.engine.serve_burst", "--requests", "3", "--prompt-tokens", "40", "--tokens",
                "4", "--beside-streams", "2", "--beside-tokens", "300", "--flags", "",
                "--flags", "--step-slo-ms 0")
     report = json.loads((ROOT / "bench/out/serve_burst.json").read_text())["results"]
@@ -35,7 +35,7 @@ def test_serve_burst_compares_engine_settings_in_one_run():
 
 
 def test_serving_sends_poisson_arrivals_over_the_http_api():
-    run = _run("bench/serving.py", "--rates", "5", "--requests", "3", "--prompt-tokens", "30",
+    run = _run("-m", "bench.gateway.serving", "--rates", "5", "--requests", "3", "--prompt-tokens", "30",
                "--tokens", "4")
     (res,) = json.loads((ROOT / "bench/out/serving.json").read_text())["results"]
     assert res["rate"] == 5 and res["requests"] == 3

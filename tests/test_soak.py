@@ -1,4 +1,4 @@
-"""bench/soak.py end to end: a short soak in the default run keeps the harness honest;
+"""bench/gateway/soak.py end to end: a short soak in the default run keeps the harness honest;
 the 300-request fault run of the reliability work is `slow` (about 4 minutes; the
 migration and failover tests in tests/gateway cover its behaviours in the default run)."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from bench import soak
-from bench._common import OUT
+from bench.common import OUT
+from bench.gateway import soak
 
 
 def test_short_soak_passes_and_reports(capsys):

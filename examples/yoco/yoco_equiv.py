@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench._replay_engine import ForcingEngine  # noqa: E402
+from bench.quality.forcing import ForcingEngine  # noqa: E402
 from services.engine.build import default_weights  # noqa: E402
 from services.engine.config import EngineConfig, preset  # noqa: E402
 from services.engine.core.sampling import SamplingParams  # noqa: E402
@@ -57,7 +57,7 @@ def run_mode(cfg, w, prompt, cont, mode, keep):
                         dtype=str(w["embed"].dtype).replace("torch.", ""), num_blocks=256)
     core = ForcingEngine(cfg, ecfg, weights=w)
     # the continuation is scored from one prefill of prompt + continuation whose
-    # truncation point is pinned to the prompt's (bench/_replay_engine.py); different
+    # truncation point is pinned to the prompt's (bench/quality/forcing.py); different
     # salts: neither request reuses the other's blocks or snapshots
     core.forced["forced"] = len(cont)
     core.add_request(prompt + cont, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),

@@ -28,7 +28,7 @@ DEFAULT_CHECKPOINTS = {"tiny": MODELS / "v4-mini-tiny" / "model.safetensors"}
 # --step-slo-ms's default: a step that carries prefill work beside decodes is sized to finish
 # within this many milliseconds (core/step_budget.py, docs/engine/scheduling.md), so a stream
 # keeps getting a token about this often while new prompts are admitted beside it. 32
-# requests at once over gRPC on the 2-core development machine (bench/serve_burst.py): at 70
+# requests at once over gRPC on the 2-core development machine (bench/engine/serve_burst.py): at 70
 # ms, 5.5x the sequential run, 30 decoding together, ITL p99 78 ms = 4.5x a lone stream's
 # p50; at 100 ms, 6.5x and 5.7x; off, 6.7x and 9.8x (a decode-only step of 32 there is
 # already 3x a lone stream's).

@@ -1,4 +1,4 @@
-"""bench/kernels.py --smoke runs end to end on CPU (Triton under its interpreter): every row
+"""bench/kernels/bandwidth.py --smoke runs end to end on CPU (Triton under its interpreter): every row
 kind the GPU run prints, the end-to-end decode stack, the JSON and the plot. Its figures
 are not speeds (the interpreter); this checks the script a GPU run depends on."""
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kernels_bench_smoke_writes_every_row():
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("KVMESH_KERNELS", None)
-    run = subprocess.run([sys.executable, "bench/kernels.py", "--smoke"], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "bench.kernels.bandwidth", "--smoke"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=500)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((ROOT / "bench/out/kernels_smoke.json").read_text())

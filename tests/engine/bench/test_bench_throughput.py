@@ -1,4 +1,4 @@
-"""bench/engine_throughput.py runs end to end at a small size: every table, the JSON and the
+"""bench/engine/throughput.py runs end to end at a small size: every table, the JSON and the
 plot, and its end-to-end and decode-only ratios taken per round (one request alone, then the
 N together, back to back) with the median inside the rounds' range. Its figures are timings;
 this checks the script, not a speed."""
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_throughput_bench_takes_its_ratios_per_round():
-    run = subprocess.run([sys.executable, "bench/engine_throughput.py", "--prompt", "64", "--gen", "4",
+    run = subprocess.run([sys.executable, "-m", "bench.engine.throughput", "--prompt", "64", "--gen", "4",
                           "--steps", "2", "--rounds", "2", "--long", "256", "--itl-steps", "4",
                           "--itl-rounds", "1", "--label", "smoke"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""bench/_replay_engine.py reads a teacher-forced continuation from ONE prefill of
+"""bench/quality/forcing.py reads a teacher-forced continuation from ONE prefill of
 prompt + continuation (truncation point and prefix match pinned to the prompt alone).
 Pinned here in float64 against two independent computations: the plain reference with the
 prompt's truncation point, and a request of the prompt alone whose decode steps are forced
@@ -7,7 +7,7 @@ to the same tokens (cold, snapshot hit and bounded replay hit)."""
 import pytest
 import torch
 
-from bench._replay_engine import ForcingEngine, Req, forced, run, warm
+from bench.quality.forcing import ForcingEngine, Req, forced, run, warm
 from services.engine.config import TINY, EngineConfig
 from services.engine.core.engine import EngineCore
 from services.engine.core.sampling import SamplingParams

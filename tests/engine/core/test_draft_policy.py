@@ -194,7 +194,7 @@ def run_engine(model, tok, prompts, params, speculative: str):
 
 @pytest.fixture(scope="module")
 def shipped():
-    from bench._common import load_model
+    from bench.common import load_model
     from kvmesh.shipped import DEFAULT_MODEL
     return load_model(DEFAULT_MODEL)
 

@@ -1,4 +1,4 @@
-"""bench/deepseek_v4.py runs end to end: both models, its JSON and its plot. Its figures are
+"""bench/engine/deepseek_v4.py runs end to end: both models, its JSON and its plot. Its figures are
 timings; this checks the script, not a speed."""
 
 import json
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_deepseek_v4_bench_writes_its_report():
-    run = subprocess.run([sys.executable, "bench/deepseek_v4.py", "--lengths", "128,256",
+    run = subprocess.run([sys.executable, "-m", "bench.engine.deepseek_v4", "--lengths", "128,256",
                           "--decode-steps", "1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

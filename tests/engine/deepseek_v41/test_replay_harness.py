@@ -1,4 +1,4 @@
-"""bench/_replay_v41.py forces a continuation through V4Engine's own decode rows. Pinned in
+"""bench/quality/v41_harness.py forces a continuation through V4Engine's own decode rows. Pinned in
 float64 against the whole-sequence reference (V41Model.logits, with the prompt's decoder
 cut under truncation): cold off and compact, a snapshot hit (exact), and a bounded replay
 (its replay is what differs, so only its shape and counters are pinned)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench._replay_engine import Req, forced
-from bench._replay_v41 import make_engine, run
+from bench.quality.forcing import Req, forced
+from bench.quality.v41_harness import make_engine, run
 from services.engine.model.deepseek_v4.v41_forward import V41Model
 from tests.engine.deepseek_v4.test_engine import random_prompt, word_tokenizer
 from tests.engine.deepseek_v41 import tiny
