@@ -15,9 +15,9 @@ import launch.up
 import services.directory.cli
 import services.engine.cli
 import services.engine.score_cli
-import services.engine.train.cli
 import services.gateway.cli
 import services.kvstore.cli
+import training.cli
 from kvmesh.clihelp import DefaultsFormatter, walk
 from kvmesh.tls import export_flags as export_tls_flags
 
@@ -30,7 +30,7 @@ COMMAND_MODULES = [
     services.kvstore.cli,         # kvmesh kvstore serve, kvmesh admin ...
     services.directory.cli,       # kvmesh directory serve
     launch.up,                    # kvmesh up
-    services.engine.train.cli,    # kvmesh train, kvmesh train-eval
+    training.cli,    # kvmesh train, kvmesh train-eval
     services.engine.score_cli,    # kvmesh score (DeepSeek V4 checkpoints)
 ]
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from services.engine.train.evaluate import evaluate  # noqa: E402
+from training.evaluate import evaluate  # noqa: E402
 
 
 def training_record(run: Path, command: str) -> dict:
@@ -59,7 +59,7 @@ Every `.py` file of the Python {t['python']} standard library (`sysconfig` stdli
 site-packages excluded), sorted by path: {m['train_files']} training files
 ({m['train_tokens']:,} bytes + one EOS per file) and {m['held_out_files']} held-out files,
 chosen by the SHA-256 of the relative path (< 3 %), never trained on
-(`services/engine/train/data.py`). Samples are random {a['seq_len']}-byte windows of the
+(`training/data.py`). Samples are random {a['seq_len']}-byte windows of the
 concatenated training files.
 
 ## Training

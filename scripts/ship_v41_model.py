@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from services.engine.train import v41_evaluate  # noqa: E402
+from training import v41_evaluate  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ship_model import training_record  # noqa: E402
@@ -42,7 +42,7 @@ def slice_loss(directory: Path) -> float:
 
     from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
     from services.engine.model.deepseek_v4.v41_forward import V41Model
-    from services.engine.train import data, v41_data
+    from training import data, v41_data
 
     cfg, w = load_v41_checkpoint(directory, torch.float32)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
@@ -101,7 +101,7 @@ score.
 ## Data
 
 Three kinds, each split by the SHA-256 of the file's relative path (the lowest 3 % held out,
-never seen by the tokenizer or the model; `services/engine/train/v41_data.py`):
+never seen by the tokenizer or the model; `training/v41_data.py`):
 
 - code: the Python {t['python']} standard library's .py files ({m['code']['train_files']}
   train, {m['code']['train_tokens']:,} tokens);

@@ -21,7 +21,7 @@ def test_every_variable_the_code_reads_is_on_the_page():
     page = gen_config_doc.PAGE.read_text()
     listed = set(re.findall(r"^\| `(KVMESH_[A-Z0-9_]+)` \|", page, re.M))
     read = set()
-    for part in ("launch", "kvmesh", "services", "kernels", "bench"):
+    for part in ("launch", "training", "kvmesh", "services", "kernels", "bench"):
         for path in (ROOT / part).rglob("*.py"):
             read |= {n for n in re.findall(r"KVMESH_[A-Z0-9_]+", path.read_text())
                      if not n.endswith("_")}          # `KVMESH_GATEWAY_`: a prefix

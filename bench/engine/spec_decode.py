@@ -2,7 +2,7 @@
 
 The shipped DeepSeek V4.1-layout model (models/deepseek-v41-tiny, or --model DIR), fp32,
 in-process V4Engine, one torch thread. Three workloads on held-out stdlib files (never
-trained on, services/engine/train/data.py), in the model's tokenizer:
+trained on, training/data.py), in the model's tokenizer:
 
     edit      "edit this code": a held-out snippet, a comment asking for it back with
               one name changed, and its first line: the output repeats much of the prompt
@@ -39,7 +39,7 @@ from services.engine.config import EngineConfig
 from services.engine.core.sampling import SamplingParams
 from services.engine.core.v4_engine import V4Engine
 from services.engine.model.deepseek_v4 import mtp
-from services.engine.train.data import split, stdlib_files, stdlib_root
+from training.data import split, stdlib_files, stdlib_root
 
 clock = time.process_time
 

@@ -62,7 +62,7 @@ from services.engine.build import DEFAULT_CHECKPOINTS
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.config import EngineConfig, preset
 from services.engine.model import weights as weights_mod
-from services.engine.train import data
+from training import data
 
 NAMES = {1: "1 truncation compact vs off", 2: "2 snapshot hit vs cold", 3: "3 bounded replay vs cold"}
 

@@ -17,8 +17,8 @@ from bench.quality.forcing import (
     prompt_stats,
     run,
 )
-from services.engine.train import data
-from services.engine.train.model import forward
+from training import data
+from training.model import forward
 
 CONT = 64
 

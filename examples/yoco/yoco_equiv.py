@@ -36,8 +36,8 @@ from services.engine.build import default_weights  # noqa: E402
 from services.engine.config import EngineConfig, preset  # noqa: E402
 from services.engine.core.sampling import SamplingParams  # noqa: E402
 from services.engine.model.weights import init_weights  # noqa: E402
-from services.engine.train import data  # noqa: E402
-from services.engine.train.evaluate import held_out_stream  # noqa: E402
+from training import data  # noqa: E402
+from training.evaluate import held_out_stream  # noqa: E402
 
 MODES = ("off", "mask", "compact")
 

@@ -12,7 +12,7 @@ import pytest
 from services.engine.build import DEFAULT_CHECKPOINTS, checkpoint_path
 from services.engine.config import TINY
 from services.engine.model import weights as weights_mod
-from services.engine.train import evaluate
+from training import evaluate
 
 MODEL = Path(__file__).resolve().parents[3] / "models" / "v4-mini-tiny"
 METRICS = json.loads((MODEL / "metrics.json").read_text())
@@ -66,7 +66,7 @@ def test_shipped_mtp_module_reaches_its_recorded_held_out_accuracy():
     a small held-out slice (loss within 2 %, agreement with the trunk's greedy tokens at
     draft positions 1 and 2 within 0.02)."""
     from services.engine.model import mtp
-    from services.engine.train.mtp import slice_metrics
+    from training.mtp import slice_metrics
 
     w = weights_mod.load(MODEL / "model.safetensors", TINY)
     assert mtp.has_mtp(w) and set(mtp.shapes(TINY)) <= set(w)

@@ -15,7 +15,7 @@ from kvmesh.chat_deepseek_v4 import encode_chat
 from kvmesh.shipped import DEFAULT_MODEL
 from services.engine.build import choose_model
 from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
-from services.engine.train.v41_model import SHIPPED_TEXT_CONFIG
+from training.v41_model import SHIPPED_TEXT_CONFIG
 
 METRICS = json.loads((DEFAULT_MODEL / "metrics.json").read_text())
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from services.engine.model import mtp, ops
 from services.engine.model import weights as weights_mod
-from services.engine.train import data
-from services.engine.train.loop import (
+from training import data
+from training.loop import (
     RunArgs,
     _atomic_save,
     make_optimizer,
@@ -32,8 +32,8 @@ from services.engine.train.loop import (
     save_model,
     start_run,
 )
-from services.engine.train.model import hidden_states
-from services.engine.train.mtp_chain import chained, depth1
+from training.model import hidden_states
+from training.mtp_chain import chained, depth1
 
 RESUME_KEYS = ("base", "preset", "seed", "batch", "seq_len", "steps", "lr", "warmup", "chunk", "depth")
 

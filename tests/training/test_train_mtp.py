@@ -7,7 +7,7 @@ import torch
 from services.engine.config import TINY, small_test_config
 from services.engine.model import mtp
 from services.engine.model import weights as weights_mod
-from services.engine.train.mtp import MtpArgs, mtp_loss, train_mtp
+from training.mtp import MtpArgs, mtp_loss, train_mtp
 
 
 def _snippet(n: int) -> torch.Tensor:
@@ -55,8 +55,8 @@ def test_chained_training_forward_is_the_engines_second_draft():
     """Depth 2 in training (train/mtp_chain.py, teacher forced, MXFP8 like the ring) gives the
     logits the engine's chained row computes: the reference chain of test_mtp.py, float64."""
     from services.engine.model import reference
-    from services.engine.train.mtp_chain import chained, depth1
     from tests.engine.core.test_mtp import CFG, EXACT, W64, reference_chain
+    from training.mtp_chain import chained, depth1
 
     tokens = _snippet(40).tolist()
     t = 32

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from services.engine.config import preset
 from services.engine.model import weights as weights_mod
-from services.engine.train import data
-from services.engine.train.model import forward
+from training import data
+from training.model import forward
 
 CUT_CONTEXT = 128
 CUT_FROM = 512

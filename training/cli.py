@@ -77,9 +77,9 @@ def _add_fields(p, cls, helps) -> None:
 
 
 def register(sub) -> None:
-    from services.engine.train.loop import TrainArgs
-    from services.engine.train.mtp import MtpArgs
-    from services.engine.train.v41_loop import V41TrainArgs
+    from training.loop import TrainArgs
+    from training.mtp import MtpArgs
+    from training.v41_loop import V41TrainArgs
 
     p = sub.add_parser("train", help="train the tiny preset on the Python standard library (CPU)")
     _add_fields(p, TrainArgs, HELP)
@@ -123,7 +123,7 @@ def register(sub) -> None:
 def _train_tokenizer(args) -> int:
     from pathlib import Path
 
-    from services.engine.train import bpe, v41_data
+    from training import bpe, v41_data
     try:
         tok = bpe.train(v41_data.training_texts(), args.vocab_size, args.min_frequency)
     except ValueError as exc:
@@ -136,19 +136,19 @@ def _train_tokenizer(args) -> int:
 
 
 def _train(args) -> int:
-    from services.engine.train.loop import TrainArgs, train
+    from training.loop import TrainArgs, train
 
     return _run("kvmesh train", TrainArgs, train, args)
 
 
 def _train_v41(args) -> int:
-    from services.engine.train.v41_loop import V41TrainArgs, train_v41
+    from training.v41_loop import V41TrainArgs, train_v41
 
     return _run("kvmesh train-v41", V41TrainArgs, train_v41, args)
 
 
 def _train_mtp(args) -> int:
-    from services.engine.train.mtp import MtpArgs, train_mtp
+    from training.mtp import MtpArgs, train_mtp
 
     return _run("kvmesh train-mtp", MtpArgs, train_mtp, args)
 
@@ -166,7 +166,7 @@ def _run(command: str, args_cls, fn, args) -> int:
 
 def _eval(args) -> int:
     from kvmesh.checkpoint_dir import model_type
-    from services.engine.train import evaluate, v41_evaluate
+    from training import evaluate, v41_evaluate
 
     try:
         if model_type(args.checkpoint) == "deepseek_v41":

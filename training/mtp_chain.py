@@ -22,7 +22,7 @@ import torch
 
 from services.engine.config import ModelConfig
 from services.engine.model import mtp, ops
-from services.engine.train.model import _window_keys, _window_ok, layer_forward
+from training.model import _window_keys, _window_ok, layer_forward
 
 
 def depth1(w, cfg: ModelConfig, h, next_tokens, chunk: int, quantize: bool = False):

@@ -1,4 +1,4 @@
-"""Training the shipped DeepSeek V4.1 model (services/engine/train/v41_*.py): the training
+"""Training the shipped DeepSeek V4.1 model (training/v41_*.py): the training
 forward computes V41Model's function, the indexer loss trains only the indexer, the gate
 biases move towards equal loads, and `kvmesh train-v41` lowers the loss, resumes to the same
 weights as an unbroken run, and writes a checkpoint directory the loader reads back."""
@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
 from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
 from services.engine.model.deepseek_v4.v41_forward import V41Model
-from services.engine.train import bpe, data, v41_data, v41_evaluate
-from services.engine.train.v41_loop import V41TrainArgs, starting_weights, step_loss, train_v41
-from services.engine.train.v41_model import balance, forward, initial_weights, shipped_config
 from tests.engine.deepseek_v41 import tiny
+from training import bpe, data, v41_data, v41_evaluate
+from training.v41_loop import V41TrainArgs, starting_weights, step_loss, train_v41
+from training.v41_model import balance, forward, initial_weights, shipped_config
 
 
 @pytest.mark.parametrize("name", ["flash_like", "yarn_hc4"])

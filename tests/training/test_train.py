@@ -10,10 +10,10 @@ from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
 from services.engine.model import reference
 from services.engine.model import weights as weights_mod
-from services.engine.train import data
-from services.engine.train.loop import TrainArgs, batch_loss, make_optimizer, save_checkpoint
-from services.engine.train.model import forward
 from tests.engine.helpers import make_engine, run_to_completion
+from training import data
+from training.loop import TrainArgs, batch_loss, make_optimizer, save_checkpoint
+from training.model import forward
 
 EXACT = 1e-9      # float64, MXFP8 on both sides: the same function up to reduction order
 
@@ -96,7 +96,7 @@ def test_held_out_split_is_by_file_and_large_enough():
 def test_decay_by_time_anneals_a_budget_stopped_run():
     """With --decay-by-time the cosine follows the elapsed share of the time budget when that
     is further along than the steps, so a run stopped by its budget ends at min_lr_frac."""
-    from services.engine.train.loop import lr_at
+    from training.loop import lr_at
 
     a = TrainArgs(lr=1e-3, warmup=10, steps=1000, min_lr_frac=0.1, time_budget_min=10.0)
     timed = TrainArgs(**{**a.__dict__, "decay_by_time": True})

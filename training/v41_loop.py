@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
 from services.engine.model.deepseek_v4.v41_forward import V41Model
-from services.engine.train import data, v41_data
-from services.engine.train.loop import (
+from training import data, v41_data
+from training.loop import (
     StepArgs,
     _atomic_save,
     _Log,
@@ -34,8 +34,8 @@ from services.engine.train.loop import (
     resume_from,
     run_steps,
 )
-from services.engine.train.v41_evaluate import bits_per_byte, position_losses
-from services.engine.train.v41_model import balance, forward, initial_weights, shipped_config
+from training.v41_evaluate import bits_per_byte, position_losses
+from training.v41_model import balance, forward, initial_weights, shipped_config
 
 RESUME_KEYS = ("seed", "batch", "seq_len", "steps", "lr", "warmup", "decay_by_time",
                "english_fraction", "chat_fraction", "copy_fraction", "init_from")

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from services.engine.config import ModelConfig, preset
 from services.engine.model import weights as weights_mod
-from services.engine.train import data
-from services.engine.train.model import forward
+from training import data
+from training.model import forward
 
 # Fields that must agree between a run and the state it resumes from.
 RESUME_KEYS = ("preset", "seed", "batch", "seq_len", "steps", "lr", "warmup", "chunk", "decay_by_time")

@@ -1,4 +1,4 @@
-"""The byte-level BPE tokenizer for the shipped model (services/engine/train/bpe.py):
+"""The byte-level BPE tokenizer for the shipped model (training/bpe.py):
 DeepSeek's special tokens are single ids 0..5, any text round-trips exactly, the chat
 encoding tokenizes through it, the held-out files are never trained on, and the saved
 directory loads in `tokenizers` and in the gateway's chat path."""
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from kvmesh.chat_deepseek_v4 import SPECIAL_TOKENS, encode_chat
-from services.engine.train import bpe, data, v41_data
+from training import bpe, data, v41_data
 
 
 @pytest.fixture(scope="module")
