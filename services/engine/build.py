@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvmesh.shipped import DEFAULT_MODEL, MODELS
-from services.engine.cache.layout import RuntimeLayout
 from services.engine.config import (
     PRESETS,
     REPLAY_BLOCKS,
@@ -21,6 +21,9 @@ from services.engine.config import (
     ModelConfig,
     preset,
 )
+
+if TYPE_CHECKING:
+    from services.engine.cache.layout import RuntimeLayout
 
 # The trained V4-mini checkpoint (models/v4-mini-tiny/MODEL_CARD.md): the default weights of
 # the `tiny` preset (--preset tiny). Seeded random weights only with --random-weights.
@@ -176,6 +179,8 @@ def choose_model(args) -> None:
 def runtime_layout(args, env=None) -> tuple[ModelConfig, EngineConfig, RuntimeLayout]:
     """The configs and the one layout a V4-mini engine built from `args` runs with (after
     `choose_model` the preset is set; a caller that skips it is sized as tiny)."""
+    from services.engine.cache.layout import RuntimeLayout
+
     cfg = preset(args.preset or "tiny")
     ecfg = engine_config(args, env)
     return cfg, ecfg, RuntimeLayout.build(cfg, ecfg)

@@ -21,7 +21,7 @@ chained hash as soon as they are computed, so later prompts can share them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +30,8 @@ from services.engine.cache.block_pool import BlockPool
 from services.engine.cache.block_store import BlockStore
 from services.engine.cache.handoff import SlotHandoff, handoff_block, rearrange_slot
 from services.engine.cache.layout import RuntimeLayout
-from services.engine.cache.prefix import Prefetched, PrefixReuse
+from services.engine.cache.prefetch import LocalView, Prefetched
+from services.engine.cache.prefix import PrefixReuse
 from services.engine.cache.snapshots import Snapshot
 from services.engine.cache.state_pool import StatePool
 from services.engine.core.sequence import Sequence
@@ -67,14 +68,6 @@ class MatchResult:
     def replayed(self) -> int:
         """Tokens of the approximate bounded replay: [L1 - W, L1)."""
         return self.l1 - self.start if self.l1 and self.snapshot is None else 0
-
-
-@dataclass
-class LocalView:
-    """What this engine holds for a prompt, for prefetching from the other tiers."""
-    hashes: list[bytes] = field(default_factory=list)
-    n_local: int = 0                   # leading blocks found in the local pool
-    snapshot_keys: set[str] = field(default_factory=set)   # keys of those hashes held here
 
 
 class CacheManager:

@@ -48,7 +48,6 @@ below the replica's position drops it (rejected tokens never reach a snapshot).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,16 +62,6 @@ from services.engine.core.sequence import Sequence
 
 if TYPE_CHECKING:
     from services.engine.model.runner import ForwardResult, Work
-
-
-@dataclass
-class Prefetched:
-    """Cache contents fetched from other tiers before admission (kvstore blocks, peer snapshot),
-    and the prompt's block hashes computed for the fetch (the sequence starts its chain with
-    them instead of hashing the prompt again)."""
-    hashes: list[bytes] = field(default_factory=list)
-    blocks: dict[bytes, bytes] = field(default_factory=dict)   # block hash -> serialized block
-    snapshots: dict[str, Snapshot] = field(default_factory=dict)
 
 
 class PrefixReuse:

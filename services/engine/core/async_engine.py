@@ -25,14 +25,19 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
-from services.engine.core.engine import EngineCore, Event
+from services.engine.core.events import Event
+
+if TYPE_CHECKING:
+    from services.engine.core.engine import EngineCore
+    from services.engine.core.v4_engine import V4Engine
 
 log = logging.getLogger("kvmesh.engine")
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore | V4Engine):
         self.core = core
         self._cmds: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -31,7 +31,8 @@ from services.engine import device as device_mod
 from services.engine.cache.handoff import handoff_block
 from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.manager import CacheManager, MatchResult
-from services.engine.cache.prefix import Prefetched, PrefixReuse
+from services.engine.cache.prefetch import Prefetched
+from services.engine.cache.prefix import PrefixReuse
 from services.engine.config import EngineConfig, ModelConfig
 from services.engine.core.events import COUNTERS, Event, Hooks  # noqa: F401  (importers)
 from services.engine.core.handoff import (

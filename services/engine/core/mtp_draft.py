@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.core.sampling import read_ids
+from services.engine.core.v4_mtp_draft import stash
 from services.engine.device import Uploads
 from services.engine.model.mtp_runner import MtpRows, MtpRunner
 
@@ -109,14 +110,3 @@ class MtpDrafter:
         for (seq, _, _), d in zip(seqs, drafts, strict=True):
             out[seq.request_id] = d
         return out
-
-
-def stash(old_first: int, old: torch.Tensor | None, first: int, h: torch.Tensor,
-          window: int) -> tuple[int, torch.Tensor]:
-    """A stash of rows of positions [old_first, ...) given rows of [first, first + len(h)):
-    continued when they start inside it or right after it, else replaced; at most the last
-    `window` rows are kept (no draft reads further back). Returns (first, rows)."""
-    if old is not None and old_first <= first <= old_first + len(old):
-        h, first = torch.cat([old[: first - old_first], h]), old_first
-    keep = min(len(h), window)
-    return first + len(h) - keep, h[len(h) - keep:]

@@ -28,15 +28,18 @@ rejected token (docs/design.md §8; the rollback analysis is in cache/manager.py
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.generation import parse_speculative
 from services.engine.core.draft_policy import DraftPolicy
-from services.engine.core.mtp_draft import MtpDrafter
 from services.engine.core.sampling import SamplingParams, draw
 from services.engine.device import Uploads
+
+if TYPE_CHECKING:
+    from services.engine.core.mtp_draft import MtpDrafter
 
 
 @dataclass(frozen=True)

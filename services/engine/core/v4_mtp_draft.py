@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.core.mtp_draft import stash
 from services.engine.core.sampling import read_ids
 from services.engine.model.deepseek_v4.attention import AttentionParts
 from services.engine.model.deepseek_v4.mtp import MtpModule
@@ -94,3 +93,14 @@ class V4MtpDrafter:
             return None
         rows = s.window[: len(s.window) - (s.done - first)]
         return AttentionParts(None, rows, None, None, None) if len(rows) else None
+
+
+def stash(old_first: int, old: torch.Tensor | None, first: int, h: torch.Tensor,
+          window: int) -> tuple[int, torch.Tensor]:
+    """A stash of rows of positions [old_first, ...) given rows of [first, first + len(h)):
+    continued when they start inside it or right after it, else replaced; at most the last
+    `window` rows are kept (no draft reads further back). Returns (first, rows)."""
+    if old is not None and old_first <= first <= old_first + len(old):
+        h, first = torch.cat([old[: first - old_first], h]), old_first
+    keep = min(len(h), window)
+    return first + len(h) - keep, h[len(h) - keep:]

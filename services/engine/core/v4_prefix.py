@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh import cachekeys
-from services.engine.cache.manager import LocalView
+from services.engine.cache.prefetch import LocalView
 from services.engine.cache.snapshots import Snapshot, SnapshotStore
 from services.engine.model.deepseek_v4 import snapshots
 from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence

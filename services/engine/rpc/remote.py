@@ -29,9 +29,9 @@ import grpc
 from kvmesh.cachekeys import snapshot_key
 from kvmesh.errors import KvmeshError
 from kvmesh.generation import DEFAULT_TRAFFIC_CLASS
-from services.engine.cache.prefix import Prefetched
+from services.engine.cache.prefetch import Prefetched
 from services.engine.core.async_engine import AsyncEngine
-from services.engine.core.engine import Hooks
+from services.engine.core.events import Hooks
 from services.engine.rpc.fetch_policy import FetchPolicy
 from services.engine.rpc.peers import FetchError, fetch_snapshot
 

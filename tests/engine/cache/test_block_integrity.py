@@ -8,7 +8,7 @@ from blake3 import blake3
 
 from kvmesh import cachekeys as hashing
 from services.engine.cache.block_store import OVERHEAD, BlockStore
-from services.engine.cache.prefix import Prefetched
+from services.engine.cache.prefetch import Prefetched
 from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion

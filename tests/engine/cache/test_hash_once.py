@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh import cachekeys
 from services.engine import config as config_mod
-from services.engine.cache.prefix import Prefetched
+from services.engine.cache.prefetch import Prefetched
 from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
 from tests.engine.helpers import make_engine, random_prompt, run_to_completion

@@ -108,7 +108,7 @@ def test_the_deepest_snapshot_wins():
 def test_a_foreign_snapshot_is_skipped_for_the_next_one():
     """A peer's snapshot at L1 with a wrong size is refused; the local one at L1 - 16 is used."""
     from kvmesh import cachekeys as hashing
-    from services.engine.cache.prefix import Prefetched
+    from services.engine.cache.prefetch import Prefetched
     from services.engine.cache.snapshots import Snapshot
 
     base = random_prompt(200, 31)

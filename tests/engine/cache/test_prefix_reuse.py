@@ -148,7 +148,7 @@ def test_prefetched_blocks_install_and_a_bad_payload_is_a_miss():
     """Blocks fetched from the kvstore before admission fill an empty ledger; a payload of
     the wrong size stops the run there (a miss), never an error."""
     from kvmesh import cachekeys as hashing
-    from services.engine.cache.prefix import Prefetched
+    from services.engine.cache.prefetch import Prefetched
 
     base = random_prompt(200, 21)
     donor = make_engine(CFG, truncation="compact", keep_tokens=22)

@@ -244,7 +244,7 @@ def test_fetched_blocks_and_snapshot_hit_and_a_damaged_block_is_refused(flash):
     """What rpc/remote.py prefetches (kvstore blocks, a peer's snapshot) starts a prompt on
     another engine exactly where a cold run is; a damaged block ends the run of fetched blocks
     before it (counted), and the request still runs."""
-    from services.engine.cache.prefix import Prefetched
+    from services.engine.cache.prefetch import Prefetched
 
     directory, hf = flash
     a = engine(directory)
