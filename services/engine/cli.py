@@ -53,6 +53,13 @@ def register(sub) -> None:
     lay.add_argument("--config", help="a DeepSeek V4 config.json: both ledgers from it, as "
                      "--model DIR (engine flags other than --extra-state and --memory do not "
                      "apply; default: none)")
+    lay.add_argument("--tensor-parallel", type=int, default=1,
+                     help="DeepSeek V4: also print what one rank of an engine split this many "
+                     "ways by tensor parallelism holds (docs/design.md §15)")
+    lay.add_argument("--expert-parallel", type=int, default=1,
+                     help="DeepSeek V4: also print what one rank of an engine split this many "
+                     "ways by expert parallelism (the routed experts) holds, alone or times "
+                     "--tensor-parallel")
     add_engine_args(lay)
     lay.set_defaults(func=_layout)
 
@@ -99,6 +106,10 @@ def _budget(text: str) -> int:
 
 
 def _layout(args) -> int:
+    if args.tensor_parallel * args.expert_parallel > 1 and not (args.model or args.config):
+        print("kvmesh engine layout: --tensor-parallel / --expert-parallel need a DeepSeek V4 "
+              "--model or --config", file=sys.stderr)
+        return 2
     if not args.config:
         try:
             choose_model(args)
@@ -144,10 +155,33 @@ def _v4_layout(args) -> int:
                                        state_dtype=wide(getattr(torch, args.dtype)))
         else:
             layout_module = v4_layout
-            report = v4_layout.report(read_config(path), extra_state=bool(args.extra_state),
+            cfg = read_config(path)
+            report = v4_layout.report(cfg, extra_state=bool(args.extra_state),
                                       memory=args.memory, rows_format=rows_format)
+            if args.tensor_parallel * args.expert_parallel > 1:
+                report["ranks"] = _ranks(cfg, args)
+        if is_v41(path) and args.tensor_parallel * args.expert_parallel > 1:
+            raise ValueError("--tensor-parallel / --expert-parallel: DeepSeek V4 checkpoints "
+                             "only so far (this is a V4.1 one)")
     except (CheckpointError, ValueError) as exc:
         print(f"kvmesh engine layout: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2) if args.json else layout_module.table(report))
+    text = json.dumps(report, indent=2) if args.json else layout_module.table(report)
+    if not args.json and report.get("ranks"):
+        r = report["ranks"]
+        text += (f"\nranks: tensor-parallel {r['tensor_parallel']} x expert-parallel "
+                 f"{r['expert_parallel']}: weights {r['weight_bytes_per_rank']:,} B a rank "
+                 f"({r['weight_bytes_whole']:,} B whole, {r['weight_itemsize']} B a value); "
+                 "the ledgers above are the same on every rank")
+    print(text)
     return 0
+
+
+def _ranks(cfg, args) -> dict:
+    """One rank's share of a split engine (parallel.rank_report)."""
+    import torch
+
+    from services.engine.model.deepseek_v4.parallel import rank_report
+
+    itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    return rank_report(cfg, args.tensor_parallel, args.expert_parallel, itemsize)

@@ -25,7 +25,44 @@ def register(sub) -> None:
                    "(default: none, TEXT is scored)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="the dtype the forward computes in")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="DeepSeek V4: split the model over this many ranks by tensor "
+                   "parallelism (docs/design.md §15); started here, or joined from an external "
+                   "launcher's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT")
+    p.add_argument("--expert-parallel", type=int, default=1,
+                   help="DeepSeek V4: ... and this many ways by expert parallelism (ranks = "
+                   "tensor x expert)")
     p.set_defaults(func=_score)
+
+
+def _score_split(args, ids: list[int] | None, tp: int, ep: int) -> dict | None:
+    """The score computed by a model split tp x ep (checked here before any rank starts)."""
+    from kvmesh.checkpoint_dir import is_v41
+    from services.engine import ranks
+    from services.engine.model.deepseek_v4 import score as scoring
+    from services.engine.model.deepseek_v4.config import read_config
+    from services.engine.model.deepseek_v4.parallel import Split
+
+    if is_v41(args.model):
+        raise ValueError("--tensor-parallel / --expert-parallel: DeepSeek V4 checkpoints only "
+                         "so far (this is a V4.1 one)")
+    cfg = read_config(args.model)
+    Split(tp, ep, 0).check(cfg)
+    if ids is None:
+        ids = scoring.tokenize(args.model, args.text, cfg)
+    scoring.check_ids(ids, cfg.vocab_size)
+    return ranks.run(_score_rank, (args.model, args.dtype, ids), tp, ep)
+
+
+def _score_rank(split, directory: str, dtype: str, ids: list[int]) -> dict:
+    """One rank: its share of the checkpoint, the split forward (every rank gets the logits)."""
+    from services.engine.model.deepseek_v4 import score as scoring
+    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+    from services.engine.model.deepseek_v4.parallel import Groups, ParallelV4Model
+
+    cfg, weights = load_checkpoint(directory, DTYPES[dtype], split)
+    model = ParallelV4Model(cfg, weights, DTYPES[dtype], split, Groups(split))
+    return scoring.score(model, ids)
 
 
 def _score(args) -> int:
@@ -40,14 +77,28 @@ def _score(args) -> int:
         print(f"kvmesh score: --ids must be comma-separated integers, got {args.ids!r}",
               file=sys.stderr)
         return 2
+    import torch.multiprocessing as mp
+
+    from services.engine import ranks
+
+    split = (args.tensor_parallel, args.expert_parallel)
     try:
-        model = scoring.load_model(args.model, DTYPES[args.dtype])
-        if ids is None:
-            ids = scoring.tokenize(args.model, args.text, model.cfg)
-        result = scoring.score(model, ids)
+        if split != (1, 1) or ranks.launched_outside():
+            result = _score_split(args, ids, *split)
+            if result is None:           # a rank other than 0 of an external launcher's group
+                return 0
+        else:
+            model = scoring.load_model(args.model, DTYPES[args.dtype])
+            if ids is None:
+                ids = scoring.tokenize(args.model, args.text, model.cfg)
+            result = scoring.score(model, ids)
     except (CheckpointError, ValueError) as exc:
         print(f"kvmesh score: {exc}", file=sys.stderr)
         return 2
+    except mp.ProcessRaisedException as exc:     # a rank failed; the others were ended
+        print(f"kvmesh score: a rank failed: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
+        return 1
+    ids = result["ids"]
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
     print(f"perplexity {scoring.perplexity(result):.6g} over {len(ids) - 1} predicted tokens",

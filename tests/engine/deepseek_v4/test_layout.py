@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,35 @@ def test_cli_prints_the_same_numbers():
     table = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--config",
                             str(FLASH)], capture_output=True, text=True, timeout=60).stdout
     assert "134 rows x 528 B (mxfp8) x 43 layers = 3,042,336 B" in table
+
+
+def test_cli_prints_what_one_rank_of_a_split_flash_engine_holds():
+    """DeepSeek-V4-Flash split 8 ways (tensor, then expert parallel), float32 weights: a rank
+    holds the replicated tensors whole and an eighth of the split ones (docs/design.md §15);
+    every rank's ledgers are the unsplit engine's. Sums from the tensor shapes, here."""
+    from services.engine.model.deepseek_v4 import names
+
+    cfg = read_config(FLASH)
+    shapes = {**names.expected_shapes(cfg), **names.mtp_shapes(cfg)}
+    size = {n: (8 if n.endswith("tid2eid") else 4) * math.prod(s) for n, s in shapes.items()}
+    by_tp = ("attn.wq_b.weight", "attn.attn_sink", "attn.wo_a.weight", "attn.wo_b.weight")
+    experts = sum(v for n, v in size.items() if n.startswith("layers.") and ".experts.w" in n)
+    shared = sum(v for n, v in size.items() if n.startswith("layers.") and "shared_experts" in n)
+    heads = sum(v for n, v in size.items() if n.startswith("layers.") and n.endswith(by_tp))
+    whole = sum(size.values())
+    assert whole > 1_100_000_000_000                 # ~284 B parameters, float32
+    for flag, split in (("--tensor-parallel", experts + shared + heads + size["head.weight"]),
+                        ("--expert-parallel", experts + shared)):
+        run = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--config",
+                              str(FLASH), flag, "8", "--json"], capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 0, run.stderr
+        report = json.loads(run.stdout)
+        ranks = report.pop("ranks")
+        assert ranks["weight_bytes_whole"] == whole and ranks["ranks"] == 8
+        assert ranks["weight_bytes_per_rank"] == whole - split * 7 // 8, flag
+        assert report == json.loads(json.dumps(layout.report(read_config(FLASH))))
+    bad = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--config",
+                          str(FLASH), "--expert-parallel", "3"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "n_routed_experts (256) is not divisible by 3" in bad.stderr

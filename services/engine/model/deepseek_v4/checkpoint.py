@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.engine.model.deepseek_v4 import names, quant, v41_names
+from services.engine.model.deepseek_v4 import names, parallel, quant, v41_names
 from services.engine.model.deepseek_v4.config import V4Config, read_config
 from services.engine.model.deepseek_v4.errors import CheckpointError
+from services.engine.model.deepseek_v4.parallel import Split
 from services.engine.model.deepseek_v4.v41_config import V41Config, read_v41_config
 
 log = logging.getLogger(__name__)
@@ -86,16 +87,21 @@ class _Reader:
             raise CheckpointError(f"{self.files[name]}: tensor {name} is missing or unreadable "
                                   f"({exc})") from None
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, rows: range | None = None) -> torch.Tensor:
+        """The tensor, or only its rows (first dim) in `rows`: those alone are read."""
         try:
-            return self.handle(name).get_tensor(name)
+            if rows is None:
+                return self.handle(name).get_tensor(name)
+            return self.handle(name).get_slice(name)[rows.start:rows.stop]
         except Exception as exc:
             raise CheckpointError(f"{self.files[name]}: tensor {name} cannot be read ({exc})") from None
 
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
-                    ) -> tuple[V4Config, dict[str, torch.Tensor]]:
-    """A DeepSeek V4 checkpoint (its MTP modules too, when it has them)."""
+                    split: Split | None = None) -> tuple[V4Config, dict[str, torch.Tensor]]:
+    """A DeepSeek V4 checkpoint (its MTP modules too, when it has them). split: only one
+    rank's share of a tp x ep engine (parallel.py): of the routed experts, only the rank's
+    are read; every other tensor is read one at a time and cut."""
     directory = _directory(directory)
     cfg = read_config(directory)
 
@@ -104,7 +110,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
         if any(name.startswith("mtp.") for name in plan):   # optional: read whole when present
             shapes.update(names.mtp_shapes(cfg))
         return shapes
-    return cfg, _load(directory, cfg, expected, dtype, lambda name: _what(cfg, name))
+    return cfg, _load(directory, cfg, expected, dtype, lambda name: _what(cfg, name), split)
 
 
 def load_v41_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
@@ -123,29 +129,52 @@ def _directory(directory: str | Path) -> Path:
     return directory
 
 
-def _load(directory: Path, cfg, expected_of, dtype: torch.dtype, what) -> dict[str, torch.Tensor]:
+def _load(directory: Path, cfg, expected_of, dtype: torch.dtype, what,
+          split: Split | None = None) -> dict[str, torch.Tensor]:
     """Check the plan against `expected_of(plan)` ({name: shape}), then read and dequantize
-    each tensor; what(name) says which part of the config a missing tensor belongs to."""
+    each tensor (a rank's share of it, given a split); what(name) says which part of the
+    config a missing tensor belongs to."""
     block = _fp8_block(cfg, directory)
     reader = _Reader(tensor_files(directory))
     plan, scales = _plan(reader)
     expected = expected_of(plan)
-    _check_memory(expected, dtype, directory)
+    if split is not None:
+        split.check(cfg)
+    _check_memory(expected if split is None else _shares(expected, cfg, split), dtype, directory)
     _check_plan(cfg, expected, plan, scales, reader, directory, what)
     weights: dict[str, torch.Tensor] = {}
     for name, shape in expected.items():
         pieces = plan[name]
-        value = _assemble(name, shape, pieces, reader, scales, block)
-        if value.shape != shape:  # quantized or stacked: known once read
+        rows = _held_rows(name, cfg, split)
+        value = _assemble(name, shape, pieces, reader, scales, block, rows)
+        want = shape if rows is None else (len(rows), *shape[1:])
+        if value.shape != want:  # quantized or stacked: known once read
             stored = pieces[0][2]
             raise CheckpointError(f"{reader.files[stored]}: tensor {stored} has shape "
-                                  f"{list(value.shape)}, expected {list(shape)}")
+                                  f"{list(value.shape)}, expected {list(want)}")
+        if split is not None and not name.startswith("mtp."):
+            value = parallel.shard(name, value, cfg, split, experts_cut=True)
         weights[name] = _cast(name, value, dtype)
     unused = sorted(set(plan) - set(expected))
     if unused:
         log.warning("%s: %d tensors not used by the config (first: %s)", directory, len(unused),
                     unused[0])
     return weights
+
+
+def _held_rows(name: str, cfg, split: Split | None) -> range | None:
+    """The experts (first dim) of a stacked routed-expert tensor a rank holds; None: all."""
+    if split is None or not name.startswith("layers.") or \
+            not name.endswith(("experts.w13", "experts.w2")):
+        return None
+    return parallel.experts_held(cfg, split)
+
+
+def _shares(expected: dict, cfg, split: Split) -> dict:
+    """The shapes of a rank's shares (for the memory check), cut on the meta device."""
+    return {name: shape if name.startswith("mtp.") else
+            tuple(parallel.shard(name, torch.empty(shape, device="meta"), cfg, split).shape)
+            for name, shape in expected.items()}
 
 
 def _plan(reader: _Reader):
@@ -197,17 +226,24 @@ def _parts(name: str) -> tuple[str, ...]:
     return ("w2",) if name.endswith("w2") else ("w1", "w3")
 
 
-def _assemble(name, shape, pieces, reader, scales, block) -> torch.Tensor:
+def _assemble(name, shape, pieces, reader, scales, block, rows: range | None = None
+              ) -> torch.Tensor:
+    """The tensor `name` from its stored pieces; rows: only those experts (first dim)."""
     if pieces[0][0] is None:  # stored whole
-        return _read(pieces[0][2], reader, scales, block)
+        return _read(pieces[0][2], reader, scales, block, rows)
     have = _per_expert(pieces)
     return torch.stack([torch.cat([_read(have[e][p], reader, scales, block) for p in _parts(name)])
-                        for e in range(shape[0])])
+                        for e in (range(shape[0]) if rows is None else rows)])
 
 
-def _read(stored: str, reader: _Reader, scales: dict[str, str], block: int) -> torch.Tensor:
-    value = reader.read(stored)
+def _read(stored: str, reader: _Reader, scales: dict[str, str], block: int,
+          rows: range | None = None) -> torch.Tensor:
+    """A stored tensor, dequantized; rows: only those (first dim). A quantized one is read
+    whole and cut once dequantized (its scales cover blocks of rows)."""
     scale_name = scales.get(stored)
+    if rows is not None and scale_name is not None:
+        return _read(stored, reader, scales, block)[rows.start:rows.stop]
+    value = reader.read(stored, rows)
     if value.dtype in _FP8 or (value.dtype in _PACKED and scale_name):
         if scale_name is None:
             raise CheckpointError(f"{reader.files[stored]}: tensor {stored} is {value.dtype} "

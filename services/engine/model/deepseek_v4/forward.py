@@ -85,10 +85,23 @@ class V4Model:
                 parts[k] = attention(cfg, i, self.attn[i], x[start:end], positions, self.tables,
                                      prior, self.stored, *given, rows=self.rows)
         out = parts[0].out if len(parts) == 1 else torch.cat([p.out for p in parts])
-        streams = hyper.expand(streams, out, post, comb)
+        streams = hyper.expand(streams, self.attention_total(out), post, comb)
         pre, post, comb = self._mix(streams, w, "hc_ffn")
         x = rms_norm(hyper.collapse(streams, pre), w["ffn_norm.weight"], cfg.rms_eps)
-        return hyper.expand(streams, moe(cfg, i, self.ffn[i], x, ids), post, comb), parts
+        return hyper.expand(streams, self.mlp(i, x, ids), post, comb), parts
+
+    # The three points where a model split over ranks (parallel.py) differs from this one.
+    def attention_total(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention output of all heads, given this model's heads' share: all of it."""
+        return out
+
+    def mlp(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Layer i's MoE block on x [N, D]."""
+        return moe(self.cfg, i, self.ffn[i], x, ids)
+
+    def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final normed rows [S, D] -> logits [S, vocab]."""
+        return F.linear(h, self.weights["head.weight"])
 
     def _mix(self, streams, w, name):
         return hyper.mix_weights(streams, w[f"{name}_fn"], w[f"{name}_base"], w[f"{name}_scale"],
@@ -104,7 +117,7 @@ class V4Model:
         cfg, w = self.cfg, self.weights
         h = hyper.head_collapse(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"],
                                 cfg.hc_eps, cfg.rms_eps)
-        return F.linear(rms_norm(h, w["norm.weight"], cfg.rms_eps), w["head.weight"])
+        return self.vocab_logits(rms_norm(h, w["norm.weight"], cfg.rms_eps))
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:

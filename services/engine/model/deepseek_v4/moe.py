@@ -42,13 +42,20 @@ def swiglu(h: torch.Tensor, limit: float) -> torch.Tensor:
 def routed(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
            w2: torch.Tensor, limit: float) -> torch.Tensor:
     """sum_e weight_e * expert_e(x) per token. w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
-    k = experts.shape[1]
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)          # (token, slot) pairs grouped by expert
-    offsets = [0, *torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).tolist()]
-    tokens = order // k
+    tokens = torch.arange(x.shape[0]).repeat_interleave(experts.shape[1])
+    return routed_pairs(x, tokens, experts.reshape(-1), weights.reshape(-1), w13, w2, limit)
+
+
+def routed_pairs(x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor,
+                 weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 limit: float) -> torch.Tensor:
+    """`routed` for some (token, expert, weight) pairs, flat [P] each, in token order; experts
+    index w13 / w2 (a rank of an expert-parallel engine passes the pairs of its own experts)."""
+    order = torch.argsort(experts, stable=True)        # the pairs grouped by expert
+    offsets = [0, *torch.bincount(experts, minlength=w13.shape[0]).cumsum(0).tolist()]
+    tokens = tokens[order]
     hidden = swiglu(grouped_linear(x[tokens], offsets, w13), limit)
-    y = grouped_linear(hidden, offsets, w2) * weights.reshape(-1)[order].unsqueeze(-1)
+    y = grouped_linear(hidden, offsets, w2) * weights[order].unsqueeze(-1)
     # rows are in expert order, so each token's outputs are added in ascending expert order
     return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
 

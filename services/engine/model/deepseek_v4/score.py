@@ -30,12 +30,17 @@ def load_model(directory: str | Path, dtype: torch.dtype) -> V4Model | V41Model:
     return V4Model(cfg, weights, dtype)
 
 
-def score(model: V4Model | V41Model, ids: list[int]) -> dict:
+def check_ids(ids: list[int], vocab_size: int) -> None:
+    """ValueError naming `ids` unless they are a non-empty run of the vocabulary's ids."""
     if not ids:
         raise ValueError("ids: need at least one token id")
-    bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
-        raise ValueError(f"ids: {bad[0]} is outside the model's vocabulary (0..{model.cfg.vocab_size - 1})")
+        raise ValueError(f"ids: {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1})")
+
+
+def score(model: V4Model | V41Model, ids: list[int]) -> dict:
+    check_ids(ids, model.cfg.vocab_size)
     logits = model.logits(torch.tensor(ids))
     logprobs = torch.log_softmax(logits.double(), dim=-1)
     picked = logprobs[:-1].gather(1, torch.tensor(ids[1:]).view(-1, 1)).view(-1).tolist()
