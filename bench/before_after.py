@@ -1,13 +1,12 @@
 """Run benchmarks of this tree and of an older commit in one run, alternating, side by side.
 
 For benchmarks that print their measurements as `name 1.234s` after a `L=<n>` label (the replay
-TTFT and YOCO prefill benchmarks do), this runs each module `--rounds` times per tree, before
+TTFT benchmark does), this runs each module `--rounds` times per tree, before
 and after taking turns so that drift in the machine's load hits both alike, keeps the best
 (smallest) time of every (L, name) per tree, and prints them with after / before.
 
     python -m bench.before_after --before <commit> \\
-        "bench.engine.replay_ttft --lengths 1024,4096 --random-weights" \\
-        "bench.engine.yoco_prefill --lengths 2048,8192 --random-weights"
+        "bench.engine.replay_ttft --lengths 1024,4096"
 
 The older commit is checked out in a git worktree and each module runs there as that commit
 ships it (cwd and PYTHONPATH the worktree), so the old numbers are the old code's. Writes

@@ -1,5 +1,5 @@
-"""The engine side of bench/quality/replay.py: requests run through a real in-process
-EngineCore, teacher-forced continuations read in one prefill, and the per-prompt metrics.
+"""Teacher-forced runs for the replay-quality benchmarks: requests run through a real
+in-process engine (V4-mini's EngineCore here; V4.1's in v41_harness.py), teacher-forced continuations read in one prefill, and the per-prompt metrics.
 
 Two kinds of request:
 

@@ -23,7 +23,7 @@ served) against the exact path for the same prompts:
 
 Variants 2 and 3 re-send a prompt the engine has run (same salt): its blocks are cached,
 under `--swa-policy full` with the snapshot at the deepest boundary before the decoder's
-cut, under `zero` without. Metrics, as bench/quality/replay.py: mean per-token KL(exact ||
+cut, under `zero` without. Metrics: mean per-token KL(exact ||
 variant) over the teacher-forced continuation, the relative perplexity change on it, and
 greedy agreement (prompts whose 64 greedy tokens are all identical; the mean position of
 the first difference). bench/quality/v41_harness.py says how a continuation is forced.

@@ -1,4 +1,5 @@
-"""Tables and plots of bench/quality/replay.py (PNG into bench/out/)."""
+"""Tables and plots of the replay-quality benchmark (bench/quality/replay_v41.py; PNG into
+bench/out/)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Per-prompt results of the replay-quality benchmarks (bench/quality/replay.py,
-bench/quality/replay_v41.py): kept one JSON line per prompt as each group of prompts
+"""Per-prompt results of the replay-quality benchmark (bench/quality/replay_v41.py): kept one JSON line per prompt as each group of prompts
 finishes, so a stopped run resumes where it was and a partial run can be reported."""
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The SWA snapshot policies over a request trace: variant 4 of bench/quality/replay.py
-(V4-mini) and variant 7 of bench/quality/replay_v41.py (the shipped V4.1 model). The
-engine comes from the caller (`make(n_seqs, longest, **engine_config)` and its `run`), so
-one trace and one report serve both.
+"""The SWA snapshot policies over a request trace: variant 7 of bench/quality/replay_v41.py
+(the shipped V4.1 model). The engine comes from the caller (`make(n_seqs, longest,
+**engine_config)` and its `run`).
 
 The trace (deterministic for --seed): sessions in groups that share a prefix (a 512 or
 1024-token held-out window, standing for a shared system prompt or document), then
@@ -28,9 +27,10 @@ import time
 from dataclasses import dataclass
 
 from bench.quality.forcing import aggregate, forced, prompt_stats
-from bench.quality.sessions import CONT, windows
+from training import data
 
 BLOCK = 128
+CONT = 64                       # tokens of continuation scored after each prompt
 
 PREFIXES = (512, 1024)
 SESSIONS_PER_PREFIX = 4
@@ -143,3 +143,8 @@ def trace_variant(a, make, run, val, snap_bytes: int) -> dict:
         out[policy] = replay_trace(a, make, run, reqs, policy, exact, snap_bytes)
         print(f"trace {policy}: {time.perf_counter() - t0:.0f} s", flush=True)
     return out
+
+
+def windows(val, n: int, length: int) -> list[list[int]]:
+    """n evenly spaced held-out windows of `length` tokens."""
+    return [r[:length].tolist() for r in data.eval_windows(val, n, length)]
