@@ -108,16 +108,17 @@ class V4Engine:
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
                     salt: str = "", traffic_class: str = "", prefetched=None, resume: int = 0,
-                    handoff: bool = False) -> V4Request:
-        """As EngineCore.add_request. `prefetched`: blocks from the kvstore and a peer's
-        snapshot for this prompt (rpc/remote.py), used by its admission."""
+                    handoff: bool = False, request_seed: int | None = None) -> V4Request:
+        """As EngineCore.add_request. `prefetched`: the kvstore's blocks and a peer's snapshot
+        for it (rpc/remote.py). request_seed: an unseeded request's (core/lockstep.py)."""
         n_prompt = check_prompt(prompt_ids, params, resume, self.cfg.vocab_size,
                                 self.cfg.max_seq_len)
         check_traffic_class(traffic_class)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
-        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seed = params.seed if params.seed is not None else request_seed
+        seed = random.getrandbits(62) if seed is None else seed
         req = V4Request(request_id, list(prompt_ids[:n_prompt]), params, seed, salt,
                         traffic_class, handoff, output=list(prompt_ids[n_prompt:]),
                         prefetched=prefetched,

@@ -38,9 +38,10 @@ PROMPT, CHUNK, DECODE = 40, 16, 6
 TOL = 1e-10
 
 
-def tiny():
-    """The config and seeded random weights (every rank builds the same)."""
-    cfg = config_from_dict(CONFIG)
+def tiny(**overrides):
+    """The config (CONFIG with `overrides`) and seeded random weights (every rank builds the
+    same)."""
+    cfg = config_from_dict({**CONFIG, **overrides})
     g = torch.Generator().manual_seed(0)
     weights = {}
     for name, shape in names.expected_shapes(cfg).items():

@@ -1,0 +1,138 @@
+"""A DeepSeek V4 engine whose model is split over ranks: every rank runs the same V4Engine in
+lockstep (docs/design.md §15).
+
+Each rank holds a V4Engine over its share of the model (model/deepseek_v4/parallel.py) and
+its own ledgers, which stay byte-identical: the rows and entries they keep come from
+replicated weights, and every rank makes the same calls in the same order. Rank 0 is the
+engine the mesh talks to. `Leader` wraps its V4Engine: each call that changes engine state
+(a request added, aborted or adopted; a step) is sent to the other ranks first, with what
+would otherwise differ between them (a new request's id and sampling seed, the clock the
+snapshot and handoff stores read), and then made locally; the other ranks `follow`, making
+the same calls. A step's model calls then meet in the same collectives on every rank.
+
+Scheduling must be a function of those calls alone, so a split engine refuses what reads
+the machine's clock to decide: the step-time budget (`--step-slo-ms` must be 0) and the
+adaptive draft policy (`--spec-policy always`); and MTP drafts (the MTP head reads the
+whole vocabulary, which a rank does not hold).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from services.engine.core.v4_engine import V4Engine
+
+
+def check(engine: V4Engine) -> None:
+    """ValueError naming the setting that would let ranks schedule differently."""
+    if engine.step_budget.slo_s:
+        raise ValueError("a split engine needs --step-slo-ms 0 (a step budget sized from "
+                         "measured step times would differ between ranks)")
+    if engine.spec.policy.adaptive and engine.spec.setting.method != "off":
+        raise ValueError("a split engine needs --spec-policy always (the adaptive draft "
+                         "policy reads step times)")
+    if engine.spec.setting.method == "mtp":
+        raise ValueError("--speculative mtp: not on a split engine yet (MTP's head reads the "
+                         "whole vocabulary)")
+
+
+class _Clock:
+    """The time the snapshot and handoff stores read: rank 0's, as of the last call sent."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _share_clock(engine: V4Engine) -> _Clock:
+    clock = _Clock()
+    engine.prefix.store.clock = clock
+    engine.handoffs.clock = clock
+    return clock
+
+
+def _send(message: tuple) -> None:
+    box: list[Any] = [message]
+    dist.broadcast_object_list(box, src=0)
+
+
+def _receive() -> tuple:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Leader:
+    """Rank 0's engine: V4Engine's interface, every state change mirrored to the others.
+    Reads (stats, cfg, has_work, ...) are the local engine's."""
+
+    def __init__(self, engine: V4Engine):
+        check(engine)
+        self.engine = engine
+        self._clock = _share_clock(engine)
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def _tick(self) -> float:
+        self._clock.now = time.monotonic()
+        return self._clock.now
+
+    def add_request(self, prompt_ids: list[int], params, request_id: str = "", salt: str = "",
+                    traffic_class: str = "", prefetched=None, resume: int = 0,
+                    handoff: bool = False):
+        args = (list(prompt_ids), params, request_id or uuid.uuid4().hex, salt, traffic_class,
+                prefetched, resume, handoff, random.getrandbits(62))
+        now = self._tick()
+        req = self.engine.add_request(*args[:8], request_seed=args[8])   # refused: none sent
+        _send(("add", now, args))
+        return req
+
+    def abort(self, request_id: str) -> None:
+        _send(("abort", self._tick(), request_id))
+        self.engine.abort(request_id)
+
+    def adopt(self, handoff):
+        now = self._tick()
+        req = self.engine.adopt(handoff)
+        _send(("adopt", now, handoff))
+        return req
+
+    def step(self):
+        _send(("step", self._tick()))
+        return self.engine.step()
+
+    def stop(self) -> None:
+        """Release the other ranks' `follow` (the engine stops serving)."""
+        _send(("stop", self._tick()))
+
+
+def follow(engine: V4Engine, on_events: Callable[[list], None] | None = None) -> None:
+    """A rank other than 0: make rank 0's calls on this rank's engine until it stops. Its
+    steps' events (the same as rank 0's) go to `on_events`, or nowhere."""
+    check(engine)
+    clock = _share_clock(engine)
+    while True:
+        kind, clock.now, *rest = _receive()
+        if kind == "step":
+            events = engine.step()
+            if on_events is not None:
+                on_events(events)
+        elif kind == "add":
+            engine.add_request(*rest[0][:8], request_seed=rest[0][8])
+        elif kind == "abort":
+            engine.abort(rest[0])
+        elif kind == "adopt":
+            engine.adopt(rest[0])
+        elif kind == "stop":
+            return
+        else:
+            raise ValueError(f"lockstep: unknown call {kind!r} from rank 0")

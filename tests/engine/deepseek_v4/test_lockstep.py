@@ -1,0 +1,118 @@
+"""A V4Engine over a model split across 2 gloo ranks, run in lockstep (core/lockstep.py):
+rank 0's engine and rank 1's stay the same (every step's events equal, unseeded sampling
+included), and both give what one process's engine over the unsplit model gives: greedy and
+seeded sampling, a prefix hit after a finished request (a snapshot hit under
+--swa-policy full, a bounded replay under zero), an abort mid-decode. A split engine that
+would schedule from the clock is refused."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from kvmesh.tokenizer import ByteTokenizer
+from services.engine import ranks
+from services.engine.config import EngineConfig
+from services.engine.core import lockstep
+from services.engine.core.sampling import SamplingParams
+from services.engine.core.v4_engine import V4Engine
+from services.engine.model.deepseek_v4.forward import V4Model
+from services.engine.model.deepseek_v4.parallel import Groups, ParallelV4Model, shard_weights
+from tests.engine.deepseek_v4.test_parallel import tiny
+
+VOCAB = 512                      # above the byte tokenizer's 259 ids
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 259, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
+UNSEEDED = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+
+
+def scenario(engine) -> dict:
+    """Requests through `engine` (a V4Engine or a lockstep.Leader): {request id: tokens},
+    and each request's cached and replayed tokens."""
+    tokens: dict[str, list[int]] = {}
+    hits: dict[str, tuple[int, int]] = {}
+
+    def drain():
+        while engine.has_work:
+            for e in engine.step():
+                tokens.setdefault(e.request_id, []).extend(e.token_ids)
+
+    first = prompt(300, 1)
+    reqs = [engine.add_request(first, GREEDY, "greedy"),
+            engine.add_request(prompt(150, 2), SEEDED, "seeded"),
+            engine.add_request(prompt(90, 3), UNSEEDED, "unseeded")]
+    drain()
+    reqs.append(engine.add_request(first + prompt(40, 4), GREEDY, "hit"))
+    reqs.append(engine.add_request(prompt(60, 5), GREEDY, "aborted"))
+    for _ in range(3):
+        for e in engine.step():
+            tokens.setdefault(e.request_id, []).extend(e.token_ids)
+    engine.abort("aborted")
+    drain()
+    for r in reqs:
+        hits[r.request_id] = (r.cached_tokens, r.replayed_tokens)
+    return {"tokens": tokens, "hits": hits}
+
+
+def config(policy: str) -> EngineConfig:
+    return EngineConfig(dtype="float64", num_slots=4, num_blocks=24, max_batched_tokens=128,
+                        swa_policy=policy)
+
+
+def rank_main(split, policy: str, out: str) -> dict:
+    cfg, weights = tiny(vocab_size=VOCAB)
+    model = ParallelV4Model(cfg, shard_weights(cfg, weights, split), torch.float64, split,
+                            Groups(split), stored=True, rows="exact")
+    engine = V4Engine(model, config(policy), ByteTokenizer(), "split")
+    if split.rank == 0:
+        leader = lockstep.Leader(engine)
+        try:
+            return scenario(leader)
+        finally:
+            leader.stop()
+    events: dict[str, list[int]] = {}
+    lockstep.follow(engine, lambda evs: [events.setdefault(e.request_id, []).extend(e.token_ids)
+                                         for e in evs])
+    with open(f"{out}/rank{split.rank}.pkl", "wb") as f:
+        pickle.dump(events, f)
+    return {}
+
+
+@pytest.mark.parametrize("policy", ["full", "zero"])
+def test_a_split_engine_in_lockstep_serves_what_one_process_does(tmp_path, policy):
+    cfg, weights = tiny(vocab_size=VOCAB)
+    alone = scenario(V4Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
+                              config(policy), ByteTokenizer(), "alone"))
+    split = ranks.run(rank_main, (policy, str(tmp_path)), 2, 1)
+    with open(tmp_path / "rank1.pkl", "rb") as f:
+        assert pickle.load(f) == split["tokens"]           # the ranks stayed in step
+    for rid in ("greedy", "seeded", "hit"):
+        assert split["tokens"][rid] == alone["tokens"][rid], rid
+        assert len(split["tokens"][rid]) == 10
+    assert split["hits"] == alone["hits"]
+    cached, replayed = split["hits"]["hit"]
+    assert cached == 256 and (replayed > 0) == (policy == "zero")
+    assert 0 < len(split["tokens"]["aborted"]) < 10
+
+
+def test_a_split_engine_refuses_what_schedules_from_the_clock():
+    cfg, weights = tiny(vocab_size=VOCAB)
+    model = V4Model(cfg, weights, torch.float64, stored=True, rows="exact")
+    for ecfg, flag in ((EngineConfig(dtype="float64", step_slo_ms=70.0), "--step-slo-ms 0"),
+                       (EngineConfig(dtype="float64", speculative="ngram:3"), "--spec-policy always"),
+                       (EngineConfig(dtype="float64", speculative="ngram:3", spec_policy="always",
+                                     step_slo_ms=0.0), None)):
+        engine = V4Engine(model, ecfg, ByteTokenizer(), "x")
+        if flag is None:
+            lockstep.check(engine)
+        else:
+            with pytest.raises(ValueError, match=flag):
+                lockstep.check(engine)
