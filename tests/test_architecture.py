@@ -61,3 +61,12 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path, path, line, contract):
     (name,) = [c["name"] for c in CONTRACTS if c["name"].startswith(contract)]
     flat = " ".join(out.split())         # contract names wrap in the report
     assert f"{name} BROKEN" in flat and f"Contracts: {len(CONTRACTS) - 1} kept, 1 broken." in flat, out
+
+
+def test_no_test_package_takes_the_name_of_a_package_it_tests():
+    """tests/ has no __init__.py, so tests/X/ (with one) imports as the package `X`: named
+    like a top-level package (tests/training once), it hides that package from the suite."""
+    top = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    clash = {p.name for p in (ROOT / "tests").iterdir() if (p / "__init__.py").exists()} & top
+    assert not clash, f"tests/{sorted(clash)[0]}/ hides the package of that name"
+    assert {"training", "services", "kvmesh", "bench"} <= top

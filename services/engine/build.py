@@ -243,9 +243,10 @@ def default_weights(preset_name: str = "tiny", random_weights: bool = False):
     return weights_mod.load(path, preset(preset_name)) if path else None
 
 
-def build_v4_core(args):
+def build_v4_core(args, split=None):
     """A V4Engine serving the DeepSeek V4 or V4.1 checkpoint in --model DIR (by its
-    config's model_type), with its tokenizer."""
+    config's model_type), with its tokenizer; given a split (parallel.Split, its process
+    group started), over this rank's share of a DeepSeek V4 model."""
     import torch
 
     from kvmesh.checkpoint_dir import is_v41
@@ -266,14 +267,22 @@ def build_v4_core(args):
     directory = Path(args.model)
     ecfg = engine_config(args)
     dtype = getattr(torch, ecfg.dtype)
+    if is_v41(directory) and split is not None:
+        raise ValueError("--tensor-parallel / --expert-parallel: DeepSeek V4 checkpoints only "
+                         "so far (this is a V4.1 one)")
     if is_v41(directory):
         cfg41, weights = load_v41_checkpoint(directory, dtype)
         tokenizer = v4_tokenizer(directory, cfg41, args.tokenizer)
         return V4Engine(V41Model(cfg41, weights, dtype, rows=window_rows.for_dtype(dtype)),
                         ecfg, tokenizer, name=directory.resolve().name)
-    cfg, weights = load_checkpoint(directory, dtype)
+    cfg, weights = load_checkpoint(directory, dtype, split)
     tokenizer = v4_tokenizer(directory, cfg, args.tokenizer)
-    model = V4Model(cfg, weights, dtype, stored=True, rows=window_rows.for_dtype(dtype))
+    rows = window_rows.for_dtype(dtype)
+    if split is None:
+        model = V4Model(cfg, weights, dtype, stored=True, rows=rows)
+    else:
+        from services.engine.model.deepseek_v4.parallel import Groups, ParallelV4Model
+        model = ParallelV4Model(cfg, weights, dtype, split, Groups(split), stored=True, rows=rows)
     return V4Engine(model, ecfg, tokenizer, name=directory.resolve().name)
 
 

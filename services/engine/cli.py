@@ -39,6 +39,14 @@ def register(sub) -> None:
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus /metrics on this port (0 = any free port; "
                        "default: off)")
+    serve.add_argument("--tensor-parallel", type=int, default=1,
+                       help="DeepSeek V4: split the model over this many ranks by tensor "
+                       "parallelism, times --expert-parallel (services/engine/split.py); the "
+                       "ranks are started here, or joined from an external launcher's RANK / "
+                       "WORLD_SIZE / MASTER_ADDR / MASTER_PORT")
+    serve.add_argument("--expert-parallel", type=int, default=1,
+                       help="DeepSeek V4: split the routed experts over this many ranks, times "
+                       "--tensor-parallel")
     add_engine_args(serve)
     add_tls_flags(serve)
     serve.set_defaults(func=_serve)
@@ -68,8 +76,15 @@ def register(sub) -> None:
 def _serve(args) -> int:
     import torch
 
+    from services.engine import split
     from services.engine.rpc.server import serve
 
+    if args.tensor_parallel * args.expert_parallel > 1:
+        try:
+            return split.serve(args, args.tensor_parallel, args.expert_parallel)
+        except ValueError as exc:
+            print(f"kvmesh engine: {exc}", file=sys.stderr)
+            return 2
     torch.set_num_threads(serve_threads(args.threads))
     try:
         core = build_core(args)

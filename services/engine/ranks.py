@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -52,16 +54,44 @@ def run(fn: Callable[..., Any], args: tuple, tp: int, ep: int) -> Any:
     results = mp.get_context("spawn").SimpleQueue()
     saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    try:      # joins every rank; one that raises ends the others and raises here
-        mp.start_processes(_rank, args=(fn, args, tp, ep, results), nprocs=tp * ep,
-                           start_method="spawn")
+    context = mp.start_processes(_rank, args=(fn, args, tp, ep, results), nprocs=tp * ep,
+                                 start_method="spawn", join=False)
+    handlers = _forward_stop(context.processes[0].pid)
+    try:      # joins every rank; one that fails ends the others and raises here
+        while not context.join():
+            pass
     finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
     return results.get()
+
+
+def _forward_stop(rank0_pid: int) -> dict:
+    """SIGTERM / SIGINT to this process stop rank 0, which releases the others (a serving
+    engine drains, then they return); the previous handlers, to restore. In the main thread
+    only, where Python takes signals."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(signum, frame) -> None:
+        os.kill(rank0_pid, signal.SIGTERM)
+    return {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _end_with_parent(signum: int) -> None:
+    """Have the kernel send `signum` to this process when the one that started it ends
+    (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)    # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _free_port() -> int:
@@ -73,6 +103,11 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, fn, args: tuple, tp: int, ep: int, results) -> Any:
+    if results is not None:          # started by `run`: no rank outlives the starting process
+        _end_with_parent(signal.SIGTERM if rank == 0 else signal.SIGKILL)
+        if rank != 0:                # a terminal's Ctrl-C reaches every rank: rank 0 stops,
+            for signum in (signal.SIGINT, signal.SIGTERM):   # and that releases the others
+                signal.signal(signum, signal.SIG_IGN)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -30,8 +30,8 @@ def register(sub) -> None:
                    "parallelism (docs/design.md §15); started here, or joined from an external "
                    "launcher's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT")
     p.add_argument("--expert-parallel", type=int, default=1,
-                   help="DeepSeek V4: ... and this many ways by expert parallelism (ranks = "
-                   "tensor x expert)")
+                   help="DeepSeek V4: split the routed experts over this many ranks, times "
+                   "--tensor-parallel")
     p.set_defaults(func=_score)
 
 
@@ -79,11 +79,10 @@ def _score(args) -> int:
         return 2
     import torch.multiprocessing as mp
 
-    from services.engine import ranks
 
     split = (args.tensor_parallel, args.expert_parallel)
     try:
-        if split != (1, 1) or ranks.launched_outside():
+        if split != (1, 1):
             result = _score_split(args, ids, *split)
             if result is None:           # a rank other than 0 of an external launcher's group
                 return 0

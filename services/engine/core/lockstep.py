@@ -18,6 +18,7 @@ whole vocabulary, which a rank does not hold).
 
 from __future__ import annotations
 
+import datetime
 import random
 import time
 import uuid
@@ -59,14 +60,25 @@ def _share_clock(engine: V4Engine) -> _Clock:
     return clock
 
 
-def _send(message: tuple) -> None:
+# Calls travel on a gloo group of their own (whatever the model's collectives run on), whose
+# timeout an idle engine does not reach: the other ranks wait for the next call as long as
+# rank 0 has none. A rank that dies closes its connections, which ends a wait at once.
+CHANNEL_TIMEOUT = datetime.timedelta(days=30)
+
+
+def _channel():
+    """Created by Leader and follow at the same point on every rank (new_group is collective)."""
+    return dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT)
+
+
+def _send(group, message: tuple) -> None:
     box: list[Any] = [message]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
 
 
-def _receive() -> tuple:
+def _receive(group) -> tuple:
     box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -74,13 +86,36 @@ class Leader:
     """Rank 0's engine: V4Engine's interface, every state change mirrored to the others.
     Reads (stats, cfg, has_work, ...) are the local engine's."""
 
-    def __init__(self, engine: V4Engine):
+    def __init__(self, engine: V4Engine, on_broken: Callable[[BaseException], None] | None = None):
         check(engine)
         self.engine = engine
         self._clock = _share_clock(engine)
+        self._group = _channel()
+        # what a failed collective (a rank gone) does besides raising: serving, end the
+        # process, so its clients see UNAVAILABLE and go elsewhere (services/engine/split.py)
+        self._on_broken = on_broken
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
+
+    @property
+    def hooks(self):
+        return self.engine.hooks
+
+    @hooks.setter
+    def hooks(self, hooks) -> None:          # the remote tiers attach to rank 0's engine
+        self.engine.hooks = hooks
+
+    def _send(self, message: tuple) -> None:
+        try:
+            _send(self._group, message)
+        except RuntimeError as exc:
+            self._broken(exc)
+            raise
+
+    def _broken(self, exc: BaseException) -> None:
+        if self._on_broken is not None:
+            self._on_broken(exc)
 
     def _tick(self) -> float:
         self._clock.now = time.monotonic()
@@ -93,26 +128,30 @@ class Leader:
                 prefetched, resume, handoff, random.getrandbits(62))
         now = self._tick()
         req = self.engine.add_request(*args[:8], request_seed=args[8])   # refused: none sent
-        _send(("add", now, args))
+        self._send(("add", now, args))
         return req
 
     def abort(self, request_id: str) -> None:
-        _send(("abort", self._tick(), request_id))
+        self._send(("abort", self._tick(), request_id))
         self.engine.abort(request_id)
 
     def adopt(self, handoff):
         now = self._tick()
         req = self.engine.adopt(handoff)
-        _send(("adopt", now, handoff))
+        self._send(("adopt", now, handoff))
         return req
 
     def step(self):
-        _send(("step", self._tick()))
-        return self.engine.step()
+        self._send(("step", self._tick()))
+        try:
+            return self.engine.step()
+        except RuntimeError as exc:          # a collective failed: a rank is gone
+            self._broken(exc)
+            raise
 
     def stop(self) -> None:
         """Release the other ranks' `follow` (the engine stops serving)."""
-        _send(("stop", self._tick()))
+        self._send(("stop", self._tick()))
 
 
 def follow(engine: V4Engine, on_events: Callable[[list], None] | None = None) -> None:
@@ -120,8 +159,9 @@ def follow(engine: V4Engine, on_events: Callable[[list], None] | None = None) ->
     steps' events (the same as rank 0's) go to `on_events`, or nowhere."""
     check(engine)
     clock = _share_clock(engine)
+    group = _channel()
     while True:
-        kind, clock.now, *rest = _receive()
+        kind, clock.now, *rest = _receive(group)
         if kind == "step":
             events = engine.step()
             if on_events is not None:
