@@ -267,21 +267,25 @@ def build_v4_core(args, split=None):
     directory = Path(args.model)
     ecfg = engine_config(args)
     dtype = getattr(torch, ecfg.dtype)
-    if is_v41(directory) and split is not None:
-        raise ValueError("--tensor-parallel / --expert-parallel: DeepSeek V4 checkpoints only "
-                         "so far (this is a V4.1 one)")
+    if split is not None:
+        from services.engine.model.deepseek_v4.parallel import (
+            Groups,
+            ParallelV4Model,
+            ParallelV41Model,
+        )
     if is_v41(directory):
-        cfg41, weights = load_v41_checkpoint(directory, dtype)
+        cfg41, weights = load_v41_checkpoint(directory, dtype, split)
         tokenizer = v4_tokenizer(directory, cfg41, args.tokenizer)
-        return V4Engine(V41Model(cfg41, weights, dtype, rows=window_rows.for_dtype(dtype)),
-                        ecfg, tokenizer, name=directory.resolve().name)
+        rows41 = window_rows.for_dtype(dtype)
+        model41 = V41Model(cfg41, weights, dtype, rows=rows41) if split is None else \
+            ParallelV41Model(cfg41, weights, dtype, split, Groups(split), rows=rows41)
+        return V4Engine(model41, ecfg, tokenizer, name=directory.resolve().name)
     cfg, weights = load_checkpoint(directory, dtype, split)
     tokenizer = v4_tokenizer(directory, cfg, args.tokenizer)
     rows = window_rows.for_dtype(dtype)
     if split is None:
         model = V4Model(cfg, weights, dtype, stored=True, rows=rows)
     else:
-        from services.engine.model.deepseek_v4.parallel import Groups, ParallelV4Model
         model = ParallelV4Model(cfg, weights, dtype, split, Groups(split), stored=True, rows=rows)
     return V4Engine(model, ecfg, tokenizer, name=directory.resolve().name)
 

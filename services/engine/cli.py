@@ -40,12 +40,12 @@ def register(sub) -> None:
                        help="serve Prometheus /metrics on this port (0 = any free port; "
                        "default: off)")
     serve.add_argument("--tensor-parallel", type=int, default=1,
-                       help="DeepSeek V4: split the model over this many ranks by tensor "
+                       help="DeepSeek V4 / V4.1: split the model over this many ranks by tensor "
                        "parallelism, times --expert-parallel (services/engine/split.py); the "
                        "ranks are started here, or joined from an external launcher's RANK / "
                        "WORLD_SIZE / MASTER_ADDR / MASTER_PORT")
     serve.add_argument("--expert-parallel", type=int, default=1,
-                       help="DeepSeek V4: split the routed experts over this many ranks, times "
+                       help="DeepSeek V4 / V4.1: split the routed experts over this many ranks, times "
                        "--tensor-parallel")
     add_engine_args(serve)
     add_tls_flags(serve)
@@ -62,11 +62,11 @@ def register(sub) -> None:
                      "--model DIR (engine flags other than --extra-state and --memory do not "
                      "apply; default: none)")
     lay.add_argument("--tensor-parallel", type=int, default=1,
-                     help="DeepSeek V4: also print what one rank of an engine split this many "
-                     "ways by tensor parallelism holds (docs/design.md §15)")
+                     help="DeepSeek V4 / V4.1: also print what one rank of an engine split this "
+                     "many ways by tensor parallelism holds (docs/design.md §15)")
     lay.add_argument("--expert-parallel", type=int, default=1,
-                     help="DeepSeek V4: also print what one rank of an engine split this many "
-                     "ways by expert parallelism (the routed experts) holds, alone or times "
+                     help="DeepSeek V4 / V4.1: also print what one rank of an engine split this "
+                     "many ways by expert parallelism (the routed experts) holds, alone or times "
                      "--tensor-parallel")
     add_engine_args(lay)
     lay.set_defaults(func=_layout)
@@ -123,7 +123,7 @@ def _budget(text: str) -> int:
 def _layout(args) -> int:
     if args.tensor_parallel * args.expert_parallel > 1 and not (args.model or args.config):
         print("kvmesh engine layout: --tensor-parallel / --expert-parallel need a DeepSeek V4 "
-              "--model or --config", file=sys.stderr)
+              "or V4.1 --model or --config", file=sys.stderr)
         return 2
     if not args.config:
         try:
@@ -164,20 +164,17 @@ def _v4_layout(args) -> int:
             import torch
 
             from services.engine.model.deepseek_v4.v41_forward import wide
-            report = v41_layout.report(read_v41_config(path, serving=False),
-                                       extra_state=bool(args.extra_state), memory=args.memory,
-                                       rows_format=rows_format,
+            cfg = read_v41_config(path, serving=False)
+            report = v41_layout.report(cfg, extra_state=bool(args.extra_state),
+                                       memory=args.memory, rows_format=rows_format,
                                        state_dtype=wide(getattr(torch, args.dtype)))
         else:
             layout_module = v4_layout
             cfg = read_config(path)
             report = v4_layout.report(cfg, extra_state=bool(args.extra_state),
                                       memory=args.memory, rows_format=rows_format)
-            if args.tensor_parallel * args.expert_parallel > 1:
-                report["ranks"] = _ranks(cfg, args)
-        if is_v41(path) and args.tensor_parallel * args.expert_parallel > 1:
-            raise ValueError("--tensor-parallel / --expert-parallel: DeepSeek V4 checkpoints "
-                             "only so far (this is a V4.1 one)")
+        if args.tensor_parallel * args.expert_parallel > 1:
+            report["ranks"] = _ranks(cfg, args)
     except (CheckpointError, ValueError) as exc:
         print(f"kvmesh engine layout: {exc}", file=sys.stderr)
         return 2

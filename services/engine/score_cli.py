@@ -26,11 +26,11 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="the dtype the forward computes in")
     p.add_argument("--tensor-parallel", type=int, default=1,
-                   help="DeepSeek V4: split the model over this many ranks by tensor "
+                   help="DeepSeek V4 / V4.1: split the model over this many ranks by tensor "
                    "parallelism (docs/design.md §15); started here, or joined from an external "
                    "launcher's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT")
     p.add_argument("--expert-parallel", type=int, default=1,
-                   help="DeepSeek V4: split the routed experts over this many ranks, times "
+                   help="DeepSeek V4 / V4.1: split the routed experts over this many ranks, times "
                    "--tensor-parallel")
     p.set_defaults(func=_score)
 
@@ -42,11 +42,9 @@ def _score_split(args, ids: list[int] | None, tp: int, ep: int) -> dict | None:
     from services.engine.model.deepseek_v4 import score as scoring
     from services.engine.model.deepseek_v4.config import read_config
     from services.engine.model.deepseek_v4.parallel import Split
+    from services.engine.model.deepseek_v4.v41_config import read_v41_config
 
-    if is_v41(args.model):
-        raise ValueError("--tensor-parallel / --expert-parallel: DeepSeek V4 checkpoints only "
-                         "so far (this is a V4.1 one)")
-    cfg = read_config(args.model)
+    cfg = (read_v41_config if is_v41(args.model) else read_config)(args.model)
     Split(tp, ep, 0).check(cfg)
     if ids is None:
         ids = scoring.tokenize(args.model, args.text, cfg)
@@ -56,12 +54,21 @@ def _score_split(args, ids: list[int] | None, tp: int, ep: int) -> dict | None:
 
 def _score_rank(split, directory: str, dtype: str, ids: list[int]) -> dict:
     """One rank: its share of the checkpoint, the split forward (every rank gets the logits)."""
+    from kvmesh.checkpoint_dir import is_v41
     from services.engine.model.deepseek_v4 import score as scoring
-    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
-    from services.engine.model.deepseek_v4.parallel import Groups, ParallelV4Model
+    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint, load_v41_checkpoint
+    from services.engine.model.deepseek_v4.parallel import (
+        Groups,
+        ParallelV4Model,
+        ParallelV41Model,
+    )
 
-    cfg, weights = load_checkpoint(directory, DTYPES[dtype], split)
-    model = ParallelV4Model(cfg, weights, DTYPES[dtype], split, Groups(split))
+    if is_v41(directory):
+        cfg41, weights = load_v41_checkpoint(directory, DTYPES[dtype], split)
+        model = ParallelV41Model(cfg41, weights, DTYPES[dtype], split, Groups(split))
+    else:
+        cfg, weights = load_checkpoint(directory, DTYPES[dtype], split)
+        model = ParallelV4Model(cfg, weights, DTYPES[dtype], split, Groups(split))
     return scoring.score(model, ids)
 
 

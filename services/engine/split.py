@@ -1,6 +1,6 @@
 """`kvmesh engine serve --tensor-parallel N --expert-parallel M`: one engine over N x M ranks.
 
-Every rank loads its share of a DeepSeek V4 checkpoint and builds a V4Engine over it; rank 0
+Every rank loads its share of a DeepSeek V4 or V4.1 checkpoint and builds a V4Engine over it; rank 0
 serves EngineService over gRPC as a single engine does (the mesh sees one engine), through a
 lockstep.Leader, and the others follow it (core/lockstep.py, docs/design.md §15). The ranks
 are started here (ranks.run), or each process is one rank of an external launcher's group.
@@ -29,12 +29,14 @@ def serve(args, tp: int, ep: int) -> int:
     from services.engine.build import choose_model
     from services.engine.model.deepseek_v4.config import read_config
     from services.engine.model.deepseek_v4.parallel import Split
+    from services.engine.model.deepseek_v4.v41_config import read_v41_config
 
     choose_model(args)
-    if not args.model or is_v41(args.model):
-        raise ValueError("--tensor-parallel / --expert-parallel: DeepSeek V4 checkpoints only "
-                         "so far (pass --model DIR of one)")
-    Split(tp, ep, 0).check(read_config(args.model))
+    if not args.model:
+        raise ValueError("--tensor-parallel / --expert-parallel: a DeepSeek V4 or V4.1 "
+                         "--model DIR only (not V4-mini)")
+    read = read_v41_config if is_v41(args.model) else read_config
+    Split(tp, ep, 0).check(read(args.model))
     if args.step_slo_ms not in (None, 0):
         raise ValueError("a split engine needs --step-slo-ms 0 (a step budget sized from "
                          "measured step times would differ between ranks)")

@@ -169,3 +169,42 @@ def test_a_rank_loads_its_share_and_reads_only_its_experts(tmp_path, monkeypatch
                 assert int(m[1]) in held, name          # per expert: the rank's alone
                 expert_reads += 1
         assert expert_reads >= 2 * 4                   # 4 layers' routed experts were read
+
+
+def v41_rank_main(rank: int, tp: int, ep: int, port: int, out: str) -> None:
+    from services.engine.model.deepseek_v4.parallel import ParallelV41Model
+    from tests.engine.deepseek_v41 import tiny as v41_tiny
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=tp * ep)
+    try:
+        cfg = v41_tiny.config("flash_like")
+        split = Split(tp, ep, rank)
+        model = ParallelV41Model(cfg, shard_weights(cfg, v41_tiny.weights(cfg), split),
+                                 torch.float64, split, Groups(split))
+        ids = v41_tiny.prompt("flash_like")
+        torch.save({"full": model.logits(ids), "compact": model.logits(ids, keep=12)},
+                   f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_split_v41_model_computes_what_one_process_does(tmp_path):
+    """DeepSeek V4.1 (KV sources, consumers, candidate blocks; decoder-side truncation) split
+    2 x 2: the whole forward and the compact one match the unsplit model's."""
+    from launch.backing.proc import free_port
+    from services.engine.model.deepseek_v4.v41_forward import V41Model
+    from tests.engine.deepseek_v41 import tiny as v41_tiny
+
+    cfg = v41_tiny.config("flash_like")
+    whole = V41Model(cfg, v41_tiny.weights(cfg), torch.float64)
+    ids = v41_tiny.prompt("flash_like")
+    want = {"full": whole.logits(ids), "compact": whole.logits(ids, keep=12)}
+    mp.start_processes(v41_rank_main, args=(2, 2, free_port(), str(tmp_path)), nprocs=4,
+                       start_method="spawn")
+    for rank in range(4):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for key in want:
+            assert (got[key] - want[key]).abs().max().item() <= TOL, (rank, key)
+    assert want["full"].abs().max() > 0.1

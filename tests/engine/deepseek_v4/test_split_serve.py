@@ -1,12 +1,13 @@
 """`kvmesh engine serve --tensor-parallel 2` over real gRPC (services/engine/split.py): the
 engine of two gloo ranks answers Generate with the tokens one process's engine gives, a
 prefix hit included (a bounded replay under --swa-policy zero: cached and replayed tokens in
-its usage); a rank SIGKILLed mid-stream ends the stream UNAVAILABLE within a bound and
+its usage), on a DeepSeek V4 checkpoint and on the shipped V4.1 default; a rank SIGKILLed mid-stream ends the stream UNAVAILABLE within a bound and
 takes every process of the engine down with it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from services.engine.core.sampling import SamplingParams
 from services.engine.rpc.client import EngineClient
@@ -50,15 +52,16 @@ def directory(tmp_path_factory):
     return d
 
 
-@pytest.fixture
-def split_engine(directory):
+@contextlib.contextmanager
+def started(*argv: str):
+    """`kvmesh engine serve --tensor-parallel 2 ARGV` on a free port, ready: (process,
+    address); stopped with SIGTERM after."""
     from launch.backing.proc import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "engine", "serve", "--model",
-                             str(directory), "--port", str(port), "--tensor-parallel", "2",
-                             "--threads", "2", *FLAGS], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "engine", "serve", "--port",
+                             str(port), "--tensor-parallel", "2", "--threads", "2", *argv],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     address = f"127.0.0.1:{port}"
 
     async def ready():
@@ -70,38 +73,71 @@ def split_engine(directory):
             except grpc.aio.AioRpcError:
                 assert time.monotonic() < deadline, "the split engine did not come up"
                 await asyncio.sleep(0.5)
-    asyncio.run(ready())
-    yield proc, address
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+    try:
+        asyncio.run(ready())
+        yield proc, address
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
 
 
-def test_a_split_engine_serves_what_one_process_serves(directory, split_engine):
-    proc, address = split_engine
-    first, other = random_prompt(300, 1), random_prompt(120, 2)
-    prompts = [first, other, first + random_prompt(40, 3)]
-    alone = engine(directory, *FLAGS)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    want = []
-    for p in prompts:                        # one after another, as the calls below
-        req = alone.add_request(p, params)
-        while alone.has_work:
-            alone.step()
-        want.append((req.output, req.cached_tokens, req.replayed_tokens))
+@pytest.fixture
+def split_engine(directory):
+    with started("--model", str(directory), *FLAGS) as running:
+        yield running
 
+
+def greedy(address: str, prompts: list[list[int]], n: int = 8) -> list[tuple]:
+    """Each prompt's greedy tokens, cached and replayed tokens, one call after another."""
     async def calls():
         client = EngineClient(address)
         out = []
         for p in prompts:
-            ids, _, last = await client.complete(p, max_tokens=8, temperature=0.0, ignore_eos=True)
+            ids, _, last = await client.complete(p, max_tokens=n, temperature=0.0, ignore_eos=True)
             out.append((ids, last.usage.cached_tokens, last.usage.replayed_tokens))
         return out
-    got = asyncio.run(calls())
-    assert got == want
+    return asyncio.run(calls())
+
+
+def alone(core, prompts: list[list[int]], n: int = 8) -> list[tuple]:
+    """greedy() through one process's engine."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    out = []
+    for p in prompts:
+        req = core.add_request(p, params)
+        while core.has_work:
+            core.step()
+        out.append((req.output, req.cached_tokens, req.replayed_tokens))
+    return out
+
+
+def test_a_split_engine_serves_what_one_process_serves(directory, split_engine):
+    proc, address = split_engine
+    first = random_prompt(300, 1)
+    prompts = [first, random_prompt(120, 2), first + random_prompt(40, 3)]
+    got = greedy(address, prompts)
+    assert got == alone(engine(directory, *FLAGS), prompts)
     assert got[2][1] == 256 and got[2][2] > 0     # the third prompt: blocks hit, replayed
     proc.send_signal(signal.SIGTERM)              # stops as a single engine does
     assert proc.wait(timeout=60) == 0
+
+
+def test_the_shipped_default_model_splits_too():
+    """DeepSeek V4.1 (the shipped deepseek-v41-tiny, truncation compact) split 2 ways."""
+    import argparse
+
+    from services.engine.build import add_engine_args, build_core
+
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(3, 4096, (400,), generator=g).tolist()
+    prompts = [first, first + torch.randint(3, 4096, (60,), generator=g).tolist()]
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    want = alone(build_core(p.parse_args(["--dtype", "float64"])), prompts, 6)
+    with started("--dtype", "float64") as (_, address):
+        assert greedy(address, prompts, 6) == want
+    assert want[1][1] > 0                         # the second prompt hit the first's blocks
 
 
 def test_a_rank_killed_mid_stream_takes_the_engine_down_within_the_bound(split_engine):
@@ -131,7 +167,7 @@ def test_a_rank_killed_mid_stream_takes_the_engine_down_within_the_bound(split_e
 
 
 @pytest.mark.parametrize("flags,message", [
-    ((), "DeepSeek V4 checkpoints only so far"),                       # the V4.1 default
+    (("--preset", "tiny"), "a DeepSeek V4 or V4.1 --model DIR only"),       # V4-mini
     (("--model", "MODEL", "--step-slo-ms", "70"), "needs --step-slo-ms 0"),
     (("--model", "MODEL", "--speculative", "ngram:3"), "needs --spec-policy always"),
     (("--model", "MODEL", "--expert-parallel", "3"), "n_routed_experts (4) is not divisible by 3"),

@@ -114,12 +114,13 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
 
 
 def load_v41_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32,
-                        ) -> tuple[V41Config, dict[str, torch.Tensor]]:
-    """A DeepSeek V4.1 checkpoint's text model (v41_names.py says what is read)."""
+                        split: Split | None = None) -> tuple[V41Config, dict[str, torch.Tensor]]:
+    """A DeepSeek V4.1 checkpoint's text model (v41_names.py says what is read); split: one
+    rank's share, as load_checkpoint."""
     directory = _directory(directory)
     cfg = read_v41_config(directory)
     return cfg, _load(directory, cfg, lambda plan: v41_names.expected_shapes(cfg), dtype,
-                      lambda name: v41_names.describe(cfg, name))
+                      lambda name: v41_names.describe(cfg, name), split)
 
 
 def _directory(directory: str | Path) -> Path:

@@ -1,4 +1,4 @@
-"""DeepSeek V4 split over ranks: tensor parallel (TP) and expert parallel (EP) on torch.distributed.
+"""DeepSeek V4 / V4.1 split over ranks: tensor (TP) and expert parallel (EP) on torch.distributed.
 
 An engine of `tp x ep` ranks; rank r sits at (e, t) = (r // tp, r % tp): the ranks of one e
 form a TP group. What a rank holds (`shard_weights`):
@@ -32,6 +32,9 @@ import torch.nn.functional as F
 from services.engine.model.deepseek_v4.config import V4Config
 from services.engine.model.deepseek_v4.forward import V4Model
 from services.engine.model.deepseek_v4.moe import route, routed_pairs, shared
+from services.engine.model.deepseek_v4.v41_config import V41Config
+from services.engine.model.deepseek_v4.v41_forward import V41Model
+from services.engine.model.deepseek_v4.v41_forward import route as v41_route
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class Split:
     def tp_ranks(self, e: int) -> list[int]:
         return [e * self.tp + t for t in range(self.tp)]
 
-    def check(self, cfg: V4Config) -> None:
+    def check(self, cfg: V4Config | V41Config) -> None:
         """ValueError naming the config field a split does not divide."""
         if self.tp < 1 or self.ep < 1 or not 0 <= self.rank < self.world:
             raise ValueError(f"tensor-parallel {self.tp} x expert-parallel {self.ep}: no rank "
@@ -71,7 +74,7 @@ class Split:
                                  f"(tensor-parallel {self.tp} x expert-parallel {self.ep})")
 
 
-def local_config(cfg: V4Config, split: Split) -> V4Config:
+def local_config(cfg: V4Config | V41Config, split: Split) -> V4Config | V41Config:
     """The config a rank computes attention with: its share of the heads and output groups."""
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // split.tp,
                                o_groups=cfg.o_groups // split.tp)
@@ -153,7 +156,34 @@ class Groups:
         return torch.cat(parts, dim=-1)
 
 
-class ParallelV4Model(V4Model):
+class _Shares:
+    """What a rank of a split model computes differently from the whole model: its shares
+    of attention, the MoE and the logits, summed or gathered over the ranks."""
+    split: Split
+    groups: Groups
+    weights: dict[str, torch.Tensor]
+
+    def attention_total(self, out: torch.Tensor) -> torch.Tensor:
+        return self.groups.sum_tp(out.contiguous())
+
+    def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.groups.gather_tp(F.linear(h, self.weights["head.weight"]))
+
+    def _moe_share(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                   w: dict, limit: float) -> torch.Tensor:
+        """This rank's experts on the (token, expert) pairs routed to them, plus its share
+        of the shared expert, summed over the world: the MoE block's output."""
+        held = w["experts.w13"].shape[0]
+        first = self.split.e * held
+        flat = experts.reshape(-1)
+        mine = (flat >= first) & (flat < first + held)
+        tokens = torch.arange(x.shape[0]).repeat_interleave(experts.shape[1])
+        out = routed_pairs(x, tokens[mine], flat[mine] - first, weights.reshape(-1)[mine],
+                           w["experts.w13"], w["experts.w2"], limit)
+        return self.groups.sum_world(out + shared(x, w, limit))
+
+
+class ParallelV4Model(_Shares, V4Model):
     """One rank of a DeepSeek V4 split tp x ep ways. Every rank runs the same calls on the
     same rows (the same token ids, positions and priors) and gets the whole model's
     outputs; `weights` are the rank's own (`shard_weights`), `cfg` the whole model's."""
@@ -164,33 +194,38 @@ class ParallelV4Model(V4Model):
         super().__init__(local_config(cfg, split), weights, dtype, stored, rows)
         self.whole, self.split, self.groups = cfg, split, groups
 
-    def attention_total(self, out: torch.Tensor) -> torch.Tensor:
-        return self.groups.sum_tp(out.contiguous())
-
     def mlp(self, i: int, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         cfg, w = self.cfg, self.ffn[i]
         experts, weights = route(cfg, cfg.mlp_kinds[i], w, x, ids)
-        held = w["experts.w13"].shape[0]
-        first = self.split.e * held
-        flat = experts.reshape(-1)
-        mine = (flat >= first) & (flat < first + held)
-        tokens = torch.arange(x.shape[0]).repeat_interleave(experts.shape[1])
-        out = routed_pairs(x, tokens[mine], flat[mine] - first, weights.reshape(-1)[mine],
-                           w["experts.w13"], w["experts.w2"], cfg.swiglu_limit)
-        return self.groups.sum_world(out + shared(x, w, cfg.swiglu_limit))
-
-    def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.groups.gather_tp(F.linear(h, self.weights["head.weight"]))
+        return self._moe_share(x, experts, weights, w, cfg.swiglu_limit)
 
 
-def weight_bytes(cfg: V4Config, split: Split, itemsize: int, mtp: bool = True) -> int:
+class ParallelV41Model(_Shares, V41Model):
+    """One rank of a DeepSeek V4.1 text model split tp x ep ways, as ParallelV4Model."""
+
+    def __init__(self, cfg: V41Config, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 split: Split, groups: Groups, rows: str | None = None):
+        split.check(cfg)
+        super().__init__(local_config(cfg, split), weights, dtype, rows)
+        self.whole, self.split, self.groups = cfg, split, groups
+
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        w = self.ffn[i]
+        experts, weights = v41_route(self.cfg, w, x)
+        return self._moe_share(x, experts, weights, w, self.cfg.swiglu_limit)
+
+
+def weight_bytes(cfg: V4Config | V41Config, split: Split, itemsize: int, mtp: bool = True) -> int:
     """Bytes of the weights one rank holds, computed in a dtype of `itemsize` bytes (the
     loader's: what names.keeps_fp32 names stays fp32, token-to-expert tables are int64)."""
-    from services.engine.model.deepseek_v4 import names
+    from services.engine.model.deepseek_v4 import names, v41_names
 
-    shapes = dict(names.expected_shapes(cfg))
-    if mtp and cfg.num_mtp_layers:
-        shapes.update(names.mtp_shapes(cfg))
+    if isinstance(cfg, V41Config):
+        shapes = dict(v41_names.expected_shapes(cfg))
+    else:
+        shapes = dict(names.expected_shapes(cfg))
+        if mtp and cfg.num_mtp_layers:
+            shapes.update(names.mtp_shapes(cfg))
     total = 0
     for name, shape in shapes.items():
         held = shape if name.startswith("mtp.") else \
@@ -201,7 +236,7 @@ def weight_bytes(cfg: V4Config, split: Split, itemsize: int, mtp: bool = True) -
     return total
 
 
-def rank_report(cfg: V4Config, tp: int, ep: int, itemsize: int) -> dict:
+def rank_report(cfg: V4Config | V41Config, tp: int, ep: int, itemsize: int) -> dict:
     """What one rank of a tp x ep engine holds: its weights (every rank alike when the
     config divides), and the ledgers, which every rank holds whole."""
     split = Split(tp, ep, 0)

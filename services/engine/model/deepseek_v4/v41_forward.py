@@ -391,11 +391,21 @@ class V41Model:
                                                      shared_in, p.rows(rows), spans[k].prior,
                                                      spans[k].floor, compressed)
             results[k] = (shared_out, state)
-        streams = hyper.expand(streams, output(cfg, aw, o, p), post, comb)
+        streams = hyper.expand(streams, self.attention_total(output(cfg, aw, o, p)), post, comb)
         ffn_pre, post, comb = self._mix(streams, w, "hc_ffn")
         x = norm(hyper.collapse(streams, attn_pre), w["ffn_norm.weight"], cfg.rms_eps)
-        streams = hyper.expand(streams, moe(cfg, self.ffn[i], x), post, comb)
+        streams = hyper.expand(streams, self.mlp(i, x), post, comb)
         return streams, ffn_pre, results
+
+    # The three points where a model split over ranks (parallel.py) differs from this one.
+    def attention_total(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return moe(self.cfg, self.ffn[i], x)
+
+    def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weights["head.weight"])
 
     def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [S] -> n copies of the embedding [S, n, D] and the first `pre` (stream 0)."""
@@ -408,7 +418,7 @@ class V41Model:
     def head(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """The last layer's streams and its MoE's `pre` -> logits [S, vocab]."""
         h = norm(hyper.collapse(streams, pre), self.weights["norm.weight"], self.cfg.rms_eps)
-        return F.linear(h, self.weights["head.weight"])
+        return self.vocab_logits(h)
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, keep: int | None = None, mode: str = "compact",
