@@ -56,6 +56,9 @@ class MeshConfig:
     dtype: str = ""
     device: str = ""
     speculative: str = ""
+    # Every engine split over tensor x expert ranks (engine serve's flags; docs/deepseek-v4.md)
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
     # YOCO prefill truncation, given to every engine explicitly (the design wants KEEP
     # explicit): "auto" = compact with KEEP = W + B = 134 where the model has consumer
     # layers to truncate (V4.1, and V4-mini's decoder), off for DeepSeek V4.
@@ -116,7 +119,10 @@ def engine_argv(cfg: MeshConfig, engine_id: str, port: int, directory: str, kvst
     model = ["--model", cfg.model] if cfg.model else ["--preset", cfg.preset]
     given = [(flag, value) for flag, value in (
         ("--tokenizer", cfg.tokenizer), ("--dtype", cfg.dtype), ("--device", cfg.device),
-        ("--speculative", cfg.speculative)) if value]
+        ("--speculative", cfg.speculative),
+        ("--tensor-parallel", str(cfg.tensor_parallel) if cfg.tensor_parallel > 1 else ""),
+        ("--expert-parallel", str(cfg.expert_parallel) if cfg.expert_parallel > 1 else ""))
+        if value]
     return [*KVMESH, "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--engine-id", engine_id, "--directory", directory, "--kvstore", kvstore,
             *model, "--num-slots", str(cfg.num_slots), "--num-blocks", str(cfg.num_blocks),

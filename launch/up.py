@@ -135,6 +135,10 @@ def register(sub) -> None:
     up.add_argument("--speculative", default="",
                     help="every engine's speculative decoding: off | ngram:K | mtp:K (default: "
                     "the engine's, off)")
+    for flag, what in (("--tensor-parallel", "by tensor parallelism"),
+                       ("--expert-parallel", "by expert parallelism (routed experts)")):
+        up.add_argument(flag, type=int, default=1, help=f"split every engine's model {what} over "
+                        "this many ranks, times the other (docs/deepseek-v4.md)")
     up.add_argument("--truncation", default="auto",
                     choices=["auto", "off", "mask", "compact"],
                     help="every engine's YOCO prefill truncation: consumer layers prefill only "
@@ -142,12 +146,10 @@ def register(sub) -> None:
                     "on DeepSeek V4; docs/engine/prefix-reuse.md)")
     up.add_argument("--keep-tokens", type=int, default=134,
                     help="KEEP for --truncation mask | compact, at least W + B = 134")
-    up.add_argument("--restart", action="store_true",
-                    help="start a service that exits again, on its port (default: off, its "
-                    "exit is reported and it stays down)")
-    up.add_argument("--num-slots", type=int, default=32,
-                    help="state slots per engine: requests each runs at once (engine serve's "
-                         "default)")
+    up.add_argument("--restart", action="store_true", help="start a service that exits "
+                    "again, on its port (default: off, its exit is reported and it stays down)")
+    up.add_argument("--num-slots", type=int, default=32, help="state slots per engine: "
+                    "requests each runs at once (engine serve's default)")
     up.add_argument("--num-blocks", type=int, default=1024,
                     help="128-token cache blocks per engine (engine serve's default)")
     up.add_argument("--pd", action="store_true",
@@ -155,12 +157,10 @@ def register(sub) -> None:
                     "the other engines decode (--role decode); with the default --num-engines "
                     "that is 1 prefill + 2 decode engines")
     up.add_argument("--demo", action="store_true",
-                    help=f"stream two requests through the gateway ({DEMO_TOKENS} tokens each, "
-                    f"sampled at temperature {DEMO_TEMPERATURE} with seed {DEMO_SEED}, so the "
-                    "text is the same every run; the second prompt extends the first, so its "
-                    "usage line shows cached tokens), ask one question through "
-                    "/v1/chat/completions (temperature 0; with the HTTP API on), then stop the mesh "
-                    "and exit 0")
+                    help=f"stream two requests through the gateway ({DEMO_TOKENS} tokens each at "
+                    f"temperature {DEMO_TEMPERATURE}, seed {DEMO_SEED}; the second extends the "
+                    "first, so its usage shows cached tokens), ask one question through "
+                    "/v1/chat/completions (temperature 0), then stop the mesh and exit 0")
     up.add_argument("--prompt", default=DEMO_PROMPT,
                     help=f"first prompt for --demo (default: a {len(DEMO_PROMPT.encode())}-byte "
                     "Python snippet the shipped model continues)")
@@ -377,6 +377,8 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
                       model=engine_model(getattr(args, "model", "")),
                       **{k: getattr(args, k, "") for k in ("tokenizer", "dtype", "device",
                                                            "speculative")},
+                      tensor_parallel=getattr(args, "tensor_parallel", 1),
+                      expert_parallel=getattr(args, "expert_parallel", 1),
                       truncation=getattr(args, "truncation", "auto"),
                       keep_tokens=getattr(args, "keep_tokens", 134),
                       # Fresh random tokens per run: internal RPCs refuse anyone without them.

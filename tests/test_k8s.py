@@ -39,7 +39,7 @@ from tests.k8s_env import (
 )
 from tests.kustomize import render
 
-OVERLAYS = ["bundled", "external", "deepseek-v4"]
+OVERLAYS = ["bundled", "external", "deepseek-v4", "split"]
 SERVICES = ["gateway", "engine", "directory", "kvstore"]
 # Oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) and newest.
 K8S_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]

@@ -103,3 +103,16 @@ def test_metrics_ports_are_fixed_by_default_and_free_on_0():
     assert ports["gateway"] == 9100 and ports["directory"] == 9101
     free = Mesh(mesh_config(build_parser().parse_args(["up", "--metrics-port", "0"])))
     assert free._metrics_port("gateway") != 9100 and free._metrics_port("engine-a") != 9104
+
+
+def test_split_engines_get_the_split_flags():
+    """`kvmesh up --tensor-parallel 2 --expert-parallel 2`: every engine serve gets both (and a
+    plain `kvmesh up` neither, so engines run as one process)."""
+    cfg = mesh_config(build_parser().parse_args(["up", "--tensor-parallel", "2",
+                                                 "--expert-parallel", "2"]))
+    e = _engine_args(engine_argv(cfg, "engine-a", 7201, "d:1", "k:2"))
+    assert (e.tensor_parallel, e.expert_parallel) == (2, 2)
+    plain = engine_argv(mesh_config(build_parser().parse_args(["up"])), "engine-a", 7201, "d:1",
+                        "k:2")
+    assert "--tensor-parallel" not in plain and "--expert-parallel" not in plain
+

@@ -50,10 +50,11 @@ def test_cli_prints_the_same_numbers():
     assert "134 rows x 528 B (mxfp8) x 43 layers = 3,042,336 B" in table
 
 
-def test_cli_prints_what_one_rank_of_a_split_flash_engine_holds():
+def test_cli_prints_what_one_rank_of_a_split_flash_engine_holds(capsys):
     """DeepSeek-V4-Flash split 8 ways (tensor, then expert parallel), float32 weights: a rank
     holds the replicated tensors whole and an eighth of the split ones (docs/design.md §15);
     every rank's ledgers are the unsplit engine's. Sums from the tensor shapes, here."""
+    from launch.cli import main
     from services.engine.model.deepseek_v4 import names
 
     cfg = read_config(FLASH)
@@ -67,16 +68,11 @@ def test_cli_prints_what_one_rank_of_a_split_flash_engine_holds():
     assert whole > 1_100_000_000_000                 # ~284 B parameters, float32
     for flag, split in (("--tensor-parallel", experts + shared + heads + size["head.weight"]),
                         ("--expert-parallel", experts + shared)):
-        run = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--config",
-                              str(FLASH), flag, "8", "--json"], capture_output=True, text=True,
-                             timeout=60)
-        assert run.returncode == 0, run.stderr
-        report = json.loads(run.stdout)
+        assert main(["engine", "layout", "--config", str(FLASH), flag, "8", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
         ranks = report.pop("ranks")
         assert ranks["weight_bytes_whole"] == whole and ranks["ranks"] == 8
         assert ranks["weight_bytes_per_rank"] == whole - split * 7 // 8, flag
         assert report == json.loads(json.dumps(layout.report(read_config(FLASH))))
-    bad = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--config",
-                          str(FLASH), "--expert-parallel", "3"], capture_output=True, text=True,
-                         timeout=60)
-    assert bad.returncode == 2 and "n_routed_experts (256) is not divisible by 3" in bad.stderr
+    assert main(["engine", "layout", "--config", str(FLASH), "--expert-parallel", "3"]) == 2
+    assert "n_routed_experts (256) is not divisible by 3" in capsys.readouterr().err

@@ -69,10 +69,17 @@ def test_ranks_an_external_launcher_started_join_its_group(checkpoint):
     assert out1 == ""                        # rank 1 computed its share and printed nothing
 
 
-def test_a_split_that_does_not_fit_is_refused_before_any_rank_starts(checkpoint):
+def test_a_split_that_does_not_fit_is_refused_before_any_rank_starts(checkpoint, capsys,
+                                                                     monkeypatch):
+    from launch.cli import main
+
     directory, _ = checkpoint
-    code, _, err = finish(score(directory, "--expert-parallel", "3"))
-    assert code == 2 and "n_routed_experts (4) is not divisible by 3" in err
-    code, _, err = finish(score(directory, "--tensor-parallel", "2", env={
-        "RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}))
-    assert code == 2 and "WORLD_SIZE is 4, but --tensor-parallel 2 x --expert-parallel 1" in err
+    base = ["score", "--model", str(directory), "--ids", IDS]
+    assert main([*base, "--expert-parallel", "3"]) == 2
+    assert "n_routed_experts (4) is not divisible by 3" in capsys.readouterr().err
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    assert main([*base, "--tensor-parallel", "2"]) == 2
+    assert "WORLD_SIZE is 4, but --tensor-parallel 2 x --expert-parallel 1" in \
+        capsys.readouterr().err
