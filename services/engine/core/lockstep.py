@@ -10,10 +10,10 @@ would otherwise differ between them (a new request's id and sampling seed, the c
 snapshot and handoff stores read), and then made locally; the other ranks `follow`, making
 the same calls. A step's model calls then meet in the same collectives on every rank.
 
-Scheduling must be a function of those calls alone, so a split engine refuses what reads
-the machine's clock to decide: the step-time budget (`--step-slo-ms` must be 0) and the
-adaptive draft policy (`--spec-policy always`); and MTP drafts (the MTP head reads the
-whole vocabulary, which a rank does not hold).
+Scheduling must be a function of those calls alone: the step-time budget (`--step-slo-ms`)
+caps prefill from a fit of rank 0's step times, which each step's call carries; a split engine
+refuses the adaptive draft policy (`--spec-policy always`), which reads step times too, and
+MTP drafts (the MTP head reads the whole vocabulary, which a rank does not hold).
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ from services.engine.core.v4_engine import V4Engine
 
 def check(engine: V4Engine) -> None:
     """ValueError naming the setting that would let ranks schedule differently."""
-    if engine.step_budget.slo_s:
-        raise ValueError("a split engine needs --step-slo-ms 0 (a step budget sized from "
-                         "measured step times would differ between ranks)")
     if engine.spec.policy.adaptive and engine.spec.setting.method != "off":
         raise ValueError("a split engine needs --spec-policy always (the adaptive draft "
                          "policy reads step times)")
@@ -142,7 +139,8 @@ class Leader:
         return req
 
     def step(self):
-        self._send(("step", self._tick()))
+        # the step budget's fit: each rank's own step times would differ
+        self._send(("step", self._tick(), self.engine.step_budget.steps()))
         try:
             return self.engine.step()
         except RuntimeError as exc:          # a collective failed: a rank is gone
@@ -163,6 +161,7 @@ def follow(engine: V4Engine, on_events: Callable[[list], None] | None = None) ->
     while True:
         kind, clock.now, *rest = _receive(group)
         if kind == "step":
+            engine.step_budget.follow(rest[0])
             events = engine.step()
             if on_events is not None:
                 on_events(events)

@@ -18,7 +18,8 @@ admission moving when decodes alone exceed T: the target is then missed by what 
 tokens cost, rather than new requests never starting.
 
 Off (`--step-slo-ms 0`) and always off in deterministic mode: chunk boundaries that depend
-on timing change fp32 results from run to run. Owned by the scheduler of each engine
+on timing change fp32 results from run to run. The ranks of a split engine fit over rank 0's
+steps (`follow`), so they cap alike. Owned by the scheduler of each engine
 (Scheduler for V4-mini, V4Engine for DeepSeek V4); the engine reports each step (`observe`).
 Tests inject step times through `observe`.
 """
@@ -56,6 +57,16 @@ class StepBudget:
         if not self.active or seconds <= 0 or not (decode_rows or prefill_tokens):
             return
         self._steps.append((decode_rows, prefill_tokens, seconds))
+        self._stale = True
+
+    def steps(self) -> list[tuple[int, int, float]]:
+        """The steps the fit is taken over (what `follow` needs to fit the same)."""
+        return list(self._steps)
+
+    def follow(self, steps: list[tuple[int, int, float]]) -> None:
+        """Fit over `steps` from now on, another engine's (a split engine's ranks take rank
+        0's: core/lockstep.py), so every rank caps its prefill alike."""
+        self._steps = deque(steps, maxlen=WINDOW)
         self._stale = True
 
     def coefficients(self) -> tuple[float, float, float] | None:

@@ -55,6 +55,8 @@ def scenario(engine) -> dict:
     for _ in range(3):
         for e in engine.step():
             tokens.setdefault(e.request_id, []).extend(e.token_ids)
+    # a prompt beside decoding streams: under a step budget, prefilled in capped chunks
+    reqs.append(engine.add_request(prompt(200, 6), GREEDY, "late"))
     engine.abort("aborted")
     drain()
     for r in reqs:
@@ -62,16 +64,16 @@ def scenario(engine) -> dict:
     return {"tokens": tokens, "hits": hits}
 
 
-def config(policy: str) -> EngineConfig:
+def config(policy: str, slo_ms: float) -> EngineConfig:
     return EngineConfig(dtype="float64", num_slots=4, num_blocks=24, max_batched_tokens=128,
-                        swa_policy=policy)
+                        swa_policy=policy, step_slo_ms=slo_ms)
 
 
-def rank_main(split, policy: str, out: str) -> dict:
+def rank_main(split, policy: str, slo_ms: float, out: str) -> dict:
     cfg, weights = tiny(vocab_size=VOCAB)
     model = ParallelV4Model(cfg, shard_weights(cfg, weights, split), torch.float64, split,
                             Groups(split), stored=True, rows="exact")
-    engine = V4Engine(model, config(policy), ByteTokenizer(), "split")
+    engine = V4Engine(model, config(policy, slo_ms), ByteTokenizer(), "split")
     if split.rank == 0:
         leader = lockstep.Leader(engine)
         try:
@@ -86,15 +88,17 @@ def rank_main(split, policy: str, out: str) -> dict:
     return {}
 
 
-@pytest.mark.parametrize("policy", ["full", "zero"])
-def test_a_split_engine_in_lockstep_serves_what_one_process_does(tmp_path, policy):
+@pytest.mark.parametrize("policy,slo_ms", [("full", 0.0), ("zero", 0.0), ("full", 1.0)])
+def test_a_split_engine_in_lockstep_serves_what_one_process_does(tmp_path, policy, slo_ms):
+    """slo_ms 1: the step budget caps prefill beside decodes from rank 0's step times (to
+    32 tokens a step once it has a fit), on every rank alike."""
     cfg, weights = tiny(vocab_size=VOCAB)
     alone = scenario(V4Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
-                              config(policy), ByteTokenizer(), "alone"))
-    split = ranks.run(rank_main, (policy, str(tmp_path)), 2, 1)
+                              config(policy, slo_ms), ByteTokenizer(), "alone"))
+    split = ranks.run(rank_main, (policy, slo_ms, str(tmp_path)), 2, 1)
     with open(tmp_path / "rank1.pkl", "rb") as f:
         assert pickle.load(f) == split["tokens"]           # the ranks stayed in step
-    for rid in ("greedy", "seeded", "hit"):
+    for rid in ("greedy", "seeded", "hit", "late"):
         assert split["tokens"][rid] == alone["tokens"][rid], rid
         assert len(split["tokens"][rid]) == 10
     assert split["hits"] == alone["hits"]
@@ -106,13 +110,26 @@ def test_a_split_engine_in_lockstep_serves_what_one_process_does(tmp_path, polic
 def test_a_split_engine_refuses_what_schedules_from_the_clock():
     cfg, weights = tiny(vocab_size=VOCAB)
     model = V4Model(cfg, weights, torch.float64, stored=True, rows="exact")
-    for ecfg, flag in ((EngineConfig(dtype="float64", step_slo_ms=70.0), "--step-slo-ms 0"),
-                       (EngineConfig(dtype="float64", speculative="ngram:3"), "--spec-policy always"),
+    for ecfg, flag in ((EngineConfig(dtype="float64", speculative="ngram:3"), "--spec-policy always"),
                        (EngineConfig(dtype="float64", speculative="ngram:3", spec_policy="always",
-                                     step_slo_ms=0.0), None)):
+                                     step_slo_ms=70.0), None)):
         engine = V4Engine(model, ecfg, ByteTokenizer(), "x")
         if flag is None:
             lockstep.check(engine)
         else:
             with pytest.raises(ValueError, match=flag):
                 lockstep.check(engine)
+
+
+def test_a_budget_that_follows_anothers_steps_caps_as_it_does():
+    from services.engine.core.step_budget import StepBudget
+
+    leader, follower = StepBudget(50.0), StepBudget(50.0)
+    for rows, tokens, seconds in [(1, 0, 0.010), (4, 64, 0.030), (8, 0, 0.014), (2, 128, 0.045),
+                                  (16, 32, 0.028), (1, 256, 0.070), (6, 16, 0.019)]:
+        leader.observe(rows, tokens, seconds)
+        follower.observe(rows, tokens * 2, seconds * 3)      # its own, other, times
+    assert follower.prefill_cap(8) != leader.prefill_cap(8)
+    follower.follow(leader.steps())
+    assert [follower.prefill_cap(r) for r in (1, 8, 32)] == [leader.prefill_cap(r) for r in (1, 8, 32)]
+
