@@ -80,11 +80,17 @@ def _serve(args) -> int:
     from services.engine.rpc.server import serve
 
     if args.tensor_parallel * args.expert_parallel > 1:
+        from torch.multiprocessing.spawn import ProcessException
+
+        from services.engine import ranks
         try:
             return split.serve(args, args.tensor_parallel, args.expert_parallel)
         except ValueError as exc:
             print(f"kvmesh engine: {exc}", file=sys.stderr)
             return 2
+        except ProcessException as exc:      # a rank failed or died; the others are ended
+            print(f"kvmesh engine: {ranks.failure(exc)}", file=sys.stderr)
+            return 1
     torch.set_num_threads(serve_threads(args.threads))
     try:
         core = build_core(args)

@@ -71,6 +71,14 @@ def run(fn: Callable[..., Any], args: tuple, tp: int, ep: int) -> Any:
     return results.get()
 
 
+def failure(exc: BaseException) -> str:
+    """The one line to print for a failed rank (torch.multiprocessing's ProcessException):
+    the rank's error message without its traceback and exception class."""
+    line = str(exc).strip().splitlines()[-1]
+    head, sep, message = line.partition(": ")
+    return message if sep and head.replace(".", "").replace("_", "").isalnum() else line
+
+
 def _forward_stop(rank0_pid: int) -> dict:
     """SIGTERM / SIGINT to this process stop rank 0, which releases the others (a serving
     engine drains, then they return); the previous handlers, to restore. In the main thread

@@ -84,7 +84,9 @@ def _score(args) -> int:
         print(f"kvmesh score: --ids must be comma-separated integers, got {args.ids!r}",
               file=sys.stderr)
         return 2
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    from services.engine import ranks
 
 
     split = (args.tensor_parallel, args.expert_parallel)
@@ -101,8 +103,8 @@ def _score(args) -> int:
     except (CheckpointError, ValueError) as exc:
         print(f"kvmesh score: {exc}", file=sys.stderr)
         return 2
-    except mp.ProcessRaisedException as exc:     # a rank failed; the others were ended
-        print(f"kvmesh score: a rank failed: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
+    except ProcessException as exc:     # a rank failed; the others were ended
+        print(f"kvmesh score: a rank failed: {ranks.failure(exc)}", file=sys.stderr)
         return 1
     ids = result["ids"]
     json.dump(result, sys.stdout)

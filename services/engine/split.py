@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import sys
+from pathlib import Path
 
 log = logging.getLogger("kvmesh.engine")
 BROKEN_EXIT = 3          # rank 0's exit status when another rank is gone
@@ -27,6 +28,7 @@ def serve(args, tp: int, ep: int) -> int:
     from kvmesh.checkpoint_dir import is_v41
     from services.engine import ranks
     from services.engine.build import choose_model
+    from services.engine.model.deepseek_v4.checkpoint import tensor_files
     from services.engine.model.deepseek_v4.config import read_config
     from services.engine.model.deepseek_v4.parallel import Split
     from services.engine.model.deepseek_v4.v41_config import read_v41_config
@@ -37,6 +39,7 @@ def serve(args, tp: int, ep: int) -> int:
                          "--model DIR only (not V4-mini)")
     read = read_v41_config if is_v41(args.model) else read_config
     Split(tp, ep, 0).check(read(args.model))
+    tensor_files(Path(args.model))      # a shard the index lists but the directory lacks
     if args.speculative.startswith("mtp"):
         raise ValueError("--speculative mtp: not on a split engine yet (MTP's head reads the "
                          "whole vocabulary)")

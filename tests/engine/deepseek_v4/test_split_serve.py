@@ -178,3 +178,30 @@ def test_a_split_engine_it_cannot_run_is_refused_before_any_rank_starts(director
     argv = [str(directory) if f == "MODEL" else f for f in flags]
     assert main(["engine", "serve", "--tensor-parallel", "2", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_bad_checkpoint_fails_the_split_engine_naming_the_file(tmp_path, capsys):
+    """A shard the index lists but the directory lacks: refused before any rank starts. A
+    tensor of the wrong shape inside a shard: the ranks fail at load, and the command says
+    which tensor (no traceback) and exits 1."""
+    from safetensors.torch import load_file, save_file
+
+    from launch.cli import main
+    from tests.engine.deepseek_v4 import tiny
+
+    model = tiny.hf_model("mixed")
+    missing, wrong = tmp_path / "missing", tmp_path / "wrong"
+    for d in (missing, wrong):
+        tiny.resave(model, d, "transformers", shards=2)
+    shard = sorted(missing.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    assert main(["engine", "serve", "--tensor-parallel", "2", "--model", str(missing)]) == 2
+    assert shard.name in capsys.readouterr().err
+    first = sorted(wrong.glob("model-*.safetensors"))[0]
+    tensors = load_file(first)
+    name = next(n for n in tensors if n.endswith("q_a_proj.weight"))
+    tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, first, metadata={"format": "pt"})
+    assert main(["engine", "serve", "--tensor-parallel", "2", "--model", str(wrong)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvmesh engine: ") and name in err and "CheckpointError" not in err
