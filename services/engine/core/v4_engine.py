@@ -75,7 +75,7 @@ class V4Engine:
     def __init__(self, model: V4Model | V41Model, ecfg: EngineConfig, tokenizer, name: str):
         self.path = model_path(model, ecfg)   # V4 or V4.1: ledgers, forward, replay, cut
         self.model, self.ecfg, self.tokenizer = model, ecfg, tokenizer
-        self.cfg = ServedModel(name, model.cfg)
+        self.cfg = ServedModel(name, model.whole)   # a split rank's model.cfg has its heads only
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
                              f"{model.cfg.vocab_size}")

@@ -33,7 +33,7 @@ class V4Path:
         if not model.stored:
             raise ValueError("V4Engine needs a model built with stored=True (ledger roundings)")
         self.model = model
-        self.ledgers = ledgers.Ledgers(model.cfg, ecfg.num_slots, ecfg.num_blocks,
+        self.ledgers = ledgers.Ledgers(model.whole, ecfg.num_slots, ecfg.num_blocks,
                                        ecfg.extra_state, rows=model.rows)
         self.period = ecfg.snapshot_period
 
@@ -54,9 +54,9 @@ class V41Path:
         if ecfg.speculative.startswith("mtp"):
             raise ValueError("speculative: DeepSeek V4.1 drafts with its DSpark layers, which "
                              "kvmesh does not serve yet; use ngram:K or off")
-        ecfg.check_model(model.cfg)    # KEEP >= W + B under truncation, as for V4-mini
+        ecfg.check_model(model.whole)    # KEEP >= W + B under truncation, as for V4-mini
         self.model = model
-        self.ledgers = v41_ledgers.V41Ledgers(model.cfg, ecfg.num_slots, ecfg.num_blocks,
+        self.ledgers = v41_ledgers.V41Ledgers(model.whole, ecfg.num_slots, ecfg.num_blocks,
                                               ecfg.extra_state,
                                               rows=window_rows.for_dtype(model.dtype),
                                               dtype=model.dtype)

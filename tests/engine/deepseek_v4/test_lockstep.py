@@ -2,11 +2,13 @@
 rank 0's engine and rank 1's stay the same (every step's events equal, unseeded sampling
 included), and both give what one process's engine over the unsplit model gives: greedy and
 seeded sampling, a prefix hit after a finished request (a snapshot hit under
---swa-policy full, a bounded replay under zero), an abort mid-decode. A split engine that
+--swa-policy full, a bounded replay under zero), an abort mid-decode, and a request an
+unsplit prefill engine hands off (PD: the split engine serves the same model fingerprint). A split engine that
 would schedule from the clock is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -23,6 +25,7 @@ from services.engine.model.deepseek_v4.parallel import Groups, ParallelV4Model, 
 from tests.engine.deepseek_v4.test_parallel import tiny
 
 VOCAB = 512                      # above the byte tokenizer's 259 ids
+NAME = "tiny"                    # the served name: a handoff checks it (the fingerprint)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -34,9 +37,24 @@ SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
 UNSEEDED = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
 
 
-def scenario(engine) -> dict:
+def handoff(policy: str, slo_ms: float):
+    """A request prefilled by an unsplit prefill engine and handed off (PD): its Handoff."""
+    cfg, weights = tiny(vocab_size=VOCAB)
+    pe = V4Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
+                  dataclasses.replace(config(policy, slo_ms), role="prefill", extra_state=True),
+                  ByteTokenizer(), NAME)
+    pe.add_request(prompt(200, 9), GREEDY, "pd", handoff=True)
+    events = []
+    while pe.has_work:
+        events += pe.step()
+    (last,) = [e for e in events if e.finish is not None]
+    return last.handoff
+
+
+def scenario(engine, handed) -> dict:
     """Requests through `engine` (a V4Engine or a lockstep.Leader): {request id: tokens},
-    and each request's cached and replayed tokens."""
+    and each request's cached and replayed tokens. `handed`: a prefill engine's handoff,
+    which this engine adopts and decodes."""
     tokens: dict[str, list[int]] = {}
     hits: dict[str, tuple[int, int]] = {}
 
@@ -59,6 +77,8 @@ def scenario(engine) -> dict:
     reqs.append(engine.add_request(prompt(200, 6), GREEDY, "late"))
     engine.abort("aborted")
     drain()
+    reqs.append(engine.adopt(handed))
+    drain()
     for r in reqs:
         hits[r.request_id] = (r.cached_tokens, r.replayed_tokens)
     return {"tokens": tokens, "hits": hits}
@@ -73,11 +93,11 @@ def rank_main(split, policy: str, slo_ms: float, out: str) -> dict:
     cfg, weights = tiny(vocab_size=VOCAB)
     model = ParallelV4Model(cfg, shard_weights(cfg, weights, split), torch.float64, split,
                             Groups(split), stored=True, rows="exact")
-    engine = V4Engine(model, config(policy, slo_ms), ByteTokenizer(), "split")
+    engine = V4Engine(model, config(policy, slo_ms), ByteTokenizer(), NAME)
     if split.rank == 0:
         leader = lockstep.Leader(engine)
         try:
-            return scenario(leader)
+            return scenario(leader, handoff(policy, slo_ms))
         finally:
             leader.stop()
     events: dict[str, list[int]] = {}
@@ -94,13 +114,14 @@ def test_a_split_engine_in_lockstep_serves_what_one_process_does(tmp_path, polic
     32 tokens a step once it has a fit), on every rank alike."""
     cfg, weights = tiny(vocab_size=VOCAB)
     alone = scenario(V4Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
-                              config(policy, slo_ms), ByteTokenizer(), "alone"))
+                              config(policy, slo_ms), ByteTokenizer(), NAME),
+                     handoff(policy, slo_ms))
     split = ranks.run(rank_main, (policy, slo_ms, str(tmp_path)), 2, 1)
     with open(tmp_path / "rank1.pkl", "rb") as f:
         assert pickle.load(f) == split["tokens"]           # the ranks stayed in step
-    for rid in ("greedy", "seeded", "hit", "late"):
+    for rid in ("greedy", "seeded", "hit", "late", "pd"):
         assert split["tokens"][rid] == alone["tokens"][rid], rid
-        assert len(split["tokens"][rid]) == 10
+        assert len(split["tokens"][rid]) == (9 if rid == "pd" else 10)   # pd: 1 from the PE
     assert split["hits"] == alone["hits"]
     cached, replayed = split["hits"]["hit"]
     assert cached == 256 and (replayed > 0) == (policy == "zero")

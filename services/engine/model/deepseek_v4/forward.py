@@ -43,6 +43,7 @@ class V4Model:
     def __init__(self, cfg: V4Config, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  stored: bool = False, rows: str = "mxfp8"):
         self.cfg, self.weights, self.dtype, self.stored = cfg, weights, dtype, stored
+        self.whole = cfg          # the whole model's config (a split rank computes with less)
         self.rows = rows
         self.tables = RopeTables(cfg, dtype)
         self.layers = [_sub(weights, f"layers.{i}.") for i in range(cfg.num_layers)]

@@ -301,6 +301,7 @@ class V41Model:
     def __init__(self, cfg: V41Config, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  rows: str | None = None):
         self.cfg, self.weights, self.dtype, self.rows = cfg, weights, dtype, rows
+        self.whole = cfg          # the whole model's config (a split rank computes with less)
         self.tables = RopeTables(cfg, dtype)
         layers = [_sub(weights, f"layers.{i}.") for i in range(cfg.num_layers)]
         self.layers = layers
