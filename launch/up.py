@@ -157,10 +157,10 @@ def register(sub) -> None:
                     "the other engines decode (--role decode); with the default --num-engines "
                     "that is 1 prefill + 2 decode engines")
     up.add_argument("--demo", action="store_true",
-                    help=f"stream two requests through the gateway ({DEMO_TOKENS} tokens each at "
-                    f"temperature {DEMO_TEMPERATURE}, seed {DEMO_SEED}; the second extends the "
-                    "first, so its usage shows cached tokens), ask one question through "
-                    "/v1/chat/completions (temperature 0), then stop the mesh and exit 0")
+                    help=f"stream two requests through the gateway ({DEMO_TOKENS} tokens each, "
+                    f"sampled at temperature {DEMO_TEMPERATURE} with seed {DEMO_SEED}; the second "
+                    "extends the first, so its usage shows cached tokens), ask one question "
+                    "through /v1/chat/completions (temperature 0), then stop the mesh and exit 0")
     up.add_argument("--prompt", default=DEMO_PROMPT,
                     help=f"first prompt for --demo (default: a {len(DEMO_PROMPT.encode())}-byte "
                     "Python snippet the shipped model continues)")
