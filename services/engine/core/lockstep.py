@@ -12,8 +12,8 @@ the same calls. A step's model calls then meet in the same collectives on every 
 
 Scheduling must be a function of those calls alone: the step-time budget (`--step-slo-ms`)
 caps prefill from a fit of rank 0's step times, which each step's call carries; a split engine
-refuses the adaptive draft policy (`--spec-policy always`), which reads step times too, and
-MTP drafts (the MTP head reads the whole vocabulary, which a rank does not hold).
+refuses the adaptive draft policy (`--spec-policy always`), which reads step times too. MTP
+drafts run on every rank alike (the MTP block is replicated, its head gathered).
 """
 
 from __future__ import annotations
@@ -35,9 +35,6 @@ def check(engine: V4Engine) -> None:
     if engine.spec.policy.adaptive and engine.spec.setting.method != "off":
         raise ValueError("a split engine needs --spec-policy always (the adaptive draft "
                          "policy reads step times)")
-    if engine.spec.setting.method == "mtp":
-        raise ValueError("--speculative mtp: not on a split engine yet (MTP's head reads the "
-                         "whole vocabulary)")
 
 
 class _Clock:

@@ -37,11 +37,12 @@ SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
 UNSEEDED = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
 
 
-def handoff(policy: str, slo_ms: float):
+def handoff(policy: str, slo_ms: float, speculative: str):
     """A request prefilled by an unsplit prefill engine and handed off (PD): its Handoff."""
-    cfg, weights = tiny(vocab_size=VOCAB)
+    cfg, weights = tiny(speculative != "off", vocab_size=VOCAB)
     pe = V4Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
-                  dataclasses.replace(config(policy, slo_ms), role="prefill", extra_state=True),
+                  dataclasses.replace(config(policy, slo_ms, speculative), role="prefill",
+                                      extra_state=True),
                   ByteTokenizer(), NAME)
     pe.add_request(prompt(200, 9), GREEDY, "pd", handoff=True)
     events = []
@@ -57,11 +58,13 @@ def scenario(engine, handed) -> dict:
     which this engine adopts and decodes."""
     tokens: dict[str, list[int]] = {}
     hits: dict[str, tuple[int, int]] = {}
+    drafted = [0]
 
     def drain():
         while engine.has_work:
             for e in engine.step():
                 tokens.setdefault(e.request_id, []).extend(e.token_ids)
+                drafted[0] += e.drafted
 
     first = prompt(300, 1)
     reqs = [engine.add_request(first, GREEDY, "greedy"),
@@ -81,23 +84,24 @@ def scenario(engine, handed) -> dict:
     drain()
     for r in reqs:
         hits[r.request_id] = (r.cached_tokens, r.replayed_tokens)
-    return {"tokens": tokens, "hits": hits}
+    return {"tokens": tokens, "hits": hits, "drafted": drafted[0]}
 
 
-def config(policy: str, slo_ms: float) -> EngineConfig:
+def config(policy: str, slo_ms: float, speculative: str = "off") -> EngineConfig:
     return EngineConfig(dtype="float64", num_slots=4, num_blocks=24, max_batched_tokens=128,
-                        swa_policy=policy, step_slo_ms=slo_ms)
+                        swa_policy=policy, step_slo_ms=slo_ms, speculative=speculative,
+                        spec_policy="always")
 
 
-def rank_main(split, policy: str, slo_ms: float, out: str) -> dict:
-    cfg, weights = tiny(vocab_size=VOCAB)
+def rank_main(split, policy: str, slo_ms: float, speculative: str, out: str) -> dict:
+    cfg, weights = tiny(speculative != "off", vocab_size=VOCAB)
     model = ParallelV4Model(cfg, shard_weights(cfg, weights, split), torch.float64, split,
                             Groups(split), stored=True, rows="exact")
-    engine = V4Engine(model, config(policy, slo_ms), ByteTokenizer(), NAME)
+    engine = V4Engine(model, config(policy, slo_ms, speculative), ByteTokenizer(), NAME)
     if split.rank == 0:
         leader = lockstep.Leader(engine)
         try:
-            return scenario(leader, handoff(policy, slo_ms))
+            return scenario(leader, handoff(policy, slo_ms, speculative))
         finally:
             leader.stop()
     events: dict[str, list[int]] = {}
@@ -108,21 +112,25 @@ def rank_main(split, policy: str, slo_ms: float, out: str) -> dict:
     return {}
 
 
-@pytest.mark.parametrize("policy,slo_ms", [("full", 0.0), ("zero", 0.0), ("full", 1.0)])
-def test_a_split_engine_in_lockstep_serves_what_one_process_does(tmp_path, policy, slo_ms):
+@pytest.mark.parametrize("policy,slo_ms,speculative", [
+    ("full", 0.0, "off"), ("zero", 0.0, "off"), ("full", 1.0, "off"), ("full", 0.0, "mtp:2")])
+def test_a_split_engine_in_lockstep_serves_what_one_process_does(tmp_path, policy, slo_ms,
+                                                                 speculative):
     """slo_ms 1: the step budget caps prefill beside decodes from rank 0's step times (to
-    32 tokens a step once it has a fit), on every rank alike."""
-    cfg, weights = tiny(vocab_size=VOCAB)
+    32 tokens a step once it has a fit), on every rank alike. mtp:2: MTP drafts (the MTP
+    block replicated, its head gathered) verified by the split model."""
+    cfg, weights = tiny(speculative != "off", vocab_size=VOCAB)
     alone = scenario(V4Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
-                              config(policy, slo_ms), ByteTokenizer(), NAME),
-                     handoff(policy, slo_ms))
-    split = ranks.run(rank_main, (policy, slo_ms, str(tmp_path)), 2, 1)
+                              config(policy, slo_ms, speculative), ByteTokenizer(), NAME),
+                     handoff(policy, slo_ms, speculative))
+    split = ranks.run(rank_main, (policy, slo_ms, speculative, str(tmp_path)), 2, 1)
     with open(tmp_path / "rank1.pkl", "rb") as f:
         assert pickle.load(f) == split["tokens"]           # the ranks stayed in step
     for rid in ("greedy", "seeded", "hit", "late", "pd"):
         assert split["tokens"][rid] == alone["tokens"][rid], rid
         assert len(split["tokens"][rid]) == (9 if rid == "pd" else 10)   # pd: 1 from the PE
     assert split["hits"] == alone["hits"]
+    assert split["drafted"] == alone["drafted"] and (split["drafted"] > 0) == (speculative != "off")
     cached, replayed = split["hits"]["hit"]
     assert cached == 256 and (replayed > 0) == (policy == "zero")
     assert 0 < len(split["tokens"]["aborted"]) < 10

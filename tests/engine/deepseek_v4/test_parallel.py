@@ -38,13 +38,14 @@ PROMPT, CHUNK, DECODE = 40, 16, 6
 TOL = 1e-10
 
 
-def tiny(**overrides):
+def tiny(mtp: bool = False, **overrides):
     """The config (CONFIG with `overrides`) and seeded random weights (every rank builds the
-    same)."""
+    same); mtp: an MTP module's too."""
     cfg = config_from_dict({**CONFIG, **overrides})
     g = torch.Generator().manual_seed(0)
     weights = {}
-    for name, shape in names.expected_shapes(cfg).items():
+    shapes = {**names.expected_shapes(cfg), **(names.mtp_shapes(cfg) if mtp else {})}
+    for name, shape in shapes.items():
         if name.endswith("tid2eid"):
             weights[name] = torch.randint(0, cfg.n_experts, shape, generator=g)
         elif name.endswith("norm.weight") or name.endswith("_scale"):

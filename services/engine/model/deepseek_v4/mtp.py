@@ -42,7 +42,9 @@ def has_mtp(weights: dict) -> bool:
 
 class MtpModule:
     def __init__(self, model: V4Model, index: int = 0):
-        cfg, prefix = model.cfg, f"mtp.{index}."
+        # the whole model's config: a split rank holds the MTP block whole and runs it whole
+        # (parallel.py); only the head is its share, gathered by model.vocab_logits
+        cfg, prefix = model.whole, f"mtp.{index}."
         if not any(k.startswith(prefix) for k in model.weights):
             raise ValueError(f"the checkpoint has no {prefix}* tensors (no MTP module)")
         if cfg.mtp_kind != SLIDING:
@@ -53,7 +55,7 @@ class MtpModule:
         self.w = {k: own[k] for k in OWN}
         block = {f"layers.0.{k}": v for k, v in own.items() if k not in OWN}
         self.block = V4Model(self.cfg, block, model.dtype, model.stored, model.rows)
-        self.embed_w, self.head_w = model.weights["embed.weight"], model.weights["head.weight"]
+        self.embed_w, self.vocab_logits = model.weights["embed.weight"], model.vocab_logits
         self.dtype = model.dtype
 
     def rows(self, positions: torch.Tensor, next_ids: torch.Tensor, streams: torch.Tensor,
@@ -75,4 +77,4 @@ class MtpModule:
         cfg, w = self.cfg, self.w
         h = hyper.head_collapse(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"],
                                 cfg.hc_eps, cfg.rms_eps)
-        return F.linear(rms_norm(h, w["norm.weight"], cfg.rms_eps), self.head_w)
+        return self.vocab_logits(rms_norm(h, w["norm.weight"], cfg.rms_eps))
