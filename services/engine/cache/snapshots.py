@@ -74,6 +74,16 @@ class SnapshotStore:
         self._items.move_to_end(key)
         return snap
 
+    def peek(self, key: str) -> Snapshot | None:
+        """The snapshot under `key` for a peer (FetchSwaSnapshot), changing nothing: a peer's
+        read does not make it recent here, and what `get` would drop stays for the engine's
+        own next call to drop (the ranks of a split engine must hold the same store)."""
+        snap = self._items.get(key)
+        if snap is None or self.clock() - snap.created > self.ttl_s or \
+                snap.layout_fp != self.layout_fp or snap.model_fp != self.model_fp:
+            return None
+        return snap
+
     def expire(self) -> int:
         old = [k for k, s in self._items.items() if self.clock() - s.created > self.ttl_s]
         for k in old:

@@ -179,7 +179,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     @map_errors
     async def FetchSwaSnapshot(self, request, context):
         check_key(request.key)
-        snap = await self.engine.call(lambda core: core.prefix.store.get(request.key))
+        snap = await self.engine.call(lambda core: core.prefix.store.peek(request.key))
         for msg in snapshot_messages(snap, request.key):
             yield msg
 

@@ -47,3 +47,17 @@ def test_foreign_layout_or_model_is_refused_and_dropped():
     store.put(snap("y", model="other"))
     assert store.get("x") is None and store.get("y") is None
     assert store.refused == 2 and len(store) == 0
+
+
+def test_a_peers_read_changes_nothing():
+    """peek (FetchSwaSnapshot): no LRU touch, no removal; what get would refuse it withholds."""
+    clock, evicted = Clock(), []
+    store = SnapshotStore(250, ttl_min=1, layout_fp="L", model_fp="M", clock=clock,
+                          on_evict=evicted.append)
+    store.put(snap("a", t=clock()))
+    store.put(snap("b", t=clock()))
+    assert store.peek("a") is not None and store.keys() == ["a", "b"]   # a stays least recent
+    store.put(snap("c", t=clock()))
+    assert store.keys() == ["b", "c"] and evicted == ["a"]
+    clock.t += 61
+    assert store.peek("b") is None and store.keys() == ["b", "c"]       # expired, left in place
