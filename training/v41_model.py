@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from services.engine.model.deepseek_v4 import hyper
 from services.engine.model.deepseek_v4.compressor import visible
+from services.engine.model.deepseek_v4.moe import moe_v41, route_v41
 from services.engine.model.deepseek_v4.numerics import apply_rope
 from services.engine.model.deepseek_v4.v41_config import V41Config
 from services.engine.model.deepseek_v4.v41_forward import (
@@ -34,9 +35,7 @@ from services.engine.model.deepseek_v4.v41_forward import (
     attention,
     index_query,
     index_scores,
-    moe,
     norm,
-    route,
 )
 
 # The shipped model: the design's window (128), CSA m = 4 and HCA m = 128 (a V4.1 layer's
@@ -137,9 +136,9 @@ def forward(model: V41Model, ids: torch.Tensor) -> Outputs:
         streams = hyper.expand(streams, out, post, comb)
         pre, post, comb = model._mix(streams, w, "hc_ffn")
         x = norm(hyper.collapse(streams, attn_pre), w["ffn_norm.weight"], cfg.rms_eps)
-        experts, weights = route(cfg, model.ffn[i], x)
+        experts, weights = route_v41(cfg, model.ffn[i], x)
         loads.append(torch.bincount(experts.reshape(-1), minlength=cfg.n_experts))
-        streams = hyper.expand(streams, moe(cfg, model.ffn[i], x, experts, weights), post, comb)
+        streams = hyper.expand(streams, moe_v41(cfg, model.ffn[i], x, experts, weights), post, comb)
     kl = torch.stack(kls).mean() if kls else model.weights["norm.weight"].new_zeros(())
     return Outputs(model.head(streams, pre), kl, loads)
 

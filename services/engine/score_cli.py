@@ -54,22 +54,9 @@ def _score_split(args, ids: list[int] | None, tp: int, ep: int) -> dict | None:
 
 def _score_rank(split, directory: str, dtype: str, ids: list[int]) -> dict:
     """One rank: its share of the checkpoint, the split forward (every rank gets the logits)."""
-    from kvmesh.checkpoint_dir import is_v41
     from services.engine.model.deepseek_v4 import score as scoring
-    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint, load_v41_checkpoint
-    from services.engine.model.deepseek_v4.parallel import (
-        Groups,
-        ParallelV4Model,
-        ParallelV41Model,
-    )
 
-    if is_v41(directory):
-        cfg41, weights = load_v41_checkpoint(directory, DTYPES[dtype], split)
-        model = ParallelV41Model(cfg41, weights, DTYPES[dtype], split, Groups(split))
-    else:
-        cfg, weights = load_checkpoint(directory, DTYPES[dtype], split)
-        model = ParallelV4Model(cfg, weights, DTYPES[dtype], split, Groups(split))
-    return scoring.score(model, ids)
+    return scoring.score(scoring.load_model(directory, DTYPES[dtype], split), ids)
 
 
 def _score(args) -> int:

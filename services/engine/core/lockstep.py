@@ -65,7 +65,7 @@ def _channel():
     return dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT)
 
 
-def _send(group, message: tuple) -> None:
+def _broadcast(group, message: tuple) -> None:
     box: list[Any] = [message]
     dist.broadcast_object_list(box, src=0, group=group)
 
@@ -102,7 +102,7 @@ class Leader:
 
     def _send(self, message: tuple) -> None:
         try:
-            _send(self._group, message)
+            _broadcast(self._group, message)
         except RuntimeError as exc:
             self._broken(exc)
             raise

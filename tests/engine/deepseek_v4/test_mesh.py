@@ -47,19 +47,24 @@ def _stats(address: str) -> dict:
     return _engine_call(address, lambda c: c.stats())
 
 
+def _written_and_published(address: str, timeout_s: float = 30.0) -> None:
+    """Wait until the engine has written 2 blocks through to the kvstore and published a
+    snapshot to the directory (both run beside the engine)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = _stats(address)
+        if s.get("kvstore_blocks_written", 0) >= 2 and s.get("directory_published", 0) >= 1:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"engine {address} did not write its blocks and publish: {_stats(address)}")
+
+
 def test_one_engines_blocks_and_snapshot_make_the_others_hit(mesh):
     m, _, hf = mesh
     a, b = (m.endpoints[n] for n in m.engine_names)
     first = random_prompt(300, seed=31)
     _engine_call(a, lambda c: c.complete(first, max_tokens=2, temperature=0.0, ignore_eos=True))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:       # write-through and publish run beside the engine
-        s = _stats(a)
-        if s.get("kvstore_blocks_written", 0) >= 2 and s.get("directory_published", 0) >= 1:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"engine a did not write its blocks and publish: {_stats(a)}")
+    _written_and_published(a)
     second = first[:256] + random_prompt(40, seed=32)
     ids, _, last = _engine_call(b, lambda c: c.complete(second, max_tokens=16, temperature=0.0,
                                                         ignore_eos=True))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from services.engine.model.deepseek_v4 import hyper
 from services.engine.model.deepseek_v4.attention import attend, grouped_output, window_visible
 from services.engine.model.deepseek_v4.compressor import visible
+from services.engine.model.deepseek_v4.moe import moe_v41
 from services.engine.model.deepseek_v4.numerics import apply_rope
 from services.engine.model.deepseek_v4.v41_cached import SequenceState, extend
 from services.engine.model.deepseek_v4.v41_forward import (
@@ -24,7 +25,6 @@ from services.engine.model.deepseek_v4.v41_forward import (
     compress,
     index_query,
     index_scores,
-    moe,
     norm,
     select,
 )
@@ -73,6 +73,6 @@ def truncated_window_logits(m: V41Model, prompt: list[int], hit: int) -> torch.T
         streams = hyper.expand(streams, out, post, comb)
         ffn_pre, post, comb = m._mix(streams, w, "hc_ffn")
         x = norm(hyper.collapse(streams, attn_pre), w["ffn_norm.weight"], cfg.rms_eps)
-        streams = hyper.expand(streams, moe(cfg, m.ffn[i], x), post, comb)
+        streams = hyper.expand(streams, moe_v41(cfg, m.ffn[i], x), post, comb)
         pre = ffn_pre
     return m.head(streams, pre)

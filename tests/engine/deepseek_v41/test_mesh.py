@@ -6,15 +6,13 @@ a prefill engine to a decode engine over gRPC."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from launch.mesh import Mesh, MeshConfig
 from services.engine.model.deepseek_v4.v41_forward import V41Model
 from tests.engine.deepseek_v4.test_engine import word_tokenizer
-from tests.engine.deepseek_v4.test_mesh import _engine_call, _stats
+from tests.engine.deepseek_v4.test_mesh import _engine_call, _stats, _written_and_published
 from tests.engine.deepseek_v41 import tiny
 from tests.engine.deepseek_v41.test_engine import greedy, random_prompt
 
@@ -53,14 +51,7 @@ def test_one_engines_blocks_and_snapshot_make_the_others_hit(mesh):
     a, b = (m.endpoints[n] for n in m.engine_names)
     first = random_prompt(300, seed=31)
     _engine_call(a, lambda c: c.complete(first, max_tokens=2, temperature=0.0, ignore_eos=True))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:       # write-through and publish run beside the engine
-        s = _stats(a)
-        if s.get("kvstore_blocks_written", 0) >= 2 and s.get("directory_published", 0) >= 1:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"engine a did not write its blocks and publish: {_stats(a)}")
+    _written_and_published(a)
     second = first[:256] + random_prompt(40, seed=32)      # the decoder's cut: 296 - 134 = 162
     ids, _, last = _engine_call(b, lambda c: c.complete(second, max_tokens=12, temperature=0.0,
                                                         ignore_eos=True))

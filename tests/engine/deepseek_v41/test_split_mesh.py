@@ -7,15 +7,13 @@ test_split_serve.py.)"""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
 from kvmesh.proto import gateway_pb2_grpc
 from launch.mesh import Mesh, MeshConfig
 from services.gateway.client import gateway_request
-from tests.engine.deepseek_v4.test_mesh import _engine_call, _stats
+from tests.engine.deepseek_v4.test_mesh import _engine_call, _stats, _written_and_published
 from tests.engine.deepseek_v41.test_engine import greedy, random_prompt
 from tests.engine.deepseek_v41.test_mesh import TRUNCATION, _checkpoint
 
@@ -40,14 +38,7 @@ def test_split_engines_share_blocks_and_snapshots_through_the_mesh(mesh):
     a, b = (m.endpoints[n] for n in m.engine_names)
     first = random_prompt(300, seed=51)
     _engine_call(a, lambda c: c.complete(first, max_tokens=2, temperature=0.0, ignore_eos=True))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:       # write-through and publish run beside the engine
-        s = _stats(a)
-        if s.get("kvstore_blocks_written", 0) >= 2 and s.get("directory_published", 0) >= 1:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"engine a did not write its blocks and publish: {_stats(a)}")
+    _written_and_published(a)
     second = first[:256] + random_prompt(40, seed=52)
     ids, _, last = _engine_call(b, lambda c: c.complete(second, max_tokens=12, temperature=0.0,
                                                         ignore_eos=True))

@@ -3,6 +3,7 @@
 Routing: scores s = sqrtsoftplus(gate(x)) (or sigmoid). `moe` layers pick the top k of
 s + bias (the bias only chooses); `hash_moe` layers take the experts fixed per token id
 (`tid2eid`). The chosen scores, normalized and times `routed_scale`, weight the experts.
+V4.1 (`route_v41`, `moe_v41`) divides the gate's logits by a temperature and has no hash layers.
 Experts are SwiGLU with the gate clamped from above and the up projection clamped both ways.
 
 Tokens are sorted by expert and each product is one grouped call over all experts' rows
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from kernels.moe import grouped_linear
 from services.engine.model.deepseek_v4.config import HASH, V4Config
+from services.engine.model.deepseek_v4.v41_config import V41Config
 
 
 def route(cfg: V4Config, kind: str, w: dict, x: torch.Tensor, ids: torch.Tensor):
@@ -69,5 +71,26 @@ def shared(x: torch.Tensor, w: dict, limit: float) -> torch.Tensor:
 def moe(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """One MoE sub-block. w: the layer's weights under `ffn.`; x [N, D]; ids [N]."""
     experts, weights = route(cfg, cfg.mlp_kinds[layer], w, x, ids)
+    out = routed(x, experts, weights, w["experts.w13"], w["experts.w2"], cfg.swiglu_limit)
+    return out + shared(x, w, cfg.swiglu_limit)
+
+
+def route_v41(cfg: V41Config, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4.1's routing (scores over a gate temperature, no hash layers): x [S, D] -> each
+    token's experts [S, k] (chosen by score + gate.bias) and their
+    weights [S, k] (from the scores alone); w: the layer's weights under `ffn.`."""
+    logits = F.linear(x, w["gate.weight"]) / cfg.gate_temp
+    scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else logits.sigmoid()
+    experts = torch.topk(scores + w["gate.bias"], cfg.experts_per_token, dim=-1, sorted=False).indices
+    weights = scores.gather(1, experts)
+    return experts, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scale
+
+
+def moe_v41(cfg: V41Config, w: dict, x: torch.Tensor, experts: torch.Tensor | None = None,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """V4.1's MoE sub-block; w: the layer's weights under `ffn.`. experts, weights: `route_v41`'s
+    choice when the caller already made it (training counts the experts' loads)."""
+    if experts is None:
+        experts, weights = route_v41(cfg, w, x)
     out = routed(x, experts, weights, w["experts.w13"], w["experts.w2"], cfg.swiglu_limit)
     return out + shared(x, w, cfg.swiglu_limit)

@@ -31,10 +31,9 @@ import torch.nn.functional as F
 
 from services.engine.model.deepseek_v4.config import V4Config
 from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.moe import route, routed_pairs, shared
+from services.engine.model.deepseek_v4.moe import route, route_v41, routed_pairs, shared
 from services.engine.model.deepseek_v4.v41_config import V41Config
 from services.engine.model.deepseek_v4.v41_forward import V41Model
-from services.engine.model.deepseek_v4.v41_forward import route as v41_route
 
 
 @dataclass(frozen=True)
@@ -211,7 +210,7 @@ class ParallelV41Model(_Shares, V41Model):
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         w = self.ffn[i]
-        experts, weights = v41_route(self.cfg, w, x)
+        experts, weights = route_v41(self.cfg, w, x)
         return self._moe_share(x, experts, weights, w, self.cfg.swiglu_limit)
 
 

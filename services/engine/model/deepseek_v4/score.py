@@ -21,12 +21,23 @@ from services.engine.model.deepseek_v4.v41_config import V41Config
 from services.engine.model.deepseek_v4.v41_forward import V41Model
 
 
-def load_model(directory: str | Path, dtype: torch.dtype) -> V4Model | V41Model:
-    """The checkpoint's full forward: DeepSeek V4's, or V4.1's by config.json's model_type."""
+def load_model(directory: str | Path, dtype: torch.dtype, split=None) -> V4Model | V41Model:
+    """The checkpoint's full forward: DeepSeek V4's, or V4.1's by config.json's model_type;
+    given a split (parallel.Split, its process group started), this rank's share of it."""
+    if split is not None:
+        from services.engine.model.deepseek_v4.parallel import (
+            Groups,
+            ParallelV4Model,
+            ParallelV41Model,
+        )
     if is_v41(directory):
-        cfg41, weights = load_v41_checkpoint(directory, dtype)
+        cfg41, weights = load_v41_checkpoint(directory, dtype, split)
+        if split is not None:
+            return ParallelV41Model(cfg41, weights, dtype, split, Groups(split))
         return V41Model(cfg41, weights, dtype)
-    cfg, weights = load_checkpoint(directory, dtype)
+    cfg, weights = load_checkpoint(directory, dtype, split)
+    if split is not None:
+        return ParallelV4Model(cfg, weights, dtype, split, Groups(split))
     return V4Model(cfg, weights, dtype)
 
 

@@ -35,7 +35,7 @@ from services.engine.model.deepseek_v4 import hyper, window_rows
 from services.engine.model.deepseek_v4.attention import attend, grouped_output, window_visible
 from services.engine.model.deepseek_v4.compressor import visible
 from services.engine.model.deepseek_v4.forward import RopeTables
-from services.engine.model.deepseek_v4.moe import routed, shared
+from services.engine.model.deepseek_v4.moe import moe_v41
 from services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm
 from services.engine.model.deepseek_v4.v41_config import V41Config
 
@@ -273,26 +273,6 @@ def attend_span(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions:
     return o, out_shared, LayerState(kv, own)
 
 
-def route(cfg: V41Config, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [S, D] -> each token's experts [S, k] (chosen by score + gate.bias) and their
-    weights [S, k] (from the scores alone); w: the layer's weights under `ffn.`."""
-    logits = F.linear(x, w["gate.weight"]) / cfg.gate_temp
-    scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else logits.sigmoid()
-    experts = torch.topk(scores + w["gate.bias"], cfg.experts_per_token, dim=-1, sorted=False).indices
-    weights = scores.gather(1, experts)
-    return experts, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scale
-
-
-def moe(cfg: V41Config, w: dict, x: torch.Tensor,
-        experts: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """One MoE sub-block; w: the layer's weights under `ffn.`. experts, weights: `route`'s
-    choice when the caller already made it (training counts the experts' loads)."""
-    if experts is None:
-        experts, weights = route(cfg, w, x)
-    out = routed(x, experts, weights, w["experts.w13"], w["experts.w2"], cfg.swiglu_limit)
-    return out + shared(x, w, cfg.swiglu_limit)
-
-
 class V41Model:
     """A loaded DeepSeek V4.1 text model: config, weights (read-only) and RoPE tables.
     rows: the window-row format of the ledgers it serves with (`attention`'s rows); None,
@@ -403,7 +383,7 @@ class V41Model:
         return out
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        return moe(self.cfg, self.ffn[i], x)
+        return moe_v41(self.cfg, self.ffn[i], x)
 
     def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.weights["head.weight"])
