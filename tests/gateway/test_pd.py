@@ -19,7 +19,7 @@ import pytest
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from services.engine.rpc.client import generate_request
-from tests.engine.helpers import random_prompt
+from tests.engine.engines import random_prompt
 from tests.gateway.conftest import TEST_MESH
 
 MESH_OVERRIDES = dict(engines=3, pd=True, num_blocks=96)

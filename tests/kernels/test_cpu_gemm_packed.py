@@ -119,17 +119,3 @@ def test_the_entry_goes_with_its_weight():
     del w
     gc.collect()
     assert key not in cpu_gemm._packed
-
-
-def test_the_runner_packs_the_weights_its_products_use():
-    from services.engine.config import small_test_config
-    from services.engine.core.sampling import SamplingParams
-    from tests.engine.helpers import make_engine, run_to_completion
-
-    core = make_engine(small_test_config(), dtype="float32")
-    core.add_request(list(range(40)), SamplingParams(max_tokens=3, ignore_eos=True))
-    run_to_completion(core)
-    w = core.runner.w
-    packed = {name for name, t in w.items() if (cpu_gemm._packed.get(id(t)) or None) is not None}
-    assert "lm_head" in packed and "layers.0.wq" in packed and "layers.0.w2" in packed
-    assert "embed" not in packed                  # a lookup table, never a product's weight

@@ -1,5 +1,5 @@
 """A request hashes each of its blocks once (admission, commits and a prefetch share one
-chain); the model fingerprint is computed once per config, not per admission."""
+chain); the model fingerprint is computed once per engine, not per admission."""
 
 from __future__ import annotations
 
@@ -8,14 +8,11 @@ import json
 import pytest
 
 from kvmesh import cachekeys
-from services.engine import config as config_mod
 from services.engine.cache.prefetch import Prefetched
-from services.engine.config import small_test_config
 from services.engine.core.sampling import SamplingParams
-from tests.engine.helpers import make_engine, random_prompt, run_to_completion
+from tests.engine.engines import random_prompt, run_to_completion, shipped_engine
 
-CFG = small_test_config()          # block 16, W 16; KEEP 22
-BS = CFG.block_size
+BS = 128
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
@@ -38,42 +35,43 @@ def blocks_of(tokens: list[int], n: int) -> list[tuple[int, ...]]:
 
 
 def serve(engine, prompt, prefetched=None):
-    seq = engine.add_request(prompt, PARAMS, prefetched=prefetched)
+    req = engine.add_request(prompt, PARAMS, prefetched=prefetched)
     run_to_completion(engine)
-    return seq
+    return req
 
 
 def test_cold_request_hashes_each_block_once(hashed):
-    engine = make_engine(CFG, truncation="compact", keep_tokens=22)
-    prompt = random_prompt(100, 3)
-    seq = serve(engine, prompt)
-    # 100 + 20 tokens, the last sampled one never computed: 119 // 16 = 7 complete blocks.
-    # Admission hashes the 4 within the cap (100 - 22), commits the other 3, none twice.
-    assert hashed == blocks_of(seq.tokens, 7)
-    assert seq.block_hashes == cachekeys.chain(seq.tokens[:7 * BS], BS, CFG.fingerprint())
+    engine = shipped_engine()
+    prompt = random_prompt(400, 3)
+    req = serve(engine, prompt)
+    tokens = req.prompt + req.output
+    # 400 + 20 tokens, the last sampled one never computed: 419 // 128 = 3 complete blocks,
+    # each hashed exactly once between admission and the decode steps' commits
+    assert len(req.output) == 20
+    assert hashed == blocks_of(tokens, 3)
+    assert req.chain[:3] == cachekeys.chain(tokens[:3 * BS], BS, engine.cfg.fingerprint())
 
 
 def test_warm_request_and_prefetch_reuse_the_chain(hashed):
-    engine = make_engine(CFG, truncation="compact", keep_tokens=22)
-    serve(engine, random_prompt(100, 3))
+    engine = shipped_engine()
+    serve(engine, random_prompt(400, 3))
     hashed.clear()
-    prompt = random_prompt(100, 3)[:64] + random_prompt(36, 4)
-    view = engine.cache.local_view(prompt, "")                  # what a prefetch computes
-    assert view.n_local == 4 and hashed == blocks_of(prompt, 4)
-    seq = serve(engine, prompt, Prefetched(hashes=view.hashes))
-    assert seq.cached_tokens == 64
-    assert hashed == blocks_of(seq.tokens, 7)                    # 4 by the prefetch, 3 commits
+    prompt = random_prompt(400, 3)[:256] + random_prompt(144, 4)
+    view = engine.local_view(prompt, "")                        # what a prefetch computes
+    assert view.n_local == 2 and hashed == blocks_of(prompt, 3)
+    req = serve(engine, prompt, Prefetched(hashes=view.hashes))
+    assert req.cached_tokens == 256
+    assert hashed == blocks_of(prompt, 3)                       # nothing hashed twice
 
 
-def test_fingerprint_is_computed_once_per_config(monkeypatch):
-    cfg = small_test_config()                 # a new config object: fingerprinted once, here
-    want = cachekeys.model_fingerprint(json.loads(cfg.to_json()))   # what a gateway computes
+def test_fingerprint_is_computed_once_per_engine(monkeypatch):
+    engine = shipped_engine()
+    want = cachekeys.model_fingerprint(json.loads(engine.cfg.to_json()))  # what a gateway computes
 
     def recomputed(fields):
         raise AssertionError("model fingerprint recomputed after construction")
 
-    monkeypatch.setattr(config_mod, "model_fingerprint", recomputed)
-    engine = make_engine(cfg, truncation="compact", keep_tokens=22)
-    serve(engine, random_prompt(100, 5))
-    again = serve(engine, random_prompt(100, 5))
-    assert again.cached_tokens == 64 and cfg.fingerprint() == want
+    monkeypatch.setattr(cachekeys, "model_fingerprint", recomputed)
+    serve(engine, random_prompt(300, 5))
+    again = serve(engine, random_prompt(300, 5))
+    assert again.cached_tokens == 256 and engine.cfg.fingerprint() == want

@@ -12,18 +12,16 @@ import threading
 
 import pytest
 
-from services.engine.config import small_test_config
 from services.engine.core.async_engine import AsyncEngine
 from services.engine.core.sampling import SamplingParams
-from tests.engine.helpers import make_engine, random_prompt
+from tests.engine.engines import random_prompt, shipped_engine
 
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture()
 def engine():
-    eng = AsyncEngine(make_engine(small_test_config(), dtype="float32", num_slots=4,
-                                  num_blocks=64))
+    eng = AsyncEngine(shipped_engine("--num-slots", "4", "--num-blocks", "64"))
     yield eng
     eng.shutdown()
 

@@ -2,7 +2,7 @@
 
 A second engine given prompt + the first k generated tokens with `resume=k` must go on
 exactly as the uninterrupted run: the same tokens (greedy and seeded sampling), logits
-within float64 noise, the same text in total (held-back stop-string text included), and
+(each token's top-5 log-probabilities) within float64 noise, the same text in total (held-back stop-string text included), and
 the same finish.
 """
 
@@ -11,28 +11,31 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.errors import InvalidArgument
-from services.engine.config import small_test_config
 from services.engine.core.output import OutputState
 from services.engine.core.sampling import SamplingParams
-from tests.engine.helpers import make_engine, random_prompt
+from tests.engine.engines import random_prompt, shipped_engine
 
-CFG = small_test_config()
+
+def make_engine():
+    return shipped_engine("--dtype", "float64", "--num-slots", "2", "--num-blocks", "128")
 
 
 def run(prompt, params, resume=0):
-    """(tokens, text, finish, logits) of one request on a fresh float64 engine."""
-    engine = make_engine(CFG, num_slots=2, num_blocks=128)
+    """(tokens, text, finish, log-probabilities) of one request on a fresh float64 engine."""
+    engine = make_engine()
     seq = engine.add_request(prompt, params, request_id="r", resume=resume)
-    text = []
+    text, logprobs = [], []
     while engine.has_work:
         for ev in engine.step():
             text.append(ev.text)
+            logprobs.extend(ev.logprobs or [])
         engine.check_integrity()
-    return seq.output, "".join(text), seq.finish, engine.logits.get("r", [])
+    return seq.output, "".join(text), seq.finish, logprobs
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-SEEDED = SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+SEEDED = SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=24, ignore_eos=True,
+                        logprobs=5)
 
 
 @pytest.mark.parametrize("params,k", [(GREEDY, 1), (GREEDY, 17), (SEEDED, 23)],
@@ -47,8 +50,10 @@ def test_resume_continues_exactly(params, k):
     assert first == full[:k]
     out, text, fin, logits = run(prompt + first, params, resume=k)
     assert out == full and fin == finish
-    diff = max(float((a - b).abs().max()) for a, b in zip(logits, full_logits[k:], strict=True))
-    assert diff <= 1e-9, diff
+    assert len(logits) == len(full) - k
+    for a, b in zip(logits, full_logits[k:], strict=True):
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top, strict=True)) <= 1e-9
     # Its text is everything the first engine had not sent yet.
     sent = engine_sent_text(prompt, params, k)
     assert sent + text == full_text
@@ -56,7 +61,7 @@ def test_resume_continues_exactly(params, k):
 
 def engine_sent_text(prompt, params, k) -> str:
     """Text an engine sent after its first k tokens of `params` (stop holds included)."""
-    engine = make_engine(CFG, num_slots=2, num_blocks=128)
+    engine = make_engine()
     engine.add_request(prompt, params, request_id="s")
     sent, seen = [], 0
     while seen < k:
@@ -75,7 +80,7 @@ def test_resume_across_a_held_stop_string():
     sp = SamplingParams(**{**GREEDY.__dict__, "stop": (stop,)})
     one, one_text, one_finish, _ = run(prompt, sp)
     # Cut where the engine holds text back (it may start the stop string).
-    tokenizer = make_engine(CFG, num_slots=1, num_blocks=8).tokenizer
+    tokenizer = make_engine().tokenizer
     state = OutputState(sp, tokenizer.eos_id, tokenizer.stream())
     k = next(i + 1 for i, t in enumerate(one) if state.push(t, i + 1) and state.stops.hold)
     assert k < len(one)
@@ -86,7 +91,7 @@ def test_resume_across_a_held_stop_string():
 
 
 def test_resume_refuses_what_cannot_continue():
-    engine = make_engine(CFG, num_slots=2, num_blocks=128)
+    engine = make_engine()
     p = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises(InvalidArgument, match="resume_generated"):
         engine.add_request([1, 2, 3], p, resume=4)

@@ -1,5 +1,6 @@
 """Handoff over real gRPC sockets: a prefill engine (ring 396) hands a request to a decode
-engine (ring 134) through FetchHandoff; the tokens equal a unified engine's. A handoff
+engine (ring 134) through FetchHandoff; the tokens equal a unified engine's (the shipped
+model in float64). A handoff
 named wrongly (size, digest) or missing is refused with UNAVAILABLE (the gateway's cue to
 try elsewhere), never INTERNAL, and nothing is installed."""
 
@@ -10,32 +11,34 @@ import pytest
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import Server
-from services.engine.config import TINY
 from services.engine.core.async_engine import AsyncEngine
 from services.engine.core.sampling import SamplingParams
 from services.engine.rpc.client import EngineClient, generate_request
 from services.engine.rpc.server import SERVICE_NAME
 from services.engine.rpc.service import EngineServicer
-from tests.engine.helpers import make_engine, random_prompt, run_to_completion
+from tests.engine.engines import random_prompt, run_to_completion, shipped_engine
 from tests.loop import LoopThread
 
-KW = dict(truncation="compact", keep_tokens=134, num_blocks=64, num_slots=4, long_prefill_chunk=33)
+FLAGS = ("--dtype", "float64", "--truncation", "compact", "--keep-tokens", "134",
+         "--num-blocks", "64", "--num-slots", "4", "--long-prefill-chunk", "33")
+
+
+def make_engine(*flags: str):
+    return shipped_engine(*FLAGS, *flags)
 
 
 class Pair(LoopThread):
-    """A PE and a CE server on one loop, same float64 weights; a unified core for reference."""
+    """A PE and a CE server on one loop; a unified core for reference."""
 
     def __init__(self):
         super().__init__()
-        self.pe_core = make_engine(TINY, extra_state=True, role="prefill", speculative="ngram:4",
-                                   **KW)     # accepts any mode a request asks for
-        w = self.pe_core.weights
-        self.ce_core = make_engine(TINY, weights=w, role="decode", **KW)
-        self.unified = make_engine(TINY, weights=w, **KW)
+        self.pe_core = make_engine("--extra-state", "--role", "prefill",
+                                   "--speculative", "ngram:4")  # accepts any mode a request asks for
+        self.ce_core = make_engine("--role", "decode")
+        self.unified = make_engine()
         # a decode engine whose own default speculates, and a unified one that may
-        self.ce_spec_core = make_engine(TINY, weights=w, role="decode", speculative="ngram:4",
-                                        **KW)
-        self.unified_spec = make_engine(TINY, weights=w, speculative="ngram:4", **KW)
+        self.ce_spec_core = make_engine("--role", "decode", "--speculative", "ngram:4")
+        self.unified_spec = make_engine("--speculative", "ngram:4")
         self.engines = [AsyncEngine(c) for c in (self.pe_core, self.ce_core, self.ce_spec_core)]
         self.servers = [self.run(self._server(e)) for e in self.engines]
         self.pe, self.ce, self.ce_spec = (f"127.0.0.1:{s.port}" for s in self.servers)
@@ -98,7 +101,7 @@ def test_tokens_over_grpc_equal_a_unified_engine(pair, n, sampling):
     last = first[-1]
     assert last.finish_reason == 4 and len(last.token_ids) == 1       # FINISH_REASON_HANDOFF
     info = last.handoff
-    assert info.state_bytes == 2_343_168 and info.blocks == -(-n // 128)
+    assert info.state_bytes == pair.ce_core.handoff_state_bytes and info.blocks == -(-n // 128)
     rest = pair.run(_decode(pair.ce_client, _source(pair, rid, info)))
     tokens = [t for m in first + rest for t in m.token_ids]
     assert rest[-1].usage.generated_tokens == 6 and rest[-1].usage.prompt_tokens == n
@@ -139,7 +142,7 @@ def test_the_decode_engine_samples_with_the_requests_speculative_mode(pair, ce_d
 def test_damaged_or_missing_handoffs_are_unavailable_not_internal(pair):
     rid = "bad"
     first = pair.run(_prefill(pair.pe_client, random_prompt(260, 5), rid, max_tokens=4,
-                              temperature=0.0))
+                              temperature=0.0, ignore_eos=True))
     info = first[-1].handoff
     before = pair.run(pair.ce_client.stats())
     cases = [dict(sha256="0" * 64),                       # damaged in transit / wrong bytes
@@ -174,7 +177,7 @@ def test_blocks_the_decode_engine_holds_are_not_sent(pair):
         want = pair.unified.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4))
         run_to_completion(pair.unified)
         assert [t for m in first + rest for t in m.token_ids] == want.output
-    block = pair.ce_core.cache.store.bytes_per_block()
+    block = pair.ce_core.block_bytes
     assert sent[0][1] == sent[0][0]                   # nothing held yet: everything moved
     assert sent[1][1] == sent[1][0] - 2 * block       # the 2 shared blocks stayed home
 
@@ -190,6 +193,6 @@ def test_fetch_handoff_of_an_unknown_request_is_not_found(pair):
 
 def test_decode_role_refuses_a_long_ring():
     with pytest.raises(ValueError, match="role decode"):
-        make_engine(TINY, extra_state=True, role="decode", **KW)
+        make_engine("--extra-state", "--role", "decode")
     with pytest.raises(ValueError, match="role prefill needs extra-state"):
-        make_engine(TINY, role="prefill", **KW)
+        make_engine("--role", "prefill", "--no-extra-state")

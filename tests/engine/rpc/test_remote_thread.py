@@ -1,4 +1,4 @@
-"""RemoteTiers runs on the event loop and reaches EngineCore only through the engine thread:
+"""RemoteTiers runs on the event loop and reaches the engine core only through the engine thread:
 its counters, the prefill speed it reads for the fetch-or-replay choice, and the hooks it
 installs. Here the kvstore is down (a real client to a port nobody listens on), so the
 prefetch counts a miss and the write-through counts failures, all from the event loop."""
@@ -10,13 +10,12 @@ import threading
 from collections import Counter
 
 from launch.backing.proc import free_port
-from services.engine.config import EngineConfig, small_test_config
 from services.engine.core.async_engine import AsyncEngine
-from services.engine.core.engine import EngineCore
 from services.engine.core.sampling import SamplingParams
+from services.engine.core.v4_engine import V4Engine
 from services.engine.rpc.remote import RemoteTiers
 from services.kvstore.client import KvstoreClient
-from tests.engine.helpers import random_prompt
+from tests.engine.engines import random_prompt, shipped_engine
 
 ENGINE_THREAD = "engine-loop"
 
@@ -33,14 +32,23 @@ class WatchedCounter(Counter):
         super().__setitem__(key, value)
 
 
-class WatchedCore(EngineCore):
-    """Records the thread of every access to the state RemoteTiers used to touch directly."""
+class WatchedCore(V4Engine):
+    """Records the thread of every access to the state RemoteTiers used to touch directly.
+    (An engine built as `engine serve` builds it, then given this class: construction
+    happens on the test thread and is not watched.)"""
 
-    def __init__(self, *a, **kw):
-        self.touched: set[str] = set()
-        super().__init__(*a, **kw)
-        self.touched.clear()                     # construction happens on the test thread
-        self.counters = WatchedCounter()
+    touched: set[str]
+
+    @classmethod
+    def watch(cls, core: V4Engine) -> WatchedCore:
+        core.__class__ = cls
+        assert isinstance(core, WatchedCore)
+        object.__setattr__(core, "touched", set())
+        counters = WatchedCounter()
+        dict.update(counters, core.counters)
+        core.counters = counters
+        core.touched.clear()
+        return core
 
     def _watch(self, name):
         if name in ("prefill_token_s", "hooks"):
@@ -58,10 +66,9 @@ class WatchedCore(EngineCore):
 
 
 def test_remote_tiers_touch_the_core_only_on_the_engine_thread():
-    cfg = small_test_config()
-    core = WatchedCore(cfg, EngineConfig(truncation="compact", keep_tokens=22))
+    core = WatchedCore.watch(shipped_engine())
     engine = AsyncEngine(core)
-    prompt = random_prompt(100, 71)
+    prompt = random_prompt(300, 71)
 
     async def main():
         kvstore = KvstoreClient(f"127.0.0.1:{free_port()}")

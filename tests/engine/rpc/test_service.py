@@ -12,21 +12,20 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvmesh.proto import engine_pb2_grpc
 from kvmesh.rpc import Server
-from services.engine.config import small_test_config
 from services.engine.core.async_engine import AsyncEngine
 from services.engine.rpc.client import EngineClient, generate_request
 from services.engine.rpc.server import SERVICE_NAME
 from services.engine.rpc.service import EngineServicer
-from tests.engine.helpers import make_engine
+from tests.engine.engines import shipped_engine
 from tests.loop import LoopThread
 
 
 class EngineHarness(LoopThread):
     """An engine server and a client on one event loop in a background thread."""
 
-    def __init__(self, **ecfg):
+    def __init__(self, *flags: str):
         super().__init__()
-        self.core = make_engine(small_test_config(), dtype="float32", **ecfg)
+        self.core = shipped_engine(*flags)
         self.engine = AsyncEngine(self.core)
         self.server = self.run(self._server())
         self.address = f"127.0.0.1:{self.server.port}"
@@ -59,7 +58,7 @@ async def wait_idle(h, tries: int = 200) -> dict:
 
 @pytest.fixture(scope="module")
 def h():
-    harness = EngineHarness(num_slots=4, num_blocks=256)
+    harness = EngineHarness("--num-slots", "4", "--num-blocks", "256")
     yield harness
     harness.close()
 
@@ -68,7 +67,7 @@ def test_stream_and_usage(h):
     ids, text, last = h.run(h.client.complete("hello engine", max_tokens=9, temperature=0.0))
     assert len(ids) == 9
     assert last.finish_reason == 1  # LENGTH
-    assert last.usage.prompt_tokens == len(b"hello engine")
+    assert last.usage.prompt_tokens == len(h.core.tokenizer.encode("hello engine"))
     assert last.usage.generated_tokens == 9
 
 
@@ -83,7 +82,7 @@ def test_greedy_is_repeatable_and_seeded_sampling_too(h):
 
 BAD = [
     (dict(prompt=""), "prompt is empty"),
-    (dict(prompt=[1] * 5000), "exceeds the model's maximum"),
+    (dict(prompt=[1] * 70_000), "exceeds the model's maximum"),
     (dict(prompt="x", max_tokens=0), "max_tokens must be > 0"),
     (dict(prompt="x", max_tokens=-3), "max_tokens must be > 0"),
     (dict(prompt="x", temperature=-0.5), "temperature"),
@@ -92,7 +91,7 @@ BAD = [
     (dict(prompt="x", top_p=0.0), "top_p"),
     (dict(prompt="x", top_p=1.5), "top_p"),
     (dict(prompt="x", top_p=math.nan), "top_p"),
-    (dict(prompt=[1, 99999]), "outside"),
+    (dict(prompt=[1, 999_999]), "outside"),
     (dict(prompt="x", traffic_class=7), "traffic_class"),   # a number outside the enum
     (dict(prompt="x", stop=[""]), "stop strings"),
 ]
@@ -156,5 +155,5 @@ def test_health_and_reflection(h):
 
 def test_model_info_names_cache_contents(h):
     info = h.run(h.client.model_info())
-    assert info.block_size == 16 and info.model_fingerprint == h.core.cfg.fingerprint()
+    assert info.block_size == 128 and info.model_fingerprint == h.core.cfg.fingerprint()
     assert len(info.layout_fingerprint) == 16
