@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 
 import pytest
 
-from services.engine.cache.snapshot_keys import prefix_snapshot_keys
-from services.engine.config import TINY
+from kvmesh import cachekeys
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore, GatewayRequest, ModelInfo
 from services.gateway.model import GenRequest
 from services.gateway.service import loop_name, run
 
+# the served model's fields a GetModelInfo answer carries (the shipped model's geometry)
+MODEL = {"name": "deepseek-v41-tiny", "model_type": "deepseek_v41", "vocab_size": 4096,
+         "block_size": 128, "window": 128, "max_seq_len": 65536, "config": {"hidden_size": 256}}
+
 
 class _Msg:
     """A GetModelInfo answer: every fake engine of these tests answers as the same engine."""
-    model_config_json = TINY.to_json()
+    model_config_json = json.dumps(MODEL)
     layout_fingerprint = "0123456789abcdef"
     model_fingerprint = "fedcba9876543210"
     engine_id = "engine-1"
@@ -31,20 +35,23 @@ async def model_info(address, timeout=2.0):
 
 
 INFO = ModelInfo(_Msg())
-BS = TINY.block_size
+BS = MODEL["block_size"]
+W = MODEL["window"]
 
 
 @pytest.mark.parametrize("n", [0, 1, BS - 1, BS, BS + 5, 3 * BS, 3 * BS + 7])
 @pytest.mark.parametrize("salt", ["", "tenant-a"])
 def test_snapshot_keys_match_prefix_snapshot_keys(n, salt):
-    ids = [(7 * i) % TINY.vocab_size for i in range(n)]
-    want = [k for _, k in prefix_snapshot_keys(ids, TINY, _Msg.layout_fingerprint, salt)]
+    ids = [(7 * i) % MODEL["vocab_size"] for i in range(n)]
+    fp = cachekeys.model_fingerprint(MODEL)
+    want = [k for _, k in cachekeys.prefix_snapshot_keys(ids, BS, fp, _Msg.layout_fingerprint,
+                                                         salt)]
     assert INFO.snapshot_keys(ids, salt) == want
 
 
 def test_lookup_only_keys_an_engine_could_restore():
     # A snapshot at S is usable only if S <= L - KEEP, and KEEP >= window.
-    w = TINY.window
+    w = W
     assert INFO.lookup_count(BS - 1) == 0
     assert INFO.lookup_count(BS + w - 1) == 0        # one key (affinity), no Lookup
     assert INFO.lookup_count(BS + w) == 1
@@ -74,7 +81,7 @@ def test_directory_asked_only_for_restorable_keys_and_affinity_keeps_all():
     async def go():
         core = GatewayCore(GatewayConfig(engines="127.0.0.1:1"), pool=Pool())
         core.directory, core.info = Directory(), INFO
-        for n in (BS - 1, BS + 10, 2 * BS + TINY.window + 1):
+        for n in (BS - 1, BS + 10, 2 * BS + W + 1):
             req = GenRequest("", "a" * n, None, max_tokens=1)
             assert [c.text async for c in core.open(req)] == ["x"]
             await asyncio.sleep(0)  # let the deferred report run
@@ -82,7 +89,7 @@ def test_directory_asked_only_for_restorable_keys_and_affinity_keeps_all():
 
     core = asyncio.run(go())
     # 127 tokens: no keys; 138: one key, not restorable; 385: keys 128, 256 restorable
-    assert asked == [INFO.snapshot_keys([97] * (2 * BS + TINY.window + 1), "")[:2]]
+    assert asked == [INFO.snapshot_keys([97] * (2 * BS + W + 1), "")[:2]]
     # every boundary key is remembered: 128 (shared by both prompts), 256, 384
     assert set(core.router.affinity) == set(INFO.snapshot_keys([97] * (3 * BS), ""))
 

@@ -54,7 +54,7 @@ class Tiers:
 
     def start_engine(self, name, wait=False):
         self._spawn(name, ["engine", "serve", "--host", "127.0.0.1", "--port", str(self.ports[name]),
-                           "--engine-id", f"engine-{name}", "--preset", "tiny", "--random-weights",
+                           "--engine-id", f"engine-{name}",
                            "--truncation", "compact", "--keep-tokens", "134",
                            "--num-slots", "4", "--num-blocks", "96",
                            "--directory", self.addr["directory"], "--kvstore", self.addr["kvstore"],

@@ -10,8 +10,7 @@ import time
 
 import torch
 
-from services.engine.cache.snapshot_keys import block_keys
-from services.engine.config import TINY
+from kvmesh import cachekeys
 
 BS = 128
 
@@ -34,13 +33,16 @@ BASE = prompt(700, 1)
 
 
 def test_engine_b_resumes_from_engine_a_snapshot_exactly(tiers):
-    """A computes a 300-token prompt (stores the window at 256, writes blocks through).
+    """A computes a 400-token prompt (stores the window at 256, the last boundary at least
+    KEEP = 134 before its end; writes its 3 blocks through).
     B, with an empty ledger, takes the blocks from the kvstore and the window from A."""
-    tiers.generate("a", BASE[:300], max_tokens=1)
-    wait_for(lambda: tiers.stats("a").get("kvstore_blocks_written", 0) >= 2, what="write-through")
+    tiers.generate("a", BASE[:400], max_tokens=1)
+    wait_for(lambda: tiers.stats("a").get("kvstore_blocks_written", 0) >= 3, what="write-through")
     wait_for(lambda: tiers.stats("a").get("directory_published", 0) >= 1, what="publish")
-    keys = block_keys(BASE[:300], TINY)
-    assert tiers.loop.run(tiers.kvstore.lookup(keys)) == 2
+    info = tiers.loop.run(tiers.engines["a"].model_info())
+    assert info.block_size == BS
+    keys = cachekeys.block_keys(BASE[:400], BS, info.model_fingerprint)
+    assert tiers.loop.run(tiers.kvstore.lookup(keys)) == 3
 
     question = BASE[:256] + prompt(150, 2)        # cap 406 - 134 = 272 -> L1 = 256
     ids_a, _, last_a = tiers.generate("a", question, max_tokens=12)
