@@ -45,10 +45,8 @@ class MeshConfig:
     metrics_port: int = 0
     http_port: int = 0               # gateway OpenAI-compatible HTTP API; 0 = a free port, -1 = off
     log_dir: Path = Path(".kvmesh/logs")
-    preset: str = "tiny"
     # The checkpoint directory the engines serve (--model): the shipped default unless
-    # given; "" = V4-mini's `preset` (retiring). The gateway tokenizes with its
-    # tokenizer.json and renders its chat encoding.
+    # given. The gateway tokenizes with its tokenizer.json and renders its chat encoding.
     model: str = str(DEFAULT_MODEL)
     # Engine settings every engine gets (`kvmesh up` flags of the same names); "" = the
     # engine's default. tokenizer goes to the gateway too (its routing keys, chat template).
@@ -116,7 +114,7 @@ class MeshConfig:
 def engine_argv(cfg: MeshConfig, engine_id: str, port: int, directory: str, kvstore: str,
                 role: str = "unified") -> list[str]:
     """The one place that decides how engines are launched."""
-    model = ["--model", cfg.model] if cfg.model else ["--preset", cfg.preset]
+    model = ["--model", cfg.model or str(DEFAULT_MODEL)]
     given = [(flag, value) for flag, value in (
         ("--tokenizer", cfg.tokenizer), ("--dtype", cfg.dtype), ("--device", cfg.device),
         ("--speculative", cfg.speculative),

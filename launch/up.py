@@ -121,11 +121,10 @@ def register(sub) -> None:
     up.add_argument("--model", default="",
                     help="a DeepSeek V4 or V4.1 checkpoint directory the engines serve; the "
                     "gateway uses its tokenizer.json and chat encoding (default: the shipped "
-                    "models/deepseek-v41-tiny; docs/deepseek-v4.md); 'v4-mini': the V4-mini "
-                    "tiny model, being retired")
+                    "models/deepseek-v41-tiny; docs/deepseek-v4.md)")
     up.add_argument("--tokenizer", default="",
                     help="tokenizer.json for every engine and the gateway (default: the "
-                    "--model checkpoint's, else byte-level)")
+                    "--model checkpoint's)")
     up.add_argument("--dtype", default="", choices=["", "float32", "float64"],
                     help="every engine's weights and activations (default: the engine's, "
                     "float32)")
@@ -360,9 +359,8 @@ def supervise(mesh: Mesh, console: Console, restart: bool, on_restart=lambda: No
 
 
 def engine_model(flag: str) -> str:
-    """--model as MeshConfig.model takes it: a checkpoint directory, or "" for V4-mini."""
-    if flag == "v4-mini":
-        return ""
+    """--model as MeshConfig.model takes it: the checkpoint directory, the shipped one by
+    default."""
     return flag or str(DEFAULT_MODEL)
 
 
@@ -435,8 +433,8 @@ async def _demo(gateway: str, prompt: str, console: Console) -> int:
             # ignore_eos: the demo always shows 32 tokens (the usage line is checked by tests).
             async for msg in gw.stream(text, max_tokens=DEMO_TOKENS, temperature=DEMO_TEMPERATURE,
                                        seed=DEMO_SEED, timeout=60, ignore_eos=True):
-                # The trained model writes Python; --random-weights engines write arbitrary
-                # bytes, so control characters other than newline and tab are shown escaped.
+                # A model may write any text: control characters other than newline and
+                # tab are shown escaped.
                 sys.stdout.write("".join(c if c.isprintable() or c in "\n\t" else
                                          c.encode("unicode_escape").decode("ascii")
                                          for c in msg.text))

@@ -42,8 +42,8 @@ BREAKS = [
     ("kernels/__init__.py", "import services.engine.device", "layers: launchers over training"),
     ("services/engine/config.py", "import training.bpe", "layers: launchers over training"),
     ("training/loop.py", "import launch.cli", "layers: launchers over training"),
-    ("services/engine/core/scheduler.py", "import grpc", "engine core, cache and model import no"),
-    ("services/engine/cache/manager.py", "import services.engine.core.engine", "engine layers"),
+    ("services/engine/core/v4_engine.py", "import grpc", "engine core, cache and model import no"),
+    ("services/engine/cache/prefetch.py", "import services.engine.core.sequence", "engine layers"),
     ("services/engine/cache/block_pool.py", "import torch", "block accounting needs no torch"),
     ("services/gateway/router.py", "import grpc", "gateway routing and validation"),
 ]

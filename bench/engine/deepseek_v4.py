@@ -1,4 +1,4 @@
-"""DeepSeek V4's engine beside V4-mini's, in one run: does it scale?
+"""DeepSeek V4's engine: does it scale?
 
     1. prefill of a 1K / 2K / 4K-token prompt in 256-token chunks (seconds, ms per token):
        linear in the prompt (window + CSA top-k + HCA entries), or it is a bug;
@@ -7,8 +7,7 @@
 DeepSeek V4: random weights of a small config with V4-Flash's attention geometry (head_dim
 512, window 128, CSA m = 4 with a 4 x 128 indexer, HCA m = 128, hyper-connections, routed
 and hash MoE), served by V4Engine (core/v4_engine.py: MXFP8 rings, fp32 tails and blocks,
-float32). V4-mini: the engine's `tiny` preset through EngineCore. Different models and code paths:
-the table says how each scales, not which is faster for the same work.
+float32).
 
     python -m bench.engine.deepseek_v4 [--lengths 1024,2048,4096] [--decode-steps 32]
 
@@ -24,8 +23,7 @@ import torch
 
 from bench.common import OUT, decode_tok_s, first_token_s, parser, plot, random_ids, table
 from kvmesh.tokenizer import ByteTokenizer
-from services.engine.config import TINY, EngineConfig
-from services.engine.core.engine import EngineCore
+from services.engine.config import EngineConfig
 from services.engine.core.sampling import SamplingParams
 from services.engine.core.v4_engine import V4Engine
 from services.engine.model.deepseek_v4 import names
@@ -77,25 +75,6 @@ def v4_decode(model: V4Model, streams: int, steps: int) -> float:
                         params, steps)
 
 
-def mini_engine(slots: int, blocks: int) -> EngineCore:
-    return EngineCore(TINY, EngineConfig(num_slots=slots, max_running=slots, num_blocks=blocks,
-                                         max_batched_tokens=CHUNK, long_prefill_chunk=CHUNK,
-                                         swa_policy="zero"))
-
-
-def mini_prefill(length: int) -> float:
-    """V4-mini's seconds from the request to its first token, as v4_prefill."""
-    return first_token_s(mini_engine(1, length // 128 + 2), random_ids(length, 1, 256),
-                         GREEDY_ONE)
-
-
-def mini_decode(streams: int, steps: int) -> float:
-    """V4-mini's tokens/s of `streams` sequences decoding together, as v4_decode."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    return decode_tok_s(mini_engine(streams, streams * 6),
-                        [random_ids(256, 10 + k, 256) for k in range(streams)], params, steps)
-
-
 def main(argv=None) -> int:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths to prefill")
@@ -103,24 +82,24 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     model = v4_model()
-    out = {"prefill_s": {"deepseek_v4": {}, "v4_mini": {}}, "decode_tok_s": {}}
+    out: dict = {"prefill_s": {"deepseek_v4": {}}, "decode_tok_s": {}}
     rows = []
     for n in lengths:
-        a, b = v4_prefill(model, n), mini_prefill(n)
-        out["prefill_s"]["deepseek_v4"][n], out["prefill_s"]["v4_mini"][n] = a, b
-        rows.append([f"prefill {n}", a, a / n * 1e3, b, b / n * 1e3])
-        print(f"  prefill {n}: DeepSeek V4 {a:.2f} s, V4-mini {b:.2f} s", flush=True)
+        a = v4_prefill(model, n)
+        out["prefill_s"]["deepseek_v4"][n] = a
+        rows.append([f"prefill {n}", a, a / n * 1e3])
+        print(f"  prefill {n}: {a:.2f} s", flush=True)
     for streams in (1, 8):
-        a, b = v4_decode(model, streams, args.decode_steps), mini_decode(streams, args.decode_steps)
-        out["decode_tok_s"][streams] = {"deepseek_v4": a, "v4_mini": b}
-        rows.append([f"decode x{streams} (tok/s)", a, float("nan"), b, float("nan")])
-        print(f"  decode x{streams}: DeepSeek V4 {a:.1f} tok/s, V4-mini {b:.1f} tok/s", flush=True)
-    print(table(["", "DeepSeek V4 s | tok/s", "ms/token", "V4-mini s | tok/s", "ms/token"], rows))
+        a = v4_decode(model, streams, args.decode_steps)
+        out["decode_tok_s"][streams] = {"deepseek_v4": a}
+        rows.append([f"decode x{streams} (tok/s)", a, float("nan")])
+        print(f"  decode x{streams}: {a:.1f} tok/s", flush=True)
+    print(table(["", "s | tok/s", "ms/token"], rows))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "deepseek_v4.json").write_text(json.dumps(out, indent=2))
     plot(OUT / "deepseek_v4.png", "prefill time (256-token chunks)", "prompt tokens", "seconds",
          {name: (lengths, [out["prefill_s"][name][n] for n in lengths])
-          for name in ("deepseek_v4", "v4_mini")})
+          for name in ("deepseek_v4",)})
     return 0
 
 

@@ -5,8 +5,6 @@
     ragged_swa   the engine's op (kernels.ragged.ragged_union_attention): decode rows reading
                  their slot's MXFP8 ring in place (Triton) vs the torch op on the fp32 mirror
     ragged_csa   the same plus each row's 512 CSA picks (fp32 entries) in the one softmax
-    decode_stack end-to-end engine decode tokens/s, a v41-flash-shaped stack of 4 layers
-                 (bench/kernels/decode_stack.py), Triton vs KVMESH_KERNELS=torch
     mxfp8_quant  quantize N tokens of 512 fp32 into 528-byte rows
     indexer_topk indexer scores (64 heads x 128) over Kc entries + top-k (512) per row
 
@@ -35,7 +33,6 @@ if not CUDA:                       # before triton is imported: Triton runs in i
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench.common import OUT, parser, plot, table  # noqa: E402
-from bench.kernels import decode_stack  # noqa: E402
 from kernels import attention, indexer, mxfp8, ragged  # noqa: E402
 from kernels.triton import attention as tri_att  # noqa: E402
 from kernels.triton import indexer as tri_idx  # noqa: E402
@@ -154,7 +151,6 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (the CPU check)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--peak-gbs", type=float, default=None)
-    ap.add_argument("--no-stack", action="store_true", help="skip the end-to-end decode rows")
     args = ap.parse_args(argv)
     smoke = args.smoke or not CUDA
     dev = "cuda" if CUDA else "cpu"
@@ -189,16 +185,12 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter: not a speed)"
     print(f"device: {device}; peak {peak:.1f} GB/s ({peak_src}); median of {reps}")
     print(table(["case", "bytes", "triton us", "GB/s", "of peak", "torch us", "torch/triton"], rows))
-    stack = [] if args.no_stack else decode_stack.rows(smoke, torch.device(dev))
-    if stack:
-        print(table(["case", "triton tok/s", "torch tok/s", "triton/torch"],
-                    [[r["case"], r["triton_tok_s"], r["torch_tok_s"], r["speedup"]] for r in stack]))
     OUT.mkdir(parents=True, exist_ok=True)
     stem = "kernels_smoke" if smoke else "kernels"
     out = OUT / f"{stem}.json"
     out.write_text(json.dumps(dict(device=device, peak_gbs=peak, peak_source=peak_src,
                                    date=time.strftime("%Y-%m-%d", time.gmtime()),
-                                   rows=records, decode_stack=stack), indent=1))
+                                   rows=records), indent=1))
     print(f"wrote {out} and {_plot(records, OUT / f'{stem}_decode.png', device)}")
 
 

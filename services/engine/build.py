@@ -1,4 +1,5 @@
-"""Build an EngineCore from command-line options (shared by `serve`, `layout` and `generate --local`).
+"""Build the engine core (V4Engine) from command-line options (shared by `serve`, `layout`
+and `generate --local`).
 
 Flags that size the cache default to None so that `EngineConfig.from_flags` can
 tell "not given" (fall back to the KVMESH_* variable) from "given".
@@ -10,24 +11,17 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvmesh.shipped import DEFAULT_MODEL, MODELS
+from kvmesh.shipped import DEFAULT_MODEL
 from services.engine.config import (
-    PRESETS,
     REPLAY_BLOCKS,
     ROLES,
     SPEC_POLICIES,
     TRUNCATION_MODES,
     EngineConfig,
-    ModelConfig,
-    preset,
 )
 
 if TYPE_CHECKING:
-    from services.engine.cache.layout import RuntimeLayout
-
-# The trained V4-mini checkpoint (models/v4-mini-tiny/MODEL_CARD.md): the default weights of
-# the `tiny` preset (--preset tiny). Seeded random weights only with --random-weights.
-DEFAULT_CHECKPOINTS = {"tiny": MODELS / "v4-mini-tiny" / "model.safetensors"}
+    from services.engine.core.v4_engine import V4Engine
 # --step-slo-ms's default: a step that carries prefill work beside decodes is sized to finish
 # within this many milliseconds (core/step_budget.py, docs/engine/scheduling.md), so a stream
 # keeps getting a token about this often while new prompts are admitted beside it. 32
@@ -48,19 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     g.add_argument("--model", default=None,
                    help="a DeepSeek V4 or V4.1 checkpoint directory (config.json, safetensors, "
                         "tokenizer.json; docs/deepseek-v4.md) (default: the shipped "
-                        "models/deepseek-v41-tiny, unless a V4-mini flag is given)")
-    g.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="a V4-mini model size instead of --model (default: none; "
-                        "--checkpoint and --random-weights imply tiny; V4-mini is being retired)")
-    g.add_argument("--checkpoint", help="safetensors file (default for tiny: the shipped "
-                                        "models/v4-mini-tiny checkpoint)")
-    g.add_argument("--random-weights", action="store_true",
-                   help="seeded random weights (--weights-seed) instead of a checkpoint: tests, "
-                   "benchmarks")
-    g.add_argument("--tokenizer", help="HuggingFace tokenizer.json (default: byte-level)")
-    g.add_argument("--weights-seed", type=int, default=0,
-                   help="weight init seed with --random-weights (not sampling's: requests "
-                   "carry their own seed)")
+                        "models/deepseek-v41-tiny)")
+    g.add_argument("--tokenizer", help="HuggingFace tokenizer.json (default: the checkpoint's)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                    help="weights and activations (float64: the exactness tests)")
     g.add_argument("--device", default=None,
@@ -159,88 +142,23 @@ def engine_config(args, env=None) -> EngineConfig:
         deterministic=args.deterministic, swa_policy=args.swa_policy,
         replay_blocks=args.replay_blocks,
         snapshot_bytes=args.snapshot_mb << 20, snapshot_ttl_min=args.snapshot_ttl_min,
-        dtype=args.dtype, seed=args.weights_seed, device=args.device,
+        dtype=args.dtype, device=args.device,
     )
 
 
 def choose_model(args) -> None:
-    """Fill in the model the flags leave open: the shipped DeepSeek V4.1 model when none is
-    named, V4-mini's tiny preset when a V4-mini flag (--preset, --checkpoint,
-    --random-weights) is given without a size."""
-    if args.model is None and args.preset is None and not args.checkpoint \
-            and not args.random_weights:
+    """Fill in the model the flags leave open: the shipped DeepSeek V4.1 model."""
+    if args.model is None:
         if not (DEFAULT_MODEL / "config.json").exists():
             raise ValueError(f"the shipped model {DEFAULT_MODEL} is missing: pass --model DIR")
         args.model = str(DEFAULT_MODEL)
-    if args.preset is None and not args.model:
-        args.preset = "tiny"
 
 
-def runtime_layout(args, env=None) -> tuple[ModelConfig, EngineConfig, RuntimeLayout]:
-    """The configs and the one layout a V4-mini engine built from `args` runs with (after
-    `choose_model` the preset is set; a caller that skips it is sized as tiny)."""
-    from services.engine.cache.layout import RuntimeLayout
-
-    cfg = preset(args.preset or "tiny")
-    ecfg = engine_config(args, env)
-    return cfg, ecfg, RuntimeLayout.build(cfg, ecfg)
-
-
-def build_core(args):
-    """-> EngineCore, or V4Engine for --model. torch is imported here, not at module
-    import: `kvmesh --help` and the remote `kvmesh generate` stay fast."""
+def build_core(args) -> V4Engine:
+    """-> V4Engine for --model (default the shipped model). torch is imported here, not at
+    module import: `kvmesh --help` and the remote `kvmesh generate` stay fast."""
     choose_model(args)
-    if args.model:
-        return build_v4_core(args)
-    import torch
-
-    from kernels import cpu_ring
-    from kvmesh.tokenizer import load_tokenizer
-    from services.engine.core.engine import EngineCore
-    from services.engine.model import weights as weights_mod
-
-    cfg, ecfg, layout = runtime_layout(args)
-    path = checkpoint_path(args)
-    w = weights_mod.load(path, cfg) if path else None
-    core = EngineCore(cfg, ecfg, weights=w, tokenizer=load_tokenizer(args.tokenizer), layout=layout)
-    # build (or find) the CPU decode-attention kernel now, not in the first request's step
-    cpu_ring.available(torch.empty(0, cfg.head_dim, dtype=getattr(torch, ecfg.dtype),
-                                   device=core.device))
-    return core
-
-
-def checkpoint_path(args) -> Path | None:
-    """The checkpoint to load, or None for seeded random weights (only when asked for)."""
-    if args.random_weights:
-        if args.checkpoint:
-            raise ValueError("--checkpoint and --random-weights exclude each other")
-        return None
-    if args.checkpoint:
-        path = Path(args.checkpoint)
-        if path.is_dir():
-            if (path / "config.json").exists():
-                raise ValueError(f"--checkpoint {path} is a Hugging Face checkpoint directory: "
-                                 f"serve it with --model {path} (docs/deepseek-v4.md)")
-            raise ValueError(f"--checkpoint {path} is a directory, not a safetensors file")
-        return path
-    default = DEFAULT_CHECKPOINTS.get(args.preset)
-    if default is None:
-        raise ValueError(f"preset {args.preset!r} has no shipped checkpoint: pass --checkpoint "
-                         "or --random-weights")
-    if not default.exists():
-        raise ValueError(f"shipped checkpoint {default} is missing: pass --checkpoint or "
-                         "--random-weights")
-    return default
-
-
-def default_weights(preset_name: str = "tiny", random_weights: bool = False):
-    """Weights for scripts (benchmarks): the shipped checkpoint, or None (the engine then
-    draws seeded random weights) when `random_weights`."""
-    from services.engine.model import weights as weights_mod
-
-    args = argparse.Namespace(preset=preset_name, checkpoint=None, random_weights=random_weights)
-    path = checkpoint_path(args)
-    return weights_mod.load(path, preset(preset_name)) if path else None
+    return build_v4_core(args)
 
 
 def build_v4_core(args, split=None):
@@ -256,12 +174,6 @@ def build_v4_core(args, split=None):
     from services.engine.model.deepseek_v4.forward import V4Model
     from services.engine.model.deepseek_v4.v41_forward import V41Model
 
-    given = [flag for flag, on in (("--checkpoint", args.checkpoint),
-                                   ("--random-weights", args.random_weights),
-                                   # (a deployment's --preset tiny yields to --model)
-                                   ("--preset", args.preset not in (None, "tiny"))) if on]
-    if given:
-        raise ValueError(f"--model excludes {', '.join(given)} (those choose a V4-mini model)")
     if args.device not in (None, "auto", "cpu"):
         raise ValueError(f"--device {args.device}: DeepSeek V4 checkpoints run on the CPU for now")
     directory = Path(args.model)

@@ -9,7 +9,7 @@ import os
 import sys
 
 from kvmesh.tls import add_flags as add_tls_flags
-from services.engine.build import add_engine_args, build_core, choose_model, runtime_layout
+from services.engine.build import add_engine_args, build_core, choose_model
 
 
 def register(sub) -> None:
@@ -137,18 +137,7 @@ def _layout(args) -> int:
         except ValueError as exc:
             print(f"kvmesh engine layout: {exc}", file=sys.stderr)
             return 2
-    if args.model or args.config:
-        return _v4_layout(args)
-    from services.engine import layout_report
-
-    try:
-        _, _, layout = runtime_layout(args)
-    except ValueError as exc:
-        print(f"kvmesh engine layout: {exc}", file=sys.stderr)
-        return 2
-    report = layout_report.to_dict(layout, args.memory)
-    print(json.dumps(report, indent=2) if args.json else layout_report.table(report))
-    return 0
+    return _v4_layout(args)
 
 
 def _v4_layout(args) -> int:

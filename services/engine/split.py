@@ -34,9 +34,6 @@ def serve(args, tp: int, ep: int) -> int:
     from services.engine.model.deepseek_v4.v41_config import read_v41_config
 
     choose_model(args)
-    if not args.model:
-        raise ValueError("--tensor-parallel / --expert-parallel: a DeepSeek V4 or V4.1 "
-                         "--model DIR only (not V4-mini)")
     read = read_v41_config if is_v41(args.model) else read_config
     Split(tp, ep, 0).check(read(args.model))
     tensor_files(Path(args.model))      # a shard the index lists but the directory lacks

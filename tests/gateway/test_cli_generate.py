@@ -58,7 +58,7 @@ def test_generate_help_groups_local_only_flags():
     sec = _sections(text)
     local = sec["local only (--local): model and cache"]
     where = sec["where it runs (default: through the gateway)"]
-    for flag in ("--num-slots", "--checkpoint", "--truncation", "--dtype"):
+    for flag in ("--num-slots", "--model", "--truncation", "--dtype"):
         assert flag in local and flag not in sec["sampling"] and flag not in where
     assert "--stop" in sec["sampling"] and "(default: 64)" in sec["sampling"]
     assert "--stop" not in local and "--gateway" in where and "--local" in where
@@ -94,11 +94,11 @@ def test_prompt_from_argument_file_or_stdin(tmp_path):
 
 
 def test_local_only_flags_without_local_exit_2():
-    out = subprocess.run([*KVMESH, "generate", "x", "--num-slots", "4", "--checkpoint", "w.st",
+    out = subprocess.run([*KVMESH, "generate", "x", "--num-slots", "4", "--model", "m",
                           "--gateway", "127.0.0.1:1"], env=ENV, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2
-    assert "--checkpoint, --num-slots only apply with --local" in out.stderr
+    assert "--model, --num-slots only apply with --local" in out.stderr
 
 
 @pytest.fixture(scope="module")

@@ -35,10 +35,6 @@ def test_without_them_engines_keep_their_defaults(tmp_path):
         (defaults.model, defaults.tokenizer, defaults.dtype, defaults.device, defaults.speculative)
     assert e.model == str(DEFAULT_MODEL)
     assert Mesh(cfg)._tokenizer_args() == ["--tokenizer", str(DEFAULT_MODEL / "tokenizer.json")]
-    # the retiring V4-mini, by name
-    cfg = mesh_config(build_parser().parse_args(["up", "--model", "v4-mini"]))
-    e = _engine_args(engine_argv(cfg, "engine-a", 7201, "d:1", "k:2"))
-    assert e.model is None and e.preset == "tiny" and e.truncation == "compact"
     (tmp_path / "tokenizer.json").write_text("{}")
     cfg = mesh_config(build_parser().parse_args(["up", "--model", str(tmp_path)]))
     assert Mesh(cfg)._tokenizer_args() == ["--tokenizer", str(tmp_path / "tokenizer.json")]

@@ -1,6 +1,6 @@
-"""AsyncEngine: runs EngineCore in one background thread, serves asyncio callers.
+"""AsyncEngine: runs the engine core (V4Engine) in one background thread, serves asyncio callers.
 
-The engine thread is the only thread that touches EngineCore. Callers send
+The engine thread is the only thread that touches the core. Callers send
 commands through a queue (add, abort, call) and receive events through their
 own asyncio.Queue, posted with `call_soon_threadsafe`. A caller that goes away
 (cancelled, deadline passed, client gone) aborts its request, which frees the
@@ -30,14 +30,13 @@ from typing import TYPE_CHECKING
 from services.engine.core.events import Event
 
 if TYPE_CHECKING:
-    from services.engine.core.engine import EngineCore
     from services.engine.core.v4_engine import V4Engine
 
 log = logging.getLogger("kvmesh.engine")
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore | V4Engine):
+    def __init__(self, core: V4Engine):
         self.core = core
         self._cmds: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -52,10 +51,10 @@ class AsyncEngine:
             prompt_ids, params, request_id, salt, traffic_class, prefetched, resume, handoff))
 
     def adopt(self, handoff) -> AsyncIterator[Event]:
-        """Continue a request a prefill engine handed off (EngineCore.adopt)."""
+        """Continue a request a prefill engine handed off (V4Engine.adopt)."""
         return self._stream(lambda core: core.adopt(handoff))
 
-    async def _stream(self, start: Callable[[EngineCore], object]) -> AsyncIterator[Event]:
+    async def _stream(self, start: Callable[[V4Engine], object]) -> AsyncIterator[Event]:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         fut: cf.Future = cf.Future()
@@ -81,13 +80,13 @@ class AsyncEngine:
             if not done:
                 self._cmds.put(("abort", seq.request_id))
 
-    async def call(self, fn: Callable[[EngineCore], object]):
+    async def call(self, fn: Callable[[V4Engine], object]):
         """Run fn(core) on the engine thread (stats, integrity checks, snapshots)."""
         fut: cf.Future = cf.Future()
         self._cmds.put(("call", fn, fut))
         return await asyncio.wrap_future(fut)
 
-    def post(self, fn: Callable[[EngineCore], object]) -> cf.Future:
+    def post(self, fn: Callable[[V4Engine], object]) -> cf.Future:
         """Queue fn(core) for the engine thread without waiting for it (counters written
         from the event loop); commands run in the order they were queued."""
         fut: cf.Future = cf.Future()

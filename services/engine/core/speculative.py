@@ -18,11 +18,11 @@ the batch, or a decode engine's own setting never changes a request's output. Fo
 deterministic drafter (prompt lookup) a draft d is accepted with probability p(d), as
 rejection sampling would accept it; a sampling drafter would accept more often under
 rejection sampling (min(1, p/q)), but its tokens would then depend on the drafting, so
-the MTP drafter proposes its argmax instead (core/mtp_draft.py).
+the MTP drafter proposes its argmax instead (core/v4_mtp_draft.py).
 
-The rows of rejected drafts are never committed: EngineCore commits only up to the last
+The rows of rejected drafts are never committed: the engine commits only up to the last
 accepted token, so no block hash, snapshot, kvstore upload or directory entry ever sees a
-rejected token (docs/design.md §8; the rollback analysis is in cache/manager.py).
+rejected token (docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from services.engine.core.sampling import SamplingParams, draw
 from services.engine.device import Uploads
 
 if TYPE_CHECKING:
-    from services.engine.core.mtp_draft import MtpDrafter
+    from services.engine.core.v4_mtp_draft import V4MtpDrafter
 
 
 @dataclass(frozen=True)
@@ -158,19 +158,19 @@ MAX_BACKOFF = 16     # tokens a request decodes plainly after repeated wholly re
 
 
 class Speculator:
-    """Owned by EngineCore (engine thread only): the engine's setting, its drafter, each
+    """Owned by the engine (engine thread only): the engine's setting, its drafter, each
     running request's own setting and draft counts, the draft counters of GetStats, and
     the DraftPolicy that decides each step how many drafts are worth verifying
     (`adaptive`; off: every request drafts what its setting allows, backing off after
     rejections)."""
 
     def __init__(self, setting: SpecSetting, ngram_min: int = 1, ngram_max: int = 4,
-                 mtp: MtpDrafter | None = None, adaptive: bool = True):
+                 mtp: V4MtpDrafter | None = None, adaptive: bool = True):
         self.setting = setting
         self.policy = DraftPolicy(setting.k, adaptive, learn_from_proposals=setting.method != "mtp")
         # tests may replace the drafter (any object with propose(tokens, k) -> drafts)
         self.drafter = NgramDrafter(ngram_min, ngram_max) if setting.on else None
-        # mtp:K: drafts from the MTP module, batched over the step's requests (core/mtp_draft.py)
+        # mtp:K: drafts from the MTP module, batched over the step's requests (core/v4_mtp_draft.py)
         self.mtp = mtp if setting.method == "mtp" else None
         self.requests: dict[str, SpecSetting] = {}
         self.usage: dict[str, list[int]] = {}          # request id -> [drafted, accepted]

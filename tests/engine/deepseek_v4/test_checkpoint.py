@@ -159,16 +159,3 @@ def test_checkpoint_larger_than_memory_fails_before_reading_a_tensor(hf, tmp_pat
     shutil.copy(hf[1] / "model.safetensors", tmp_path / "big")
     msg = _error(tmp_path / "big")
     assert "the weights take" in msg and "GiB as torch.float32, more than the" in msg
-
-
-def test_engine_checkpoint_flag_explains_a_deepseek_directory(hf, tmp_path):
-    import argparse
-
-    from services.engine.build import checkpoint_path
-    args = argparse.Namespace(random_weights=False, checkpoint=str(hf[1]), preset="tiny")
-    with pytest.raises(ValueError, match="is a Hugging Face checkpoint directory: serve it "
-                                         "with --model"):
-        checkpoint_path(args)
-    args.checkpoint = str(tmp_path)
-    with pytest.raises(ValueError, match="is a directory, not a safetensors file"):
-        checkpoint_path(args)

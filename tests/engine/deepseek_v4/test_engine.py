@@ -167,8 +167,7 @@ def test_isolated_replay_blocks_are_not_shared(flash):
 def test_unsupported_settings_are_refused_by_name(flash):
     directory, _ = flash
     for flags, name in ((["--device", "cuda"], "--device cuda"),
-                        (["--truncation", "mask", "--keep-tokens", "200"], "--truncation"),
-                        (["--preset", "v41-flash"], "--preset")):
+                        (["--truncation", "mask", "--keep-tokens", "200"], "--truncation")):
         with pytest.raises(ValueError, match=name):
             engine(directory, *flags)
 

@@ -167,7 +167,6 @@ def test_a_rank_killed_mid_stream_takes_the_engine_down_within_the_bound(split_e
 
 
 @pytest.mark.parametrize("flags,message", [
-    (("--preset", "tiny"), "a DeepSeek V4 or V4.1 --model DIR only"),       # V4-mini
     (("--model", "MODEL", "--speculative", "ngram:3"), "needs --spec-policy always"),
     (("--model", "MODEL", "--expert-parallel", "3"), "n_routed_experts (4) is not divisible by 3"),
 ])
