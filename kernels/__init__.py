@@ -10,7 +10,6 @@ plug in behind the same signatures. The model code calls only these functions.
 
 On the CPU some of them have a compiled path as well (kernels/cpu/*.c, one library built on
 first use by cpu_ring.py, gated by cpu_ring.library): ring attention of decode rows
-(cpu_ring.py), the compressor's group path (cpu_pool.py), MXFP8 quantization (mxfp8.py) and
-the model's matrix products (cpu_gemm.py). host_memory.py puts the large CPU tensors they
+(cpu_ring.py), MXFP8 quantization (mxfp8.py) and matrix products (cpu_gemm.py). host_memory.py puts the large CPU tensors they
 read (slot pool, block store, window mirror, weight panels) on 2 MB pages.
 """

@@ -1,10 +1,9 @@
 """Decode attention on the CPU over MXFP8 ring bytes and compressed entries read in place:
 kernels/cpu/union_attention.c, built on first use with the machine's C compiler and called
-through ctypes. Every C file in kernels/cpu/ goes into the one library (pool_groups.c: the
-compressor's group path, kernels/cpu_pool.py; mxfp8.c: MXFP8 quantization, kernels/mxfp8.py;
-gemm.c: matrix products, kernels/cpu_gemm.py; indexer_topk.c: the indexer's picks,
-kernels/cpu_indexer.py; put_rows.c: ring row writes, kernels/ring_rows.put_at; norm_rope.c:
-RMS norm and rotary embedding, kernels/cpu_rows.py).
+through ctypes. Every C file in kernels/cpu/ goes into the one library (mxfp8.c: MXFP8
+quantization, kernels/mxfp8.py; gemm.c: matrix products, kernels/cpu_gemm.py;
+indexer_topk.c: the indexer's picks, kernels/cpu_indexer.py; put_rows.c: ring row writes,
+kernels/ring_rows.put_at).
 
 Why a compiled kernel: a decode row reads its slot's whole window (R ring rows) every layer,
 so a batched decode step is bound by reading rings. torch has no CPU op that reads the
@@ -151,21 +150,8 @@ def load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
         lib.put_rows.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, i64]
         lib.put_rows.restype = i64
-        for name in ("rms_norm_f32", "rms_norm_f64"):
-            fn = getattr(lib, name)
-            fn.argtypes = [p, i64, p, p, i64, i64, i64, ctypes.c_double]
-            fn.restype = ctypes.c_int
-        for name in ("rope_f32", "rope_f64"):
-            fn = getattr(lib, name)
-            fn.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p]
-            fn.restype = ctypes.c_int
         lib.mxfp8_quantize.argtypes = [p, i64, i64, p, p, ctypes.c_int]
         lib.mxfp8_quantize.restype = ctypes.c_int
-        for name in ("pool_groups_f32", "pool_groups_f64"):
-            fn = getattr(lib, name)
-            fn.argtypes = [p, p, i64, p, p, p, i64, i64, i64, p, i64, i64, i64, p, p,
-                           ctypes.c_double, p, p, i64, p, p, ctypes.c_int]
-            fn.restype = ctypes.c_int
         _lib = lib
         return lib
 
@@ -174,8 +160,8 @@ def library(t: torch.Tensor, dtypes=(torch.float32, torch.float64)) -> ctypes.CD
     """The compiled library for work on `t`, or None where the caller takes its torch path:
     not a CPU tensor of one of `dtypes` (None: any), under autograd (no backward here),
     KVMESH_KERNELS set (torch or triton forced take their own paths), or no library. The one
-    gate of every caller (ring attention here, kernels/cpu_pool.py, kernels/mxfp8.py,
-    kernels/cpu_gemm.py, kernels/cpu_indexer.py, kernels/cpu_rows.py), asked on every kernel
+    gate of every caller (ring attention here, kernels/mxfp8.py, kernels/cpu_gemm.py,
+    kernels/cpu_indexer.py), asked on every kernel
     call: `is_cpu` reads a flag where `device.type` builds a device object (0.04 against
     0.25 us)."""
     if not t.is_cpu or t.requires_grad or (dtypes is not None and t.dtype not in dtypes):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import shutil
 import sys
 from pathlib import Path
@@ -28,8 +29,18 @@ import torch  # noqa: E402
 
 from training import v41_evaluate  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ship_model import training_record  # noqa: E402
+
+def training_record(run: Path, command: str) -> dict:
+    """What the run's state.pt says about its training: steps, tokens, time, arguments and
+    the loss history, with the command that ran it and the versions it ran on."""
+    st = torch.load(run / "state.pt", weights_only=False)
+    a = st["args"]
+    return {"command": command, "step": st["step"], "steps_planned": a["steps"],
+            "tokens": st["step"] * a["batch"] * a["seq_len"], "minutes": round(st["elapsed"] / 60, 1),
+            "seconds": round(st["elapsed"], 1),
+            "args": a, "python": platform.python_version(), "torch": torch.__version__,
+            "history": st["history"]}
+
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
          "train.log")

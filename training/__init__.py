@@ -5,9 +5,7 @@
                  its code + English corpus, the resumable loop, held-out bits/byte
     bpe.py       `kvmesh train-tokenizer`: the byte-level BPE tokenizer with DeepSeek's
                  special tokens
-    model.py, data.py, loop.py, evaluate.py, mtp.py, mtp_chain.py
-                 `kvmesh train`, `train-mtp`, `train-eval`: V4-mini (being retired), the
-                 Python standard library as a byte stream held out by file, seeded resumable
-                 AdamW loops with progress lines and safetensors checkpoints
+    data.py      the Python standard library's files, held out by a hash of their names
+    steps.py     the step loop: seeded, resumable AdamW with progress lines and a time budget
     cli.py       the commands
 """

@@ -1,6 +1,5 @@
-"""`kvmesh train` (train V4-mini on the stdlib), `kvmesh train-v41` (the DeepSeek V4.1 model on
-code and English), `kvmesh train-tokenizer` (its BPE tokenizer), `kvmesh train-mtp` (V4-mini's MTP
-module on the frozen trunk) and `kvmesh train-eval` (measure a checkpoint)."""
+"""`kvmesh train-v41` (the shipped DeepSeek V4.1 model on code and English), `kvmesh
+train-tokenizer` (its BPE tokenizer) and `kvmesh train-eval` (measure a checkpoint)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from dataclasses import fields
 
 HELP = {
     "out": "run directory: checkpoints, model.safetensors, train.log",
-    "preset": "model preset to train",
     "steps": "optimizer steps",
     "batch": "sequences per step",
     "seq_len": "tokens (bytes) per training sequence",
@@ -21,8 +19,6 @@ HELP = {
     "clip": "gradient norm clip",
     "kl_weight": "weight of the lightning indexer's KL loss",
     "seed": "seed for weights, data order and sampling",
-    "chunk": "query rows per attention chunk (memory bound of the training forward)",
-    "bf16": "bf16 autocast on CPU",
     "threads": "torch threads",
     "log_every": "steps between progress lines",
     "eval_every": "steps between held-out evaluations",
@@ -51,16 +47,6 @@ V41_HELP = {
 }
 
 
-MTP_HELP = {
-    **HELP,
-    "base": "checkpoint whose trunk is frozen (its tensors are written out unchanged)",
-    "out": "run directory: state.pt, model.safetensors (trunk + mtp.*), train.log",
-    "minutes": "stop and save after this many minutes (the cosine follows it); 0 = no limit",
-    "eval_windows": "held-out windows per evaluation (MTP loss, top-1, draft agreement)",
-    "depth": "1: the first draft's row; 2: also the chained row of the second draft",
-}
-
-
 def _add_fields(p, cls, helps) -> None:
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -77,27 +63,16 @@ def _add_fields(p, cls, helps) -> None:
 
 
 def register(sub) -> None:
-    from training.loop import TrainArgs
-    from training.mtp import MtpArgs
     from training.v41_loop import V41TrainArgs
-
-    p = sub.add_parser("train", help="train the tiny preset on the Python standard library (CPU)")
-    _add_fields(p, TrainArgs, HELP)
-    p.set_defaults(func=_train)
 
     v = sub.add_parser("train-v41", help="train the shipped DeepSeek V4.1 model on code and "
                        "English (CPU)")
     _add_fields(v, V41TrainArgs, V41_HELP)
     v.set_defaults(func=_train_v41)
 
-    m = sub.add_parser("train-mtp", help="train the MTP module (speculative drafts) on a frozen trunk")
-    _add_fields(m, MtpArgs, MTP_HELP)
-    m.set_defaults(func=_train_mtp)
-
     e = sub.add_parser("train-eval", help="held-out bits/byte, unigram baseline, context beyond the window")
-    e.add_argument("checkpoint", help="a V4-mini model.safetensors, or a DeepSeek V4.1 checkpoint "
-                   "directory (code and English measured apart)")
-    e.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
+    e.add_argument("checkpoint", help="a DeepSeek V4.1 checkpoint directory (code and English "
+                   "measured apart)")
     e.add_argument("--windows", type=int, default=32,
                    help="held-out windows of --seq-len tokens (default: %(default)s)")
     e.add_argument("--seq-len", type=int, default=1024,
@@ -135,22 +110,10 @@ def _train_tokenizer(args) -> int:
     return 0
 
 
-def _train(args) -> int:
-    from training.loop import TrainArgs, train
-
-    return _run("kvmesh train", TrainArgs, train, args)
-
-
 def _train_v41(args) -> int:
     from training.v41_loop import V41TrainArgs, train_v41
 
     return _run("kvmesh train-v41", V41TrainArgs, train_v41, args)
-
-
-def _train_mtp(args) -> int:
-    from training.mtp import MtpArgs, train_mtp
-
-    return _run("kvmesh train-mtp", MtpArgs, train_mtp, args)
 
 
 def _run(command: str, args_cls, fn, args) -> int:
@@ -166,14 +129,12 @@ def _run(command: str, args_cls, fn, args) -> int:
 
 def _eval(args) -> int:
     from kvmesh.checkpoint_dir import model_type
-    from training import evaluate, v41_evaluate
+    from training import v41_evaluate
 
     try:
-        if model_type(args.checkpoint) == "deepseek_v41":
-            metrics = v41_evaluate.evaluate(args.checkpoint, args.windows, args.seq_len,
-                                            args.cut_stride, args.threads)
-        else:
-            metrics = evaluate.evaluate(args.checkpoint, args.preset, args.windows, args.seq_len,
+        if model_type(args.checkpoint) != "deepseek_v41":
+            raise ValueError(f"{args.checkpoint}: not a DeepSeek V4.1 checkpoint directory")
+        metrics = v41_evaluate.evaluate(args.checkpoint, args.windows, args.seq_len,
                                         args.cut_stride, args.threads)
     except ValueError as exc:   # CheckpointError is one
         print(f"kvmesh train-eval: {exc}", file=sys.stderr)

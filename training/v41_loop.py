@@ -1,5 +1,5 @@
 """`kvmesh train-v41`: train the shipped DeepSeek V4.1 model (v41_model.py) on code and
-English and conversations (v41_data.py) with the shared step loop (loop.run_steps: AdamW, warm-up + cosine,
+English and conversations (v41_data.py) with the shared step loop (steps.run_steps: AdamW, warm-up + cosine,
 progress with an ETA, held-out evaluations, a time budget, resumable checkpoints).
 
 The run directory is a Hugging Face checkpoint directory at every checkpoint:
@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
 from services.engine.model.deepseek_v4.v41_forward import V41Model
 from training import data, v41_data
-from training.loop import (
+from training.steps import (
+    Log,
     StepArgs,
-    _atomic_save,
-    _Log,
+    atomic_save,
     make_optimizer,
     restore,
     resume_from,
@@ -132,7 +132,7 @@ def train_v41(a: V41TrainArgs) -> dict:
     torch.manual_seed(a.seed)
     run = Path(a.out)
     run.mkdir(parents=True, exist_ok=True)
-    log = _Log(run / "train.log")
+    log = Log(run / "train.log")
     tok = Tokenizer.from_file(str(Path(a.tokenizer) / "tokenizer.json"))
     if Path(a.tokenizer).resolve() != run.resolve():
         for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -176,7 +176,7 @@ def train_v41(a: V41TrainArgs) -> dict:
                 {f"val_{k}_bits_per_byte": round(v, 4) for k, v in bits.items()})
 
     def save(step, elapsed, history):
-        _atomic_save({"weights": {k: t.detach().clone() for k, t in w.items()},
+        atomic_save({"weights": {k: t.detach().clone() for k, t in w.items()},
                       "opt": opt.state_dict(), "step": step, "gen": gen.get_state(),
                       "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "args": asdict(a),
                       "history": history}, run / "state.pt")

@@ -1,5 +1,5 @@
 /* exp_lanes: e^x in float32 in a form gcc vectorizes (libm's expf is one call per value).
-   Included by pool_groups.c (the gated pooling's weights) and union_attention.c (a block's
+   Included by union_attention.c (a block's
    softmax weights). */
 #ifndef KVMESH_EXP_LANES_H
 #define KVMESH_EXP_LANES_H

@@ -1,10 +1,9 @@
 """Speculative decoding through the gateway of a real mesh (gateway, directory, kvstore, one
-engine over gRPC) on the shipped checkpoint, whose MTP module the engine drafts with
-(`--speculative mtp:4`; an mtp engine serves ngram requests too): a request asking for
-`ngram:4` or `mtp:2` returns the tokens of the same request with `off`, and its usage
-reports what was drafted and accepted. The engine serves V4-mini's checkpoint (model ""):
-the shipped DeepSeek V4.1-layout model has no MTP module (V4.1 drafts with DSpark layers,
-not served yet), and MTP through the gateway is what this module pins."""
+engine over gRPC) on the shipped model (`--speculative ngram:4`): a request asking for
+`ngram:4` or `ngram:2` returns the tokens of the same request with `off`, and its usage
+reports what was drafted and accepted. (The shipped V4.1-layout model has no MTP module:
+V4.1 drafts with DSpark layers, not served yet; MTP drafts are pinned on a DeepSeek V4
+checkpoint in tests/engine/deepseek_v4/test_mtp.py.)"""
 
 from __future__ import annotations
 
@@ -14,8 +13,9 @@ import pytest
 
 from services.gateway.client import gateway_request
 
-MESH_OVERRIDES = dict(engines=1, model="", engine_extra=("--fetch-deadline-ms", "5000",
-                                                         "--speculative", "mtp:4"))
+MESH_OVERRIDES = dict(engines=1, engine_extra=("--fetch-deadline-ms", "5000",
+                                               "--speculative", "ngram:4",
+                                               "--spec-policy", "always"))
 PROMPT = ("def parse_args(argv):\n    parser = argparse.ArgumentParser()\n"
           "    parser.add_argument('--name', default='x')\n"
           "    parser.add_argument('--count', type=int, default=1)\n"
@@ -28,7 +28,7 @@ def _generate(gw, speculative: str, salt: str):
     return gw.stub.Generate(req, timeout=120)
 
 
-@pytest.mark.parametrize("method", ["ngram:4", "mtp:2"])
+@pytest.mark.parametrize("method", ["ngram:4", "ngram:2"])
 def test_speculative_request_through_the_gateway_equals_off(gw, method):
     off = _generate(gw, "off", salt=f"off-{method}")
     spec = _generate(gw, method, salt=f"spec-{method}")

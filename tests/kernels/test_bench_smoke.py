@@ -1,5 +1,5 @@
 """bench/kernels/bandwidth.py --smoke runs end to end on CPU (Triton under its interpreter): every row
-kind the GPU run prints, the end-to-end decode stack, the JSON and the plot. Its figures
+kind the GPU run prints, the JSON and the plot. Its figures
 are not speeds (the interpreter); this checks the script a GPU run depends on."""
 
 import json
@@ -27,6 +27,4 @@ def test_kernels_bench_smoke_writes_every_row():
     kinds = {r["case"].split()[0] for r in report["rows"]}
     assert kinds == {"swa_decode", "ragged_swa", "ragged_csa", "mxfp8_quant", "indexer_topk"}
     assert all(r["gbs"] > 0 and r["torch_us"] > 0 for r in report["rows"])
-    (stack,) = report["decode_stack"]
-    assert stack["triton_tok_s"] > 0 and stack["torch_tok_s"] > 0
     assert (ROOT / "bench/out/kernels_smoke_decode.png").stat().st_size > 1000

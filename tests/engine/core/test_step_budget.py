@@ -104,7 +104,7 @@ def test_the_default_target_and_the_older_ratio_flag():
     from services.engine.build import STEP_SLO_MS
 
     assert _engine().ecfg.step_slo_ms == STEP_SLO_MS > 0
-    ratio = _engine("--preset", "tiny", "--random-weights", "--itl-ratio", "1.6")
+    ratio = _engine("--itl-ratio", "1.6")
     assert ratio.ecfg.step_slo_ms == 0 and ratio.ecfg.itl_ratio == 1.6
     with pytest.raises(ValueError, match="itl_ratio and step_slo_ms"):
         _engine("--itl-ratio", "1.6", "--step-slo-ms", "70")

@@ -170,13 +170,13 @@ def test_truncation_keeps_at_least_the_window_and_the_backtrack(saved):
 
 
 def test_the_equivalence_script_runs_on_a_v41_checkpoint(saved, tmp_path, capsys):
-    """examples/yoco/yoco_equiv.py --model: mask == compact to noise, off measurably apart."""
+    """bench/quality/truncation.py --model: mask == compact to noise, off measurably apart."""
     import json
 
-    from examples.yoco import yoco_equiv
+    from bench.quality import truncation
     directory, _ = saved
     out = tmp_path / "r.json"
-    assert yoco_equiv.main(["--model", str(directory), "--length", "300", "--decode", "4",
+    assert truncation.main(["--model", str(directory), "--length", "300", "--decode", "4",
                             "--dtype", "float64", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = {r["pair"]: r for r in res["rows"]}

@@ -23,8 +23,10 @@ from tests.loop import LoopThread
 class EngineHarness(LoopThread):
     """An engine server and a client on one event loop in a background thread."""
 
-    def __init__(self, *flags: str):
+    def __init__(self, **settings):
+        """`settings`: engine serve's flags by name (num_slots=4 is --num-slots 4)."""
         super().__init__()
+        flags = [x for k, v in settings.items() for x in ("--" + k.replace("_", "-"), str(v))]
         self.core = shipped_engine(*flags)
         self.engine = AsyncEngine(self.core)
         self.server = self.run(self._server())
@@ -58,7 +60,7 @@ async def wait_idle(h, tries: int = 200) -> dict:
 
 @pytest.fixture(scope="module")
 def h():
-    harness = EngineHarness("--num-slots", "4", "--num-blocks", "256")
+    harness = EngineHarness(num_slots=4, num_blocks=256)
     yield harness
     harness.close()
 

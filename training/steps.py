@@ -1,40 +1,28 @@
-"""The training loop: AdamW, warmup + cosine, seeded, resumable, safetensors out.
+"""The step loop a training run shares (`kvmesh train-v41`, v41_loop.py): AdamW, warm-up +
+cosine, gradient clipping, progress lines with tokens/s and ETA, held-out evaluations,
+atomic checkpoints, a time budget, and resuming a run where it stopped.
 
 One process owns everything here. The run directory holds:
     state.pt            weights + optimizer + step + data RNG + elapsed time (resume)
-    model.safetensors   the weights as the engine loads them (services.engine.model.weights)
+    model.safetensors   the weights as the engine loads them
     train.log           the progress lines (also printed)
-
-Determinism: the weights come from `init_weights(cfg, seed)`; the data offsets from a
-torch.Generator seeded with `seed + 1` whose state is checkpointed, so a resumed run
-draws the same batches an uninterrupted one would.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-
-from services.engine.config import ModelConfig, preset
-from services.engine.model import weights as weights_mod
-from training import data
-from training.model import forward
-
-# Fields that must agree between a run and the state it resumes from.
-RESUME_KEYS = ("preset", "seed", "batch", "seq_len", "steps", "lr", "warmup", "chunk", "decay_by_time")
 
 
 @dataclass
 class StepArgs:
-    """What every training run has (`kvmesh train`, `train-mtp`, `train-v41`; each its own
-    defaults): the step loop's settings."""
+    """What every training run has (each command its own defaults): the step loop's
+    settings."""
     out: str = "runs/tiny"
     steps: int = 1000
     batch: int = 2
@@ -53,33 +41,7 @@ class StepArgs:
     resume: bool = False
 
 
-@dataclass
-class RunArgs(StepArgs):
-    """A V4-mini run (`kvmesh train`, `kvmesh train-mtp`)."""
-    preset: str = "tiny"
-    chunk: int = 64                   # measured fastest on CPU (W + 64 keys per query chunk)
-    bf16: bool = True
-
-
-@dataclass
-class TrainArgs(RunArgs):
-    kl_weight: float = 1.0
-    time_budget_min: float = 0.0      # 0 = no limit; otherwise stop and save when reached
-    decay_by_time: bool = False       # cosine progress = max(step, elapsed time) fraction
-
-
-def initial_weights(cfg: ModelConfig, seed: int):
-    """`init_weights` with the residual-branch outputs (wo, w2) scaled by 1/sqrt(2 L), so the
-    residual stream starts at the embedding's scale however deep the model is."""
-    w = weights_mod.init_weights(cfg, seed)
-    damp = 1.0 / math.sqrt(2 * cfg.n_layers)
-    for name in w:
-        if name.endswith((".wo", ".w2")):
-            w[name] = w[name] * damp
-    return w
-
-
-def lr_at(step: int, a: TrainArgs, elapsed: float = 0.0) -> float:
+def lr_at(step: int, a, elapsed: float = 0.0) -> float:
     """Linear warm-up, then cosine to min_lr_frac * lr. With `decay_by_time` and a time
     budget the cosine follows whichever is further along, the steps or the budget, so a
     run stopped by its budget on a slow (shared) machine still ends annealed."""
@@ -91,7 +53,7 @@ def lr_at(step: int, a: TrainArgs, elapsed: float = 0.0) -> float:
     return a.lr * (a.min_lr_frac + (1 - a.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def make_optimizer(w, a: TrainArgs):
+def make_optimizer(w, a: StepArgs):
     decay = [t for k, t in w.items() if t.dim() == 2]
     rest = [t for k, t in w.items() if t.dim() != 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
@@ -99,51 +61,13 @@ def make_optimizer(w, a: TrainArgs):
                              lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def batch_loss(w, cfg: ModelConfig, batch, a: TrainArgs):
-    """-> (total loss for backward, LM loss in nats/token, indexer KL per query)."""
-    inp, tgt = batch[:, :-1], batch[:, 1:]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
-        logits, kl = forward(w, cfg, inp, chunk=a.chunk)
-    lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-    n_csa = max(1, len(cfg.csa_layers))
-    kl = kl.float() / (tgt.numel() * n_csa)
-    return lm + a.kl_weight * kl, lm, kl
-
-
-@torch.no_grad()
-def eval_loss(w, cfg: ModelConfig, windows, chunk: int, bf16: bool = False, quantize: bool = False) -> float:
-    """Mean nats/token over every target of `windows` [n, T+1], one window at a time."""
-    total, count = 0.0, 0
-    for row in windows:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits, _ = forward(w, cfg, row[None, :-1], chunk=chunk, quantize=quantize)
-        total += float(F.cross_entropy(logits.float()[0], row[1:], reduction="sum"))
-        count += row.numel() - 1
-    return total / count
-
-
-def _atomic_save(obj, path: Path) -> None:
+def atomic_save(obj, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
-def save_checkpoint(run: Path, w, opt, step: int, gen, elapsed: float, a: TrainArgs, cfg, history):
-    _atomic_save({"weights": {k: t.detach().clone() for k, t in w.items()}, "opt": opt.state_dict(),
-                  "step": step, "gen": gen.get_state(), "torch_rng": torch.get_rng_state(),
-                  "elapsed": elapsed, "args": asdict(a), "config": cfg.to_json(),
-                  "history": history}, run / "state.pt")
-    save_model(run, w, cfg)
-
-
-def save_model(run: Path, w, cfg) -> None:
-    """run/model.safetensors, replaced whole (a crash leaves the previous one)."""
-    tmp = run / "model.safetensors.tmp"
-    weights_mod.save({k: t.detach() for k, t in w.items()}, cfg, tmp)
-    os.replace(tmp, run / "model.safetensors")
-
-
-class _Log:
+class Log:
     """Progress lines to stdout and run/train.log (owned by the loop)."""
 
     def __init__(self, path: Path):
@@ -152,19 +76,6 @@ class _Log:
     def __call__(self, line: str) -> None:
         print(line, flush=True)
         self.f.write(line + "\n")
-
-
-def start_run(a):
-    """What both trainers do first: threads, the seed, the preset, the chunk check, the run
-    directory and its log. -> (cfg, run, log)."""
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(a.seed)
-    cfg = preset(a.preset)
-    if a.seq_len % a.chunk:
-        raise ValueError(f"seq_len {a.seq_len} must be a multiple of chunk {a.chunk}")
-    run = Path(a.out)
-    run.mkdir(parents=True, exist_ok=True)
-    return cfg, run, _Log(run / "train.log")
 
 
 def resume_from(a, run: Path, keys, opt, gen, log) -> tuple[dict | None, tuple]:
@@ -195,7 +106,7 @@ def restore(st: dict, w: dict) -> None:
 
 
 def run_steps(a, opt, params, resumed: tuple, step_loss, evaluate, save, log) -> dict:
-    """The step loop both trainers share: the learning rate of `lr_at`, backward with the
+    """The step loop: the learning rate of `lr_at`, backward with the
     gradient clipped, progress lines (bar, tok/s, eta) every `log_every` steps, a held-out
     evaluation every `eval_every`, a checkpoint every `ckpt_minutes`, and the time budget,
     which stops the run after one last evaluation and checkpoint.
@@ -240,33 +151,3 @@ def run_steps(a, opt, params, resumed: tuple, step_loss, evaluate, save, log) ->
             log(f"time budget of {a.time_budget_min} min reached at step {step}: stopping")
             break
     return {"step": step, "tokens": step * tokens_per_step, "minutes": elapsed / 60}
-
-
-def train(a: TrainArgs) -> dict:
-    cfg, run, log = start_run(a)
-    corpus = data.load_corpus()
-    log(f"corpus {corpus.describe()}")
-    val = data.eval_windows(corpus.val, a.eval_windows, a.seq_len)
-
-    w = {k: t.requires_grad_(True) for k, t in initial_weights(cfg, a.seed).items()}
-    opt = make_optimizer(w, a)
-    gen = torch.Generator().manual_seed(a.seed + 1)
-    st, resumed = resume_from(a, run, RESUME_KEYS, opt, gen, log)
-    if st is not None:
-        restore(st, w)
-    n_params = sum(t.numel() for t in w.values())
-    log(f"model {cfg.name}: {n_params:,} parameters; {json.dumps(asdict(a), sort_keys=True)}")
-
-    def step_loss():
-        loss, lm, kl = batch_loss(w, cfg, data.sample_batch(corpus.train, a.batch, a.seq_len, gen), a)
-        return loss, lambda: (
-            f"loss {lm.item():.4f} ({lm.item() / math.log(2):.3f} bits/byte) kl {kl.item():.3f}",
-            {"loss": round(lm.item(), 5), "kl": round(kl.item(), 5)})
-
-    def evaluate():
-        vl = eval_loss(w, cfg, val, a.chunk, bf16=a.bf16)
-        return f"loss {vl:.4f} nats/byte ({vl / math.log(2):.3f} bits/byte)", {"val_loss": round(vl, 5)}
-
-    return run_steps(a, opt, list(w.values()), resumed, step_loss, evaluate,
-                     lambda step, elapsed, history: save_checkpoint(run, w, opt, step, gen, elapsed,
-                                                                    a, cfg, history), log)
