@@ -21,7 +21,6 @@ counted.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -62,16 +61,14 @@ def forced_logits(model, prompt: list[int], cont: list[int], mode: str, keep: in
     return torch.cat(logits)
 
 
-def greedy(directory: str, dtype: str, prompt: list[int], n: int, mode: str, keep: int) -> list[int]:
-    """V4Engine's free-running greedy tokens with --truncation `mode`."""
-    from services.engine.build import add_engine_args, build_core
+def greedy(model, tok, prompt: list[int], n: int, mode: str, keep: int) -> list[int]:
+    """V4Engine's free-running greedy tokens with truncation `mode` (the model as loaded)."""
+    from services.engine.config import EngineConfig
+    from services.engine.core.v4_engine import V4Engine
 
-    ap = argparse.ArgumentParser()
-    add_engine_args(ap)
-    flags = ["--model", directory, "--dtype", dtype, "--num-blocks", "64"]
-    if mode != "off":
-        flags += ["--truncation", mode, "--keep-tokens", str(keep)]
-    core = build_core(ap.parse_args(flags))
+    ecfg = EngineConfig(num_blocks=64, dtype=str(model.dtype).removeprefix("torch."),
+                        **({} if mode == "off" else {"truncation": mode, "keep_tokens": keep}))
+    core = V4Engine(model, ecfg, tok, name="truncation")
     req = core.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     while core.has_work:
         core.step()
@@ -97,7 +94,7 @@ def main(argv=None) -> int:
               "is V4.1's)", file=sys.stderr)
         return 2
     try:
-        model, _ = load_model(args.model, getattr(torch, args.dtype))   # rows as the engine keeps them
+        model, tok = load_model(args.model, getattr(torch, args.dtype))  # rows as the engine keeps them
     except CheckpointError as exc:
         print(f"truncation: {exc}", file=sys.stderr)
         return 2
@@ -109,7 +106,7 @@ def main(argv=None) -> int:
     tokens = {}
     for mode in MODES:
         logits[mode] = forced_logits(model, prompt, cont, mode, args.keep)
-        tokens[mode] = greedy(args.model, args.dtype, prompt, args.decode, mode, args.keep)
+        tokens[mode] = greedy(model, tok, prompt, args.decode, mode, args.keep)
         print(f"  {mode}: done", flush=True)
     rows = [summarize("logits mask-compact", l2_rows(logits["mask"], logits["compact"])),
             summarize("logits off-compact", l2_rows(logits["off"], logits["compact"]))]
