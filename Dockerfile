@@ -5,8 +5,8 @@ FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 OMP_NUM_THREADS=2
 WORKDIR /app
 
-# A C compiler for the engine's CPU decode-attention kernel (kernels/cpu_ring.py builds it
-# for the machine it runs on, at first use; without one the engine takes the slower torch path).
+# A C compiler for the engine's CPU kernels (kernels/cpu_library.py builds them for the
+# machine it runs on, at first use; without one the engine takes the slower torch path).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 

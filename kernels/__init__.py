@@ -1,15 +1,10 @@
-"""Hot operations behind small, fixed signatures.
+"""Hot operations behind small, fixed signatures: a plain-torch implementation each, a Triton
+version behind the same signature (kernels/dispatch.py chooses), and on the CPU a compiled
+path where torch has no fast one. The model code calls only these functions.
 
-Each file holds one operation as a plain-torch implementation; Triton versions
-plug in behind the same signatures. The model code calls only these functions.
-
-    mxfp8.py       quantize / dequantize SWA KV (E4M3 values + E8M0 scales, 528 B per 512-d token)
-    attention.py   one softmax over window keys + compressed entries, with an attention sink
-    indexer.py     lightning-indexer scores and top-k selection of compressed entries
-    pooling.py     softmax-gated pooling of m tokens into one compressed entry
-
-On the CPU some of them have a compiled path as well (kernels/cpu/*.c, one library built on
-first use by cpu_ring.py, gated by cpu_ring.library): ring attention of decode rows
-(cpu_ring.py), MXFP8 quantization (mxfp8.py) and matrix products (cpu_gemm.py). host_memory.py puts the large CPU tensors they
-read (slot pool, block store, window mirror, weight panels) on 2 MB pages.
+    moe.py          grouped expert products: each routed expert's weight over its own rows
+    mxfp8.py        quantize / dequantize window rows (E4M3 values + E8M0 scales, 528 B per
+                    512-d row), with a compiled CPU path (kernels/cpu/mxfp8.c)
+    cpu_library.py  builds and loads the compiled CPU library (kernels/cpu/*.c)
+    host_memory.py  the large CPU tensors (the block ledger's) on 2 MB pages
 """

@@ -6,8 +6,8 @@
                            interpreter, which must be set before triton is first imported)
 
 The Triton kernels compute in fp32; float64 tensors (the exactness tests of the engine)
-always take the torch path, forced or not. On CPU the decode rows' ring attention has a
-compiled kernel of its own (kernels/cpu_ring.py), used when KVMESH_KERNELS is unset.
+always take the torch path, forced or not. On CPU MXFP8 quantization has a compiled kernel
+of its own (kernels/cpu_library.py), used when KVMESH_KERNELS is unset.
 
 The choice is read on every call (one dict lookup), so a test can flip it with
 monkeypatch. The Triton modules are imported only when first chosen: importing

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_ring, dispatch
+from kernels import cpu_library, dispatch
 
 E4M3_MAX = 448.0
 BLOCK = 32
@@ -122,8 +122,8 @@ def _quantize_values_c(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     """quantize_values in one C call on the CPU (kernels/cpu/mxfp8.c: the same bytes and
     values bit for bit, tested), where the torch path is some twenty calls per layer on
     [rows, D / 32, 32] (~0.2 ms a layer at 1 to 32 rows, 1 thread). None: not done here
-    (cpu_ring.library: no library, KVMESH_KERNELS set, not on the CPU, autograd)."""
-    lib = cpu_ring.library(x, dtypes=None)
+    (cpu_library.library: no library, KVMESH_KERNELS set, not on the CPU, autograd)."""
+    lib = cpu_library.library(x, dtypes=None)
     if lib is None:
         return None
     d = x.shape[-1]

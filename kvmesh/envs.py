@@ -4,7 +4,7 @@ Environment is only a fallback: a value given on the command line (or passed to
 a config constructor) always wins, then the variable, then the dataclass
 default. Values are read when a config is built, never at import, and nothing
 derived from them is cached at module level: a config object, once built, is
-the single answer for the process (see services/engine/cache/layout.py).
+the single answer for the process.
 """
 
 from __future__ import annotations

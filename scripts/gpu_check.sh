@@ -6,7 +6,7 @@
 #   2. the shipped model's engine with its Triton kernels on Triton's interpreter vs the torch
 #      kernels (the CPU check, kept here; the DeepSeek V4 engine itself runs on the CPU);
 #   3. bench/kernels/bandwidth.py: GB/s and fraction of peak per kernel, Triton vs torch.
-# Figures go to bench/out/kernels.json (and kernels_decode.png); copy them, with the date,
+# Figures go to bench/out/kernels.json (and kernels_moe.png); copy them, with the date,
 # into README's "Kernels / GPU" section.
 set -euo pipefail
 cd "$(dirname "$0")/.."

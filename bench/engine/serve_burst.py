@@ -18,7 +18,7 @@ Each --flags value is its own engine (started, measured, stopped) so a policy an
 defaults are compared in one run:
 
     python -m bench.engine.serve_burst                                    # defaults only
-    python -m bench.engine.serve_burst --flags "" --flags "--itl-ratio 1.6"
+    python -m bench.engine.serve_burst --flags "" --flags "--step-slo-ms 0"
 
 Writes bench/out/serve_burst.json and .png.
 """

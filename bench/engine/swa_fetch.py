@@ -17,23 +17,22 @@ import sys
 
 import torch
 
-from bench.common import OUT, parser, plot, table
+from bench.common import OUT, ROOT, parser, plot, table
 from bench.engine.first_token import engine, ttft
 from kvmesh.proto import engine_pb2_grpc
 from kvmesh.rpc import Server
-from services.engine.cache.layout import RuntimeLayout
 from services.engine.cache.snapshots import Snapshot
-from services.engine.config import (
-    V41_FLASH,
-    EngineConfig,
-)
 from services.engine.core.async_engine import AsyncEngine
+from services.engine.model.deepseek_v4 import v41_layout
+from services.engine.model.deepseek_v4.v41_config import read_v41_config
 from services.engine.rpc.fetch_policy import FetchPolicy
 from services.engine.rpc.peers import fetch_snapshot
 from services.engine.rpc.server import SERVICE_NAME
 from services.engine.rpc.service import EngineServicer
 
-SIZE = RuntimeLayout.build(V41_FLASH, EngineConfig()).block.state_size_to_disk
+# a DeepSeek V4.1-Flash snapshot: 20 KV-source rings x 134 rows x 528 B = 1,415,040 B
+SIZE = v41_layout.report(read_v41_config(ROOT / "configs/deepseek-v4.1-flash.json",
+                                         serving=False))["state_slot"]["snapshot_bytes"]
 KEY = "ab" * 32
 
 

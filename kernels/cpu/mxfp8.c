@@ -1,4 +1,4 @@
-/* MXFP8 quantization of rows on the CPU (kernels/mxfp8.py calls it; kernels/cpu_ring.py
+/* MXFP8 quantization of rows on the CPU (kernels/mxfp8.py calls it; kernels/cpu_library.py
    builds every C file here into one library): the bytes and the values of
    mxfp8.quantize_values, bit for bit, in one pass over each row.
 
@@ -54,7 +54,7 @@ static uint8_t e4m3(float f)
 }
 
 /* An E4M3 code's value in fp32, exact: its 7 magnitude bits placed at fp32 bit 20 (sign at
-   31) are the value * 2^-120, subnormals included (union_attention.c, block_factors). */
+   31) are the value * 2^-120, subnormals included. */
 static float e4m3_value(uint8_t c)
 {
     return float_of(((uint32_t)(c & 0x80) << 24) | ((uint32_t)(c & 0x7f) << 20)) * 0x1p120f;
@@ -182,7 +182,7 @@ static void block8(const float *x, float inv, float scale, uint8_t *codes, float
 #endif
 
 /* x [rows, d] fp32 -> out [rows, d + d / 32] bytes and values [rows, d] fp32 (NULL: none).
-   Rows split over `threads` (torch's OpenMP pool, as in union_attention.c) from 8 rows up:
+   Rows split over `threads` (torch's OpenMP pool) from 8 rows up:
    a decode step's 32 rows of 512 took ~55 us a layer more than one row on one thread. */
 int mxfp8_quantize(const float *x, int64_t rows, int64_t d, uint8_t *out, float *values,
                    int threads)

@@ -64,10 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
                         "predicted (from a fit of measured step times) to finish within this "
                         "many milliseconds: the inter-token latency target while prompts are "
                         "admitted; 0: off (only --max-batched-tokens and --long-prefill-chunk); "
-                        f"ignored with --deterministic (default {STEP_SLO_MS:g}; 0 with --itl-ratio)")
-    g.add_argument("--itl-ratio", type=float, default=0.0,
-                   help="V4-mini engines, instead of --step-slo-ms: size such a step to at "
-                        "most this many times a decode-only step; 0: off")
+                        f"ignored with --deterministic (default {STEP_SLO_MS:g})")
     g.add_argument("--max-running", type=int, default=MAX_RUNNING,
                    help="sequences scheduled in one step")
     g.add_argument("--truncation", choices=TRUNCATION_MODES, default=None,
@@ -117,11 +114,9 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
 
 
 def step_slo_ms(args) -> float:
-    """--step-slo-ms as given, else its default, or 0 (off) when --itl-ratio sizes steps."""
+    """--step-slo-ms as given, else its default."""
     given = getattr(args, "step_slo_ms", None)
-    if given is not None:
-        return given
-    return 0.0 if getattr(args, "itl_ratio", 0.0) else STEP_SLO_MS
+    return STEP_SLO_MS if given is None else given
 
 
 def engine_config(args, env=None) -> EngineConfig:
@@ -134,7 +129,7 @@ def engine_config(args, env=None) -> EngineConfig:
         env,
         num_slots=args.num_slots, num_blocks=args.num_blocks,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running,
-        long_prefill_chunk=args.long_prefill_chunk, itl_ratio=args.itl_ratio,
+        long_prefill_chunk=args.long_prefill_chunk,
         step_slo_ms=step_slo_ms(args),
         truncation=args.truncation, keep_tokens=args.keep_tokens, extra_state=extra, role=role,
         extra_state_size=args.extra_state_size, max_backtrack=args.max_backtrack,

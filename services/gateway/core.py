@@ -57,7 +57,7 @@ class ModelInfo:
     """What routing needs from an engine's GetModelInfo (all engines serve one model).
 
     The model config arrives as JSON and is read as plain fields: the gateway names cache
-    contents with kvmesh.cachekeys and never imports the engine's ModelConfig."""
+    contents with kvmesh.cachekeys and never imports the engine's model config."""
 
     def __init__(self, msg):
         cfg = json.loads(msg.model_config_json)

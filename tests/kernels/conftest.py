@@ -19,12 +19,8 @@ if not CUDA:
     _before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
 try:
-    import kernels.triton.attention  # noqa: F401,E402
-    import kernels.triton.indexer  # noqa: F401,E402
     import kernels.triton.moe  # noqa: F401,E402
     import kernels.triton.mxfp8  # noqa: F401,E402
-    import kernels.triton.pooling  # noqa: F401,E402
-    import kernels.triton.ragged  # noqa: F401,E402
 finally:
     if not CUDA:
         if _before is None:

@@ -1,5 +1,4 @@
-"""kernels/host_memory.py: large CPU tensors on 2 MB pages, and the tensors the engine puts
-there (slot pool, block store, window mirror, weight panels in one arena)."""
+"""kernels/host_memory.py: large CPU tensors on 2 MB pages (the block ledger's tensors)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_gemm, cpu_ring, host_memory
+from kernels import host_memory
 
 MB = 1 << 20
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -57,23 +56,3 @@ def test_the_mapping_lives_as_long_as_a_view():
     assert ref() is None
     view.fill_(3)                           # the mapping is still there under the view
     assert view.sum().item() == 30
-
-
-@pytest.mark.skipif(cpu_ring.library(torch.zeros(1), (torch.float32,)) is None,
-                    reason="no C compiler: the products take torch's mm and nothing is packed")
-def test_packed_panels_share_one_arena_and_give_the_same_products():
-    g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(128, n, generator=g) for n in (1024, 256, 40)] + \
-        [torch.randn(64, 48, generator=g, dtype=torch.float64)]
-    x32, x64 = torch.randn(5, 128, generator=g), torch.randn(5, 64, generator=g, dtype=torch.float64)
-    want = [cpu_gemm.matmul(x32, w.clone()) for w in ws[:3]] + [cpu_gemm.matmul(x64, ws[3].clone())]
-    cpu_gemm.pack_weights(ws)
-    panels = [cpu_gemm._packed[id(w)][1] for w in ws]
-    for w, p in zip(ws, panels, strict=True):
-        assert torch.equal(p, cpu_gemm.pack(w))                  # the layout pack() gives
-    f32 = {p.untyped_storage().data_ptr() for p in panels[:3]}
-    assert len(f32) == 1                                          # one arena per dtype
-    assert all(p.data_ptr() % 64 == 0 for p in panels)            # each on a cache line
-    got = [cpu_gemm.matmul(x32, w) for w in ws[:3]] + [cpu_gemm.matmul(x64, ws[3])]
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)

@@ -5,9 +5,9 @@ subnormals, exact rounding ties, zeros of both signs and blocks of nothing but z
 import pytest
 import torch
 
-from kernels import cpu_ring, mxfp8
+from kernels import cpu_library, mxfp8
 
-pytestmark = pytest.mark.skipif(cpu_ring._compiler() is None,
+pytestmark = pytest.mark.skipif(cpu_library._compiler() is None,
                                 reason="no C compiler: MXFP8 quantization runs in torch")
 
 

@@ -1,14 +1,13 @@
-"""The engine's two cache ledgers.
+"""What the model's two cache ledgers share (the ledgers themselves:
+model/deepseek_v4/ledgers.py and v41_ledgers.py).
 
-    layout.py        RuntimeLayout: ring sizes, slot and block bytes, built once from the configs
-    state_layout.py  StateBlock: byte layout of one state slot, state_size_to_disk
-    state_pool.py    StatePool: fixed slots (SWA rings, compression tails), one per running sequence
     block_pool.py    BlockPool: paged 128-token blocks of compressed entries, refcounts, hashes, LRU
-    block_store.py   BlockStore: the tensors behind block ids (entries + indexer keys per layer)
-    snapshot_keys.py the engine's layout fingerprint; block hashes and snapshot keys
-                     themselves are kvmesh/cachekeys.py (the gateway names them too)
-    manager.py       CacheManager: the only caller of the pools; prefix matching (MatchResult),
-                     admission, growth, commit, release, rollback
+    block_store.py   BlockStore: the tensors behind block ids (entries + indexer keys per layer),
+                     serialized as the kvstore keeps them
+    state_layout.py  Region: one tensor's place in a state slot's bytes
+    snapshots.py     SnapshotStore: the stored window snapshots (bytes LRU + TTL)
+    handoff.py       SlotHandoff: a sequence's slot and blocks on their way to a decode engine
+    prefetch.py      LocalView / Prefetched: what a prompt finds here and in the other tiers
 
-Layers do not import upwards: nothing here imports the scheduler or the service.
+Layers do not import upwards: nothing here imports the engine core or the service.
 """

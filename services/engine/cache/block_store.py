@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import struct
 import zlib
+from typing import Protocol
 
 import torch
 from blake3 import blake3
 
 from kernels import host_memory
 from services.engine import device as device_mod
-from services.engine.config import ModelConfig
 
 BLOCK_MAGIC = b"KVBK"
 BLOCK_VERSION = 1
@@ -45,8 +45,19 @@ DIGEST_SIZE = 32
 OVERHEAD = _HEAD.size + DIGEST_SIZE  # 48 bytes on top of the raw rows
 
 
+class Geometry(Protocol):
+    """What a BlockStore reads of a model (model/deepseek_v4/ledgers.py BlockGeometry)."""
+    block_size: int
+    head_dim: int
+    index_dim: int
+    layers: tuple[str, ...]              # "swa" | "csa" | "hca" per layer
+    compressed_layers: list[int]
+
+    def compress_ratio(self, layer: int) -> int | None: ...
+
+
 class BlockStore:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, dtype=torch.float32, device="cpu"):
+    def __init__(self, cfg: Geometry, num_blocks: int, dtype=torch.float32, device="cpu"):
         self.cfg = cfg
         self.entries: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}

@@ -2,8 +2,8 @@
 
 Every decoding stream waits for its step, so a step's duration is the inter-token latency of
 every stream in it. `--step-slo-ms T` sets that target in milliseconds, a number a user can
-hold a deployment to on any hardware (a ratio to a decode-only step, `--itl-ratio`, means
-something else on every machine, and beside a burst of admissions it starves them). The
+hold a deployment to on any hardware (a ratio to a decode-only step means something else on
+every machine, and beside a burst of admissions it starves them). The
 scheduler first gives every decoding sequence its row(s), then asks for the prefill cap:
 
     step seconds  ~  a + b * decode_rows + c * prefill_tokens      (least squares over the

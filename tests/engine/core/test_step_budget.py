@@ -100,14 +100,13 @@ def test_the_deepseek_engine_sizes_a_prompt_chunk_beside_decodes_to_the_target()
     assert not _engine("--step-slo-ms", "50", "--deterministic").step_budget.active
 
 
-def test_the_default_target_and_the_older_ratio_flag():
+def test_the_default_target():
     from services.engine.build import STEP_SLO_MS
 
     assert _engine().ecfg.step_slo_ms == STEP_SLO_MS > 0
-    ratio = _engine("--itl-ratio", "1.6")
-    assert ratio.ecfg.step_slo_ms == 0 and ratio.ecfg.itl_ratio == 1.6
-    with pytest.raises(ValueError, match="itl_ratio and step_slo_ms"):
-        _engine("--itl-ratio", "1.6", "--step-slo-ms", "70")
+    assert _engine("--step-slo-ms", "0").ecfg.step_slo_ms == 0
+    with pytest.raises(ValueError, match="step_slo_ms must be >= 0"):
+        _engine("--step-slo-ms", "-1")
 
 
 def test_serve_threads_leave_a_cpu_for_the_server():
