@@ -59,7 +59,7 @@ class MeshConfig:
     expert_parallel: int = 1
     # YOCO prefill truncation, given to every engine explicitly (the design wants KEEP
     # explicit): "auto" = compact with KEEP = W + B = 134 where the model has consumer
-    # layers to truncate (V4.1, and V4-mini's decoder), off for DeepSeek V4.
+    # layers to truncate (V4.1), off for DeepSeek V4.
     truncation: str = "auto"
     keep_tokens: int = 134
     num_slots: int = 8

@@ -2,7 +2,7 @@
 # The GPU check (one GPU, under 8 minutes: the step timeouts below add up to 410 s):
 #   1. kernel tests compiled on CUDA: every Triton kernel (the grouped MoE expert products and
 #      MXFP8 quantization the DeepSeek V4 engine calls included) against its torch reference,
-#      and the gpu-marked v41-flash-geometry cases;
+#      and the gpu-marked V4-Flash-scale cases;
 #   2. the shipped model's engine with its Triton kernels on Triton's interpreter vs the torch
 #      kernels (the CPU check, kept here; the DeepSeek V4 engine itself runs on the CPU);
 #   3. bench/kernels/bandwidth.py: GB/s and fraction of peak per kernel, Triton vs torch.

@@ -1,7 +1,7 @@
-"""Fetch a v41-flash-sized SWA snapshot from a peer engine, or replay 128 tokens?
+"""Fetch a V4.1-Flash-sized SWA snapshot from a peer engine, or replay 128 tokens?
 
 Measures, in one run on this machine:
-  fetch   a 1,415,040 B snapshot (v41-flash state_size_to_disk) from an engine
+  fetch   a 1,415,040 B snapshot (V4.1-Flash's state_size_to_disk) from an engine
           serving FetchSwaSnapshot over loopback gRPC, verified (sha256, size)
   replay  the extra TTFT of a block hit + 128-token bounded replay over a snapshot
           hit, tiny model, prompt of 4096 tokens

@@ -19,8 +19,8 @@ tokens cost, rather than new requests never starting.
 
 Off (`--step-slo-ms 0`) and always off in deterministic mode: chunk boundaries that depend
 on timing change fp32 results from run to run. The ranks of a split engine fit over rank 0's
-steps (`follow`), so they cap alike. Owned by the scheduler of each engine
-(Scheduler for V4-mini, V4Engine for DeepSeek V4); the engine reports each step (`observe`).
+steps (`follow`), so they cap alike. Owned by V4Engine, which reports each step
+(`observe`).
 Tests inject step times through `observe`.
 """
 

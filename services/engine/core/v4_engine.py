@@ -1,8 +1,8 @@
-"""V4Engine: what EngineCore is for V4-mini, for a DeepSeek V4 checkpoint.
+"""V4Engine: the engine core serving a DeepSeek V4 or V4.1 checkpoint.
 
-The same interface (add_request / step / abort / has_work / stats / counters / cfg /
-tokenizer / prefix), so AsyncEngine, the gRPC service and `kvmesh generate --local` run it
-unchanged; `build.build_core` picks it by the checkpoint's model_type. Underneath it is the
+add_request / step / abort / has_work / stats / counters / cfg / tokenizer / prefix: what
+AsyncEngine, the gRPC service and `kvmesh generate --local` call; `build.build_core` builds it
+over the model the checkpoint's model_type names. Underneath it is the
 model package's ledger path (services/engine/model/deepseek_v4/ledgers.py): every token's
 state lives in the engine's state slots and blocks, and one step is one `ledgers.step` over
 all running sequences (decode rows first, then prefill chunks, within the token budget).
@@ -19,18 +19,18 @@ With --kvstore, completed blocks are written through (hooks.block_done) and a pr
 missing blocks come back from it; with --directory, stored snapshots are published and a
 peer's is fetched (rpc/remote.py, unchanged: it only enqueues and prefetches).
 
---speculative ngram:K drafts by prompt lookup (core/speculative.py, as for V4-mini): a
+--speculative ngram:K drafts by prompt lookup (core/speculative.py): a
 decode row carries its drafts, verification keeps a prefix of them, and the rows of the
 rejected ones are taken back (ledgers.rollback, at most 6) before any block is registered.
 
 --role prefill / decode hand a request from a prefill engine (rings of 396 rows with
---extra-state) to a decode engine after its first token (core/v4_handoff.py), in the wire
-form V4-mini engines use.
+--extra-state) to a decode engine after its first token (core/v4_handoff.py).
 
 --speculative mtp:K drafts from the checkpoint's MTP module (core/v4_mtp_draft.py), fed
 the trunk's last streams of every committed position.
 
-Not yet on this path (refused at start-up, naming the flag): YOCO truncation.
+Prefill truncation (--truncation mask | compact) runs on V4.1 checkpoints (core/v4_paths.py);
+a DeepSeek V4 checkpoint refuses it at start-up, naming the flag.
 """
 
 from __future__ import annotations

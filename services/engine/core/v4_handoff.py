@@ -1,4 +1,4 @@
-"""Prefill/decode handoff for DeepSeek V4 engines, in the wire form V4-mini's uses.
+"""Prefill/decode handoff for DeepSeek V4 / V4.1 engines (the wire form: core/handoff.py).
 
 A prefill engine (--role prefill: rings of 396 rows) hands a request to a decode engine
 (134 rows) after its first token, as a `core.handoff.Handoff` whose SlotHandoff holds

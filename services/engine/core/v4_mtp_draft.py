@@ -1,7 +1,7 @@
 """MTP drafts for a DeepSeek V4 engine (`--speculative mtp:K`), from the checkpoint's MTP
 module (model/deepseek_v4/mtp.py).
 
-The same contract as V4-mini's drafter (core/mtp_draft.py), which the Speculator drives:
+The drafter contract the Speculator (core/speculative.py) drives:
 `observe` stashes the trunk's last streams of committed positions after each step (at most
 the last W), `propose` turns them into MTP rows and drafts (each row's argmax), `forget`
 drops a request. Row p needs token p + 1, so the rows of

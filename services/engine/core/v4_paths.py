@@ -54,7 +54,7 @@ class V41Path:
         if ecfg.speculative.startswith("mtp"):
             raise ValueError("speculative: DeepSeek V4.1 drafts with its DSpark layers, which "
                              "kvmesh does not serve yet; use ngram:K or off")
-        ecfg.check_model(model.whole)    # KEEP >= W + B under truncation, as for V4-mini
+        ecfg.check_model(model.whole)    # KEEP >= W + B under truncation
         self.model = model
         self.ledgers = v41_ledgers.V41Ledgers(model.whole, ecfg.num_slots, ecfg.num_blocks,
                                               ecfg.extra_state,

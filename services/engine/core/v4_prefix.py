@@ -1,7 +1,7 @@
 """Prefix reuse for a DeepSeek V4 engine: block hashes, shared blocks, window snapshots.
 
-Owns the engine's SnapshotStore (host memory, LRU + TTL, the same store V4-mini engines keep,
-so FetchSwaSnapshot and the directory see it unchanged) and the hash chains of its
+Owns the engine's SnapshotStore (host memory, LRU + TTL, what FetchSwaSnapshot serves and the
+directory indexes) and the hash chains of its
 requests. It never runs the model: V4Engine asks it, at admission, how a prompt starts
 (`match`), and after each step which blocks became complete (`register`) and whether the
 step ended on the request's snapshot position (`snapshot_due`).
