@@ -43,7 +43,7 @@ BREAKS = [
     ("services/engine/config.py", "import training.bpe", "layers: launchers over training"),
     ("training/loop.py", "import launch.cli", "layers: launchers over training"),
     ("services/engine/core/v4_engine.py", "import grpc", "engine core, cache and model import no"),
-    ("services/engine/cache/prefetch.py", "import services.engine.core.sequence", "engine layers"),
+    ("services/engine/cache/prefetch.py", "import services.engine.core.finish", "engine layers"),
     ("services/engine/cache/block_pool.py", "import torch", "block accounting needs no torch"),
     ("services/gateway/router.py", "import grpc", "gateway routing and validation"),
 ]

@@ -1,18 +1,22 @@
-"""What EngineCore reports: its counters, the events of a step, the hooks it calls.
+"""What the engine reports: its counters, the events of a step, the hooks it calls.
 
-Only the engine thread creates and changes these (EngineCore owns them); the hooks run on
-it and must only enqueue.
+Only the engine thread creates and changes these (V4Engine owns them); the hooks run on it
+and must only enqueue.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvmesh.generation import TokenLogprob
+from services.engine.core.finish import Finish
 from services.engine.core.handoff import Handoff
-from services.engine.core.sequence import Finish, Sequence
 
-# Counters EngineCore always reports, 0 until their event first happens, so GetStats and
+if TYPE_CHECKING:
+    from services.engine.core.v4_request import V4Request
+
+# Counters the engine always reports, 0 until their event first happens, so GetStats and
 # /metrics (kvmesh_engine_<name>) show every one from the start. Only the engine thread
 # changes them; remote.py adds its own kvstore_*/peer_*/directory_* keys (through it too).
 COUNTERS = ("requests", "prompt_tokens", "cache_hit_tokens", "replayed_tokens",
@@ -42,7 +46,7 @@ class Event:
     token_ids: list[int]
     text: str
     finish: Finish | None
-    seq: Sequence
+    seq: V4Request
     handoff: Handoff | None = None      # finish HANDOFF: what a decode engine adopts
     drafted: int = 0           # on the last event: draft tokens this request proposed
     accepted: int = 0          # and how many of them verification accepted

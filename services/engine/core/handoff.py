@@ -4,31 +4,26 @@ engine adopts, and the prefill engine's store of handoffs waiting to be fetched.
     prefill engine (PE)                                   decode engine (CE)
     add_request(handoff=True)
     prefill, sample the first token
-    export_handoff: request + CacheManager.export_slot      EngineCore.adopt(handoff)
-      (slot rearranged 396 -> 134, blocks, hashes)            check fingerprints, sizes, room
-    HandoffStore.put; the sequence finishes (HANDOFF)         CacheManager.adopt: slot + blocks
-    ...FetchHandoff (rpc/handoff.py) -> bytes ---------->     Scheduler.adopt: decoding at once
+    v4_handoff.export: request + slot + blocks            V4Engine.adopt(handoff)
+      (rings re-laid 396 -> 134, blocks, hashes)             handoff_problem: fingerprints,
+    HandoffStore.put; the request finishes (HANDOFF)         sizes; v4_handoff.adopt: slot,
+    ...FetchHandoff (rpc/handoff.py) -> bytes ---------->    blocks, decoding at once
 
 Sampling draws from (seed, token index) only (sampling.py), so the seed and the
 output so far are the whole sampling state; the CE rebuilds the stop-string state
 and what was sent from the output (OutputState.resume), as a mid-stream migration does.
 
-The export's bytes leave the device off the step (device.HostCopies; on CUDA they land at
-a later step, or when the engine goes idle): the HANDOFF event waits for them (`Exports`).
-
-Owners: EngineCore owns its HandoffStore and Exports (engine thread only); a Handoff is
-immutable.
+Owners: V4Engine owns its HandoffStore (engine thread only); a Handoff is immutable.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from services.engine.cache.handoff import SlotHandoff
 from services.engine.core.sampling import SamplingParams
-from services.engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -49,11 +44,6 @@ class Handoff:
         return self.slot.nbytes
 
 
-def export_handoff(seq: Sequence, slot: SlotHandoff, layout_fp: str, model_fp: str) -> Handoff:
-    return Handoff(seq.request_id, tuple(seq.prompt), tuple(seq.output), seq.params, seq.seed,
-                   seq.salt, seq.traffic_class, layout_fp, model_fp, slot)
-
-
 def handoff_problem(h: Handoff, layout_fp: str, model_fp: str, vocab_size: int) -> str | None:
     """What is wrong with a handoff before the cache looks at it (None: nothing)."""
     if h.layout_fp != layout_fp or h.model_fp != model_fp:
@@ -72,7 +62,7 @@ def handoff_problem(h: Handoff, layout_fp: str, model_fp: str, vocab_size: int) 
 
 class HandoffStore:
     """Handoffs a PE keeps until fetched (a CE retry fetches again), bounded in bytes and
-    age; the oldest goes first. Engine thread only (EngineCore owns it)."""
+    age; the oldest goes first. Engine thread only (V4Engine owns it)."""
 
     def __init__(self, max_bytes: int, ttl_s: float, clock=time.monotonic):
         self.max_bytes, self.ttl_s, self.clock = max_bytes, ttl_s, clock
@@ -109,33 +99,3 @@ class HandoffStore:
 
     def __len__(self) -> int:
         return len(self._items)
-
-
-class Exports:
-    """HANDOFF events whose handoff is still on its way to host memory. A step's events go
-    out through `ready`: one still waiting is held back, one that landed (now or since an
-    earlier step) goes out as a copy carrying its handoff. Engine thread only (EngineCore
-    owns it)."""
-
-    def __init__(self):
-        self._held: list = []          # events returned by a step, waiting for their bytes
-        self._done: list = []          # ... landed: drop them from the step's own list
-        self._landed: list = []        # ... and send these copies with the handoff instead
-
-    def hold(self, event) -> None:
-        self._held.append(event)
-
-    def land(self, event, handoff: Handoff) -> None:
-        self._held = [e for e in self._held if e is not event]
-        self._done.append(event)
-        self._landed.append(replace(event, handoff=handoff))
-
-    def ready(self, events: list) -> list:
-        skip = self._held + self._done
-        out = [e for e in events if all(e is not s for s in skip)] + self._landed
-        self._done, self._landed = [], []
-        return out
-
-    @property
-    def pending(self) -> int:
-        return len(self._held)

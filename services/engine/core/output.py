@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.tokenizer import TextStream
+from services.engine.core.finish import Finish
 from services.engine.core.sampling import SamplingParams
-from services.engine.core.sequence import Finish
 from services.engine.core.stops import StopMatcher
 
 

@@ -125,7 +125,7 @@ def judge(logits: torch.Tensor, drafts: list[int], params: SamplingParams, step:
     """logits [k + 1, V] of one verify work -> [2] long on the logits' device: a, the number
     of drafts accepted, and the token emitted after them (row a's token: a replacement, or
     the bonus when a = k). Nothing is read back: the caller reads every work's verdict of
-    the step at once (EngineCore.step), and the work emits drafts[:a] + [token].
+    the step at once (V4Engine.step), and the work emits drafts[:a] + [token].
 
     Row j's token is plain decoding's token step + j (sampling.draw, row by row, the same
     generator and distribution), so the work emits exactly what k + 1 plain steps would."""

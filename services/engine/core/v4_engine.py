@@ -48,6 +48,7 @@ from kvmesh.generation import check_traffic_class
 from services.engine.config import EngineConfig
 from services.engine.core import v4_handoff
 from services.engine.core.events import COUNTERS, Event, Hooks
+from services.engine.core.finish import Finish
 from services.engine.core.handoff import Handoff, HandoffStore, handoff_problem
 from services.engine.core.output import OutputState
 from services.engine.core.request_checks import check_prompt
@@ -58,7 +59,6 @@ from services.engine.core.sampling import (
     penalize,
     read_ids,
 )
-from services.engine.core.sequence import Finish
 from services.engine.core.speculative import Speculator, engine_setting
 from services.engine.core.step_budget import StepBudget
 from services.engine.core.v4_mtp_draft import V4MtpDrafter
@@ -83,7 +83,7 @@ class V4Engine:
         self.prefix = V4Prefix(self.ledgers, self.cfg.fingerprint(), self.path.period,
                                ecfg.snapshot_bytes, ecfg.snapshot_ttl_min, self.path.snapshots)
         self.hooks = Hooks()
-        # through a weak proxy, as EngineCore: callbacks holding the engine made a cycle
+        # through a weak proxy: callbacks holding the engine made a cycle
         me = weakref.proxy(self)
         self.prefix.store.on_put = lambda snap: me._snapshot_stored(snap)
         self.prefix.store.on_evict = lambda key: me.hooks.snapshot_evicted(key)
@@ -102,15 +102,16 @@ class V4Engine:
             if setting.method == "mtp" else None
         self.spec = Speculator(setting, ecfg.ngram_min, ecfg.ngram_max, drafter,
                                adaptive=ecfg.spec_policy == "adaptive" and not ecfg.deterministic)
-        # handoffs waiting for a decode engine to fetch them (prefill engines), as EngineCore
+        # handoffs waiting for a decode engine to fetch them (prefill engines)
         self.handoffs = HandoffStore(ecfg.snapshot_bytes, ttl_s=60.0)
 
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
                     salt: str = "", traffic_class: str = "", prefetched=None, resume: int = 0,
                     handoff: bool = False, request_seed: int | None = None) -> V4Request:
-        """As EngineCore.add_request. `prefetched`: the kvstore's blocks and a peer's snapshot
-        for it (rpc/remote.py). request_seed: an unseeded request's (core/lockstep.py)."""
+        """Check and queue a request (InvalidArgument naming the field). `prefetched`: the
+        kvstore's blocks and a peer's snapshot for it (rpc/remote.py). request_seed: an
+        unseeded request's (core/lockstep.py)."""
         n_prompt = check_prompt(prompt_ids, params, resume, self.cfg.vocab_size,
                                 self.cfg.max_seq_len)
         check_traffic_class(traffic_class)

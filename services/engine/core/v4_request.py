@@ -12,8 +12,8 @@ from functools import cached_property
 from typing import Any
 
 from kvmesh import cachekeys
+from services.engine.core.finish import Finish
 from services.engine.core.sampling import SamplingParams
-from services.engine.core.sequence import Finish
 from services.engine.core.v4_prefix import Match
 from services.engine.model.deepseek_v4 import ledgers
 from services.engine.model.deepseek_v4.config import V4Config
@@ -81,7 +81,6 @@ class V4Request:
     cached_tokens: int = 0
     replayed_tokens: int = 0
     cut: int | None = None                    # V4.1 truncation: the decoder runs from here
-    recomputed_tokens: int = 0
     scheduled_s: float = 0.0                  # time.monotonic() at admission (0: waiting)
 
     @property

@@ -9,7 +9,7 @@ the decode engine's checked fetch, modelled on the snapshot fetch (peers.py).
         state size (this engine's slot), fingerprints, block hashes (the gateway's),
         block sizes, sha256 (of the stream; of the state: the gateway's);
         any failure -> Unavailable (the gateway tries another CE or a unified engine)
-        CE: EngineCore.adopt -> decode; tokens stream to the gateway
+        CE: V4Engine.adopt -> decode; tokens stream to the gateway
 
 The data is the rearranged slot state followed by the serialized blocks not skipped;
 each block carries its own digest (block_store.py), checked before it is installed. A

@@ -1,5 +1,6 @@
-"""Each Sequence field has the one writer sequence.py names: a check over the engine's
-source, so a new assignment from elsewhere fails here instead of drifting the docstring."""
+"""Each field of the request record (V4Request) has one writer, V4Engine: a check over the
+engine's source, so a new assignment from elsewhere fails here instead of the engine thread's
+ownership drifting."""
 
 from __future__ import annotations
 
@@ -7,27 +8,25 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from services.engine.core.sequence import Sequence
+from services.engine.core.v4_request import V4Request
 
 ENGINE = Path(__file__).resolve().parents[3] / "services" / "engine"
 WRITERS = {
-    "cache/manager.py": {"prompt", "output", "slot", "table", "hashes", "num_computed",
-                         "prefill_len", "enc_lo", "dec_lo", "cmp_from", "cached_tokens",
-                         "replayed_tokens", "recomputed_tokens", "prefetched", "block_hashes",
-                         "lineage"},
-    "core/scheduler.py": {"status", "finish", "preemptions", "admitted_at", "scheduled_s"},
+    "core/v4_engine.py": {"output", "finish", "seq", "registered", "snapshot_at", "replay",
+                          "prefetched", "cached_tokens", "replayed_tokens", "cut",
+                          "scheduled_s"},
 }
-# same names on other objects: a GenerateRequest's `prompt` field, argparse args, and the
-# DeepSeek V4 engine's own request record (V4Request, whose fields V4Engine alone writes)
-NOT_SEQUENCES = {"rpc/client.py": {"prompt"}, "cli.py": {"prompt"},
-                 "core/v4_engine.py": {"output", "finish", "cached_tokens", "replayed_tokens",
-                                       "prefetched", "scheduled_s"}}
-FIELDS = {f.name for f in dataclasses.fields(Sequence)}
+# set at construction and never assigned again (`chain` grows in place through
+# cachekeys.extend_chain, called by V4Prefix on V4Engine's behalf)
+FIXED = {"request_id", "prompt", "params", "seed", "salt", "traffic_class", "handoff", "chain"}
+# same names on other objects: a GenerateRequest's `prompt` field
+NOT_REQUESTS = {"rpc/client.py": {"prompt"}}
+FIELDS = {f.name for f in dataclasses.fields(V4Request)}
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear"}
 
 
 def writes(tree: ast.AST) -> set[str]:
-    """Sequence field names written through an attribute of something other than self."""
+    """Request field names written through an attribute of something other than self."""
     out: set[str] = set()
 
     def target(node):
@@ -55,21 +54,18 @@ def writes(tree: ast.AST) -> set[str]:
     return out
 
 
-def test_every_sequence_field_is_written_only_by_its_owner():
-    assert set().union(*WRITERS.values()) | {"request_id", "params", "seed", "salt",
-                                             "traffic_class", "handoff"} == FIELDS
+def test_every_request_field_is_written_only_by_its_owner():
+    assert set().union(*WRITERS.values()) | FIXED == FIELDS
     found = {}
     for path in ENGINE.rglob("*.py"):
         rel = path.relative_to(ENGINE).as_posix()
-        if rel == "core/sequence.py":
-            continue
         wrote = writes(ast.parse(path.read_text()))
-        stray = wrote - WRITERS.get(rel, set()) - NOT_SEQUENCES.get(rel, set())
+        stray = wrote - WRITERS.get(rel, set()) - NOT_REQUESTS.get(rel, set())
         if stray:
             found[rel] = sorted(stray)
     assert found == {}
 
 
 def test_the_check_sees_an_assignment():
-    assert writes(ast.parse("seq.num_computed = 3\nvictim.status, x = 1, 2\nseq.output.append(1)"
-                            "\ndel s.table[2:]")) == {"num_computed", "status", "output", "table"}
+    assert writes(ast.parse("req.cut = 3\nother.finish, x = 1, 2\nreq.output.append(1)"
+                            "\ndel r.prompt[2:]")) == {"cut", "finish", "output", "prompt"}

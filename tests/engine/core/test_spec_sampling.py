@@ -106,31 +106,36 @@ def test_ngram_drafter_proposes_the_continuation_of_the_latest_longest_match():
 def test_wholly_rejected_drafts_back_off_1_2_4_tokens():
     """With --spec-policy always, a request whose drafts are all rejected decodes plainly for
     1, then 2, then 4 tokens before drafting again; one accepted draft resets it."""
-    from services.engine.core.sequence import Sequence
+    from services.engine.core.v4_request import V4Request
+    from services.engine.model.deepseek_v4.ledgers import Sequence
 
     spec = speculative.Speculator(speculative.SpecSetting("ngram", 2), adaptive=False)
     params = SamplingParams(temperature=0, max_tokens=100)
-    seq = Sequence("r", [1, 2, 1, 2, 1, 2], params, seed=0, slot=0, prefill_len=6, num_computed=6)
+    req = V4Request("r", [1, 2, 1, 2, 1, 2], params, seed=0, seq=Sequence(slot=0, length=6))
     spec.add("r", params)
 
     class Ones:
         def propose(self, tokens, k):
             return [1] * k
 
+    def emit(tokens):             # decoded: every token but the newest one is computed
+        req.output.extend(tokens)
+        req.seq.length = len(req.tokens) - 1
+
     spec.drafter = Ones()
     wrong = torch.zeros(3, V, dtype=torch.float64)          # argmax 0: every draft rejected
     pauses = []
     for _ in range(3):
-        drafts = spec.propose([seq])["r"]
-        seq.output.extend(spec.verify(seq, wrong, drafts))
+        drafts = spec.propose([req])["r"]
+        emit(spec.verify(req, wrong, drafts))
         waited = 0
-        while "r" not in spec.propose([seq]):
-            seq.output.append(0)
+        while "r" not in spec.propose([req]):
+            emit([0])
             waited += 1
         pauses.append(waited)
     assert pauses == [1, 2, 4]
     right = torch.zeros(3, V, dtype=torch.float64)
-    drafts = spec.propose([seq])["r"]
+    drafts = spec.propose([req])["r"]
     right[0, drafts[0]] = 1.0                                 # the first draft is accepted
-    seq.output.extend(spec.verify(seq, right, drafts))
-    assert "r" in spec.propose([seq])
+    emit(spec.verify(req, right, drafts))
+    assert "r" in spec.propose([req])

@@ -112,9 +112,9 @@ def test_output_sends_what_a_plain_search_allows(stops, text, max_tokens):
     before the first stop string (then STOP), or everything at max_tokens (LENGTH), or
     everything but the longest end that may still begin a stop string."""
     from kvmesh.tokenizer import ByteTokenizer
+    from services.engine.core.finish import Finish
     from services.engine.core.output import OutputState
     from services.engine.core.sampling import SamplingParams
-    from services.engine.core.sequence import Finish
 
     tok = ByteTokenizer()
     ids = tok.encode(text)                    # é is two byte tokens: split characters too

@@ -6,9 +6,9 @@ import sys
 import torch
 
 from kvmesh.tokenizer import ByteTokenizer, HFTokenizer
+from services.engine.core.finish import Finish
 from services.engine.core.output import OutputState
 from services.engine.core.sampling import SamplingParams, sample
-from services.engine.core.sequence import Finish
 
 
 def test_byte_tokenizer_streams_split_characters():
