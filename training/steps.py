@@ -21,9 +21,9 @@ import torch
 
 @dataclass
 class StepArgs:
-    """What every training run has (each command its own defaults): the step loop's
-    settings."""
-    out: str = "runs/tiny"
+    """The step loop's settings (a training command subclasses it with its own defaults
+    and the fields its model and data need)."""
+    out: str = "runs/train"
     steps: int = 1000
     batch: int = 2
     seq_len: int = 1024
@@ -39,9 +39,11 @@ class StepArgs:
     eval_windows: int = 4
     ckpt_minutes: float = 5.0
     resume: bool = False
+    time_budget_min: float = 0.0      # 0 = no limit; otherwise stop and save when reached
+    decay_by_time: bool = False       # cosine progress = max(step, elapsed time) fraction
 
 
-def lr_at(step: int, a, elapsed: float = 0.0) -> float:
+def lr_at(step: int, a: StepArgs, elapsed: float = 0.0) -> float:
     """Linear warm-up, then cosine to min_lr_frac * lr. With `decay_by_time` and a time
     budget the cosine follows whichever is further along, the steps or the budget, so a
     run stopped by its budget on a slow (shared) machine still ends annealed."""
@@ -105,7 +107,7 @@ def restore(st: dict, w: dict) -> None:
     torch.set_rng_state(st["torch_rng"])
 
 
-def run_steps(a, opt, params, resumed: tuple, step_loss, evaluate, save, log) -> dict:
+def run_steps(a: StepArgs, opt, params, resumed: tuple, step_loss, evaluate, save, log) -> dict:
     """The step loop: the learning rate of `lr_at`, backward with the
     gradient clipped, progress lines (bar, tok/s, eta) every `log_every` steps, a held-out
     evaluation every `eval_every`, a checkpoint every `ckpt_minutes`, and the time budget,

@@ -57,8 +57,6 @@ class V41TrainArgs(StepArgs):
     english_fraction: float = 0.2
     chat_fraction: float = 0.1
     copy_fraction: float = 0.0
-    time_budget_min: float = 0.0
-    decay_by_time: bool = False
 
 
 def step_loss(model: V41Model, rows: list[torch.Tensor], kl_weight: float):

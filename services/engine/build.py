@@ -149,17 +149,12 @@ def choose_model(args) -> None:
         args.model = str(DEFAULT_MODEL)
 
 
-def build_core(args) -> V4Engine:
-    """-> V4Engine for --model (default the shipped model). torch is imported here, not at
-    module import: `kvmesh --help` and the remote `kvmesh generate` stay fast."""
-    choose_model(args)
-    return build_v4_core(args)
-
-
-def build_v4_core(args, split=None):
-    """A V4Engine serving the DeepSeek V4 or V4.1 checkpoint in --model DIR (by its
-    config's model_type), with its tokenizer; given a split (parallel.Split, its process
-    group started), over this rank's share of a DeepSeek V4 model."""
+def build_core(args, split=None) -> V4Engine:
+    """A V4Engine serving the DeepSeek V4 or V4.1 checkpoint in --model DIR (default the
+    shipped model; by its config's model_type), with its tokenizer; given a split
+    (parallel.Split, its process group started), over this rank's share of the model.
+    torch is imported here, not at module import: `kvmesh --help` and the remote
+    `kvmesh generate` stay fast."""
     import torch
 
     from kvmesh.checkpoint_dir import is_v41
@@ -169,6 +164,7 @@ def build_v4_core(args, split=None):
     from services.engine.model.deepseek_v4.forward import V4Model
     from services.engine.model.deepseek_v4.v41_forward import V41Model
 
+    choose_model(args)
     if args.device not in (None, "auto", "cpu"):
         raise ValueError(f"--device {args.device}: DeepSeek V4 checkpoints run on the CPU for now")
     directory = Path(args.model)

@@ -115,15 +115,20 @@ def serve_threads(given: int | None, env=None) -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
 def _budget(text: str) -> int:
-    from services.engine.layout_report import parse_bytes
+    """--memory: '80GiB', '512MB', '1.5GiB', '1000000' -> bytes."""
+    import argparse
+    import re
 
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        import argparse
-
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"memory budget {text!r}: use a byte count or a size like 80GiB, 512MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
 def _layout(args) -> int:

@@ -47,7 +47,7 @@ def serve(args, tp: int, ep: int) -> int:
 def _rank(split, args) -> None:
     import torch
 
-    from services.engine.build import build_v4_core
+    from services.engine.build import build_core
     from services.engine.cli import serve_threads
     from services.engine.core import lockstep
     from services.engine.rpc.server import serve as serve_grpc
@@ -55,7 +55,7 @@ def _rank(split, args) -> None:
     local = split.world if "LOCAL_WORLD_SIZE" not in os.environ else \
         int(os.environ["LOCAL_WORLD_SIZE"])
     torch.set_num_threads(max(1, serve_threads(args.threads) // local))
-    engine = build_v4_core(args, split)
+    engine = build_core(args, split)
     if split.rank != 0:
         lockstep.follow(engine)
         return

@@ -12,8 +12,9 @@ from services.engine.build import add_engine_args, build_core
 from services.engine.core.v4_engine import V4Engine
 
 
-def shipped_engine(*flags: str) -> V4Engine:
-    """`kvmesh engine serve` with `flags` (float32, the shipped model unless --model)."""
+def serve_core(*flags: str) -> V4Engine:
+    """The core `kvmesh engine serve` builds from `flags` (float32 and the shipped model
+    unless they say otherwise)."""
     p = argparse.ArgumentParser()
     add_engine_args(p)
     return build_core(p.parse_args(["--dtype", "float32", *flags]))

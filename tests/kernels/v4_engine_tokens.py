@@ -9,12 +9,12 @@ import json
 import sys
 
 from services.engine.core.sampling import SamplingParams
-from tests.engine.engines import random_prompt, shipped_engine
+from tests.engine.engines import random_prompt, serve_core
 
 
-def main(n_prompt: int, n_tokens: int) -> dict:
+def main(n_prompt: int, n_tokens: int, count_triton: bool) -> dict:
     calls = {"moe": 0, "mxfp8": 0}
-    if "triton" in sys.argv[3:]:
+    if count_triton:
         from kernels.triton import moe, mxfp8
 
         def counted(module, name, key):
@@ -27,7 +27,7 @@ def main(n_prompt: int, n_tokens: int) -> dict:
 
         counted(moe, "grouped_linear", "moe")
         counted(mxfp8, "quantize", "mxfp8")
-    core = shipped_engine("--num-blocks", "16")
+    core = serve_core("--num-blocks", "16")
     req = core.add_request(random_prompt(n_prompt, 5),
                            SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True,
                                           logprobs=1))
@@ -39,4 +39,4 @@ def main(n_prompt: int, n_tokens: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]), int(sys.argv[2]))))
+    print(json.dumps(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "triton")))

@@ -10,7 +10,7 @@ import pytest
 from kvmesh import cachekeys
 from services.engine.cache.prefetch import Prefetched
 from services.engine.core.sampling import SamplingParams
-from tests.engine.engines import random_prompt, run_to_completion, shipped_engine
+from tests.engine.engines import random_prompt, run_to_completion, serve_core
 
 BS = 128
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -41,7 +41,7 @@ def serve(engine, prompt, prefetched=None):
 
 
 def test_cold_request_hashes_each_block_once(hashed):
-    engine = shipped_engine()
+    engine = serve_core()
     prompt = random_prompt(400, 3)
     req = serve(engine, prompt)
     tokens = req.prompt + req.output
@@ -53,7 +53,7 @@ def test_cold_request_hashes_each_block_once(hashed):
 
 
 def test_warm_request_and_prefetch_reuse_the_chain(hashed):
-    engine = shipped_engine()
+    engine = serve_core()
     serve(engine, random_prompt(400, 3))
     hashed.clear()
     prompt = random_prompt(400, 3)[:256] + random_prompt(144, 4)
@@ -65,7 +65,7 @@ def test_warm_request_and_prefetch_reuse_the_chain(hashed):
 
 
 def test_fingerprint_is_computed_once_per_engine(monkeypatch):
-    engine = shipped_engine()
+    engine = serve_core()
     want = cachekeys.model_fingerprint(json.loads(engine.cfg.to_json()))  # what a gateway computes
 
     def recomputed(fields):

@@ -14,14 +14,14 @@ import pytest
 
 from services.engine.core.async_engine import AsyncEngine
 from services.engine.core.sampling import SamplingParams
-from tests.engine.engines import random_prompt, shipped_engine
+from tests.engine.engines import random_prompt, serve_core
 
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture()
 def engine():
-    eng = AsyncEngine(shipped_engine("--num-slots", "4", "--num-blocks", "64"))
+    eng = AsyncEngine(serve_core("--num-slots", "4", "--num-blocks", "64"))
     yield eng
     eng.shutdown()
 

@@ -13,11 +13,11 @@ import pytest
 from kvmesh.errors import InvalidArgument
 from services.engine.core.output import OutputState
 from services.engine.core.sampling import SamplingParams
-from tests.engine.engines import random_prompt, shipped_engine
+from tests.engine.engines import random_prompt, serve_core
 
 
 def make_engine():
-    return shipped_engine("--dtype", "float64", "--num-slots", "2", "--num-blocks", "128")
+    return serve_core("--dtype", "float64", "--num-slots", "2", "--num-blocks", "128")
 
 
 def run(prompt, params, resume=0):

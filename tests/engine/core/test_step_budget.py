@@ -63,13 +63,9 @@ def test_off_and_bad_values():
 
 
 def _engine(*flags):
-    import argparse
+    from tests.engine.engines import serve_core
 
-    from services.engine.build import add_engine_args, build_core
-
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    return build_core(p.parse_args(["--num-slots", "4", *flags]))
+    return serve_core("--num-slots", "4", *flags)
 
 
 def _fitted(engine):

@@ -5,17 +5,15 @@ through shared blocks + snapshot, and the bounded replay of a hit without one.""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
-from services.engine.build import add_engine_args, build_core
 from services.engine.core.sampling import SamplingParams
 from services.engine.core.v4_engine import V4Engine
 from services.engine.model.deepseek_v4 import ledgers
 from tests.engine.deepseek_v4 import tiny
 from tests.engine.deepseek_v4.replay_reference import truncated_window_logits
+from tests.engine.engines import serve_core
 
 pytest.importorskip("transformers")
 TOKENS = 64
@@ -39,9 +37,7 @@ def checkpoint(name: str, directory):
 
 def engine(directory, *flags: str) -> V4Engine:
     """A V4Engine built from these flags, float64 unless they say otherwise."""
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    return build_core(p.parse_args(["--model", str(directory), "--dtype", "float64", *flags]))
+    return serve_core("--model", str(directory), "--dtype", "float64", *flags)
 
 
 def hf_greedy(hf, prompt: list[int], n: int = TOKENS) -> list[int]:

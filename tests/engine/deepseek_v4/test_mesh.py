@@ -59,16 +59,24 @@ def _written_and_published(address: str, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"engine {address} did not write its blocks and publish: {_stats(address)}")
 
 
-def test_one_engines_blocks_and_snapshot_make_the_others_hit(mesh):
-    m, _, hf = mesh
-    a, b = (m.endpoints[n] for n in m.engine_names)
-    first = random_prompt(300, seed=31)
+def _served_after_the_other(m: Mesh, first: list[int], second: list[int], n: int):
+    """`first` on one engine until its blocks are written and its snapshot published, then
+    `second` greedily for n tokens on the other -> (its ids, last message, its address)."""
+    a, b = (m.endpoints[name] for name in m.engine_names)
     _engine_call(a, lambda c: c.complete(first, max_tokens=2, temperature=0.0, ignore_eos=True))
     _written_and_published(a)
-    second = first[:256] + random_prompt(40, seed=32)
-    ids, _, last = _engine_call(b, lambda c: c.complete(second, max_tokens=16, temperature=0.0,
+    ids, _, last = _engine_call(b, lambda c: c.complete(second, max_tokens=n, temperature=0.0,
                                                         ignore_eos=True))
+    return ids, last, b
+
+
+def test_one_engines_blocks_and_snapshot_make_the_others_hit(mesh):
+    m, _, hf = mesh
+    first = random_prompt(300, seed=31)
+    second = first[:256] + random_prompt(40, seed=32)
+    ids, last, b = _served_after_the_other(m, first, second, 16)
     assert ids == hf_greedy(hf, second, 16)
+    a = m.endpoints[m.engine_names[0]]
     s = _stats(b)
     assert (s["block_hits_remote"], s["snapshot_hits"], s["peer_snapshot_fetches"]) == (2, 1, 1), \
         ({k: v for k, v in s.items() if v}, {k: v for k, v in _stats(a).items() if v})

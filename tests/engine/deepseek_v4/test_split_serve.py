@@ -125,16 +125,12 @@ def test_a_split_engine_serves_what_one_process_serves(directory, split_engine):
 
 def test_the_shipped_default_model_splits_too():
     """DeepSeek V4.1 (the shipped deepseek-v41-tiny, truncation compact) split 2 ways."""
-    import argparse
-
-    from services.engine.build import add_engine_args, build_core
+    from tests.engine.engines import serve_core
 
     g = torch.Generator().manual_seed(5)
     first = torch.randint(3, 4096, (400,), generator=g).tolist()
     prompts = [first, first + torch.randint(3, 4096, (60,), generator=g).tolist()]
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    want = alone(build_core(p.parse_args(["--dtype", "float64"])), prompts, 6)
+    want = alone(serve_core("--dtype", "float64"), prompts, 6)
     with started("--dtype", "float64") as (_, address):
         assert greedy(address, prompts, 6) == want
     assert want[1][1] > 0                         # the second prompt hit the first's blocks

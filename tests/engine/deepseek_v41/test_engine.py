@@ -6,15 +6,12 @@ with rejected drafts."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
-from services.engine.build import add_engine_args, build_core
 from services.engine.core.v4_engine import V4Engine
 from services.engine.model.deepseek_v4.v41_forward import V41Model
-from tests.engine.deepseek_v4.test_engine import random_prompt, word_tokenizer
+from tests.engine.deepseek_v4.test_engine import engine, random_prompt, word_tokenizer
 from tests.engine.deepseek_v4.test_engine import run as run_v4
 from tests.engine.deepseek_v41 import tiny
 
@@ -23,12 +20,6 @@ TOKENS = 24
 
 def run(core: V4Engine, prompts: list[list[int]], n: int = TOKENS) -> list[list[int]]:
     return run_v4(core, prompts, n)      # the V4 tests' loop, with this file's token count
-
-
-def engine(directory, *flags: str) -> V4Engine:
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    return build_core(p.parse_args(["--model", str(directory), "--dtype", "float64", *flags]))
 
 
 def greedy(m: V41Model, prompt: list[int], n: int = TOKENS, keep: int | None = None) -> list[int]:

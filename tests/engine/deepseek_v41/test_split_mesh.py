@@ -13,7 +13,7 @@ import pytest
 from kvmesh.proto import gateway_pb2_grpc
 from launch.mesh import Mesh, MeshConfig
 from services.gateway.client import gateway_request
-from tests.engine.deepseek_v4.test_mesh import _engine_call, _stats, _written_and_published
+from tests.engine.deepseek_v4.test_mesh import _served_after_the_other, _stats
 from tests.engine.deepseek_v41.test_engine import greedy, random_prompt
 from tests.engine.deepseek_v41.test_mesh import TRUNCATION, _checkpoint
 
@@ -35,13 +35,9 @@ def mesh(tmp_path_factory):
 
 def test_split_engines_share_blocks_and_snapshots_through_the_mesh(mesh):
     m, m41 = mesh
-    a, b = (m.endpoints[n] for n in m.engine_names)
     first = random_prompt(300, seed=51)
-    _engine_call(a, lambda c: c.complete(first, max_tokens=2, temperature=0.0, ignore_eos=True))
-    _written_and_published(a)
     second = first[:256] + random_prompt(40, seed=52)
-    ids, _, last = _engine_call(b, lambda c: c.complete(second, max_tokens=12, temperature=0.0,
-                                                        ignore_eos=True))
+    ids, last, b = _served_after_the_other(m, first, second, 12)
     assert ids == greedy(m41, second, 12, keep=134)
     s = _stats(b)
     assert (s["block_hits_remote"], s["snapshot_hits"], s["peer_snapshot_fetches"]) == (1, 1, 1), \

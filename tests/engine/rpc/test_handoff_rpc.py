@@ -16,7 +16,7 @@ from services.engine.core.sampling import SamplingParams
 from services.engine.rpc.client import EngineClient, generate_request
 from services.engine.rpc.server import SERVICE_NAME
 from services.engine.rpc.service import EngineServicer
-from tests.engine.engines import random_prompt, run_to_completion, shipped_engine
+from tests.engine.engines import random_prompt, run_to_completion, serve_core
 from tests.loop import LoopThread
 
 FLAGS = ("--dtype", "float64", "--truncation", "compact", "--keep-tokens", "134",
@@ -24,7 +24,7 @@ FLAGS = ("--dtype", "float64", "--truncation", "compact", "--keep-tokens", "134"
 
 
 def make_engine(*flags: str):
-    return shipped_engine(*FLAGS, *flags)
+    return serve_core(*FLAGS, *flags)
 
 
 class Pair(LoopThread):

@@ -15,7 +15,7 @@ from services.engine.core.sampling import SamplingParams
 from services.engine.core.v4_engine import V4Engine
 from services.engine.rpc.remote import RemoteTiers
 from services.kvstore.client import KvstoreClient
-from tests.engine.engines import random_prompt, shipped_engine
+from tests.engine.engines import random_prompt, serve_core
 
 ENGINE_THREAD = "engine-loop"
 
@@ -47,7 +47,6 @@ class WatchedCore(V4Engine):
         counters = WatchedCounter()
         dict.update(counters, core.counters)
         core.counters = counters
-        core.touched.clear()
         return core
 
     def _watch(self, name):
@@ -66,7 +65,7 @@ class WatchedCore(V4Engine):
 
 
 def test_remote_tiers_touch_the_core_only_on_the_engine_thread():
-    core = WatchedCore.watch(shipped_engine())
+    core = WatchedCore.watch(serve_core())
     engine = AsyncEngine(core)
     prompt = random_prompt(300, 71)
 

@@ -16,7 +16,7 @@ from services.engine.core.async_engine import AsyncEngine
 from services.engine.rpc.client import EngineClient, generate_request
 from services.engine.rpc.server import SERVICE_NAME
 from services.engine.rpc.service import EngineServicer
-from tests.engine.engines import shipped_engine
+from tests.engine.engines import serve_core
 from tests.loop import LoopThread
 
 
@@ -27,7 +27,7 @@ class EngineHarness(LoopThread):
         """`settings`: engine serve's flags by name (num_slots=4 is --num-slots 4)."""
         super().__init__()
         flags = [x for k, v in settings.items() for x in ("--" + k.replace("_", "-"), str(v))]
-        self.core = shipped_engine(*flags)
+        self.core = serve_core(*flags)
         self.engine = AsyncEngine(self.core)
         self.server = self.run(self._server())
         self.address = f"127.0.0.1:{self.server.port}"
