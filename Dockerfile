@@ -19,6 +19,7 @@ COPY kvmesh kvmesh
 COPY services services
 COPY kernels kernels
 COPY launch launch
+COPY training training
 RUN pip install .
 # The shipped trained models (the compose file's and deploy/k8s' engines load
 # models/deepseek-v41-tiny by path: the installed package carries no models/).

@@ -129,10 +129,10 @@ def load_model(directory, dtype=None):
     window rows as the engine's ledgers keep them."""
     import torch
 
-    from services.engine.build import v4_tokenizer
-    from services.engine.model.deepseek_v4 import window_rows
-    from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
-    from services.engine.model.deepseek_v4.v41_forward import V41Model
+    from kvmesh.services.engine.build import v4_tokenizer
+    from kvmesh.services.engine.model.deepseek_v4 import window_rows
+    from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+    from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 
     dtype = dtype or torch.float32
     cfg, weights = load_v41_checkpoint(directory, dtype)

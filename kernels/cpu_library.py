@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import dispatch
+from kvmesh.kernels import dispatch
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import dispatch
+from kvmesh.kernels import dispatch
 
 
 def grouped_linear(x: torch.Tensor, offsets: list[int], w: torch.Tensor) -> torch.Tensor:
     assert x.dim() == 2 and w.dim() == 3 and x.shape[1] == w.shape[2], (x.shape, w.shape)
     assert len(offsets) == w.shape[0] + 1 and offsets[0] == 0 and offsets[-1] == x.shape[0]
     if dispatch.use_triton(x):
-        from kernels.triton import moe as tri
+        from kvmesh.kernels.triton import moe as tri
 
         return tri.grouped_linear(x, offsets, w)
     return grouped_linear_torch(x, offsets, w)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_library, dispatch
+from kvmesh.kernels import cpu_library, dispatch
 
 E4M3_MAX = 448.0
 BLOCK = 32
@@ -61,7 +61,7 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     """x: [..., D] float -> [..., D + D/32] uint8."""
     assert x.is_floating_point() and x.shape[-1] % BLOCK == 0, x.shape
     if dispatch.use_triton(x):
-        from kernels.triton import mxfp8 as tri
+        from kvmesh.kernels.triton import mxfp8 as tri
 
         return tri.quantize(x)
     return quantize_torch(x)
@@ -82,7 +82,7 @@ def dequantize(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     """q: [..., D + D/32] uint8 -> [..., D] dtype."""
     assert q.dtype == torch.uint8, q.dtype
     if dispatch.use_triton(q):
-        from kernels.triton import mxfp8 as tri
+        from kvmesh.kernels.triton import mxfp8 as tri
 
         return tri.dequantize(q, dtype)
     return dequantize_torch(q, dtype)

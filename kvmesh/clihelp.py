@@ -3,7 +3,7 @@
 `DefaultsFormatter` appends "(default: X)" to a value-taking flag whose help does not
 already name its default; flags whose default comes from a `KVMESH_*` variable say so
 in their help (`env_default`), since their parser default is None ("not given").
-`launch.cli.build_parser` sets the formatter on every sub-command's parser.
+`kvmesh.launch.cli.build_parser` sets the formatter on every sub-command's parser.
 """
 
 from __future__ import annotations

@@ -10,28 +10,28 @@ import argparse
 import logging
 import sys
 
-import launch.generate
-import launch.up
-import services.directory.cli
-import services.engine.cli
-import services.engine.score_cli
-import services.gateway.cli
-import services.kvstore.cli
-import training.cli
+import kvmesh.launch.generate
+import kvmesh.launch.up
+import kvmesh.services.directory.cli
+import kvmesh.services.engine.cli
+import kvmesh.services.engine.score_cli
+import kvmesh.services.gateway.cli
+import kvmesh.services.kvstore.cli
+import kvmesh.training.cli
 from kvmesh.clihelp import DefaultsFormatter, walk
 from kvmesh.tls import export_flags as export_tls_flags
 
 # Modules that add sub-commands, in the order they appear in --help. Imported by name, not
 # through importlib, so the import-linter sees this launcher's dependencies.
 COMMAND_MODULES = [
-    launch.generate,              # kvmesh generate (through the gateway, or --local)
-    services.engine.cli,          # kvmesh engine serve / layout
-    services.gateway.cli,         # kvmesh gateway serve
-    services.kvstore.cli,         # kvmesh kvstore serve, kvmesh admin ...
-    services.directory.cli,       # kvmesh directory serve
-    launch.up,                    # kvmesh up
-    training.cli,    # kvmesh train, kvmesh train-eval
-    services.engine.score_cli,    # kvmesh score (DeepSeek V4 checkpoints)
+    kvmesh.launch.generate,              # kvmesh generate (through the gateway, or --local)
+    kvmesh.services.engine.cli,          # kvmesh engine serve / layout
+    kvmesh.services.gateway.cli,         # kvmesh gateway serve
+    kvmesh.services.kvstore.cli,         # kvmesh kvstore serve, kvmesh admin ...
+    kvmesh.services.directory.cli,       # kvmesh directory serve
+    kvmesh.launch.up,                    # kvmesh up
+    kvmesh.training.cli,    # kvmesh train, kvmesh train-eval
+    kvmesh.services.engine.score_cli,    # kvmesh score (DeepSeek V4 checkpoints)
 ]
 
 

@@ -17,8 +17,8 @@ import grpc
 from kvmesh.errors import KvmeshError
 from kvmesh.generation import DEFAULT_MAX_TOKENS, controls_given, finish_name
 from kvmesh.rpc import exit_code
+from kvmesh.services.engine.build import add_engine_args, build_core
 from kvmesh.tls import add_flags as add_tls_flags
-from services.engine.build import add_engine_args, build_core
 
 
 def register(sub) -> None:
@@ -125,7 +125,7 @@ def _generate(args) -> int:
 
 
 def _generate_local(args) -> int:
-    from services.engine.core.sampling import SamplingParams
+    from kvmesh.services.engine.core.sampling import SamplingParams
 
     try:
         core = build_core(args)
@@ -148,7 +148,7 @@ def _generate_local(args) -> int:
 
 def generate_remote(args: argparse.Namespace) -> int:
     """`kvmesh generate "prompt"` through a gateway: text as it streams, usage at the end."""
-    from services.gateway.config import client_address
+    from kvmesh.services.gateway.config import client_address
 
     address = getattr(args, "gateway", None) or client_address()
     engine = getattr(args, "engine", None)
@@ -167,12 +167,12 @@ async def _stream(address: str, engine: str | None, args) -> int:
               top_p=args.top_p, seed=args.seed, stop=args.stop,
               **controls_given(args))
     if engine:  # straight to one engine (debugging), same output format
-        from services.engine.rpc.client import EngineClient
+        from kvmesh.services.engine.rpc.client import EngineClient
 
         client, served_by = EngineClient(engine), engine
         stream = client.generate(args.prompt, **kw)
     else:
-        from services.gateway.client import GatewayClient
+        from kvmesh.services.gateway.client import GatewayClient
 
         client, served_by = GatewayClient(address, getattr(args, "api_key", None)), address
         stream = client.stream(args.prompt, **kw)

@@ -26,14 +26,14 @@ from pathlib import Path
 
 from kvmesh.checkpoint_dir import is_v41
 from kvmesh.healthcheck import check as health_check
+from kvmesh.launch.backing.proc import ManagedProcess, free_port, port_open
+from kvmesh.launch.backing.valkey import ValkeyProcess
 from kvmesh.s3 import S3Keys
 from kvmesh.shipped import DEFAULT_MODEL
 from kvmesh.tls import PUBLIC_ENV, TlsFiles
-from launch.backing.proc import ManagedProcess, free_port, port_open
-from launch.backing.valkey import ValkeyProcess
 
-log = logging.getLogger("launch.up")
-KVMESH = [sys.executable, "-m", "launch.cli"]
+log = logging.getLogger("kvmesh.launch.up")
+KVMESH = [sys.executable, "-m", "kvmesh.launch.cli"]
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,7 @@ class Mesh:
 
     def _start_kvstore(self, log_dir: Path) -> str:
         """One SeaweedFS server with 12 buckets (the 12 shard locations), then the kvstore."""
-        from launch.backing.seaweed import start_seaweed_cluster
+        from kvmesh.launch.backing.seaweed import start_seaweed_cluster
 
         self.on_progress("seaweedfs", "starting")
         self.seaweed = start_seaweed_cluster(1, 12, log_dir / "seaweedfs", keys=self.s3_keys)

@@ -1,6 +1,6 @@
 """`kvmesh up`: run the whole mesh locally until Ctrl-C (or, with --demo, for one request).
 
-The launcher logic lives in `launch.mesh.Mesh` (tests use it too); this
+The launcher logic lives in `kvmesh.launch.mesh.Mesh` (tests use it too); this
 file only adds the terminal: progress while starting, a table of endpoints,
 the demo request, and a clean stop on SIGINT/SIGTERM.
 """
@@ -22,6 +22,7 @@ from rich.table import Table
 
 from kvmesh.auth import check_public_bind
 from kvmesh.errors import InvalidArgument
+from kvmesh.launch.mesh import Mesh, MeshConfig
 from kvmesh.running import (
     RUNNING_MESH_FILE,
     AlreadyRunning,
@@ -34,7 +35,6 @@ from kvmesh.running import (
 from kvmesh.shipped import DEFAULT_MODEL
 from kvmesh.tls import TlsFiles
 from kvmesh.tls import add_flags as add_tls_flags
-from launch.mesh import Mesh, MeshConfig
 
 # A Python snippet the shipped model (trained on the standard library) continues: long
 # enough to fill two 128-token cache blocks whether the tokenizer is byte-level or BPE.
@@ -419,7 +419,7 @@ def _demo_chat(url: str, console: Console) -> int:
 
 async def _demo(gateway: str, prompt: str, console: Console) -> int:
     """Two requests: the second extends the first, so the usage line shows cache reuse."""
-    from services.gateway.client import GatewayClient
+    from kvmesh.services.gateway.client import GatewayClient
 
     async with GatewayClient(gateway) as gw:
         for i, text in enumerate((prompt, prompt + DEMO_FOLLOW_UP)):

@@ -54,7 +54,7 @@ def _help(action) -> str:
 
 def flags() -> list[str]:
     from kvmesh.clihelp import walk
-    from launch.cli import build_parser
+    from kvmesh.launch.cli import build_parser
 
     out = []
     for parser in walk(build_parser()):
@@ -86,13 +86,13 @@ def _dataclass_vars(cls, prefix: str, names: dict | None = None) -> list[tuple[s
 def variables() -> list[tuple[str, str, str]]:
     """(name, default, what) of every KVMESH_* variable the code reads."""
     from kvmesh import envs, tls
-    from services.directory.config import ENV_PREFIX as DIR_PREFIX
-    from services.directory.config import DirectoryConfig
-    from services.engine.config import EngineConfig
-    from services.gateway.config import ENV_PREFIX as GW_PREFIX
-    from services.gateway.config import GatewayConfig
-    from services.kvstore.config import ENV_PREFIX as KV_PREFIX
-    from services.kvstore.config import KvstoreConfig
+    from kvmesh.services.directory.config import ENV_PREFIX as DIR_PREFIX
+    from kvmesh.services.directory.config import DirectoryConfig
+    from kvmesh.services.engine.config import EngineConfig
+    from kvmesh.services.gateway.config import ENV_PREFIX as GW_PREFIX
+    from kvmesh.services.gateway.config import GatewayConfig
+    from kvmesh.services.kvstore.config import ENV_PREFIX as KV_PREFIX
+    from kvmesh.services.kvstore.config import KvstoreConfig
 
     rows = [(n, d, "`kvmesh engine serve` (and every engine `kvmesh up` starts), the flag "
              f"`--{field.replace('_', '-')}`")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from training import v41_evaluate  # noqa: E402
+from kvmesh.training import v41_evaluate  # noqa: E402
 
 
 def training_record(run: Path, command: str) -> dict:
@@ -51,9 +51,9 @@ def slice_loss(directory: Path) -> float:
     """Mean nats/token over SLICE of the held-out code (what the test checks in seconds)."""
     from tokenizers import Tokenizer
 
-    from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
-    from services.engine.model.deepseek_v4.v41_forward import V41Model
-    from training import data, v41_data
+    from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+    from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
+    from kvmesh.training import data, v41_data
 
     cfg, w = load_v41_checkpoint(directory, torch.float32)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))

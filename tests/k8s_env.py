@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from launch.cli import build_parser
+from kvmesh.launch.cli import build_parser
 from tests.kustomize import render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,9 +43,9 @@ def image_path(path: str) -> Path:
 def check_serves_the_shipped_model(args) -> None:
     """An engine's parsed flags name the image's shipped default model, whose config passes
     the engine's start-up checks under these flags' settings (truncation: KEEP >= W + B)."""
+    from kvmesh.services.engine.build import engine_config
+    from kvmesh.services.engine.model.deepseek_v4.v41_config import read_v41_config
     from kvmesh.shipped import DEFAULT_MODEL
-    from services.engine.build import engine_config
-    from services.engine.model.deepseek_v4.v41_config import read_v41_config
 
     assert image_path(args.model) == DEFAULT_MODEL, args.model
     engine_config(args).check_model(read_v41_config(DEFAULT_MODEL))

@@ -38,8 +38,8 @@ def test_set_sampling_sets_only_given_fields_on_both_requests(request_type):
 
 
 def test_default_max_tokens_is_the_engines_default():
-    from services.engine.core.sampling import SamplingParams
-    from services.engine.rpc.service import params_from_proto
+    from kvmesh.services.engine.core.sampling import SamplingParams
+    from kvmesh.services.engine.rpc.service import params_from_proto
 
     assert SamplingParams().max_tokens == g.DEFAULT_MAX_TOKENS == 64
     assert params_from_proto(engine_pb2.GenerateRequest()).max_tokens == 64
@@ -49,11 +49,11 @@ def test_sampling_controls_survive_every_hop():
     """gateway proto -> GenRequest -> engine proto -> SamplingParams -> the PD handoff's
     request -> SamplingParams: min_p and the penalties arrive as given, unset ones as the
     engine's defaults."""
-    from services.engine.core.sampling import SamplingParams
-    from services.engine.rpc.handoff import params_to_request
-    from services.engine.rpc.service import params_from_proto
-    from services.gateway.engines import engine_request
-    from services.gateway.service import request_from_proto
+    from kvmesh.services.engine.core.sampling import SamplingParams
+    from kvmesh.services.engine.rpc.handoff import params_to_request
+    from kvmesh.services.engine.rpc.service import params_from_proto
+    from kvmesh.services.gateway.engines import engine_request
+    from kvmesh.services.gateway.service import request_from_proto
 
     given = {"min_p": 0.25, "presence_penalty": -0.5, "repetition_penalty": 1.25, "logprobs": 4}
     msg = g.set_sampling(gateway_pb2.GenerateRequest(prompt="x"), **given)

@@ -172,12 +172,12 @@ def known_env_names() -> set[str]:
     and names quoted in source (kvmesh/envs.py, client addresses)."""
     import dataclasses
 
-    from services.directory.config import ENV_PREFIX as DIR
-    from services.directory.config import DirectoryConfig
-    from services.gateway.config import ENV_PREFIX as GW
-    from services.gateway.config import GatewayConfig
-    from services.kvstore.config import ENV_PREFIX as KV
-    from services.kvstore.config import KvstoreConfig
+    from kvmesh.services.directory.config import ENV_PREFIX as DIR
+    from kvmesh.services.directory.config import DirectoryConfig
+    from kvmesh.services.gateway.config import ENV_PREFIX as GW
+    from kvmesh.services.gateway.config import GatewayConfig
+    from kvmesh.services.kvstore.config import ENV_PREFIX as KV
+    from kvmesh.services.kvstore.config import KvstoreConfig
 
     names = set(re.findall(r"[\"'](KVMESH_[A-Z0-9_]+)[\"']", SOURCE))
     for prefix, cls in ((GW, GatewayConfig), (DIR, DirectoryConfig), (KV, KvstoreConfig)):
@@ -197,11 +197,11 @@ def test_every_variable_in_the_manifests_is_read_by_the_code(overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_service_configs_build_from_the_rendered_environment(overlay, monkeypatch):
-    from services.directory.cli import config_from_args as directory_config
-    from services.engine.build import engine_config
-    from services.engine.core.v4_paths import refuse_unsupported
-    from services.gateway.cli import config_from_args as gateway_config
-    from services.kvstore.config import KvstoreConfig
+    from kvmesh.services.directory.cli import config_from_args as directory_config
+    from kvmesh.services.engine.build import engine_config
+    from kvmesh.services.engine.core.v4_paths import refuse_unsupported
+    from kvmesh.services.gateway.cli import config_from_args as gateway_config
+    from kvmesh.services.kvstore.config import KvstoreConfig
 
     res = rendered(overlay)
     env = {k: v for n in SERVICES
@@ -359,7 +359,7 @@ def test_deepseek_v4_overlay_serves_the_mounted_checkpoint():
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_gateway_service_exposes_the_openai_http_api(overlay, monkeypatch):
-    from services.gateway.cli import config_from_args as gateway_config
+    from kvmesh.services.gateway.cli import config_from_args as gateway_config
 
     res = rendered(overlay)
     c = main_container(workload(res, "gateway"))
@@ -400,9 +400,9 @@ def test_the_tls_secret_gives_mutual_tls_between_pods_dialled_by_ip(tmp_path, mo
     import sys
 
     from kvmesh.healthcheck import check
+    from kvmesh.launch.backing.proc import free_port
     from kvmesh.rpc import Server
     from kvmesh.tls import TlsFiles
-    from launch.backing.proc import free_port
 
     secret = tmp_path / "tls-k8s"
     subprocess.run([sys.executable, str(ROOT / "scripts/backing_secrets.py"), "--k8s-tls",

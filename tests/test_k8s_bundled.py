@@ -37,19 +37,19 @@ def test_bundled_servers_come_from_the_image_dependencies():
 def test_bundled_valkey_command_serves_redis(tmp_path):
     import sys
 
-    from launch.backing.proc import free_port, wait_port
-    from launch.backing.valkey import _ping, valkey_binary
+    from kvmesh.launch.backing.proc import free_port, wait_port
+    from kvmesh.launch.backing.valkey import _ping, valkey_binary
 
     res = rendered("bundled")
     cmd = argv(res, "valkey")
-    assert cmd[:3] == ["python", "-m", "launch.backing.valkey"]
+    assert cmd[:3] == ["python", "-m", "kvmesh.launch.backing.valkey"]
     env = container_env(res, main_container(workload(res, "valkey")))
     user, password = env["KVMESH_VALKEY_USER"], env["KVMESH_VALKEY_PASSWORD"]
     assert password == "CHANGE-ME"  # from backing.env.example via the Secret
     port = free_port()
     swap = {"--port": str(port), "--bind": "127.0.0.1", "--dir": str(tmp_path)}
     args = [swap.get(cmd[i - 1], a) for i, a in enumerate(cmd) if i >= 3]
-    proc = subprocess.Popen([sys.executable, "-m", "launch.backing.valkey", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.launch.backing.valkey", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, **env})
     try:
@@ -68,10 +68,10 @@ def test_bundled_valkey_command_serves_redis(tmp_path):
 
 
 def test_bundled_seaweedfs_flags_exist_in_weed():
-    from launch.backing.seaweed import weed_binary
+    from kvmesh.launch.backing.seaweed import weed_binary
 
     cmd = argv(rendered("bundled"), "seaweedfs")
-    assert cmd[:4] == ["python", "-m", "launch.backing.seaweed", "server"]
+    assert cmd[:4] == ["python", "-m", "kvmesh.launch.backing.seaweed", "server"]
     help_text = subprocess.run([weed_binary(), "server", "-h"], capture_output=True,
                                text=True, timeout=30)
     flags = set(re.findall(r"^\s+-([\w.]+)", help_text.stdout + help_text.stderr, re.M))
@@ -93,8 +93,8 @@ def test_bundled_seaweedfs_takes_writes_to_all_12_buckets(tmp_path, monkeypatch)
     import urllib.error
     import urllib.request
 
+    from kvmesh.launch.backing.proc import ManagedProcess, free_port
     from kvmesh.s3 import S3Keys, ensure_bucket, s3_client
-    from launch.backing.proc import ManagedProcess, free_port
 
     res = rendered("bundled")
     sts = workload(res, "seaweedfs")
@@ -114,7 +114,7 @@ def test_bundled_seaweedfs_takes_writes_to_all_12_buckets(tmp_path, monkeypatch)
         local = {"-dir": str(tmp_path), "-ip.bind": "127.0.0.1", "-ip": "127.0.0.1", **ports}
         cmd = [a for a in argv(res, "seaweedfs")[4:] if a.split("=")[0] not in local]
         cmd += [f"{k}={v}" for k, v in local.items()]
-        proc = ManagedProcess("weed", [sys.executable, "-m", "launch.backing.seaweed",
+        proc = ManagedProcess("weed", [sys.executable, "-m", "kvmesh.launch.backing.seaweed",
                                        "server", *cmd], tmp_path / "logs", env=keys.env()).start()
         endpoint = f"http://127.0.0.1:{ports['-s3.port']}"
         client = s3_client(endpoint, read_timeout=30, keys=keys)
@@ -152,7 +152,7 @@ def wait_s3(client, proc, timeout_s: float = 60.0) -> bool:
     """True once S3 answers; False if weed lost a port to someone else."""
     import time
 
-    from launch.backing.seaweed import PORT_TAKEN
+    from kvmesh.launch.backing.seaweed import PORT_TAKEN
 
     deadline = time.monotonic() + timeout_s
     while True:

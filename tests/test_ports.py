@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from launch.backing import proc
+from kvmesh.launch.backing import proc
 
 
 def test_ports_are_below_the_ephemeral_range_distinct_and_bindable():
@@ -44,7 +44,7 @@ def test_weed_that_loses_its_s3_port_is_killed_and_reported(tmp_path):
 
     import pytest
 
-    from launch.backing.seaweed import PortTaken, SeaweedServer
+    from kvmesh.launch.backing.seaweed import PortTaken, SeaweedServer
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

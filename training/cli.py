@@ -63,7 +63,7 @@ def _add_fields(p, cls, helps) -> None:
 
 
 def register(sub) -> None:
-    from training.v41_loop import V41TrainArgs
+    from kvmesh.training.v41_loop import V41TrainArgs
 
     v = sub.add_parser("train-v41", help="train the shipped DeepSeek V4.1 model on code and "
                        "English (CPU)")
@@ -98,7 +98,7 @@ def register(sub) -> None:
 def _train_tokenizer(args) -> int:
     from pathlib import Path
 
-    from training import bpe, v41_data
+    from kvmesh.training import bpe, v41_data
     try:
         tok = bpe.train(v41_data.training_texts(), args.vocab_size, args.min_frequency)
     except ValueError as exc:
@@ -111,7 +111,7 @@ def _train_tokenizer(args) -> int:
 
 
 def _train_v41(args) -> int:
-    from training.v41_loop import V41TrainArgs, train_v41
+    from kvmesh.training.v41_loop import V41TrainArgs, train_v41
 
     return _run("kvmesh train-v41", V41TrainArgs, train_v41, args)
 
@@ -129,7 +129,7 @@ def _run(command: str, args_cls, fn, args) -> int:
 
 def _eval(args) -> int:
     from kvmesh.checkpoint_dir import model_type
-    from training import v41_evaluate
+    from kvmesh.training import v41_evaluate
 
     try:
         if model_type(args.checkpoint) != "deepseek_v41":

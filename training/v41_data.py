@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.chat_deepseek_v4 import EOS, encode_chat
-from training import data
+from kvmesh.training import data
 
 KINDS = ("code", "english", "chat")
 ENGLISH_SUFFIXES = (".md", ".rst")

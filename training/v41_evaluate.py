@@ -20,9 +20,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
-from services.engine.model.deepseek_v4.v41_forward import V41Model
-from training import data, v41_data
+from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.training import data, v41_data
 
 CUT_FROM = 512
 COPY_SNIPPET = 192          # tokens per copy of the retrieval test: W + 64

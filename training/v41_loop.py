@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
-from services.engine.model.deepseek_v4.v41_forward import V41Model
-from training import data, v41_data
-from training.steps import (
+from kvmesh.services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.training import data, v41_data
+from kvmesh.training.steps import (
     Log,
     StepArgs,
     atomic_save,
@@ -34,8 +34,8 @@ from training.steps import (
     resume_from,
     run_steps,
 )
-from training.v41_evaluate import bits_per_byte, position_losses
-from training.v41_model import balance, forward, initial_weights, shipped_config
+from kvmesh.training.v41_evaluate import bits_per_byte, position_losses
+from kvmesh.training.v41_model import balance, forward, initial_weights, shipped_config
 
 RESUME_KEYS = ("seed", "batch", "seq_len", "steps", "lr", "warmup", "decay_by_time",
                "english_fraction", "chat_fraction", "copy_fraction", "init_from")
@@ -105,7 +105,7 @@ def starting_weights(cfg, a: V41TrainArgs, log) -> dict[str, torch.Tensor]:
     with its own schedule and a fresh optimizer), else `initial_weights`."""
     if not a.init_from:
         return initial_weights(cfg, a.seed)
-    from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+    from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
 
     given, w = load_v41_checkpoint(a.init_from, torch.float32)
     if given != cfg:

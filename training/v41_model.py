@@ -23,12 +23,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4 import hyper
-from services.engine.model.deepseek_v4.compressor import visible
-from services.engine.model.deepseek_v4.moe import moe_v41, route_v41
-from services.engine.model.deepseek_v4.numerics import apply_rope
-from services.engine.model.deepseek_v4.v41_config import V41Config
-from services.engine.model.deepseek_v4.v41_forward import (
+from kvmesh.services.engine.model.deepseek_v4 import hyper
+from kvmesh.services.engine.model.deepseek_v4.compressor import visible
+from kvmesh.services.engine.model.deepseek_v4.moe import moe_v41, route_v41
+from kvmesh.services.engine.model.deepseek_v4.numerics import apply_rope
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
     Shared,
     SourceState,
     V41Model,

@@ -22,13 +22,13 @@ import sys
 import torch
 
 from bench.common import OUT, decode_tok_s, first_token_s, parser, plot, random_ids, table
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.model.deepseek_v4 import names
+from kvmesh.services.engine.model.deepseek_v4.config import config_from_dict
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
 from kvmesh.tokenizer import ByteTokenizer
-from services.engine.config import EngineConfig
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.v4_engine import V4Engine
-from services.engine.model.deepseek_v4 import names
-from services.engine.model.deepseek_v4.config import config_from_dict
-from services.engine.model.deepseek_v4.forward import V4Model
 
 CONFIG = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
               head_dim=512, qk_rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=128,

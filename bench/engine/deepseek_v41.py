@@ -24,13 +24,13 @@ import sys
 import torch
 
 from bench.common import OUT, decode_tok_s, first_token_s, parser, plot, random_ids, table
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.model.deepseek_v4 import v41_names, window_rows
+from kvmesh.services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 from kvmesh.tokenizer import ByteTokenizer
-from services.engine.config import EngineConfig
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.v4_engine import V4Engine
-from services.engine.model.deepseek_v4 import v41_names, window_rows
-from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
-from services.engine.model.deepseek_v4.v41_forward import V41Model
 
 CONFIG = dict(model_type="deepseek_v41", vocab_size=1024, hidden_size=256, num_hidden_layers=6,
               num_attention_heads=4, head_dim=512, qk_rope_head_dim=64, q_lora_rank=128,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from services.engine.config import EngineConfig
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.v4_engine import V4Engine
 
 ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 KEEP = 134

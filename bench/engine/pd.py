@@ -32,10 +32,10 @@ from pathlib import Path
 import grpc
 
 from bench.common import OUT, parser, pct, plot, table
+from kvmesh.launch.mesh import Mesh, MeshConfig
 from kvmesh.proto import engine_pb2, engine_pb2_grpc, gateway_pb2_grpc
+from kvmesh.services.gateway.client import gateway_request
 from kvmesh.shipped import DEFAULT_MODEL
-from launch.mesh import Mesh, MeshConfig
-from services.gateway.client import gateway_request
 
 
 def prompt(n: int, seed: int) -> list[int]:

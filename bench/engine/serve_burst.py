@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 
 from bench.common import OUT, ROOT, model_vocab, parser, pct, prompts, table, worktree
-from launch.backing.proc import free_port
-from services.engine.rpc.client import EngineClient
+from kvmesh.launch.backing.proc import free_port
+from kvmesh.services.engine.rpc.client import EngineClient
 
-KVMESH = [sys.executable, "-m", "launch.cli"]
+KVMESH = [sys.executable, "-m", "kvmesh.launch.cli"]
 
 
 class Engine:

@@ -34,12 +34,12 @@ from statistics import median
 import torch
 
 from bench.common import OUT, load_model, parser, plot, table
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.model.deepseek_v4 import mtp
 from kvmesh.shipped import DEFAULT_MODEL
-from services.engine.config import EngineConfig
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.v4_engine import V4Engine
-from services.engine.model.deepseek_v4 import mtp
-from training.data import split, stdlib_files, stdlib_root
+from kvmesh.training.data import split, stdlib_files, stdlib_root
 
 clock = time.process_time
 

@@ -21,14 +21,14 @@ from bench.common import OUT, ROOT, parser, plot, table
 from bench.engine.first_token import engine, ttft
 from kvmesh.proto import engine_pb2_grpc
 from kvmesh.rpc import Server
-from services.engine.cache.snapshots import Snapshot
-from services.engine.core.async_engine import AsyncEngine
-from services.engine.model.deepseek_v4 import v41_layout
-from services.engine.model.deepseek_v4.v41_config import read_v41_config
-from services.engine.rpc.fetch_policy import FetchPolicy
-from services.engine.rpc.peers import fetch_snapshot
-from services.engine.rpc.server import SERVICE_NAME
-from services.engine.rpc.service import EngineServicer
+from kvmesh.services.engine.cache.snapshots import Snapshot
+from kvmesh.services.engine.core.async_engine import AsyncEngine
+from kvmesh.services.engine.model.deepseek_v4 import v41_layout
+from kvmesh.services.engine.model.deepseek_v4.v41_config import read_v41_config
+from kvmesh.services.engine.rpc.fetch_policy import FetchPolicy
+from kvmesh.services.engine.rpc.peers import fetch_snapshot
+from kvmesh.services.engine.rpc.server import SERVICE_NAME
+from kvmesh.services.engine.rpc.service import EngineServicer
 
 # a DeepSeek V4.1-Flash snapshot: 20 KV-source rings x 134 rows x 528 B = 1,415,040 B
 SIZE = v41_layout.report(read_v41_config(ROOT / "configs/deepseek-v4.1-flash.json",

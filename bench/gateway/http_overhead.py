@@ -42,8 +42,8 @@ from pathlib import Path
 
 from bench.common import OUT, cpu_s, parser, pct, table
 from kvmesh.auth import ApiKeys
-from launch.mesh import Mesh, MeshConfig
-from services.gateway.client import GatewayClient, gateway_request
+from kvmesh.launch.mesh import Mesh, MeshConfig
+from kvmesh.services.gateway.client import GatewayClient, gateway_request
 
 PROMPT = "Hi there"
 TARGET_MS = 1.5

@@ -46,12 +46,12 @@ import time
 from pathlib import Path
 
 from bench.common import OUT, cpu_s, parser, pct
-from launch.mesh import Mesh, MeshConfig
-from services.engine.rpc.client import EngineClient
-from services.gateway.client import GatewayClient
-from services.gateway.config import EVENT_LOOPS, GatewayConfig
-from services.gateway.service import loop_name
-from services.gateway.service import run as run_on_loop
+from kvmesh.launch.mesh import Mesh, MeshConfig
+from kvmesh.services.engine.rpc.client import EngineClient
+from kvmesh.services.gateway.client import GatewayClient
+from kvmesh.services.gateway.config import EVENT_LOOPS, GatewayConfig
+from kvmesh.services.gateway.service import loop_name
+from kvmesh.services.gateway.service import run as run_on_loop
 
 PROMPT = "Hi there"
 PATHS = ("direct", "gateway", "calls", "proxy")
@@ -107,8 +107,8 @@ def proxy_process(upstream: str, event_loop: str):
 def calls_gateway(mesh: Mesh, event_loop: str):
     """A second gateway on the same engine and directory, one engine call per request."""
     from kvmesh.healthcheck import wait_healthy
-    from launch.backing.proc import ManagedProcess, free_port
-    from launch.mesh import KVMESH
+    from kvmesh.launch.backing.proc import ManagedProcess, free_port
+    from kvmesh.launch.mesh import KVMESH
 
     port = free_port()
     proc = ManagedProcess("gateway-calls", [
@@ -129,7 +129,7 @@ class ProxyClient:
     def __init__(self, address: str):
         from kvmesh.proto import engine_pb2
         from kvmesh.rpc import channel
-        from services.engine.rpc.client import generate_request
+        from kvmesh.services.engine.rpc.client import generate_request
 
         self.channel = channel(address)
         self._request = generate_request

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from bench.common import OUT, model_vocab, parser, pct, prompts, table
-from launch.mesh import Mesh, MeshConfig
+from kvmesh.launch.mesh import Mesh, MeshConfig
 
 
 async def one(session, url: str, model: str, prompt: list[int], tokens: int, start_at: float

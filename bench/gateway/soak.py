@@ -31,9 +31,9 @@ from pathlib import Path
 import grpc
 
 from bench.common import OUT, parser, pct, table
+from kvmesh.launch.mesh import Mesh, MeshConfig
 from kvmesh.proto import engine_pb2, engine_pb2_grpc, gateway_pb2_grpc
-from launch.mesh import Mesh, MeshConfig
-from services.gateway.client import gateway_request
+from kvmesh.services.gateway.client import gateway_request
 
 AGENT_PREFIXES = [f"You are agent {i}. Tools: search, read, write, run. " * 12 for i in range(3)]
 CHAT_PREAMBLE = "You are a helpful assistant. Answer briefly. "

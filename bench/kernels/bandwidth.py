@@ -30,9 +30,9 @@ if not CUDA:                       # before triton is imported: Triton runs in i
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench.common import OUT, parser, plot, table  # noqa: E402
-from kernels import moe, mxfp8  # noqa: E402
-from kernels.triton import moe as tri_moe  # noqa: E402
-from kernels.triton import mxfp8 as tri_mx  # noqa: E402
+from kvmesh.kernels import moe, mxfp8  # noqa: E402
+from kvmesh.kernels.triton import moe as tri_moe  # noqa: E402
+from kvmesh.kernels.triton import mxfp8 as tri_mx  # noqa: E402
 
 # spec HBM bandwidth, GB/s (device name substring -> peak)
 PEAKS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0,

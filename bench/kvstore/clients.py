@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from bench.common import cpu_s
+from kvmesh.launch.backing.proc import ManagedProcess, free_port, wait_port
 from kvmesh.s3 import s3_client
-from launch.backing.proc import ManagedProcess, free_port, wait_port
 
 
 async def timed(n_ops: int, concurrency: int, op) -> float:
@@ -60,7 +60,7 @@ def start_kvstore(cluster, tmp: Path, name: str, tiers: bool, run_blocks: int = 
     mem = str(2 << 30) if tiers else "0"
     env = {"KVMESH_KVSTORE_LOCATIONS": ",".join(cluster.locations),
            "KVMESH_KVSTORE_RUN_BLOCKS": str(run_blocks)}
-    proc = ManagedProcess(name, [sys.executable, "-m", "launch.cli", "--log-level", "WARNING",
+    proc = ManagedProcess(name, [sys.executable, "-m", "kvmesh.launch.cli", "--log-level", "WARNING",
                                  "kvstore", "serve", "--port", str(port),
                                  "--data-dir", str(tmp / name), "--mem-bytes", mem,
                                  "--disk-bytes", "0", "--capacity-bytes", str(1 << 40),

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from bench.common import OUT
 from bench.kvstore.clients import CpuMeter, raw_clients, start_kvstore, timed
-from launch.backing.seaweed import start_seaweed_cluster
-from launch.backing.valkey import ValkeyProcess
-from services.kvstore.client import KvstoreClient, KvstorePool, connect
+from kvmesh.launch.backing.seaweed import start_seaweed_cluster
+from kvmesh.launch.backing.valkey import ValkeyProcess
+from kvmesh.services.kvstore.client import KvstoreClient, KvstorePool, connect
 
 BLOCKS = 16
 CONCURRENCY = 16

@@ -44,11 +44,11 @@ from pathlib import Path
 from bench.common import OUT, parser
 from bench.kvstore.clients import CpuMeter, raw_clients, start_kvstore, timed
 from bench.kvstore.runs import runs_bench
-from launch.backing.seaweed import start_seaweed_cluster
-from services.kvstore.client import KvstoreClient
-from services.kvstore.config import KvstoreConfig, ShardLocation
-from services.kvstore.durable import DurableStore
-from services.kvstore.shards import ShardStore
+from kvmesh.launch.backing.seaweed import start_seaweed_cluster
+from kvmesh.services.kvstore.client import KvstoreClient
+from kvmesh.services.kvstore.config import KvstoreConfig, ShardLocation
+from kvmesh.services.kvstore.durable import DurableStore
+from kvmesh.services.kvstore.shards import ShardStore
 
 
 def best_of(fn, reps: int = 3) -> float:

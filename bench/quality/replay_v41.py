@@ -56,9 +56,9 @@ from bench.quality.report import report
 from bench.quality.runs import run_prompts, summaries
 from bench.quality.trace import add_trace_args, trace_variant
 from bench.quality.v41_harness import CHUNK, make_engine, run
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 from kvmesh.shipped import DEFAULT_MODEL
-from services.engine.model.deepseek_v4.v41_forward import V41Model
-from training import data, v41_data
+from kvmesh.training import data, v41_data
 
 CONT = 64
 NAMES = {1: "1 truncation compact vs off", 2: "2 snapshot hit vs cold (compact)",

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from bench.quality.forcing import aggregate, forced, prompt_stats
-from training import data
+from kvmesh.training import data
 
 BLOCK = 128
 CONT = 64                       # tokens of continuation scored after each prompt

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from bench.common import load_model, parser, random_ids, table
+from kvmesh.services.engine.core.sampling import SamplingParams
 from kvmesh.shipped import DEFAULT_MODEL
-from services.engine.core.sampling import SamplingParams
 
 MODES = ("off", "mask", "compact")
 
@@ -45,8 +45,8 @@ def summarize(name: str, d: torch.Tensor) -> dict:
 
 def forced_logits(model, prompt: list[int], cont: list[int], mode: str, keep: int) -> torch.Tensor:
     """[len(cont), V]: row 0 predicts cont[0] from the prompt, row i cont[i] from cont[:i]."""
-    from services.engine.model.deepseek_v4 import window_rows
-    from services.engine.model.deepseek_v4.v41_ledgers import V41Ledgers, step
+    from kvmesh.services.engine.model.deepseek_v4 import window_rows
+    from kvmesh.services.engine.model.deepseek_v4.v41_ledgers import V41Ledgers, step
 
     rows = window_rows.for_dtype(model.dtype)
     led = V41Ledgers(model.cfg, 1, -(-(len(prompt) + len(cont)) // 128), rows=rows,
@@ -63,8 +63,8 @@ def forced_logits(model, prompt: list[int], cont: list[int], mode: str, keep: in
 
 def greedy(model, tok, prompt: list[int], n: int, mode: str, keep: int) -> list[int]:
     """V4Engine's free-running greedy tokens with truncation `mode` (the model as loaded)."""
-    from services.engine.config import EngineConfig
-    from services.engine.core.v4_engine import V4Engine
+    from kvmesh.services.engine.config import EngineConfig
+    from kvmesh.services.engine.core.v4_engine import V4Engine
 
     ecfg = EngineConfig(num_blocks=64, dtype=str(model.dtype).removeprefix("torch."),
                         **({} if mode == "off" else {"truncation": mode, "keep_tokens": keep}))
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from kvmesh.checkpoint_dir import is_v41
-    from services.engine.model.deepseek_v4.errors import CheckpointError
+    from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
 
     if not is_v41(args.model):
         print(f"truncation: {args.model} is not a DeepSeek V4.1 checkpoint (prefill truncation "

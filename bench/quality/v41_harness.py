@@ -21,11 +21,11 @@ import time
 import torch
 
 from bench.quality.forcing import Out, Req
-from services.engine.config import EngineConfig
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.v4_engine import V4Engine
-from services.engine.model.deepseek_v4.ledgers import BLOCK
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 
 # Prompt tokens per sequence per step: V4.1's prefill costs less per token in long chunks.
 CHUNK = 256

@@ -1,4 +1,4 @@
-"""Grouped expert products in Triton (see kernels.moe.grouped_linear).
+"""Grouped expert products in Triton (see kvmesh.kernels.moe.grouped_linear).
 
 One program = one expert, BM of its rows and BN output columns; it walks K in BK steps
 with fp32 accumulation. Experts with fewer rows than the longest leave their extra

@@ -1,4 +1,4 @@
-"""MXFP8 quantize / dequantize in Triton: the same bytes as kernels.mxfp8's torch reference.
+"""MXFP8 quantize / dequantize in Triton: the same bytes as kvmesh.kernels.mxfp8's torch reference.
 
 Every step is exact integer or power-of-two arithmetic, so the result does not depend on
 how a device rounds division, log2 or exp2:

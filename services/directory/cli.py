@@ -11,8 +11,8 @@ import asyncio
 import logging
 
 from kvmesh.clihelp import env_default
+from kvmesh.services.directory.config import DirectoryConfig
 from kvmesh.tls import add_flags as add_tls_flags
-from services.directory.config import DirectoryConfig
 
 log = logging.getLogger("kvmesh.directory")
 
@@ -54,7 +54,7 @@ def config_from_args(args: argparse.Namespace) -> DirectoryConfig:
 
 async def serve(config: DirectoryConfig, address: str) -> None:
     from kvmesh.rpc import shutdown_signal
-    from services.directory.service import DirectoryServer  # grpc only when serving
+    from kvmesh.services.directory.service import DirectoryServer  # grpc only when serving
 
     stop = shutdown_signal()
     server = await DirectoryServer(config, address).start()

@@ -22,7 +22,7 @@ import grpc
 from kvmesh import errors, rpc
 from kvmesh.proto import directory_pb2 as pb
 from kvmesh.proto import directory_pb2_grpc as pb_grpc
-from services.directory.model import EngineInfo, EngineLoad, Entry, Holder, LeaseGrant
+from kvmesh.services.directory.model import EngineInfo, EngineLoad, Entry, Holder, LeaseGrant
 
 log = logging.getLogger("kvmesh.directory.client")
 

@@ -1,7 +1,7 @@
 """Directory core: the Redis-backed snapshot index (no gRPC here).
 
 `Directory` owns the redis.asyncio client and is the only writer of the keys
-described in `services.directory.scripts` (data model). Every public method is
+described in `kvmesh.services.directory.scripts` (data model). Every public method is
 one Lua script call, i.e. one round trip to Redis, whatever the batch size.
 
 Failure behaviour: any connection problem or timeout talking to Redis becomes
@@ -24,9 +24,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvmesh import errors
-from services.directory import scripts, validate
-from services.directory.config import DirectoryConfig
-from services.directory.model import (
+from kvmesh.services.directory import scripts, validate
+from kvmesh.services.directory.config import DirectoryConfig
+from kvmesh.services.directory.model import (
     EngineInfo,
     EngineLoad,
     Entry,

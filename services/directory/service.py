@@ -13,9 +13,9 @@ import logging
 from kvmesh import errors, rpc
 from kvmesh.proto import directory_pb2 as pb
 from kvmesh.proto import directory_pb2_grpc as pb_grpc
-from services.directory.config import DirectoryConfig
-from services.directory.core import Directory
-from services.directory.model import EngineLoad, Entry
+from kvmesh.services.directory.config import DirectoryConfig
+from kvmesh.services.directory.core import Directory
+from kvmesh.services.directory.model import EngineLoad, Entry
 
 log = logging.getLogger("kvmesh.directory")
 

@@ -11,17 +11,17 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvmesh.shipped import DEFAULT_MODEL
-from services.engine.config import (
+from kvmesh.services.engine.config import (
     REPLAY_BLOCKS,
     ROLES,
     SPEC_POLICIES,
     TRUNCATION_MODES,
     EngineConfig,
 )
+from kvmesh.shipped import DEFAULT_MODEL
 
 if TYPE_CHECKING:
-    from services.engine.core.v4_engine import V4Engine
+    from kvmesh.services.engine.core.v4_engine import V4Engine
 # --step-slo-ms's default: a step that carries prefill work beside decodes is sized to finish
 # within this many milliseconds (core/step_budget.py, docs/engine/scheduling.md), so a stream
 # keeps getting a token about this often while new prompts are admitted beside it. 32
@@ -158,11 +158,14 @@ def build_core(args, split=None) -> V4Engine:
     import torch
 
     from kvmesh.checkpoint_dir import is_v41
-    from services.engine.core.v4_engine import V4Engine
-    from services.engine.model.deepseek_v4 import window_rows
-    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint, load_v41_checkpoint
-    from services.engine.model.deepseek_v4.forward import V4Model
-    from services.engine.model.deepseek_v4.v41_forward import V41Model
+    from kvmesh.services.engine.core.v4_engine import V4Engine
+    from kvmesh.services.engine.model.deepseek_v4 import window_rows
+    from kvmesh.services.engine.model.deepseek_v4.checkpoint import (
+        load_checkpoint,
+        load_v41_checkpoint,
+    )
+    from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
+    from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 
     choose_model(args)
     if args.device not in (None, "auto", "cpu"):
@@ -171,7 +174,7 @@ def build_core(args, split=None) -> V4Engine:
     ecfg = engine_config(args)
     dtype = getattr(torch, ecfg.dtype)
     if split is not None:
-        from services.engine.model.deepseek_v4.parallel import (
+        from kvmesh.services.engine.model.deepseek_v4.parallel import (
             Groups,
             ParallelV4Model,
             ParallelV41Model,

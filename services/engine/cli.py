@@ -8,8 +8,8 @@ import json
 import os
 import sys
 
+from kvmesh.services.engine.build import add_engine_args, build_core, choose_model
 from kvmesh.tls import add_flags as add_tls_flags
-from services.engine.build import add_engine_args, build_core, choose_model
 
 
 def register(sub) -> None:
@@ -76,13 +76,13 @@ def register(sub) -> None:
 def _serve(args) -> int:
     import torch
 
-    from services.engine import split
-    from services.engine.rpc.server import serve
+    from kvmesh.services.engine import split
+    from kvmesh.services.engine.rpc.server import serve
 
     if args.tensor_parallel * args.expert_parallel > 1:
         from torch.multiprocessing.spawn import ProcessException
 
-        from services.engine import ranks
+        from kvmesh.services.engine import ranks
         try:
             return split.serve(args, args.tensor_parallel, args.expert_parallel)
         except ValueError as exc:
@@ -147,11 +147,11 @@ def _layout(args) -> int:
 
 def _v4_layout(args) -> int:
     from kvmesh.checkpoint_dir import is_v41
-    from services.engine.model.deepseek_v4 import layout as v4_layout
-    from services.engine.model.deepseek_v4 import v41_layout, window_rows
-    from services.engine.model.deepseek_v4.config import read_config
-    from services.engine.model.deepseek_v4.errors import CheckpointError
-    from services.engine.model.deepseek_v4.v41_config import read_v41_config
+    from kvmesh.services.engine.model.deepseek_v4 import layout as v4_layout
+    from kvmesh.services.engine.model.deepseek_v4 import v41_layout, window_rows
+    from kvmesh.services.engine.model.deepseek_v4.config import read_config
+    from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
+    from kvmesh.services.engine.model.deepseek_v4.v41_config import read_v41_config
 
     if args.model and args.config:
         print("kvmesh engine layout: give --model or --config, not both", file=sys.stderr)
@@ -163,7 +163,7 @@ def _v4_layout(args) -> int:
             layout_module = v41_layout
             import torch
 
-            from services.engine.model.deepseek_v4.v41_forward import wide
+            from kvmesh.services.engine.model.deepseek_v4.v41_forward import wide
             cfg = read_v41_config(path, serving=False)
             report = v41_layout.report(cfg, extra_state=bool(args.extra_state),
                                        memory=args.memory, rows_format=rows_format,
@@ -193,7 +193,7 @@ def _ranks(cfg, args) -> dict:
     """One rank's share of a split engine (parallel.rank_report)."""
     import torch
 
-    from services.engine.model.deepseek_v4.parallel import rank_report
+    from kvmesh.services.engine.model.deepseek_v4.parallel import rank_report
 
     itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     return rank_report(cfg, args.tensor_parallel, args.expert_parallel, itemsize)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from services.engine.model.deepseek_v4.parallel import Split
+from kvmesh.services.engine.model.deepseek_v4.parallel import Split
 
 TIMEOUT = datetime.timedelta(minutes=5)
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from services.engine.model.deepseek_v4.checkpoint import DTYPES
-from services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.checkpoint import DTYPES
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
 
 
 def register(sub) -> None:
@@ -38,11 +38,11 @@ def register(sub) -> None:
 def _score_split(args, ids: list[int] | None, tp: int, ep: int) -> dict | None:
     """The score computed by a model split tp x ep (checked here before any rank starts)."""
     from kvmesh.checkpoint_dir import is_v41
-    from services.engine import ranks
-    from services.engine.model.deepseek_v4 import score as scoring
-    from services.engine.model.deepseek_v4.config import read_config
-    from services.engine.model.deepseek_v4.parallel import Split
-    from services.engine.model.deepseek_v4.v41_config import read_v41_config
+    from kvmesh.services.engine import ranks
+    from kvmesh.services.engine.model.deepseek_v4 import score as scoring
+    from kvmesh.services.engine.model.deepseek_v4.config import read_config
+    from kvmesh.services.engine.model.deepseek_v4.parallel import Split
+    from kvmesh.services.engine.model.deepseek_v4.v41_config import read_v41_config
 
     cfg = (read_v41_config if is_v41(args.model) else read_config)(args.model)
     Split(tp, ep, 0).check(cfg)
@@ -54,13 +54,13 @@ def _score_split(args, ids: list[int] | None, tp: int, ep: int) -> dict | None:
 
 def _score_rank(split, directory: str, dtype: str, ids: list[int]) -> dict:
     """One rank: its share of the checkpoint, the split forward (every rank gets the logits)."""
-    from services.engine.model.deepseek_v4 import score as scoring
+    from kvmesh.services.engine.model.deepseek_v4 import score as scoring
 
     return scoring.score(scoring.load_model(directory, DTYPES[dtype], split), ids)
 
 
 def _score(args) -> int:
-    from services.engine.model.deepseek_v4 import score as scoring
+    from kvmesh.services.engine.model.deepseek_v4 import score as scoring
 
     if (args.ids is None) == (args.text is None):
         print("kvmesh score: give either TEXT or --ids", file=sys.stderr)
@@ -73,7 +73,7 @@ def _score(args) -> int:
         return 2
     from torch.multiprocessing.spawn import ProcessException
 
-    from services.engine import ranks
+    from kvmesh.services.engine import ranks
 
 
     split = (args.tensor_parallel, args.expert_parallel)

@@ -26,12 +26,12 @@ BROKEN_EXIT = 3          # rank 0's exit status when another rank is gone
 def serve(args, tp: int, ep: int) -> int:
     """Check what can be checked before any rank starts, then run the ranks."""
     from kvmesh.checkpoint_dir import is_v41
-    from services.engine import ranks
-    from services.engine.build import choose_model
-    from services.engine.model.deepseek_v4.checkpoint import tensor_files
-    from services.engine.model.deepseek_v4.config import read_config
-    from services.engine.model.deepseek_v4.parallel import Split
-    from services.engine.model.deepseek_v4.v41_config import read_v41_config
+    from kvmesh.services.engine import ranks
+    from kvmesh.services.engine.build import choose_model
+    from kvmesh.services.engine.model.deepseek_v4.checkpoint import tensor_files
+    from kvmesh.services.engine.model.deepseek_v4.config import read_config
+    from kvmesh.services.engine.model.deepseek_v4.parallel import Split
+    from kvmesh.services.engine.model.deepseek_v4.v41_config import read_v41_config
 
     choose_model(args)
     read = read_v41_config if is_v41(args.model) else read_config
@@ -47,10 +47,10 @@ def serve(args, tp: int, ep: int) -> int:
 def _rank(split, args) -> None:
     import torch
 
-    from services.engine.build import build_core
-    from services.engine.cli import serve_threads
-    from services.engine.core import lockstep
-    from services.engine.rpc.server import serve as serve_grpc
+    from kvmesh.services.engine.build import build_core
+    from kvmesh.services.engine.cli import serve_threads
+    from kvmesh.services.engine.core import lockstep
+    from kvmesh.services.engine.rpc.server import serve as serve_grpc
 
     local = split.world if "LOCAL_WORLD_SIZE" not in os.environ else \
         int(os.environ["LOCAL_WORLD_SIZE"])

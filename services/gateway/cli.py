@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvmesh.services.gateway.config import GatewayConfig
 from kvmesh.tls import add_flags as add_tls_flags
-from services.gateway.config import GatewayConfig
 
 
 def register(sub) -> None:
@@ -81,7 +81,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 def _serve(args: argparse.Namespace) -> int:
     from kvmesh.auth import check_public_bind
     from kvmesh.errors import InvalidArgument
-    from services.gateway.service import run, serve
+    from kvmesh.services.gateway.service import run, serve
 
     try:
         cfg = config_from_args(args)

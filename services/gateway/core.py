@@ -30,11 +30,10 @@ from kvmesh import cachekeys
 from kvmesh.auth import ApiKeys, Principal, tenant_request_id, tenant_salt
 from kvmesh.errors import KvmeshError, Unavailable
 from kvmesh.metrics import RequestMetrics
-from kvmesh.tokenizer import load_tokenizer
-from services.gateway import validate
-from services.gateway.config import GatewayConfig
-from services.gateway.engines import EnginePool, engine_request, resume_request
-from services.gateway.model import (
+from kvmesh.services.gateway import validate
+from kvmesh.services.gateway.config import GatewayConfig
+from kvmesh.services.gateway.engines import EnginePool, engine_request, resume_request
+from kvmesh.services.gateway.model import (
     HTTP_METHODS,
     HTTP_STATUS,
     Chunk,
@@ -45,8 +44,9 @@ from services.gateway.model import (
     http_status,
     status_name,
 )
-from services.gateway.pd import PdFailed, PdRoutes, serve_pd
-from services.gateway.router import Router
+from kvmesh.services.gateway.pd import PdFailed, PdRoutes, serve_pd
+from kvmesh.services.gateway.router import Router
+from kvmesh.tokenizer import load_tokenizer
 
 log = logging.getLogger("kvmesh.gateway")
 # Lookup batches stay well under the directory's limit (4096); the deepest keys matter most.

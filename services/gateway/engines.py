@@ -28,8 +28,8 @@ import grpc
 from kvmesh.generation import set_sampling, traffic_class_to_proto
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import channel
-from services.gateway.model import Chunk, EngineFailure, GenRequest
-from services.gateway.session import EngineSession, error_for, to_chunk
+from kvmesh.services.gateway.model import Chunk, EngineFailure, GenRequest
+from kvmesh.services.gateway.session import EngineSession, error_for, to_chunk
 
 
 def engine_request(req: GenRequest) -> engine_pb2.GenerateRequest:

@@ -27,9 +27,9 @@ from collections.abc import AsyncIterator
 
 from kvmesh.errors import Unavailable
 from kvmesh.proto import engine_pb2
-from services.gateway.config import GatewayConfig, split_addresses
-from services.gateway.model import Chunk, EngineFailure, HandoffInfo
-from services.gateway.router import Router
+from kvmesh.services.gateway.config import GatewayConfig, split_addresses
+from kvmesh.services.gateway.model import Chunk, EngineFailure, HandoffInfo
+from kvmesh.services.gateway.router import Router
 
 log = logging.getLogger("kvmesh.gateway")
 

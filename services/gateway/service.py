@@ -24,10 +24,10 @@ from kvmesh.proto import common_pb2
 from kvmesh.proto import gateway_pb2 as pb
 from kvmesh.proto import gateway_pb2_grpc as pb_grpc
 from kvmesh.rpc import Server, shutdown_signal
+from kvmesh.services.gateway.config import GatewayConfig
+from kvmesh.services.gateway.core import GatewayCore
+from kvmesh.services.gateway.model import GenRequest, status_name
 from kvmesh.tls import TlsFiles
-from services.gateway.config import GatewayConfig
-from services.gateway.core import GatewayCore
-from services.gateway.model import GenRequest, status_name
 
 log = logging.getLogger("kvmesh.gateway")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -153,14 +153,14 @@ async def serve(cfg: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain: NOT_SERVING, in-flight calls get 5 s."""
     directory = None
     if cfg.directory:
-        from services.directory.client import DirectoryClient
+        from kvmesh.services.directory.client import DirectoryClient
 
         directory = DirectoryClient(cfg.directory)
     metrics = serve_metrics(cfg.metrics_port, cfg.host) if cfg.metrics_port >= 0 else None
     server, core = await start_gateway(cfg, directory)
     http = None
     if cfg.http_port >= 0:
-        from services.gateway.openai_api.server import HttpServer
+        from kvmesh.services.gateway.openai_api.server import HttpServer
 
         http = HttpServer(core, cfg.host, cfg.http_port, tls=TlsFiles.public_from_env())
         try:

@@ -26,7 +26,7 @@ import grpc
 from kvmesh.errors import InvalidArgument
 from kvmesh.generation import TokenLogprob, finish_name
 from kvmesh.proto import engine_pb2
-from services.gateway.model import (
+from kvmesh.services.gateway.model import (
     Chunk,
     DeadlineExceeded,
     EngineFailure,

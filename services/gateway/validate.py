@@ -18,8 +18,8 @@ from kvmesh.generation import (
     check_traffic_class,
     parse_speculative,
 )
-from services.gateway.config import GatewayConfig
-from services.gateway.model import GenRequest
+from kvmesh.services.gateway.config import GatewayConfig
+from kvmesh.services.gateway.model import GenRequest
 
 # Salts and request ids end up in logs and cache keys: keep them printable and short.
 SALT_RE = re.compile(r"[A-Za-z0-9._:-]{0,128}")

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvmesh.errors import InvalidArgument, Unavailable
-from services.kvstore import gc, reindex
-from services.kvstore.reports import GcReport, ListEntry, ReindexReport, ScrubReport, Stats
-from services.kvstore.shards import PREFIX, RUN_PREFIX, LocationDown
+from kvmesh.services.kvstore import gc, reindex
+from kvmesh.services.kvstore.reports import GcReport, ListEntry, ReindexReport, ScrubReport, Stats
+from kvmesh.services.kvstore.shards import PREFIX, RUN_PREFIX, LocationDown
 
 if TYPE_CHECKING:
-    from services.kvstore.core import KvStore
+    from kvmesh.services.kvstore.core import KvStore
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 

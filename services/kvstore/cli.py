@@ -20,9 +20,9 @@ from kvmesh.clihelp import env_default
 from kvmesh.generation import traffic_class_name
 from kvmesh.rpc import exit_code
 from kvmesh.running import RUNNING_MESH_FILE
+from kvmesh.services.kvstore.client import KvstoreClient
+from kvmesh.services.kvstore.config import KvstoreConfig
 from kvmesh.tls import add_flags as add_tls_flags
-from services.kvstore.client import KvstoreClient
-from services.kvstore.config import KvstoreConfig
 
 log = logging.getLogger("kvmesh.kvstore.cli")
 DEFAULT_ADDR = "127.0.0.1:7100"
@@ -131,7 +131,7 @@ def _create_buckets(cfg: KvstoreConfig, wait_s: float = 60.0) -> None:
 
 
 async def _serve_async(cfg: KvstoreConfig, metrics_port: int | None = None) -> None:
-    from services.kvstore.server import KvstoreServer
+    from kvmesh.services.kvstore.server import KvstoreServer
 
     server = KvstoreServer(cfg)
     port = await server.start()
@@ -155,7 +155,7 @@ def _export_metrics(server, port: int, host: str) -> None:
 
     core = server.core
 
-    from services.kvstore.core import GC_COUNTERS, READ_COUNTERS
+    from kvmesh.services.kvstore.core import GC_COUNTERS, READ_COUNTERS
 
     def read() -> dict[str, float]:
         return {"durable_bytes": core.meta.complete_bytes, "mem_bytes": core.mem.used,

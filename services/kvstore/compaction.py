@@ -25,12 +25,12 @@ import logging
 import secrets
 from typing import TYPE_CHECKING
 
-from services.kvstore import ec, gc, runs
-from services.kvstore.meta import Record, RunRecord
-from services.kvstore.shards import RUN_PREFIX
+from kvmesh.services.kvstore import ec, gc, runs
+from kvmesh.services.kvstore.meta import Record, RunRecord
+from kvmesh.services.kvstore.shards import RUN_PREFIX
 
 if TYPE_CHECKING:
-    from services.kvstore.core import KvStore
+    from kvmesh.services.kvstore.core import KvStore
 
 log = logging.getLogger("kvmesh.kvstore.compaction")
 

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from services.kvstore.ec import Layout
-from services.kvstore.health import HealthPolicy
+from kvmesh.services.kvstore.ec import Layout
+from kvmesh.services.kvstore.health import HealthPolicy
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

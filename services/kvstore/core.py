@@ -35,16 +35,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvmesh.errors import Unavailable
-from services.kvstore import ec, keys, runs
-from services.kvstore.admin import AdminOps
-from services.kvstore.compaction import CompactOps
-from services.kvstore.config import KvstoreConfig
-from services.kvstore.durable import DurableStore, ReadResult
-from services.kvstore.index import open_index
-from services.kvstore.meta import Record, RunRecord
-from services.kvstore.runstore import RunReader
-from services.kvstore.shards import RUN_PREFIX, ShardStore
-from services.kvstore.tiers import DiskTier, MemoryTier
+from kvmesh.services.kvstore import ec, keys, runs
+from kvmesh.services.kvstore.admin import AdminOps
+from kvmesh.services.kvstore.compaction import CompactOps
+from kvmesh.services.kvstore.config import KvstoreConfig
+from kvmesh.services.kvstore.durable import DurableStore, ReadResult
+from kvmesh.services.kvstore.index import open_index
+from kvmesh.services.kvstore.meta import Record, RunRecord
+from kvmesh.services.kvstore.runstore import RunReader
+from kvmesh.services.kvstore.shards import RUN_PREFIX, ShardStore
+from kvmesh.services.kvstore.tiers import DiskTier, MemoryTier
 
 # What each GC pass adds to `counters` (run_gc); /metrics shows them from the start, at 0.
 GC_COUNTERS = ("gc_runs", "gc_deleted", "gc_expired", "gc_evicted", "gc_orphans_removed",

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.errors import Unavailable
-from services.kvstore import ec
-from services.kvstore.shards import PREFIX, ShardStore
+from kvmesh.services.kvstore import ec
+from kvmesh.services.kvstore.shards import PREFIX, ShardStore
 
 log = logging.getLogger("kvmesh.kvstore.durable")
 # With nothing left to start, a late read is awaited max(give_up_s, GIVE_UP_FACTOR x its

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.kvstore.config import KvstoreConfig
-from services.kvstore.meta import Record
+from kvmesh.services.kvstore.config import KvstoreConfig
+from kvmesh.services.kvstore.meta import Record
 
 
 @dataclass

@@ -11,10 +11,10 @@ import os
 import socket
 from pathlib import Path
 
-from services.kvstore.config import KvstoreConfig
-from services.kvstore.lease import LocalLease, SharedLease
-from services.kvstore.meta import MetaStore
-from services.kvstore.meta_redis import RedisMeta
+from kvmesh.services.kvstore.config import KvstoreConfig
+from kvmesh.services.kvstore.lease import LocalLease, SharedLease
+from kvmesh.services.kvstore.meta import MetaStore
+from kvmesh.services.kvstore.meta_redis import RedisMeta
 
 
 def open_index(cfg: KvstoreConfig, now: float):

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator
 
 from kvmesh.errors import Unavailable
-from services.kvstore import index_scripts as S
+from kvmesh.services.kvstore import index_scripts as S
 
 log = logging.getLogger("kvmesh.kvstore.lease")
 LOG_LENGTH = 200

@@ -32,8 +32,8 @@ import redis
 from redis import exceptions as rexc
 
 from kvmesh.errors import Unavailable
-from services.kvstore import index_scripts as S
-from services.kvstore.meta import Record, RunRecord
+from kvmesh.services.kvstore import index_scripts as S
+from kvmesh.services.kvstore.meta import Record, RunRecord
 
 _KEYS = ("o", "la", "runs", "live", "dead", "info", "pend")
 

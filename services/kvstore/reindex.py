@@ -25,9 +25,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.kvstore import ec, runs
-from services.kvstore.meta import Record, RunRecord
-from services.kvstore.shards import PREFIX, RUN_PREFIX, LocationDown, ShardStore
+from kvmesh.services.kvstore import ec, runs
+from kvmesh.services.kvstore.meta import Record, RunRecord
+from kvmesh.services.kvstore.shards import PREFIX, RUN_PREFIX, LocationDown, ShardStore
 
 log = logging.getLogger("kvmesh.kvstore.reindex")
 HEAD_BYTES = 16 * 1024  # first guess of a head's size: 16 blocks' manifest is ~4 KB

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.kvstore.durable import ReadResult
-from services.kvstore.gc import GcPlan
-from services.kvstore.meta import Record
+from kvmesh.services.kvstore.durable import ReadResult
+from kvmesh.services.kvstore.gc import GcPlan
+from kvmesh.services.kvstore.meta import Record
 
 
 @dataclass

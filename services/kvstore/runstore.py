@@ -22,10 +22,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.kvstore import ec, runs
-from services.kvstore.durable import GIVE_UP_FACTOR, DurableStore, ReadResult
-from services.kvstore.meta import Record, RunRecord
-from services.kvstore.shards import RUN_PREFIX, ShardStore
+from kvmesh.services.kvstore import ec, runs
+from kvmesh.services.kvstore.durable import GIVE_UP_FACTOR, DurableStore, ReadResult
+from kvmesh.services.kvstore.meta import Record, RunRecord
+from kvmesh.services.kvstore.shards import RUN_PREFIX, ShardStore
 
 log = logging.getLogger("kvmesh.kvstore.runs")
 # Ranged reads are not hedged one by one: the fast path waits as long as a get waits

@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from kvmesh.proto import kvstore_pb2_grpc as pb_grpc
 from kvmesh.rpc import Server
-from services.kvstore.config import KvstoreConfig
-from services.kvstore.core import KvStore
-from services.kvstore.service import SERVICE_NAME, KvstoreServicer
+from kvmesh.services.kvstore.config import KvstoreConfig
+from kvmesh.services.kvstore.core import KvStore
+from kvmesh.services.kvstore.service import SERVICE_NAME, KvstoreServicer
 
 
 class KvstoreServer:

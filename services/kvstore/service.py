@@ -15,8 +15,8 @@ from kvmesh.generation import traffic_class_name, traffic_class_to_proto
 from kvmesh.proto import kvstore_pb2 as pb
 from kvmesh.proto import kvstore_pb2_grpc as pb_grpc
 from kvmesh.rpc import map_errors
-from services.kvstore.core import KvStore
-from services.kvstore.reports import GcReport, ReindexReport, ScrubReport, Stats
+from kvmesh.services.kvstore.core import KvStore
+from kvmesh.services.kvstore.reports import GcReport, ReindexReport, ScrubReport, Stats
 
 CHUNK_BYTES = 1024 * 1024
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvstoreService"].full_name

@@ -35,8 +35,8 @@ import yarl
 from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
 
 from kvmesh.s3 import s3_client
-from services.kvstore.config import KvstoreConfig, ShardLocation
-from services.kvstore.health import HealthPolicy, LocationHealth
+from kvmesh.services.kvstore.config import KvstoreConfig, ShardLocation
+from kvmesh.services.kvstore.health import HealthPolicy, LocationHealth
 
 log = logging.getLogger("kvmesh.kvstore.shards")
 PREFIX = "blk/"

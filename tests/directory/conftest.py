@@ -14,10 +14,10 @@ import uuid
 
 import pytest
 
-from launch.backing.valkey import ValkeyProcess
-from services.directory.client import DirectoryClient
-from services.directory.config import DirectoryConfig
-from services.directory.service import DirectoryServer
+from kvmesh.launch.backing.valkey import ValkeyProcess
+from kvmesh.services.directory.client import DirectoryClient
+from kvmesh.services.directory.config import DirectoryConfig
+from kvmesh.services.directory.service import DirectoryServer
 
 
 def key(i: int) -> str:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvmesh.proto import directory_pb2 as pb
 from kvmesh.proto import directory_pb2_grpc as pb_grpc
-from services.directory.config import DirectoryConfig
+from kvmesh.services.directory.config import DirectoryConfig
 
 OK_KEY = "ab" * 32
 BAD_KEYS = [

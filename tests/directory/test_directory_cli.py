@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from launch.backing.proc import free_port, wait_port
-from services.directory.client import DirectoryClient
-from services.directory.config import DirectoryConfig
-from services.directory.model import Entry
+from kvmesh.launch.backing.proc import free_port, wait_port
+from kvmesh.services.directory.client import DirectoryClient
+from kvmesh.services.directory.config import DirectoryConfig
+from kvmesh.services.directory.model import Entry
 
 KEY = "cd" * 32
 
@@ -20,7 +20,7 @@ KEY = "cd" * 32
 def test_cli_serves_the_directory_and_stops_on_sigterm(valkey, tmp_path):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.cli", "directory", "serve", "--host", "127.0.0.1",
+        [sys.executable, "-m", "kvmesh.launch.cli", "directory", "serve", "--host", "127.0.0.1",
          "--port", str(port), "--redis-url", valkey.url, "--key-prefix", "t:cli"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from kvmesh import errors
-from services.directory.model import EngineLoad, Entry
+from kvmesh.services.directory.model import EngineLoad, Entry
 
 
 def key(i: int) -> str:

@@ -8,8 +8,8 @@ import argparse
 
 import torch
 
-from services.engine.build import add_engine_args, build_core
-from services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.build import add_engine_args, build_core
+from kvmesh.services.engine.core.v4_engine import V4Engine
 
 
 def serve_core(*flags: str) -> V4Engine:

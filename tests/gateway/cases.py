@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import math
 
+from kvmesh.services.gateway.config import GatewayConfig
 from kvmesh.shipped import DEFAULT_MODEL
-from services.gateway.config import GatewayConfig
 
 CFG = GatewayConfig()
 # the shipped model's, which the tests' meshes serve
@@ -51,7 +51,7 @@ BAD = [
 
 def build(spec):
     """A gateway GenerateRequest for one case (default prompt 'hello', 4 tokens)."""
-    from services.gateway.client import gateway_request
+    from kvmesh.services.gateway.client import gateway_request
 
     if callable(spec):
         req = gateway_request("hello", max_tokens=4)

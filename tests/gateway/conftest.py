@@ -12,11 +12,11 @@ import time
 import grpc
 import pytest
 
+from kvmesh.launch.mesh import Mesh, MeshConfig
 from kvmesh.proto import engine_pb2, engine_pb2_grpc, gateway_pb2_grpc
+from kvmesh.services.gateway.client import gateway_request
 from kvmesh.shipped import DEFAULT_MODEL
 from kvmesh.tokenizer import HFTokenizer
-from launch.mesh import Mesh, MeshConfig
-from services.gateway.client import gateway_request
 
 # Small engines: 2 cores run two engines, a directory, valkey and the gateway.
 # A generous peer-fetch deadline: a loaded 2-core box must not turn a fetch into a replay.

@@ -15,7 +15,7 @@ import pytest
 
 from kvmesh.proto import directory_pb2, directory_pb2_grpc, engine_pb2, engine_pb2_grpc
 from kvmesh.rpc_auth import ADMIN_METHODS
-from services.gateway.client import gateway_request
+from kvmesh.services.gateway.client import gateway_request
 from tests.gateway import rpc_table
 from tests.gateway.conftest import Gw, start_mesh, wait_for
 
@@ -76,9 +76,9 @@ def test_the_cli_and_the_client_send_a_key(mesh):
     import subprocess
     import sys
 
-    from services.gateway.client import GatewayClient
+    from kvmesh.services.gateway.client import GatewayClient
 
-    cmd = [sys.executable, "-m", "launch.cli", "generate", "hi", "--gateway", mesh.gateway,
+    cmd = [sys.executable, "-m", "kvmesh.launch.cli", "generate", "hi", "--gateway", mesh.gateway,
            "--max-tokens", "2"]
     env = {k: v for k, v in os.environ.items() if k != "KVMESH_API_KEY"}
     runs = {"none": subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60),

@@ -20,12 +20,12 @@ import pytest
 
 from kvmesh.clihelp import walk
 from kvmesh.healthcheck import check as health_check
-from launch.backing.proc import ManagedProcess, free_port
-from launch.cli import build_parser
-from launch.generate import read_prompt, unescape
+from kvmesh.launch.backing.proc import ManagedProcess, free_port
+from kvmesh.launch.cli import build_parser
+from kvmesh.launch.generate import read_prompt, unescape
 from tests.gateway.conftest import wait_for
 
-KVMESH = [sys.executable, "-m", "launch.cli"]
+KVMESH = [sys.executable, "-m", "kvmesh.launch.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
 TWO_MB = 2 << 20
 
@@ -147,7 +147,7 @@ def test_bad_input_via_gateway_exits_2_with_status(lone_gateway):
 
 def test_admin_finds_the_running_mesh(tmp_path, monkeypatch):
     from kvmesh.running import RUNNING_MESH_FILE, remove_running, write_running
-    from services.kvstore.cli import DEFAULT_ADDR, admin_address
+    from kvmesh.services.kvstore.cli import DEFAULT_ADDR, admin_address
 
     monkeypatch.chdir(tmp_path)
     assert admin_address(None, {}) == DEFAULT_ADDR  # nothing running here

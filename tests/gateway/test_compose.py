@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.cli import build_parser
+from kvmesh.launch.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -61,8 +61,8 @@ def test_published_ports_are_the_ports_the_command_uses(name):
 
 @pytest.mark.parametrize("name", ["gateway", "gateway-pd"])
 def test_gateway_config_resolves_to_published_ports(name):
-    from services.gateway.cli import config_from_args
-    from services.gateway.config import GatewayConfig, split_addresses
+    from kvmesh.services.gateway.cli import config_from_args
+    from kvmesh.services.gateway.config import GatewayConfig, split_addresses
 
     svc = SERVICES[name]
     args = parse(name)
@@ -80,8 +80,8 @@ def test_gateway_config_resolves_to_published_ports(name):
 
 
 def test_pd_profile_runs_one_prefill_and_two_decode_engines():
-    from services.gateway.cli import config_from_args
-    from services.gateway.config import split_addresses
+    from kvmesh.services.gateway.cli import config_from_args
+    from kvmesh.services.gateway.config import split_addresses
 
     pd = {n for n, s in SERVICES.items() if "pd" in s.get("profiles", [])}
     assert pd == {"pd-prefill", "pd-decode-a", "pd-decode-b", "gateway-pd"}
@@ -183,7 +183,7 @@ def test_credentials_come_from_the_environment_and_are_required():
 
 
 def test_redis_runs_with_the_acl_kvmesh_writes():
-    from launch.backing.valkey import acl_config
+    from kvmesh.launch.backing.valkey import acl_config
 
     conf = interpolate(COMPOSE["configs"]["redis-acl"]["content"])
     assert conf == acl_config("kvmesh", SECRETS["REDIS_PASSWORD"])
@@ -200,8 +200,8 @@ def test_redis_runs_with_the_acl_kvmesh_writes():
 def test_s3_runs_with_the_identities_kvmesh_writes(tmp_path):
     import json
 
+    from kvmesh.launch.backing.seaweed import write_identity_config
     from kvmesh.s3 import S3Keys
-    from launch.backing.seaweed import write_identity_config
 
     keys = S3Keys(SECRETS["S3_ACCESS_KEY"], SECRETS["S3_SECRET_KEY"])
     want = json.loads(write_identity_config(tmp_path / "s3.json", keys).read_text())
@@ -215,10 +215,10 @@ def test_s3_runs_with_the_identities_kvmesh_writes(tmp_path):
 
 def test_s3_runs_with_the_security_config_kvmesh_writes():
     """weed's filer and volume servers want JWTs: the same security.toml `kvmesh up`
-    writes (launch.backing.seaweed.security_config), at a path weed reads."""
+    writes (kvmesh.launch.backing.seaweed.security_config), at a path weed reads."""
     import tomllib
 
-    from launch.backing.seaweed import security_config
+    from kvmesh.launch.backing.seaweed import security_config
 
     got = interpolate(COMPOSE["configs"]["seaweed-security"]["content"])
     assert tomllib.loads(got) == tomllib.loads(security_config(SECRETS["SEAWEED_JWT_KEY"]))
@@ -280,8 +280,8 @@ def test_every_port_is_published_on_loopback_only():
 def test_every_public_gateway_has_keys_or_is_allowed_without():
     """A gateway on the container's 0.0.0.0 without keys refuses to start unless allowed."""
     from kvmesh.auth import check_public_bind
-    from services.gateway.cli import config_from_args
-    from services.gateway.config import GatewayConfig
+    from kvmesh.services.gateway.cli import config_from_args
+    from kvmesh.services.gateway.config import GatewayConfig
 
     gateways = [n for n in KVMESH_SERVICES if SERVICES[n]["command"][1] == "gateway"]
     assert len(gateways) >= 1

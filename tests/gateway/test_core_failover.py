@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from kvmesh.errors import Unavailable
-from services.gateway.config import GatewayConfig
-from services.gateway.core import GatewayCore
-from services.gateway.model import Chunk, EngineFailure, GenRequest, Usage
+from kvmesh.services.gateway.config import GatewayConfig
+from kvmesh.services.gateway.core import GatewayCore
+from kvmesh.services.gateway.model import Chunk, EngineFailure, GenRequest, Usage
 from tests.gateway.test_core_keys import INFO, model_info
 
 A, B = "127.0.0.1:1", "127.0.0.1:2"

@@ -11,10 +11,10 @@ import logging
 import pytest
 
 from kvmesh import cachekeys
-from services.gateway.config import GatewayConfig
-from services.gateway.core import GatewayCore, GatewayRequest, ModelInfo
-from services.gateway.model import GenRequest
-from services.gateway.service import loop_name, run
+from kvmesh.services.gateway.config import GatewayConfig
+from kvmesh.services.gateway.core import GatewayCore, GatewayRequest, ModelInfo
+from kvmesh.services.gateway.model import GenRequest
+from kvmesh.services.gateway.service import loop_name, run
 
 # the served model's fields a GetModelInfo answer carries (the shipped model's geometry)
 MODEL = {"name": "deepseek-v41-tiny", "model_type": "deepseek_v41", "vocab_size": 4096,
@@ -74,7 +74,7 @@ def test_directory_asked_only_for_restorable_keys_and_affinity_keeps_all():
 
         def stream(self, address, msg, timeout):
             async def chunks():
-                from services.gateway.model import Chunk, Usage
+                from kvmesh.services.gateway.model import Chunk, Usage
                 yield Chunk([1], "x", "length", Usage(len(msg.prompt), 0, 0, 1))
             return chunks()
 
@@ -100,7 +100,7 @@ def test_report_is_deferred_but_always_happens(caplog):
 
         def stream(self, address, msg, timeout):
             async def chunks():
-                from services.gateway.model import Chunk, Usage
+                from kvmesh.services.gateway.model import Chunk, Usage
                 yield Chunk([1], "x", "length", Usage(3, 0, 0, 1))
             return chunks()
 
@@ -144,7 +144,7 @@ def test_event_loop_choice():
 
 
 def test_engine_sessions_switch():
-    from services.gateway.cli import config_from_args, register
+    from kvmesh.services.gateway.cli import config_from_args, register
 
     assert GatewayConfig().engine_sessions is True
     assert GatewayConfig.from_env({"KVMESH_GATEWAY_ENGINE_SESSIONS": "0"}).engine_sessions is False

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from services.gateway.config import GatewayConfig
-from services.gateway.core import GatewayCore
-from services.gateway.model import Chunk, EngineFailure, GenRequest, Usage
+from kvmesh.services.gateway.config import GatewayConfig
+from kvmesh.services.gateway.core import GatewayCore
+from kvmesh.services.gateway.model import Chunk, EngineFailure, GenRequest, Usage
 from tests.gateway.test_core_failover import A, B, Clock
 from tests.gateway.test_core_keys import INFO, _Msg
 

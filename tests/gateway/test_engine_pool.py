@@ -9,9 +9,9 @@ import contextlib
 import pytest
 
 from kvmesh.errors import InvalidArgument
-from services.engine.rpc.client import generate_request
-from services.gateway.engines import EnginePool
-from services.gateway.model import DeadlineExceeded, EngineFailure
+from kvmesh.services.engine.rpc.client import generate_request
+from kvmesh.services.gateway.engines import EnginePool
+from kvmesh.services.gateway.model import DeadlineExceeded, EngineFailure
 from tests.engine.rpc.test_service import wait_idle
 from tests.engine.rpc.test_session import REQUESTS, SessionHarness
 

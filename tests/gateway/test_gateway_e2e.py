@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
-from services.gateway.client import gateway_request
+from kvmesh.services.gateway.client import gateway_request
 from tests import readme_facts
 from tests.gateway.cases import BAD, build
 from tests.gateway.conftest import tokens, wait_for
@@ -157,7 +157,7 @@ def _directory_load(mesh, engine_id: str) -> int:
     import asyncio
 
     from kvmesh.errors import Unavailable
-    from services.directory.client import DirectoryClient
+    from kvmesh.services.directory.client import DirectoryClient
 
     async def engines():
         async with DirectoryClient(mesh.endpoints["directory"]) as d:
@@ -175,8 +175,8 @@ def _holders_of(gw, mesh, prefix: list[int], salt: str) -> set[str]:
     named from the engine's model info as the gateway names it."""
     import asyncio
 
-    from services.directory.client import DirectoryClient
-    from services.gateway.core import ModelInfo
+    from kvmesh.services.directory.client import DirectoryClient
+    from kvmesh.services.gateway.core import ModelInfo
 
     with grpc.insecure_channel(mesh.endpoints["engine-a"]) as ch:
         info = engine_pb2_grpc.EngineServiceStub(ch).GetModelInfo(
@@ -196,7 +196,7 @@ def test_shared_prefix_on_two_engines_reuses_blocks_and_snapshot(gw, mesh):
     made busy with direct requests, so the gateway routes request 2, which shares the
     256-token prefix, to the other engine Y by load. Y takes the blocks from the kvstore and
     X's window through the directory."""
-    from services.engine.rpc.client import generate_request
+    from kvmesh.services.engine.rpc.client import generate_request
 
     base = tokens("shared prefix on two engines. " * 100)[:400]
     first = gw.generate(base, max_tokens=1, temperature=0.0, cache_salt="two-engines")

@@ -20,7 +20,7 @@ import pytest
 from google.protobuf import descriptor, message_factory
 
 from kvmesh.proto import gateway_pb2_grpc
-from services.gateway.client import gateway_request
+from kvmesh.services.gateway.client import gateway_request
 from tests.gateway import rpc_table
 from tests.gateway.conftest import wait_for
 

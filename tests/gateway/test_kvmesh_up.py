@@ -13,12 +13,12 @@ import urllib.request
 
 from tokenizers import Tokenizer
 
+from kvmesh.launch.backing.proc import port_open
+from kvmesh.launch.up import DEMO_FOLLOW_UP, DEMO_PROMPT
 from kvmesh.shipped import DEFAULT_MODEL
-from launch.backing.proc import port_open
-from launch.up import DEMO_FOLLOW_UP, DEMO_PROMPT
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
-UP = [sys.executable, "-m", "launch.cli", "up", "--gateway-port", "0", "--http-port", "0",
+UP = [sys.executable, "-m", "kvmesh.launch.cli", "up", "--gateway-port", "0", "--http-port", "0",
       "--metrics-port", "0",
       "--num-slots", "4", "--num-blocks", "64"]
 
@@ -66,9 +66,9 @@ def test_up_demo_streams_prints_usage_and_exits_zero(tmp_path):
 
 
 def test_demo_help_says_what_the_demo_does():
-    from launch.up import DEMO_SEED, DEMO_TEMPERATURE, DEMO_TOKENS
+    from kvmesh.launch.up import DEMO_SEED, DEMO_TEMPERATURE, DEMO_TOKENS
 
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "up", "--help"], env=ENV,
+    out = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "up", "--help"], env=ENV,
                          capture_output=True, text=True, timeout=60)
     text = " ".join(out.stdout.split())
     assert (DEMO_TEMPERATURE, DEMO_SEED, DEMO_TOKENS) == (0.8, 1, 32)  # checked by the run above
@@ -87,7 +87,7 @@ def check_printed_addresses(text: str) -> None:
         assert json.load(resp)["data"][0]["id"] == DEFAULT_MODEL.name
     kv = re.search(r"kvstore admin: (127\.0\.0\.1:\d+) +kvmesh admin --kvstore \1 gc stats",
                    text).group(1)
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "admin", "--kvstore", kv, "gc",
+    out = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "admin", "--kvstore", kv, "gc",
                           "stats"], env=ENV, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
 

@@ -25,7 +25,7 @@ from kvmesh.s3 import S3Keys, s3_client
 
 MESH_OVERRIDES = dict(lock_backing=True, service_token=secrets.token_urlsafe(32),
                       admin_token=secrets.token_urlsafe(32))
-KVMESH = [sys.executable, "-m", "launch.cli"]
+KVMESH = [sys.executable, "-m", "kvmesh.launch.cli"]
 
 
 # -- no port beyond loopback ---------------------------------------------------------
@@ -97,7 +97,7 @@ def _redis(mesh, *commands: bytes) -> bytes:
 
 
 def _cmd(*args: str) -> bytes:
-    from launch.backing.valkey import _resp
+    from kvmesh.launch.backing.valkey import _resp
 
     return _resp(*args)
 

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from kvmesh.errors import InvalidArgument, NotFound, TooLarge, Unavailable
-from services.gateway.model import Usage
-from services.gateway.openai_api import fields
-from services.gateway.openai_api.chat import JinjaTemplate, load_template, plain_template
-from services.gateway.openai_api.render import Renderer, http_error, total_usage, usage_json
+from kvmesh.services.gateway.model import Usage
+from kvmesh.services.gateway.openai_api import fields
+from kvmesh.services.gateway.openai_api.chat import JinjaTemplate, load_template, plain_template
+from kvmesh.services.gateway.openai_api.render import Renderer, http_error, total_usage, usage_json
 
 
 def test_completion_fields_map_to_the_gateway_request():
@@ -196,7 +196,7 @@ def test_deepseek_v4_checkpoint_dir_gets_its_chat_encoding(tmp_path):
     """A tokenizer in a DeepSeek V4 checkpoint directory (no chat_template: DeepSeek ships
     none) renders chat with DeepSeek V4's encoding; a chat_template still wins; bad roles
     are a 400 naming the field."""
-    from services.gateway.openai_api.chat import deepseek_v4_template
+    from kvmesh.services.gateway.openai_api.chat import deepseek_v4_template
     tok = tmp_path / "tokenizer.json"
     tok.write_text("{}")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))

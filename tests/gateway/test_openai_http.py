@@ -278,7 +278,7 @@ def test_a_5_mib_request_is_counted_and_logged_like_the_others(base, gw, mesh):
     one kvmesh_requests_total count and one `request id=- status=...` log line each."""
     import grpc
 
-    from services.gateway.client import gateway_request
+    from kvmesh.services.gateway.client import gateway_request
 
     def count(method: str) -> float:
         status = "413" if method.startswith("http_") else "RESOURCE_EXHAUSTED"

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
-from services.engine.rpc.client import generate_request
+from kvmesh.services.engine.rpc.client import generate_request
 from tests.engine.engines import random_prompt
 from tests.gateway.conftest import TEST_MESH
 

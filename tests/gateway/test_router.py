@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.directory.model import EngineInfo, EngineLoad, Holder
-from services.gateway.router import Router
+from kvmesh.services.directory.model import EngineInfo, EngineLoad, Holder
+from kvmesh.services.gateway.router import Router
 
 A, B, C = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
 KEYS = ["k128", "k256", "k384"]

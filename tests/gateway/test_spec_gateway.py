@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from services.gateway.client import gateway_request
+from kvmesh.services.gateway.client import gateway_request
 
 MESH_OVERRIDES = dict(engines=1, engine_extra=("--fetch-deadline-ms", "5000",
                                                "--speculative", "ngram:4",

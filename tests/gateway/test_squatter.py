@@ -23,12 +23,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvmesh.launch.cli import build_parser
+from kvmesh.launch.mesh import Mesh
+from kvmesh.launch.up import mesh_config, with_run_tls
 from kvmesh.proto import gateway_pb2_grpc
+from kvmesh.services.gateway.client import gateway_request
 from kvmesh.tls import TlsFiles
-from launch.cli import build_parser
-from launch.mesh import Mesh
-from launch.up import mesh_config, with_run_tls
-from services.gateway.client import gateway_request
 from tests.gateway.conftest import TEST_MESH
 from tests.tls_ca import TestCA
 

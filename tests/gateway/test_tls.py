@@ -19,9 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.proto import gateway_pb2_grpc
+from kvmesh.services.gateway.client import GatewayClient, gateway_request
 from kvmesh.shipped import DEFAULT_MODEL
 from kvmesh.tls import TlsFiles
-from services.gateway.client import GatewayClient, gateway_request
 from tests.gateway.conftest import start_mesh
 from tests.tls_ca import TestCA
 
@@ -127,7 +127,7 @@ def test_http_api_serves_https(tls_mesh, pki):
 
 def test_cli_flags_reach_the_client(tls_mesh, pki):
     files = pki[0]
-    base = [sys.executable, "-m", "launch.cli", "generate", "hello", "--max-tokens", "2",
+    base = [sys.executable, "-m", "kvmesh.launch.cli", "generate", "hello", "--max-tokens", "2",
             "--gateway", tls_mesh.gateway]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_TLS_")}
     ok = subprocess.run([*base, "--tls-cert", files.cert, "--tls-key", files.key,
@@ -150,9 +150,9 @@ def test_incomplete_tls_settings_are_refused(kw, why):
 def test_the_health_port_serves_health_in_plaintext_and_nothing_else(pki, monkeypatch):
     """KVMESH_TLS_HEALTH_PORT (Kubernetes' gRPC probes present no certificate): a plaintext
     port beside a mutual-TLS server that answers health, and no other service."""
+    from kvmesh.launch.backing.proc import free_port
     from kvmesh.proto import engine_pb2, engine_pb2_grpc
     from kvmesh.rpc import Server
-    from launch.backing.proc import free_port
 
     files = pki[0]
     health_port = free_port()

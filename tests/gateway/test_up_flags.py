@@ -3,13 +3,13 @@ tokenizer): the mesh's launch lines are parsed back by the same `kvmesh` parser.
 
 from __future__ import annotations
 
-from launch.cli import build_parser
-from launch.mesh import Mesh, engine_argv
-from launch.up import mesh_config
+from kvmesh.launch.cli import build_parser
+from kvmesh.launch.mesh import Mesh, engine_argv
+from kvmesh.launch.up import mesh_config
 
 
 def _engine_args(argv: list[str]):
-    return build_parser().parse_args(argv[3:])       # past `python -m launch.cli`
+    return build_parser().parse_args(argv[3:])       # past `python -m kvmesh.launch.cli`
 
 
 def test_up_flags_pass_through_to_every_engine(tmp_path):
@@ -25,7 +25,7 @@ def test_up_flags_pass_through_to_every_engine(tmp_path):
 
 
 def test_without_them_engines_keep_their_defaults(tmp_path):
-    from services.engine.build import DEFAULT_MODEL, choose_model
+    from kvmesh.services.engine.build import DEFAULT_MODEL, choose_model
 
     cfg = mesh_config(build_parser().parse_args(["up"]))
     e = _engine_args(engine_argv(cfg, "engine-a", 7201, "d:1", "k:2"))
@@ -70,7 +70,7 @@ def test_a_second_up_on_the_same_log_dir_is_refused_by_pid(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (tmp_path / "kvmesh-up.pid").write_text(str(holder.pid))
-        out = subprocess.run([sys.executable, "-m", "launch.cli", "up", "--log-dir",
+        out = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "up", "--log-dir",
                               str(tmp_path)], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "COLUMNS": "200"})
         assert out.returncode == 1

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.errors import InvalidArgument, ResourceExhausted
-from services.gateway import validate
-from services.gateway.model import status_name
-from services.gateway.service import request_from_proto
+from kvmesh.services.gateway import validate
+from kvmesh.services.gateway.model import status_name
+from kvmesh.services.gateway.service import request_from_proto
 from tests.gateway.cases import BAD, CFG, VOCAB, build
 
 ERRORS = (InvalidArgument, ResourceExhausted)

@@ -19,8 +19,8 @@ if not CUDA:
     _before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
 try:
-    import kernels.triton.moe  # noqa: F401,E402
-    import kernels.triton.mxfp8  # noqa: F401,E402
+    import kvmesh.kernels.triton.moe  # noqa: F401,E402
+    import kvmesh.kernels.triton.mxfp8  # noqa: F401,E402
 finally:
     if not CUDA:
         if _before is None:

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from kernels import cpu_library
+from kvmesh.kernels import cpu_library
 
 needs_cc = pytest.mark.skipif(cpu_library._compiler() is None, reason="no C compiler on this machine")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kernels import dispatch
+from kvmesh.kernels import dispatch
 
 
 def test_forced_follows_the_environment(monkeypatch):

@@ -4,9 +4,9 @@ the torch reference on the same device). Skipped without CUDA; scripts/gpu_check
 import pytest
 import torch
 
-from kernels import moe, mxfp8
-from kernels.triton import moe as tri_moe
-from kernels.triton import mxfp8 as tri_mx
+from kvmesh.kernels import moe, mxfp8
+from kvmesh.kernels.triton import moe as tri_moe
+from kvmesh.kernels.triton import mxfp8 as tri_mx
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

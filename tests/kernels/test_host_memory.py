@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import host_memory
+from kvmesh.kernels import host_memory
 
 MB = 1 << 20
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

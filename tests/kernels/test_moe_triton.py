@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels import moe
-from kernels.triton import moe as tri
+from kvmesh.kernels import moe
+from kvmesh.kernels.triton import moe as tri
 
 
 @pytest.mark.parametrize("counts, k, m", [

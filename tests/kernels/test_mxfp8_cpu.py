@@ -5,7 +5,7 @@ subnormals, exact rounding ties, zeros of both signs and blocks of nothing but z
 import pytest
 import torch
 
-from kernels import cpu_library, mxfp8
+from kvmesh.kernels import cpu_library, mxfp8
 
 pytestmark = pytest.mark.skipif(cpu_library._compiler() is None,
                                 reason="no C compiler: MXFP8 quantization runs in torch")

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels import mxfp8
-from kernels.triton import mxfp8 as tri
+from kvmesh.kernels import mxfp8
+from kvmesh.kernels.triton import mxfp8 as tri
 
 
 def _e4m3_grid():

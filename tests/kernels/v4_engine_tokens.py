@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import sys
 
-from services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.sampling import SamplingParams
 from tests.engine.engines import random_prompt, serve_core
 
 
 def main(n_prompt: int, n_tokens: int, count_triton: bool) -> dict:
     calls = {"moe": 0, "mxfp8": 0}
     if count_triton:
-        from kernels.triton import moe, mxfp8
+        from kvmesh.kernels.triton import moe, mxfp8
 
         def counted(module, name, key):
             real = getattr(module, name)

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.launch.backing.seaweed import start_seaweed_cluster
 from kvmesh.s3 import ensure_bucket, s3_client
-from launch.backing.seaweed import start_seaweed_cluster
-from services.kvstore.client import KvstoreClient
-from services.kvstore.config import KvstoreConfig, ShardLocation
-from services.kvstore.server import ServerThread
+from kvmesh.services.kvstore.client import KvstoreClient
+from kvmesh.services.kvstore.config import KvstoreConfig, ShardLocation
+from kvmesh.services.kvstore.server import ServerThread
 
 BUCKETS = [3, 3, 2, 2, 2]
 TWO_LOCATION_SERVER = 2
@@ -87,7 +87,7 @@ def _wait_writable(cluster, server: int, timeout: float = 30.0) -> None:
 @pytest.fixture(scope="session")
 def valkey(tmp_path_factory):
     """One real Valkey for the shared-index tests (each test has its own key prefix)."""
-    from launch.backing.valkey import ValkeyProcess
+    from kvmesh.launch.backing.valkey import ValkeyProcess
 
     v = ValkeyProcess(work_dir=tmp_path_factory.mktemp("valkey")).start()
     yield v

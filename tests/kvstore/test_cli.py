@@ -5,12 +5,12 @@ import os
 import subprocess
 import sys
 
-from launch.backing.proc import ManagedProcess, free_port, wait_port
+from kvmesh.launch.backing.proc import ManagedProcess, free_port, wait_port
 from tests.kvstore.conftest import call, hexkey
 
 
 def kvmesh(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", *args], capture_output=True,
                           text=True, timeout=60, env={**os.environ, **(env or {})})
 
 
@@ -19,7 +19,7 @@ def test_serve_then_admin_commands(locations, tmp_path):
     env = {"KVMESH_KVSTORE_LOCATIONS": ",".join(str(x) for x in locations),
            "KVMESH_KVSTORE_ADDR": f"127.0.0.1:{port}"}
     proc = ManagedProcess(
-        "kvstore", [sys.executable, "-m", "launch.cli", "kvstore", "serve", "--port", str(port),
+        "kvstore", [sys.executable, "-m", "kvmesh.launch.cli", "kvstore", "serve", "--port", str(port),
                     "--data-dir", str(tmp_path / "kv"), "--capacity-bytes", "1000000"],
         tmp_path, env=env,
     ).start()

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from services.kvstore.config import DAY
-from services.kvstore.shards import RUN_PREFIX
+from kvmesh.services.kvstore.config import DAY
+from kvmesh.services.kvstore.shards import RUN_PREFIX
 from tests.kvstore.conftest import call, hexkey
 from tests.kvstore.test_runs import s3_objects
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from services.kvstore import ec
+from kvmesh.services.kvstore import ec
 
 L = ec.Layout()
 KEY = "ab" * 32

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from services.kvstore.shards import PREFIX
+from kvmesh.services.kvstore.shards import PREFIX
 from tests.kvstore.conftest import (
     THREE_LOCATION_SERVER,
     TWO_LOCATION_SERVER,
@@ -86,7 +86,7 @@ def test_bitrot_found_by_scrub_and_repaired_by_cli(stored, tmp_path):
         f"{[kv.core.shards.error_rate(i)[0] for i in range(12)]}")
     assert report.shards_repaired == 0
     cli = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "admin", "--kvstore", kv.address, "scrub", "--repair"],
+        [sys.executable, "-m", "kvmesh.launch.cli", "admin", "--kvstore", kv.address, "scrub", "--repair"],
         capture_output=True, text=True, timeout=60,
     )
     assert cli.returncode == 0, cli.stderr
@@ -94,7 +94,7 @@ def test_bitrot_found_by_scrub_and_repaired_by_cli(stored, tmp_path):
     report = call(kv.address, lambda c: c.scrub(repair=False))
     assert (report.healthy, report.shards_bad, list(report.degraded)) == (len(items), 0, [])
     # The repaired shards are the original bytes again, checked straight on S3.
-    from services.kvstore import ec
+    from kvmesh.services.kvstore import ec
 
     for i in (0, 11):
         blob = kv.call(kv.core.shards.get(i, key))

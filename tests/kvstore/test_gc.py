@@ -6,9 +6,9 @@ import random
 import threading
 import time
 
-from services.kvstore import ec
-from services.kvstore.config import DAY
-from services.kvstore.meta import Record
+from kvmesh.services.kvstore import ec
+from kvmesh.services.kvstore.config import DAY
+from kvmesh.services.kvstore.meta import Record
 from tests.kvstore.conftest import call, hexkey
 
 
@@ -95,7 +95,7 @@ def test_gc_during_concurrent_reads_never_corrupts(make_server, clock):
 
     def reader():
         async def loop():
-            from services.kvstore.client import KvstoreClient
+            from kvmesh.services.kvstore.client import KvstoreClient
 
             async with KvstoreClient(kv.address, timeout=30) as c:
                 rng = random.Random(threading.get_ident())

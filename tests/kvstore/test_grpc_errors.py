@@ -7,9 +7,9 @@ import grpc
 import pytest
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.launch.backing.proc import free_port
 from kvmesh.proto import kvstore_pb2 as pb
-from launch.backing.proc import free_port
-from services.kvstore.config import KvstoreConfig, ShardLocation
+from kvmesh.services.kvstore.config import KvstoreConfig, ShardLocation
 from tests.kvstore.conftest import call, hexkey
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -98,7 +98,7 @@ def test_s3_down_admin_unavailable_data_path_misses(make_server, tmp_path):
 
 def test_client_timeout_option(kv):
     async def go():
-        from services.kvstore.client import KvstoreClient
+        from kvmesh.services.kvstore.client import KvstoreClient
 
         async with KvstoreClient(kv.address, timeout=1e-6) as c:
             await c.get([hexkey(1)] * 50)

@@ -1,6 +1,6 @@
 """Location health from a sliding error rate, and the latency budget (pure, no I/O)."""
 
-from services.kvstore.health import HealthPolicy, LocationHealth
+from kvmesh.services.kvstore.health import HealthPolicy, LocationHealth
 
 P = HealthPolicy(window_s=10.0, min_errors=3, error_rate=0.6, retry_s=2.0, factor=2.0,
                  floor_s=0.1, ceiling_s=5.0, samples=64)

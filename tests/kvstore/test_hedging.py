@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import pytest
 
 from kvmesh.s3 import ensure_bucket, s3_client
-from services.kvstore.config import KvstoreConfig, ShardLocation
+from kvmesh.services.kvstore.config import KvstoreConfig, ShardLocation
 from tests.kvstore.conftest import call, hexkey
 
 SERVER_OF = {0: 0, 1: 1, 2: 0, 3: 3, 4: 4, 5: 1, 6: 0, 7: 2, 8: 1, 9: 0, 10: 1, 11: 0}
@@ -157,7 +157,7 @@ def test_hung_locations_hedged_health_by_rate_scrub_repairs(make_server, own_lay
     # -- all back: scrub --repair heals what the stall left, then all exact ---------------------
     stopper.resume()
     cli = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "admin", "--kvstore", kv.address, "scrub", "--repair"],
+        [sys.executable, "-m", "kvmesh.launch.cli", "admin", "--kvstore", kv.address, "scrub", "--repair"],
         capture_output=True, text=True, timeout=60,
     )
     assert cli.returncode == 0, cli.stdout + cli.stderr

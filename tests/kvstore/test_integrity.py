@@ -11,9 +11,9 @@ import sqlite3
 import struct
 import zlib
 
-from services.kvstore import ec
-from services.kvstore.meta import MetaStore
-from services.kvstore.shards import PREFIX
+from kvmesh.services.kvstore import ec
+from kvmesh.services.kvstore.meta import MetaStore
+from kvmesh.services.kvstore.shards import PREFIX
 from tests.kvstore.conftest import call, hexkey
 
 

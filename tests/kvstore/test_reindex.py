@@ -6,13 +6,13 @@ import shutil
 import subprocess
 import sys
 
-from services.kvstore.config import DAY
-from services.kvstore.shards import RUN_PREFIX
+from kvmesh.services.kvstore.config import DAY
+from kvmesh.services.kvstore.shards import RUN_PREFIX
 from tests.kvstore.conftest import call, hexkey
 
 
 def kvmesh_admin(address: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", "admin", "--kvstore", address,
+    return subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "admin", "--kvstore", address,
                            *args], capture_output=True, text=True, timeout=120)
 
 

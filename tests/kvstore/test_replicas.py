@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from kvmesh.errors import Unavailable
-from services.kvstore.client import KvstorePool, connect
-from services.kvstore.config import DAY
-from services.kvstore.shards import RUN_PREFIX
+from kvmesh.services.kvstore.client import KvstorePool, connect
+from kvmesh.services.kvstore.config import DAY
+from kvmesh.services.kvstore.shards import RUN_PREFIX
 from tests.kvstore.conftest import call, hexkey
 from tests.kvstore.test_runs import s3_objects
 
@@ -173,7 +173,7 @@ def test_redis_outage_is_unavailable_and_the_index_persists(make_server, tmp_pat
     """Its own Valkey with the append-only file on (as `kvmesh up` runs it): while it is
     down every call is UNAVAILABLE (nothing crashes); restarted, it has the index back
     from disk and every object is served exact."""
-    from launch.backing.valkey import ValkeyProcess
+    from kvmesh.launch.backing.valkey import ValkeyProcess
 
     with ValkeyProcess(work_dir=tmp_path / "valkey", persist=True) as v:
         kv = make_server(data_dir=tmp_path / "kv", mem_bytes=0, disk_bytes=0, index=v.url)

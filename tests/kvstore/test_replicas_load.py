@@ -15,8 +15,8 @@ import time
 
 import redis
 
-from launch.backing.proc import ManagedProcess, free_port, wait_port
-from services.kvstore.client import KvstoreClient
+from kvmesh.launch.backing.proc import ManagedProcess, free_port, wait_port
+from kvmesh.services.kvstore.client import KvstoreClient
 from tests.kvstore.test_restart_load import BATCH, Ledger, content, kill_under_load, writer
 
 WRITERS = 3
@@ -28,7 +28,7 @@ def serve(name: str, port: int, locations, tmp_path, shared_index) -> ManagedPro
            "KVMESH_KVSTORE_ORPHAN_GRACE_S": str(GRACE_S)}
     proc = ManagedProcess(
         f"kvstore-{name}",
-        [sys.executable, "-m", "launch.cli", "kvstore", "serve", "--port", str(port),
+        [sys.executable, "-m", "kvmesh.launch.cli", "kvstore", "serve", "--port", str(port),
          "--data-dir", str(tmp_path / name), "--mem-bytes", "0", "--disk-bytes", "0",
          "--gc-interval-s", "0.5", "--index", shared_index["index"],
          "--index-prefix", shared_index["index_prefix"], "--replica", name,

@@ -8,8 +8,8 @@ import random
 import sys
 import time
 
-from launch.backing.proc import ManagedProcess, free_port, wait_port
-from services.kvstore.client import KvstoreClient, connect
+from kvmesh.launch.backing.proc import ManagedProcess, free_port, wait_port
+from kvmesh.services.kvstore.client import KvstoreClient, connect
 
 WRITERS = 3
 BATCH = 8
@@ -81,7 +81,7 @@ async def reader(address: str, ledger: Ledger, stop: asyncio.Event) -> None:
 def serve(locations, tmp_path, port: int) -> ManagedProcess:
     env = {"KVMESH_KVSTORE_LOCATIONS": ",".join(str(x) for x in locations)}
     proc = ManagedProcess(
-        "kvstore", [sys.executable, "-m", "launch.cli", "kvstore", "serve", "--port", str(port),
+        "kvstore", [sys.executable, "-m", "kvmesh.launch.cli", "kvstore", "serve", "--port", str(port),
                     "--data-dir", str(tmp_path / "kv"), "--mem-bytes", "0", "--disk-bytes", "0",
                     "--gc-interval-s", "1"],
         tmp_path, env=env).start()

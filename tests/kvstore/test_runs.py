@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from services.kvstore import ec, runs
-from services.kvstore.config import DAY
-from services.kvstore.shards import RUN_PREFIX
+from kvmesh.services.kvstore import ec, runs
+from kvmesh.services.kvstore.config import DAY
+from kvmesh.services.kvstore.shards import RUN_PREFIX
 from tests.kvstore.conftest import THREE_LOCATION_SERVER, TWO_LOCATION_SERVER, call, hexkey
 
 # 16 blocks of about one engine block's size each (the last odd-sized): every block

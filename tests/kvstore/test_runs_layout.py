@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from services.kvstore import ec, runs
+from kvmesh.services.kvstore import ec, runs
 
 L = ec.Layout()
 

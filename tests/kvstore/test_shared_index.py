@@ -9,9 +9,9 @@ import random
 import pytest
 
 from kvmesh.errors import Unavailable
-from services.kvstore.lease import SharedLease
-from services.kvstore.meta import MetaStore, Record, RunRecord
-from services.kvstore.meta_redis import RedisMeta
+from kvmesh.services.kvstore.lease import SharedLease
+from kvmesh.services.kvstore.meta import MetaStore, Record, RunRecord
+from kvmesh.services.kvstore.meta_redis import RedisMeta
 from tests.kvstore.conftest import hexkey
 
 

@@ -12,15 +12,15 @@ import sys
 import pytest
 
 from kvmesh.healthcheck import wait_healthy
-from launch.backing.proc import ManagedProcess, free_port
-from launch.backing.seaweed import start_seaweed_cluster
-from launch.backing.valkey import ValkeyProcess
-from services.directory.client import DirectoryClient
-from services.engine.rpc.client import EngineClient
-from services.kvstore.client import KvstoreClient
+from kvmesh.launch.backing.proc import ManagedProcess, free_port
+from kvmesh.launch.backing.seaweed import start_seaweed_cluster
+from kvmesh.launch.backing.valkey import ValkeyProcess
+from kvmesh.services.directory.client import DirectoryClient
+from kvmesh.services.engine.rpc.client import EngineClient
+from kvmesh.services.kvstore.client import KvstoreClient
 from tests.loop import LoopThread
 
-KVMESH = [sys.executable, "-m", "launch.cli"]
+KVMESH = [sys.executable, "-m", "kvmesh.launch.cli"]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from kvmesh.chat_deepseek_v4 import SPECIAL_TOKENS, encode_chat
-from training import bpe, data, v41_data
+from kvmesh.training import bpe, data, v41_data
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_held_out_files_are_not_training_text():
 def test_saved_directory_loads(tok, tmp_path):
     from tokenizers import Tokenizer
 
-    from services.gateway.openai_api.chat import load_template, plain_template
+    from kvmesh.services.gateway.openai_api.chat import load_template, plain_template
     bpe.save(tok, tmp_path)
     again = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     assert again.encode("import os").ids == tok.encode("import os").ids
@@ -59,6 +59,6 @@ def test_saved_directory_loads(tok, tmp_path):
 
 
 def test_the_cli_refuses_a_vocabulary_too_small(tmp_path, capsys):
-    from launch.cli import main
+    from kvmesh.launch.cli import main
     assert main(["train-tokenizer", "--out", str(tmp_path), "--vocab-size", "100"]) == 2
     assert "vocab_size 100" in capsys.readouterr().err

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
-from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+from kvmesh.services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.training import bpe, data, v41_data, v41_evaluate
+from kvmesh.training.v41_loop import V41TrainArgs, starting_weights, step_loss, train_v41
+from kvmesh.training.v41_model import balance, forward, initial_weights, shipped_config
 from tests.engine.deepseek_v41 import tiny
-from training import bpe, data, v41_data, v41_evaluate
-from training.v41_loop import V41TrainArgs, starting_weights, step_loss, train_v41
-from training.v41_model import balance, forward, initial_weights, shipped_config
 
 
 @pytest.mark.parametrize("name", ["flash_like", "yarn_hc4"])

@@ -35,8 +35,8 @@ from typing import Protocol
 import torch
 from blake3 import blake3
 
-from kernels import host_memory
-from services.engine import device as device_mod
+from kvmesh.kernels import host_memory
+from kvmesh.services.engine import device as device_mod
 
 BLOCK_MAGIC = b"KVBK"
 BLOCK_VERSION = 1

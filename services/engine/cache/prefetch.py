@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.engine.cache.snapshots import Snapshot
+from kvmesh.services.engine.cache.snapshots import Snapshot
 
 
 @dataclass

@@ -27,10 +27,10 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from services.engine.core.events import Event
+from kvmesh.services.engine.core.events import Event
 
 if TYPE_CHECKING:
-    from services.engine.core.v4_engine import V4Engine
+    from kvmesh.services.engine.core.v4_engine import V4Engine
 
 log = logging.getLogger("kvmesh.engine")
 

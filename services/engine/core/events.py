@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmesh.generation import TokenLogprob
-from services.engine.core.finish import Finish
-from services.engine.core.handoff import Handoff
+from kvmesh.services.engine.core.finish import Finish
+from kvmesh.services.engine.core.handoff import Handoff
 
 if TYPE_CHECKING:
-    from services.engine.core.v4_request import V4Request
+    from kvmesh.services.engine.core.v4_request import V4Request
 
 # Counters the engine always reports, 0 until their event first happens, so GetStats and
 # /metrics (kvmesh_engine_<name>) show every one from the start. Only the engine thread

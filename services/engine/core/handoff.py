@@ -22,8 +22,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from services.engine.cache.handoff import SlotHandoff
-from services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.cache.handoff import SlotHandoff
+from kvmesh.services.engine.core.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.core.v4_engine import V4Engine
 
 
 def check(engine: V4Engine) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.services.engine.core.finish import Finish
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.stops import StopMatcher
 from kvmesh.tokenizer import TextStream
-from services.engine.core.finish import Finish
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.stops import StopMatcher
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvmesh.errors import InvalidArgument
-from services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.sampling import SamplingParams
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, resume: int, vocab_size: int,

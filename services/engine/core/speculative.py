@@ -34,12 +34,12 @@ import torch
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.generation import parse_speculative
-from services.engine.core.draft_policy import DraftPolicy
-from services.engine.core.sampling import SamplingParams, draw
-from services.engine.device import Uploads
+from kvmesh.services.engine.core.draft_policy import DraftPolicy
+from kvmesh.services.engine.core.sampling import SamplingParams, draw
+from kvmesh.services.engine.device import Uploads
 
 if TYPE_CHECKING:
-    from services.engine.core.v4_mtp_draft import V4MtpDrafter
+    from kvmesh.services.engine.core.v4_mtp_draft import V4MtpDrafter
 
 
 @dataclass(frozen=True)

@@ -45,30 +45,30 @@ import torch
 
 from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.generation import check_traffic_class
-from services.engine.config import EngineConfig
-from services.engine.core import v4_handoff
-from services.engine.core.events import COUNTERS, Event, Hooks
-from services.engine.core.finish import Finish
-from services.engine.core.handoff import Handoff, HandoffStore, handoff_problem
-from services.engine.core.output import OutputState
-from services.engine.core.request_checks import check_prompt
-from services.engine.core.sampling import (
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core import v4_handoff
+from kvmesh.services.engine.core.events import COUNTERS, Event, Hooks
+from kvmesh.services.engine.core.finish import Finish
+from kvmesh.services.engine.core.handoff import Handoff, HandoffStore, handoff_problem
+from kvmesh.services.engine.core.output import OutputState
+from kvmesh.services.engine.core.request_checks import check_prompt
+from kvmesh.services.engine.core.sampling import (
     SamplingParams,
     attach_logprobs,
     draw_batch,
     penalize,
     read_ids,
 )
-from services.engine.core.speculative import Speculator, engine_setting
-from services.engine.core.step_budget import StepBudget
-from services.engine.core.v4_mtp_draft import V4MtpDrafter
-from services.engine.core.v4_paths import model_path
-from services.engine.core.v4_prefix import Match, V4Prefix
-from services.engine.core.v4_request import ServedModel, V4Request
-from services.engine.model.deepseek_v4 import layout, ledgers, mtp
-from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.ledgers import BLOCK
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.core.speculative import Speculator, engine_setting
+from kvmesh.services.engine.core.step_budget import StepBudget
+from kvmesh.services.engine.core.v4_mtp_draft import V4MtpDrafter
+from kvmesh.services.engine.core.v4_paths import model_path
+from kvmesh.services.engine.core.v4_prefix import Match, V4Prefix
+from kvmesh.services.engine.core.v4_request import ServedModel, V4Request
+from kvmesh.services.engine.model.deepseek_v4 import layout, ledgers, mtp
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 
 
 class V4Engine:

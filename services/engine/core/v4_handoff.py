@@ -19,10 +19,10 @@ engine thread.
 
 from __future__ import annotations
 
-from services.engine.cache.handoff import SlotHandoff
-from services.engine.core.handoff import Handoff
-from services.engine.model.deepseek_v4 import snapshots
-from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence
+from kvmesh.services.engine.cache.handoff import SlotHandoff
+from kvmesh.services.engine.core.handoff import Handoff
+from kvmesh.services.engine.model.deepseek_v4 import snapshots
+from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence
 
 
 def export(led: Ledgers, req, layout_fp: str, model_fp: str) -> Handoff:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.core.sampling import read_ids
-from services.engine.model.deepseek_v4.attention import AttentionParts
-from services.engine.model.deepseek_v4.mtp import MtpModule
+from kvmesh.services.engine.core.sampling import read_ids
+from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
+from kvmesh.services.engine.model.deepseek_v4.mtp import MtpModule
 
 SPARE_ROWS = 8         # window rows kept past W - 1: a rejection takes back at most 6
 

@@ -13,16 +13,16 @@ owning the engine's ledgers and the calls that depend on the family.
 
 from __future__ import annotations
 
-from services.engine.config import EngineConfig
-from services.engine.model.deepseek_v4 import (
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.model.deepseek_v4 import (
     ledgers,
     snapshots,
     v41_ledgers,
     v41_snapshots,
     window_rows,
 )
-from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 
 
 class V4Path:

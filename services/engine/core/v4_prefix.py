@@ -28,10 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh import cachekeys
-from services.engine.cache.prefetch import LocalView
-from services.engine.cache.snapshots import Snapshot, SnapshotStore
-from services.engine.model.deepseek_v4 import snapshots
-from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence
+from kvmesh.services.engine.cache.prefetch import LocalView
+from kvmesh.services.engine.cache.snapshots import Snapshot, SnapshotStore
+from kvmesh.services.engine.model.deepseek_v4 import snapshots
+from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence
 
 
 @dataclass

@@ -12,13 +12,13 @@ from functools import cached_property
 from typing import Any
 
 from kvmesh import cachekeys
-from services.engine.core.finish import Finish
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.v4_prefix import Match
-from services.engine.model.deepseek_v4 import ledgers
-from services.engine.model.deepseek_v4.config import V4Config
-from services.engine.model.deepseek_v4.ledgers import BLOCK
-from services.engine.model.deepseek_v4.v41_config import V41Config
+from kvmesh.services.engine.core.finish import Finish
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.v4_prefix import Match
+from kvmesh.services.engine.model.deepseek_v4 import ledgers
+from kvmesh.services.engine.model.deepseek_v4.config import V4Config
+from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,10 @@ from kvmesh.generation import (
 )
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import channel
-from services.engine.cache.handoff import SlotHandoff
-from services.engine.core.handoff import Handoff
-from services.engine.core.sampling import SamplingParams
-from services.engine.rpc.peers import FetchError, body_messages, read_transfer
+from kvmesh.services.engine.cache.handoff import SlotHandoff
+from kvmesh.services.engine.core.handoff import Handoff
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.rpc.peers import FetchError, body_messages, read_transfer
 
 
 def handoff_info(h: Handoff) -> engine_pb2.HandoffInfo:

@@ -17,7 +17,7 @@ import grpc
 from kvmesh.errors import InvalidArgument, NotFound
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import channel
-from services.engine.cache.snapshots import Snapshot
+from kvmesh.services.engine.cache.snapshots import Snapshot
 
 CHUNK = 1 << 20
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")

@@ -29,11 +29,11 @@ import grpc
 from kvmesh.cachekeys import snapshot_key
 from kvmesh.errors import KvmeshError
 from kvmesh.generation import DEFAULT_TRAFFIC_CLASS
-from services.engine.cache.prefetch import Prefetched
-from services.engine.core.async_engine import AsyncEngine
-from services.engine.core.events import Hooks
-from services.engine.rpc.fetch_policy import FetchPolicy
-from services.engine.rpc.peers import FetchError, fetch_snapshot
+from kvmesh.services.engine.cache.prefetch import Prefetched
+from kvmesh.services.engine.core.async_engine import AsyncEngine
+from kvmesh.services.engine.core.events import Hooks
+from kvmesh.services.engine.rpc.fetch_policy import FetchPolicy
+from kvmesh.services.engine.rpc.peers import FetchError, fetch_snapshot
 
 log = logging.getLogger("kvmesh.engine.remote")
 UPLOAD_QUEUE = 4096
@@ -174,7 +174,7 @@ class RemoteTiers(Hooks):
 
     # --- background jobs ----------------------------------------------------------------
     async def _heartbeats(self) -> None:
-        from services.directory.model import EngineLoad
+        from kvmesh.services.directory.model import EngineLoad
 
         restarted = True
         while True:
@@ -203,7 +203,7 @@ class RemoteTiers(Hooks):
             self.publishes.put_nowait(("publish", key, pos, size))
 
     async def _publisher(self) -> None:
-        from services.directory.model import Entry
+        from kvmesh.services.directory.model import Entry
 
         while True:
             batch = await next_batch(self.publishes, 256)

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import Server, shutdown_signal
-from services.engine.core.async_engine import AsyncEngine
-from services.engine.rpc.service import EngineServicer
+from kvmesh.services.engine.core.async_engine import AsyncEngine
+from kvmesh.services.engine.rpc.service import EngineServicer
 
 if TYPE_CHECKING:
-    from services.engine.core.v4_engine import V4Engine
+    from kvmesh.services.engine.core.v4_engine import V4Engine
 
 log = logging.getLogger("kvmesh.engine")
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
@@ -90,18 +90,18 @@ def counter_names(core) -> frozenset[str]:
 async def _remote(engine, port, engine_id, advertise, directory, kvstore, fetch_mode, deadline):
     if not directory and not kvstore:
         return None
-    from services.engine.rpc.fetch_policy import FetchPolicy
-    from services.engine.rpc.remote import RemoteTiers
+    from kvmesh.services.engine.rpc.fetch_policy import FetchPolicy
+    from kvmesh.services.engine.rpc.remote import RemoteTiers
 
     host = advertise.rsplit(":", 1)[0]
     address = f"{host}:{port}" if advertise.endswith(":0") else advertise
     dir_client = kv_client = None
     if directory:
-        from services.directory.client import DirectoryClient
+        from kvmesh.services.directory.client import DirectoryClient
 
         dir_client = DirectoryClient(directory)
     if kvstore:
-        from services.kvstore.client import connect
+        from kvmesh.services.kvstore.client import connect
 
         kv_client = connect(kvstore)  # "a,b": replicas sharing one index, spread by key
     return RemoteTiers(engine, engine_id or f"engine-{port}", address, dir_client, kv_client,

@@ -16,11 +16,11 @@ from kvmesh.generation import (
 from kvmesh.metrics import GenerationTimes, RequestMetrics
 from kvmesh.proto import common_pb2, engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
-from services.engine.core.async_engine import AsyncEngine
-from services.engine.core.sampling import SamplingParams
-from services.engine.rpc import handoff as handoff_rpc
-from services.engine.rpc.peers import check_key, snapshot_messages
-from services.engine.rpc.session import SessionHub
+from kvmesh.services.engine.core.async_engine import AsyncEngine
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.rpc import handoff as handoff_rpc
+from kvmesh.services.engine.rpc.peers import check_key, snapshot_messages
+from kvmesh.services.engine.rpc.session import SessionHub
 
 
 def params_from_proto(req) -> SamplingParams:

@@ -41,10 +41,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvmesh.errors import KvmeshError, TooLarge, Unavailable
-from services.gateway.core import GatewayCore
-from services.gateway.openai_api import fields, tokenize
-from services.gateway.openai_api.chat import load_template
-from services.gateway.openai_api.render import (
+from kvmesh.services.gateway.core import GatewayCore
+from kvmesh.services.gateway.openai_api import fields, tokenize
+from kvmesh.services.gateway.openai_api.chat import load_template
+from kvmesh.services.gateway.openai_api.render import (
     DONE,
     Logprobs,
     ModelNotFound,

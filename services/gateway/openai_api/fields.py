@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.generation import SAMPLING_CONTROLS
-from services.gateway.model import GenRequest
+from kvmesh.services.gateway.model import GenRequest
 
 
 class FieldError(InvalidArgument):

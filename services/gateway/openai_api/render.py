@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 
 from kvmesh.errors import NotFound
 from kvmesh.generation import TokenLogprob
+from kvmesh.services.gateway.model import Usage, http_status, status_name
 from kvmesh.tokenizer import token_text
-from services.gateway.model import Usage, http_status, status_name
 
 # HTTP status -> OpenAI's error type (the statuses: services/gateway/model.py HTTP_STATUS)
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

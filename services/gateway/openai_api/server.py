@@ -13,9 +13,9 @@ import logging
 
 import uvicorn
 
+from kvmesh.services.gateway.core import GatewayCore
+from kvmesh.services.gateway.openai_api.app import OpenAIApp
 from kvmesh.tls import TlsFiles
-from services.gateway.core import GatewayCore
-from services.gateway.openai_api.app import OpenAIApp
 
 log = logging.getLogger("kvmesh.gateway.http")
 

@@ -11,7 +11,7 @@ the field (fields.FieldError), as on the generation routes.
 
 from __future__ import annotations
 
-from services.gateway.openai_api import fields
+from kvmesh.services.gateway.openai_api import fields
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens",
                              "add_generation_prompt"})

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from kvmesh import cachekeys as hashing
-from services.engine.cache.block_pool import BlockPool, NoFreeBlocks
+from kvmesh.services.engine.cache.block_pool import BlockPool, NoFreeBlocks
 
 
 def H(i: int) -> bytes:

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from kvmesh import cachekeys
-from services.engine.cache.prefetch import Prefetched
-from services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.cache.prefetch import Prefetched
+from kvmesh.services.engine.core.sampling import SamplingParams
 from tests.engine.engines import random_prompt, run_to_completion, serve_core
 
 BS = 128

@@ -2,7 +2,7 @@
 
 import torch
 
-from kernels import mxfp8
+from kvmesh.kernels import mxfp8
 
 
 def test_byte_layout_of_one_token():

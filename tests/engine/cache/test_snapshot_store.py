@@ -1,6 +1,6 @@
 """Host-memory snapshot store: byte bound (LRU), TTL, foreign layouts refused."""
 
-from services.engine.cache.snapshots import Snapshot, SnapshotStore
+from kvmesh.services.engine.cache.snapshots import Snapshot, SnapshotStore
 
 
 class Clock:

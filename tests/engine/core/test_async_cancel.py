@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from services.engine.core.async_engine import AsyncEngine
-from services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.async_engine import AsyncEngine
+from kvmesh.services.engine.core.sampling import SamplingParams
 from tests.engine.engines import random_prompt, serve_core
 
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.config import EngineConfig
-from services.engine.core.draft_policy import EXPLORE_EVERY, DraftPolicy
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core.draft_policy import EXPLORE_EVERY, DraftPolicy
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.v4_engine import V4Engine
 
 
 def measured(policy: DraftPolicy, n: int, a: float, b: float) -> None:

@@ -8,7 +8,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from services.engine.core.v4_request import V4Request
+from kvmesh.services.engine.core.v4_request import V4Request
 
 ENGINE = Path(__file__).resolve().parents[3] / "services" / "engine"
 WRITERS = {

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.errors import InvalidArgument
-from services.engine.core.output import OutputState
-from services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.output import OutputState
+from kvmesh.services.engine.core.sampling import SamplingParams
 from tests.engine.engines import random_prompt, serve_core
 
 

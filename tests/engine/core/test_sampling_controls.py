@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from kvmesh.errors import InvalidArgument
-from services.engine.core.sampling import (
+from kvmesh.services.engine.core.sampling import (
     SamplingParams,
     penalize,
     target_probs,
     token_logprobs,
 )
-from services.engine.core.speculative import SpecSetting, Speculator
+from kvmesh.services.engine.core.speculative import SpecSetting, Speculator
 
 
 def by_hand(logits: list[float], prompt: list[int], output: list[int], rep: float,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvmesh.errors import InvalidArgument
-from services.engine.core import speculative
-from services.engine.core.sampling import SamplingParams, draw, target_probs
+from kvmesh.services.engine.core import speculative
+from kvmesh.services.engine.core.sampling import SamplingParams, draw, target_probs
 
 V = 9                 # 8 degrees of freedom: the chi-square tail has a closed form
 DRAWS = 20_000
@@ -106,8 +106,8 @@ def test_ngram_drafter_proposes_the_continuation_of_the_latest_longest_match():
 def test_wholly_rejected_drafts_back_off_1_2_4_tokens():
     """With --spec-policy always, a request whose drafts are all rejected decodes plainly for
     1, then 2, then 4 tokens before drafting again; one accepted draft resets it."""
-    from services.engine.core.v4_request import V4Request
-    from services.engine.model.deepseek_v4.ledgers import Sequence
+    from kvmesh.services.engine.core.v4_request import V4Request
+    from kvmesh.services.engine.model.deepseek_v4.ledgers import Sequence
 
     spec = speculative.Speculator(speculative.SpecSetting("ngram", 2), adaptive=False)
     params = SamplingParams(temperature=0, max_tokens=100)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.engine.core.step_budget import MIN_PREFILL, MIN_STEPS, StepBudget
+from kvmesh.services.engine.core.step_budget import MIN_PREFILL, MIN_STEPS, StepBudget
 
 
 def _feed(budget, a, b, c, steps, noise=0.0, seed=0):
@@ -76,7 +76,7 @@ def _fitted(engine):
 
 
 def _chunk_beside_two_decodes(engine) -> int:
-    from services.engine.core.sampling import SamplingParams
+    from kvmesh.services.engine.core.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for seed in (1, 2):
@@ -97,7 +97,7 @@ def test_the_deepseek_engine_sizes_a_prompt_chunk_beside_decodes_to_the_target()
 
 
 def test_the_default_target():
-    from services.engine.build import STEP_SLO_MS
+    from kvmesh.services.engine.build import STEP_SLO_MS
 
     assert _engine().ecfg.step_slo_ms == STEP_SLO_MS > 0
     assert _engine("--step-slo-ms", "0").ecfg.step_slo_ms == 0
@@ -108,7 +108,7 @@ def test_the_default_target():
 def test_serve_threads_leave_a_cpu_for_the_server():
     import os
 
-    from services.engine.cli import serve_threads
+    from kvmesh.services.engine.cli import serve_threads
 
     cpus = len(os.sched_getaffinity(0))
     assert serve_threads(None, env={}) == max(1, cpus - 1)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine.core.sampling import MAX_STOP_BYTES, MAX_STOPS
-from services.engine.core.stops import StopMatcher
-from services.engine.rpc.client import generate_request
+from kvmesh.services.engine.core.sampling import MAX_STOP_BYTES, MAX_STOPS
+from kvmesh.services.engine.core.stops import StopMatcher
+from kvmesh.services.engine.rpc.client import generate_request
 from tests.engine.rpc.test_service import h  # noqa: F401 - the module's engine harness fixture
 
 ALPHABET = "ab\u00e9"       # few letters: overlaps and repeats are common
@@ -111,10 +111,10 @@ def test_output_sends_what_a_plain_search_allows(stops, text, max_tokens):
     every token, what it has sent is what a search of the whole text allows: everything
     before the first stop string (then STOP), or everything at max_tokens (LENGTH), or
     everything but the longest end that may still begin a stop string."""
+    from kvmesh.services.engine.core.finish import Finish
+    from kvmesh.services.engine.core.output import OutputState
+    from kvmesh.services.engine.core.sampling import SamplingParams
     from kvmesh.tokenizer import ByteTokenizer
-    from services.engine.core.finish import Finish
-    from services.engine.core.output import OutputState
-    from services.engine.core.sampling import SamplingParams
 
     tok = ByteTokenizer()
     ids = tok.encode(text)                    # é is two byte tokens: split characters too
@@ -136,9 +136,9 @@ def test_output_sends_what_a_plain_search_allows(stops, text, max_tokens):
 
 def test_output_never_reads_the_whole_text():
     """A push costs what its token costs: the stream's whole text is never joined for it."""
+    from kvmesh.services.engine.core.output import OutputState
+    from kvmesh.services.engine.core.sampling import SamplingParams
     from kvmesh.tokenizer import ByteTokenizer, TextStream
-    from services.engine.core.output import OutputState
-    from services.engine.core.sampling import SamplingParams
 
     tok = ByteTokenizer()
     out = OutputState(SamplingParams(max_tokens=10_000, stop=["zzz"]), tok.eos_id, tok.stream())

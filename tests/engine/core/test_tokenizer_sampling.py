@@ -5,10 +5,10 @@ import sys
 
 import torch
 
+from kvmesh.services.engine.core.finish import Finish
+from kvmesh.services.engine.core.output import OutputState
+from kvmesh.services.engine.core.sampling import SamplingParams, sample
 from kvmesh.tokenizer import ByteTokenizer, HFTokenizer
-from services.engine.core.finish import Finish
-from services.engine.core.output import OutputState
-from services.engine.core.sampling import SamplingParams, sample
 
 
 def test_byte_tokenizer_streams_split_characters():
@@ -73,15 +73,15 @@ def test_eos_and_stop_tokens_finish():
 
 
 def test_cli_generate_local_streams_and_rejects_bad_input():
-    ok = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--local", "def f(x):",
+    ok = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "generate", "--local", "def f(x):",
                          "--max-tokens", "5", "--temperature", "0"],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "[length: 5 prompt tokens, 5 generated]" in ok.stderr   # the shipped model, greedy
-    bad = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--local", "x",
+    bad = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "generate", "--local", "x",
                           "--top-p", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
-    trunc = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--local", "x",
+    trunc = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "generate", "--local", "x",
                             "--truncation", "compact", "--keep-tokens", "100"],
                            capture_output=True, text=True, timeout=120)
     assert trunc.returncode == 2 and "smaller than W + B = 134" in trunc.stderr
@@ -90,7 +90,7 @@ def test_cli_generate_local_streams_and_rejects_bad_input():
 def test_draw_batch_equals_one_draw_per_row():
     """A step's draws at once (greedy rows in one argmax over their stacked logits, sampled
     rows each with their own generator): the ids one draw() per row gives, ties included."""
-    from services.engine.core.sampling import draw, draw_batch, read_ids
+    from kvmesh.services.engine.core.sampling import draw, draw_batch, read_ids
 
     GREEDY = SamplingParams(temperature=0)
     g = torch.Generator().manual_seed(3)

@@ -13,13 +13,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import mxfp8
-from services.engine.model.deepseek_v4 import compressor, hyper
-from services.engine.model.deepseek_v4.attention import attend, grouped_output, window_visible
-from services.engine.model.deepseek_v4.cached import SequenceCache, extend
-from services.engine.model.deepseek_v4.config import CSA, SLIDING
-from services.engine.model.deepseek_v4.moe import moe
-from services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm, unit_rms_norm
+from kvmesh.kernels import mxfp8
+from kvmesh.services.engine.model.deepseek_v4 import compressor, hyper
+from kvmesh.services.engine.model.deepseek_v4.attention import (
+    attend,
+    grouped_output,
+    window_visible,
+)
+from kvmesh.services.engine.model.deepseek_v4.cached import SequenceCache, extend
+from kvmesh.services.engine.model.deepseek_v4.config import CSA, SLIDING
+from kvmesh.services.engine.model.deepseek_v4.moe import moe
+from kvmesh.services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm, unit_rms_norm
 
 
 def truncated_window_logits(m, prompt: list[int], hit: int) -> torch.Tensor:

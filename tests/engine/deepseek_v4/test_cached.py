@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4.cached import SequenceCache, extend
-from services.engine.model.deepseek_v4.score import load_model
+from kvmesh.services.engine.model.deepseek_v4.cached import SequenceCache, extend
+from kvmesh.services.engine.model.deepseek_v4.score import load_model
 from tests.engine.deepseek_v4 import tiny
 
 pytest.importorskip("transformers")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
-from services.engine.model.deepseek_v4.errors import CheckpointError
-from services.engine.model.deepseek_v4.score import load_model, score, tokenize
+from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.score import load_model, score, tokenize
 from tests.engine.deepseek_v4 import tiny
 
 pytest.importorskip("transformers")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.model.deepseek_v4.config import (
+from kvmesh.services.engine.model.deepseek_v4.config import (
     CSA,
     HASH,
     HCA,
@@ -17,7 +17,7 @@ from services.engine.model.deepseek_v4.config import (
     config_from_dict,
     read_config,
 )
-from services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
 from tests.engine.deepseek_v4 import tiny
 
 FLASH = Path(__file__).resolve().parents[3] / "configs" / "deepseek-v4-flash.json"

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4 import forward
-from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
-from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.ledgers import Ledgers, extend, step
+from kvmesh.services.engine.model.deepseek_v4 import forward
+from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.model.deepseek_v4.ledgers import Ledgers, extend, step
 from tests.engine.deepseek_v4 import tiny
 
 pytest.importorskip("transformers")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.v4_engine import V4Engine
-from services.engine.model.deepseek_v4 import ledgers
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.model.deepseek_v4 import ledgers
 from tests.engine.deepseek_v4 import tiny
 from tests.engine.deepseek_v4.replay_reference import truncated_window_logits
 from tests.engine.engines import serve_core
@@ -171,8 +171,8 @@ def test_unsupported_settings_are_refused_by_name(flash):
 def test_mxfp8_rings_equal_the_full_forward_with_their_rounding(flash):
     """The serving layout (528 B MXFP8 ring rows, what float32 engines keep) on a float64
     model: greedy tokens of the full forward that rounds window rows the same way."""
-    from services.engine.config import EngineConfig
-    from services.engine.model.deepseek_v4.forward import V4Model
+    from kvmesh.services.engine.config import EngineConfig
+    from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
 
     directory, _ = flash
     exact = engine(directory)
@@ -202,7 +202,7 @@ def test_cli_generate_local_gives_transformers_continuation(saved):
     eos = hf.config.eos_token_id
     if eos in expected:
         expected = expected[:expected.index(eos)]
-    run_ = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--local", "--model",
+    run_ = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "generate", "--local", "--model",
                            str(directory), "--dtype", "float64", "--temperature", "0",
                            "--max-tokens", "24", tok.decode(prompt)],
                           capture_output=True, text=True, timeout=300)
@@ -222,7 +222,7 @@ def test_layout_prints_what_the_engine_allocates(flash):
     directory, _ = flash
     for dtype in ("float32", "float64"):
         core = engine(directory, "--dtype", dtype, "--num-blocks", "8")
-        out = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--model",
+        out = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "engine", "layout", "--model",
                               str(directory), "--dtype", dtype, "--json"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
@@ -239,7 +239,7 @@ def test_fetched_blocks_and_snapshot_hit_and_a_damaged_block_is_refused(flash):
     """What rpc/remote.py prefetches (kvstore blocks, a peer's snapshot) starts a prompt on
     another engine exactly where a cold run is; a damaged block ends the run of fetched blocks
     before it (counted), and the request still runs."""
-    from services.engine.cache.prefetch import Prefetched
+    from kvmesh.services.engine.cache.prefetch import Prefetched
 
     directory, hf = flash
     a = engine(directory)
@@ -332,7 +332,7 @@ def test_prefill_engine_hands_off_to_a_decode_engine(flash):
 def test_every_sampled_row_equals_the_full_forward_and_transformers(name, tmp_path, monkeypatch):
     """The logits each generated token was drawn from (prefill in 64-token chunks, then
     decodes), against the one-pass forward over the final sequence: ours and transformers'."""
-    from services.engine.core import v4_engine
+    from kvmesh.services.engine.core import v4_engine
 
     hf = checkpoint(name, tmp_path)
     core = engine(tmp_path, "--long-prefill-chunk", "64")

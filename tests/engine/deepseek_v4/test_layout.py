@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.engine.model.deepseek_v4 import layout
-from services.engine.model.deepseek_v4.config import read_config
+from kvmesh.services.engine.model.deepseek_v4 import layout
+from kvmesh.services.engine.model.deepseek_v4.config import read_config
 
 FLASH = Path(__file__).resolve().parents[3] / "configs" / "deepseek-v4-flash.json"
 
@@ -41,11 +41,11 @@ def test_extra_state_grows_the_ring_to_396_but_not_what_is_persisted():
 
 
 def test_cli_prints_the_same_numbers():
-    run = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--config",
+    run = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "engine", "layout", "--config",
                           str(FLASH), "--json"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == json.loads(json.dumps(layout.report(read_config(FLASH))))
-    table = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--config",
+    table = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "engine", "layout", "--config",
                             str(FLASH)], capture_output=True, text=True, timeout=60).stdout
     assert "134 rows x 528 B (mxfp8) x 43 layers = 3,042,336 B" in table
 
@@ -54,8 +54,8 @@ def test_cli_prints_what_one_rank_of_a_split_flash_engine_holds(capsys):
     """DeepSeek-V4-Flash split 8 ways (tensor, then expert parallel), float32 weights: a rank
     holds the replicated tensors whole and an eighth of the split ones (docs/design.md §15);
     every rank's ledgers are the unsplit engine's. Sums from the tensor shapes, here."""
-    from launch.cli import main
-    from services.engine.model.deepseek_v4 import names
+    from kvmesh.launch.cli import main
+    from kvmesh.services.engine.model.deepseek_v4 import names
 
     cfg = read_config(FLASH)
     shapes = {**names.expected_shapes(cfg), **names.mtp_shapes(cfg)}

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4 import layout
-from services.engine.model.deepseek_v4.cached import SequenceCache
-from services.engine.model.deepseek_v4.cached import extend as extend_in_memory
-from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
-from services.engine.model.deepseek_v4.config import read_config
-from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.ledgers import Ledgers, SlotLayout, extend
+from kvmesh.services.engine.model.deepseek_v4 import layout
+from kvmesh.services.engine.model.deepseek_v4.cached import SequenceCache
+from kvmesh.services.engine.model.deepseek_v4.cached import extend as extend_in_memory
+from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+from kvmesh.services.engine.model.deepseek_v4.config import read_config
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.model.deepseek_v4.ledgers import Ledgers, SlotLayout, extend
 from tests.engine.deepseek_v4 import tiny
 
 pytest.importorskip("transformers")
@@ -107,7 +107,7 @@ def test_batched_decode_of_eight_beside_a_prefill_chunk_equals_each_alone(model)
     """8 sequences decode in the same steps as a 9th one's prompt is prefilled in chunks of
     16; every sequence's logits equal its run alone (same chunks) to the fp32 steps'
     rounding, which now sees 8 + 16 rows instead of 1, and its greedy tokens are the same."""
-    from services.engine.model.deepseek_v4.ledgers import step
+    from kvmesh.services.engine.model.deepseek_v4.ledgers import step
     name, m = model
     prompts = [tiny.prompt(name, seed=10 + k).tolist()[: 20 + 3 * k] for k in range(8)]
     long_prompt = tiny.prompt(name, seed=99).tolist()[:64]
@@ -140,7 +140,7 @@ def test_batched_decode_of_eight_beside_a_prefill_chunk_equals_each_alone(model)
 
 
 def test_a_step_refuses_a_sequence_twice_and_empty_work(model):
-    from services.engine.model.deepseek_v4.ledgers import step
+    from kvmesh.services.engine.model.deepseek_v4.ledgers import step
     _, m = model
     led = Ledgers(m.cfg, num_slots=2, num_blocks=4)
     s = led.open()

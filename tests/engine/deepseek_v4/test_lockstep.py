@@ -14,14 +14,14 @@ import pickle
 import pytest
 import torch
 
+from kvmesh.services.engine import ranks
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core import lockstep
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.model.deepseek_v4.parallel import Groups, ParallelV4Model, shard_weights
 from kvmesh.tokenizer import ByteTokenizer
-from services.engine import ranks
-from services.engine.config import EngineConfig
-from services.engine.core import lockstep
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.v4_engine import V4Engine
-from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.parallel import Groups, ParallelV4Model, shard_weights
 from tests.engine.deepseek_v4.test_parallel import tiny
 
 VOCAB = 512                      # above the byte tokenizer's 259 ids
@@ -152,7 +152,7 @@ def test_a_split_engine_refuses_what_schedules_from_the_clock():
 
 
 def test_a_budget_that_follows_anothers_steps_caps_as_it_does():
-    from services.engine.core.step_budget import StepBudget
+    from kvmesh.services.engine.core.step_budget import StepBudget
 
     leader, follower = StepBudget(50.0), StepBudget(50.0)
     for rows, tokens, seconds in [(1, 0, 0.010), (4, 64, 0.030), (8, 0, 0.014), (2, 128, 0.045),

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from launch.mesh import Mesh, MeshConfig
-from services.engine.rpc.client import EngineClient
+from kvmesh.launch.mesh import Mesh, MeshConfig
+from kvmesh.services.engine.rpc.client import EngineClient
 from tests.engine.deepseek_v4.test_engine import checkpoint, hf_greedy, random_prompt
 
 pytest.importorskip("transformers")

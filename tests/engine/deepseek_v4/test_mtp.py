@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.v4_mtp_draft import V4MtpDrafter
-from services.engine.model.deepseek_v4 import names
-from services.engine.model.deepseek_v4.attention import AttentionParts
-from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
-from services.engine.model.deepseek_v4.errors import CheckpointError
-from services.engine.model.deepseek_v4.mtp import MtpModule
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.v4_mtp_draft import V4MtpDrafter
+from kvmesh.services.engine.model.deepseek_v4 import names
+from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
+from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.mtp import MtpModule
 from tests.engine.deepseek_v4 import tiny
 from tests.engine.deepseek_v4.test_engine import checkpoint, engine, hf_greedy, run
 

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from services.engine.model.deepseek_v4 import names
-from services.engine.model.deepseek_v4.cached import SequenceCache, extend
-from services.engine.model.deepseek_v4.config import config_from_dict
-from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.parallel import (
+from kvmesh.services.engine.model.deepseek_v4 import names
+from kvmesh.services.engine.model.deepseek_v4.cached import SequenceCache, extend
+from kvmesh.services.engine.model.deepseek_v4.config import config_from_dict
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.model.deepseek_v4.parallel import (
     Groups,
     ParallelV4Model,
     Split,
@@ -93,7 +93,7 @@ def unsplit():
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2)])
 def test_a_split_model_computes_what_one_process_does(tmp_path, unsplit, tp, ep):
-    from launch.backing.proc import free_port
+    from kvmesh.launch.backing.proc import free_port
 
     mp.start_processes(rank_main, args=(tp, ep, free_port(), str(tmp_path)), nprocs=tp * ep,
                        start_method="spawn")
@@ -138,7 +138,7 @@ def test_a_rank_loads_its_share_and_reads_only_its_experts(tmp_path, monkeypatch
     (the rank's experts' tensors are read, no other's)."""
     import re
 
-    from services.engine.model.deepseek_v4 import checkpoint
+    from kvmesh.services.engine.model.deepseek_v4 import checkpoint
     from tests.engine.deepseek_v4 import tiny as hf_tiny
 
     model = hf_tiny.hf_model("mixed")
@@ -173,7 +173,7 @@ def test_a_rank_loads_its_share_and_reads_only_its_experts(tmp_path, monkeypatch
 
 
 def v41_rank_main(rank: int, tp: int, ep: int, port: int, out: str) -> None:
-    from services.engine.model.deepseek_v4.parallel import ParallelV41Model
+    from kvmesh.services.engine.model.deepseek_v4.parallel import ParallelV41Model
     from tests.engine.deepseek_v41 import tiny as v41_tiny
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -194,8 +194,8 @@ def v41_rank_main(rank: int, tp: int, ep: int, port: int, out: str) -> None:
 def test_a_split_v41_model_computes_what_one_process_does(tmp_path):
     """DeepSeek V4.1 (KV sources, consumers, candidate blocks; decoder-side truncation) split
     2 x 2: the whole forward and the compact one match the unsplit model's."""
-    from launch.backing.proc import free_port
-    from services.engine.model.deepseek_v4.v41_forward import V41Model
+    from kvmesh.launch.backing.proc import free_port
+    from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
     from tests.engine.deepseek_v41 import tiny as v41_tiny
 
     cfg = v41_tiny.config("flash_like")

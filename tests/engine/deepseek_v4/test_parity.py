@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4.score import load_model, score
+from kvmesh.services.engine.model.deepseek_v4.score import load_model, score
 from tests.engine.deepseek_v4 import tiny
 
 FP64_TOL = 1e-6
@@ -60,7 +60,7 @@ def test_kvmesh_score_prints_the_same_logprobs(tmp_path):
     hf = tiny.save(name, directory)
     ids = tiny.prompt(name)[:24]
     want, _ = tiny.hf_logprobs(hf, ids, torch.float64)
-    run = subprocess.run([sys.executable, "-m", "launch.cli", "score", "--model", str(directory),
+    run = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "score", "--model", str(directory),
                           "--dtype", "float64", "--ids", ",".join(map(str, ids.tolist()))],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -87,12 +87,12 @@ def test_kvmesh_score_text_through_a_trained_tokenizer_json(tmp_path):
     tok.add_special_tokens([t for t in SPECIAL_TOKENS if t != BOS])
     assert tok.token_to_id(BOS) == 0 and tok.get_vocab_size() <= tiny.BASE["vocab_size"]
     tok.save(str(directory / "tokenizer.json"))
-    run = subprocess.run([sys.executable, "-m", "launch.cli", "score", "--model", str(directory),
+    run = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "score", "--model", str(directory),
                           "the lazy fox"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["ids"] == [0] + tok.encode("the lazy fox", add_special_tokens=False).ids
-    by_ids = subprocess.run([sys.executable, "-m", "launch.cli", "score", "--model",
+    by_ids = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "score", "--model",
                              str(directory), "--ids", ",".join(map(str, out["ids"]))],
                             capture_output=True, text=True, timeout=120)
     assert json.loads(by_ids.stdout) == out

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4 import compressor, hyper
-from services.engine.model.deepseek_v4.attention import attention
-from services.engine.model.deepseek_v4.config import CSA, SLIDING
-from services.engine.model.deepseek_v4.moe import moe
-from services.engine.model.deepseek_v4.score import load_model
+from kvmesh.services.engine.model.deepseek_v4 import compressor, hyper
+from kvmesh.services.engine.model.deepseek_v4.attention import attention
+from kvmesh.services.engine.model.deepseek_v4.config import CSA, SLIDING
+from kvmesh.services.engine.model.deepseek_v4.moe import moe
+from kvmesh.services.engine.model.deepseek_v4.score import load_model
 from tests.engine.deepseek_v4 import tiny
 
 pytest.importorskip("transformers")

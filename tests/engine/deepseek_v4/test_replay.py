@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4.ledgers import Ledgers, extend, replay
+from kvmesh.services.engine.model.deepseek_v4.ledgers import Ledgers, extend, replay
 from tests.engine.deepseek_v4 import tiny
 
 pytest.importorskip("transformers")

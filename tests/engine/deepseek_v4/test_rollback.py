@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4.ledgers import Ledgers, extend, rollback
+from kvmesh.services.engine.model.deepseek_v4.ledgers import Ledgers, extend, rollback
 from tests.engine.deepseek_v4 import tiny
 
 pytest.importorskip("transformers")

@@ -21,7 +21,7 @@ IDS = "1,5,9,14,2,77,31,8,8,60,3,42,17,99,0,25,64,11,7,50"
 
 
 def score(directory: Path, *flags: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launch.cli", "score", "--model", str(directory),
+    return subprocess.Popen([sys.executable, "-m", "kvmesh.launch.cli", "score", "--model", str(directory),
                              "--ids", IDS, "--dtype", "float64", *flags], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
@@ -56,7 +56,7 @@ def test_the_command_starts_tp_x_ep_ranks_and_scores_what_one_process_does(check
 
 
 def test_ranks_an_external_launcher_started_join_its_group(checkpoint):
-    from launch.backing.proc import free_port
+    from kvmesh.launch.backing.proc import free_port
 
     directory, want = checkpoint
     env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
@@ -71,7 +71,7 @@ def test_ranks_an_external_launcher_started_join_its_group(checkpoint):
 
 def test_a_split_that_does_not_fit_is_refused_before_any_rank_starts(checkpoint, capsys,
                                                                      monkeypatch):
-    from launch.cli import main
+    from kvmesh.launch.cli import main
 
     directory, _ = checkpoint
     base = ["score", "--model", str(directory), "--ids", IDS]

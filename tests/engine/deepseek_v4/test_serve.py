@@ -13,13 +13,13 @@ import grpc
 import pytest
 
 from kvmesh.healthcheck import wait_healthy
-from launch.backing.proc import ManagedProcess, free_port
-from services.engine.rpc.client import EngineClient
+from kvmesh.launch.backing.proc import ManagedProcess, free_port
+from kvmesh.services.engine.rpc.client import EngineClient
 from tests.engine.deepseek_v4 import tiny
 from tests.engine.deepseek_v4.test_engine import checkpoint, hf_greedy, random_prompt
 
 pytest.importorskip("transformers")
-KVMESH = [sys.executable, "-m", "launch.cli"]
+KVMESH = [sys.executable, "-m", "kvmesh.launch.cli"]
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4 import snapshots
-from services.engine.model.deepseek_v4.ledgers import Ledgers, extend
+from kvmesh.services.engine.model.deepseek_v4 import snapshots
+from kvmesh.services.engine.model.deepseek_v4.ledgers import Ledgers, extend
 from tests.engine.deepseek_v4 import tiny
 
 pytest.importorskip("transformers")
@@ -82,7 +82,7 @@ def test_snapshot_carries_rings_and_the_csa_overlap(model):
     assert len(snap.rings) == cfg.num_layers * 134 * 528
     assert len(snap.overlap) == snapshots.overlap_bytes(led) == (4 * 2 * (512 + 128) * 4
                                                                   * cfg.layer_kinds.count("csa"))
-    from services.engine.model.deepseek_v4 import layout
+    from kvmesh.services.engine.model.deepseek_v4 import layout
     assert len(snap.rings) + len(snap.overlap) == \
         layout.report(cfg)["state_slot"]["snapshot_bytes"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.core.speculative import NgramDrafter
-from services.engine.model.deepseek_v4.ledgers import Ledgers, extend
-from services.engine.model.deepseek_v4.speculate import verify_greedy
+from kvmesh.services.engine.core.speculative import NgramDrafter
+from kvmesh.services.engine.model.deepseek_v4.ledgers import Ledgers, extend
+from kvmesh.services.engine.model.deepseek_v4.speculate import verify_greedy
 from tests.engine.deepseek_v4 import tiny
 
 pytest.importorskip("transformers")

@@ -19,8 +19,8 @@ import grpc
 import pytest
 import torch
 
-from services.engine.core.sampling import SamplingParams
-from services.engine.rpc.client import EngineClient
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.rpc.client import EngineClient
 from tests.engine.deepseek_v4.test_engine import checkpoint, engine, random_prompt
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -56,10 +56,10 @@ def directory(tmp_path_factory):
 def started(*argv: str):
     """`kvmesh engine serve --tensor-parallel 2 ARGV` on a free port, ready: (process,
     address); stopped with SIGTERM after."""
-    from launch.backing.proc import free_port
+    from kvmesh.launch.backing.proc import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "engine", "serve", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.launch.cli", "engine", "serve", "--port",
                              str(port), "--tensor-parallel", "2", "--threads", "2", *argv],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     address = f"127.0.0.1:{port}"
@@ -168,7 +168,7 @@ def test_a_rank_killed_mid_stream_takes_the_engine_down_within_the_bound(split_e
 ])
 def test_a_split_engine_it_cannot_run_is_refused_before_any_rank_starts(directory, flags,
                                                                         message, capsys):
-    from launch.cli import main
+    from kvmesh.launch.cli import main
 
     argv = [str(directory) if f == "MODEL" else f for f in flags]
     assert main(["engine", "serve", "--tensor-parallel", "2", *argv]) == 2
@@ -181,7 +181,7 @@ def test_a_bad_checkpoint_fails_the_split_engine_naming_the_file(tmp_path, capsy
     which tensor (no traceback) and exits 1."""
     from safetensors.torch import load_file, save_file
 
-    from launch.cli import main
+    from kvmesh.launch.cli import main
     from tests.engine.deepseek_v4 import tiny
 
     model = tiny.hf_model("mixed")

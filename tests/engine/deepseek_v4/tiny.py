@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.model.deepseek_v4 import quant
+from kvmesh.services.engine.model.deepseek_v4 import quant
 
 BASE = dict(vocab_size=100, hidden_size=64, num_attention_heads=4, head_dim=32,
             partial_rotary_factor=0.25, q_lora_rank=32, o_groups=2, o_lora_rank=16,
@@ -129,7 +129,7 @@ def resave(model, directory: Path, naming: str, shards: int = 1, fp8: str | None
     state = {k: v.detach().float().clone() if v.is_floating_point() else v.clone()
              for k, v in model.state_dict().items()}
     if naming == "deepseek":
-        from services.engine.model.deepseek_v4.names import source
+        from kvmesh.services.engine.model.deepseek_v4.names import source
         renamed = {}
         for k, v in state.items():
             name = source(k).name
@@ -177,7 +177,7 @@ def _fp8_dense(name: str) -> bool:
 
 
 def _quantize(state: dict, naming: str, fp8: str | None, fp4_experts: bool) -> dict:
-    from services.engine.model.deepseek_v4.names import source
+    from kvmesh.services.engine.model.deepseek_v4.names import source
     out = {}
     for k, v in state.items():
         expert = source(k).expert is not None
@@ -196,8 +196,8 @@ def dequantized_copy(model, naming: str, fp8: str | None, fp4_experts: bool):
     naming, stay unquantized)."""
     import copy
 
-    from services.engine.model.deepseek_v4 import quant
-    from services.engine.model.deepseek_v4.names import source
+    from kvmesh.services.engine.model.deepseek_v4 import quant
+    from kvmesh.services.engine.model.deepseek_v4.names import source
 
     def round_trip(w: torch.Tensor, experts: bool) -> torch.Tensor:
         if experts and fp4_experts:
@@ -227,8 +227,8 @@ def dequantized_copy(model, naming: str, fp8: str | None, fp4_experts: bool):
 
 def stored_model(name: str, directory: Path, dtype: torch.dtype = torch.float64):
     """Config `name` saved by transformers, loaded as the engine's ledger path computes it."""
-    from services.engine.model.deepseek_v4.checkpoint import load_checkpoint
-    from services.engine.model.deepseek_v4.forward import V4Model
+    from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_checkpoint
+    from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
     save(name, directory)
     cfg, weights = load_checkpoint(directory, dtype)
     return V4Model(cfg, weights, dtype, stored=True)

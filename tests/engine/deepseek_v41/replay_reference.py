@@ -12,13 +12,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4 import hyper
-from services.engine.model.deepseek_v4.attention import attend, grouped_output, window_visible
-from services.engine.model.deepseek_v4.compressor import visible
-from services.engine.model.deepseek_v4.moe import moe_v41
-from services.engine.model.deepseek_v4.numerics import apply_rope
-from services.engine.model.deepseek_v4.v41_cached import SequenceState, extend
-from services.engine.model.deepseek_v4.v41_forward import (
+from kvmesh.services.engine.model.deepseek_v4 import hyper
+from kvmesh.services.engine.model.deepseek_v4.attention import (
+    attend,
+    grouped_output,
+    window_visible,
+)
+from kvmesh.services.engine.model.deepseek_v4.compressor import visible
+from kvmesh.services.engine.model.deepseek_v4.moe import moe_v41
+from kvmesh.services.engine.model.deepseek_v4.numerics import apply_rope
+from kvmesh.services.engine.model.deepseek_v4.v41_cached import SequenceState, extend
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
     SourceState,
     V41Model,
     candidate_blocks,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4.v41_cached import SequenceState, extend
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.model.deepseek_v4.v41_cached import SequenceState, extend
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 from tests.engine.deepseek_v41 import tiny
 
 EXACT = 1e-9
@@ -82,7 +82,7 @@ def test_truncated_prefill_in_chunks_then_decodes_equal_the_truncated_reference(
 def test_bounded_replay_after_a_block_hit_equals_the_truncated_window_reference(name):
     """A hit at a 128-token boundary restores entries and keys, no windows: the last 128
     tokens before it run again (their entries from the cache), then the prompt's rest."""
-    from services.engine.model.deepseek_v4.v41_cached import replay_state
+    from kvmesh.services.engine.model.deepseek_v4.v41_cached import replay_state
     from tests.engine.deepseek_v41.replay_reference import truncated_window_logits
     cfg = tiny.config(name)
     m = V41Model(cfg, tiny.weights(cfg), torch.float64)

@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
-from services.engine.model.deepseek_v4.errors import CheckpointError
-from services.engine.model.deepseek_v4.score import load_model, score
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.score import load_model, score
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 from tests.engine.deepseek_v41 import tiny
 
 NAME = "flash_like"
@@ -43,7 +43,7 @@ def test_a_quantized_release_loads_as_the_weights_it_stands_for(release):
 def test_kvmesh_score_runs_a_v41_checkpoint(release):
     directory, cfg, meant = release
     ids = tiny.prompt(NAME)[:20].tolist()
-    run = subprocess.run([sys.executable, "-m", "launch.cli", "score", "--model", str(directory),
+    run = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "score", "--model", str(directory),
                           "--ids", ",".join(map(str, ids)), "--dtype", "float64"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -96,7 +96,7 @@ def test_an_engram_checkpoint_is_refused_at_load_naming_the_feature(tmp_path):
 
 
 def test_a_gateway_renders_chat_in_deepseeks_encoding_for_a_v41_tokenizer(release):
-    from services.gateway.openai_api.chat import deepseek_v4_template, load_template
+    from kvmesh.services.gateway.openai_api.chat import deepseek_v4_template, load_template
     directory, _, _ = release
     (directory / "tokenizer.json").write_text("{}")   # only its place is read here
     assert load_template(str(directory / "tokenizer.json")) is deepseek_v4_template

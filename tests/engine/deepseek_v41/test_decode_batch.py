@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4 import v41_decode
-from services.engine.model.deepseek_v4.v41_forward import V41Model
-from services.engine.model.deepseek_v4.v41_ledgers import V41Ledgers, step
+from kvmesh.services.engine.model.deepseek_v4 import v41_decode
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.model.deepseek_v4.v41_ledgers import V41Ledgers, step
 from tests.engine.deepseek_v41 import tiny
 
 EXACT = 1e-9

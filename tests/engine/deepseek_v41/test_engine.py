@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.core.v4_engine import V4Engine
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 from tests.engine.deepseek_v4.test_engine import engine, random_prompt, word_tokenizer
 from tests.engine.deepseek_v4.test_engine import run as run_v4
 from tests.engine.deepseek_v41 import tiny

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.model.deepseek_v4 import v41_layout
-from services.engine.model.deepseek_v4.errors import CheckpointError
-from services.engine.model.deepseek_v4.v41_config import read_v41_config
+from kvmesh.services.engine.model.deepseek_v4 import v41_layout
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.v41_config import read_v41_config
 
 FLASH = Path(__file__).resolve().parents[3] / "configs" / "deepseek-v4.1-flash.json"
 
@@ -49,12 +49,12 @@ def test_serving_the_published_config_is_refused_for_its_engram_layers():
 
 
 def test_the_cli_prints_this_report():
-    run = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--config",
+    run = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "engine", "layout", "--config",
                           str(FLASH), "--json"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     want = v41_layout.report(read_v41_config(FLASH, serving=False))
     assert json.loads(run.stdout) == json.loads(json.dumps(want))
-    table = subprocess.run([sys.executable, "-m", "launch.cli", "engine", "layout", "--config",
+    table = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "engine", "layout", "--config",
                             str(FLASH)], capture_output=True, text=True, timeout=120)
     assert "20 encoder rings = 1,415,040 B" in table.stdout
     assert "Engram layers [1, 14]: not served" in table.stdout

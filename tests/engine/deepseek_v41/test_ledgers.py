@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4 import v41_layout
-from services.engine.model.deepseek_v4.ledgers import rollback
-from services.engine.model.deepseek_v4.v41_config import read_v41_config
-from services.engine.model.deepseek_v4.v41_forward import V41Model
-from services.engine.model.deepseek_v4.v41_ledgers import V41Ledgers, replay, step
+from kvmesh.services.engine.model.deepseek_v4 import v41_layout
+from kvmesh.services.engine.model.deepseek_v4.ledgers import rollback
+from kvmesh.services.engine.model.deepseek_v4.v41_config import read_v41_config
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.model.deepseek_v4.v41_ledgers import V41Ledgers, replay, step
 from tests.engine.deepseek_v41 import tiny
 from tests.engine.deepseek_v41.replay_reference import truncated_window_logits
 
@@ -142,7 +142,7 @@ def test_float32_with_mxfp8_rows_stays_within_its_bound():
 def _cold_with_snapshot(m, led, ids, at, cut):
     """Prefill ids in two chunks split at the snapshot position `at`; the snapshot and the
     logits of the prompt's rows past `at`."""
-    from services.engine.model.deepseek_v4 import v41_snapshots
+    from kvmesh.services.engine.model.deepseek_v4 import v41_snapshots
     seq = led.open()
     step(m, led, [(seq, ids[:at])], [cut])
     snap = v41_snapshots.take(led, seq)
@@ -155,7 +155,7 @@ def test_a_snapshot_hit_under_truncation_resumes_exactly():
     dropped. With the decoder cut at or past the snapshot, as truncation puts it on a hit
     capped 134 tokens before the prompt's end, a restored sequence computes what the cold
     run computed, row for row."""
-    from services.engine.model.deepseek_v4 import v41_snapshots
+    from kvmesh.services.engine.model.deepseek_v4 import v41_snapshots
     name = "flash_geometry"
     m = _model(name)
     led = _ledgers(m)
@@ -173,7 +173,7 @@ def test_a_snapshot_hit_under_truncation_resumes_exactly():
 
 
 def test_a_snapshot_hit_without_truncation_runs_the_decoder_from_the_snapshot():
-    from services.engine.model.deepseek_v4 import v41_snapshots
+    from kvmesh.services.engine.model.deepseek_v4 import v41_snapshots
     name = "flash_geometry"
     m = _model(name)
     led = _ledgers(m)
@@ -187,7 +187,7 @@ def test_a_snapshot_hit_without_truncation_runs_the_decoder_from_the_snapshot():
 
 
 def test_a_handoff_from_a_396_row_prefill_engine_decodes_as_one_engine():
-    from services.engine.model.deepseek_v4 import snapshots
+    from kvmesh.services.engine.model.deepseek_v4 import snapshots
     name = "flash_like"
     m = _model(name)
     prefill = V41Ledgers(m.cfg, 2, 8, extra_state=True, rows="exact", dtype=m.dtype)

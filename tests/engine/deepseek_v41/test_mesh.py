@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch.mesh import Mesh, MeshConfig
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.launch.mesh import Mesh, MeshConfig
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 from tests.engine.deepseek_v4.test_engine import word_tokenizer
 from tests.engine.deepseek_v4.test_mesh import _engine_call, _stats, _written_and_published
 from tests.engine.deepseek_v41 import tiny

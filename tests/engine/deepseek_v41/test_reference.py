@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model.deepseek_v4 import compressor as v4_compressor
-from services.engine.model.deepseek_v4.errors import CheckpointError
-from services.engine.model.deepseek_v4.forward import RopeTables
-from services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
-from services.engine.model.deepseek_v4.v41_forward import (
+from kvmesh.services.engine.model.deepseek_v4 import compressor as v4_compressor
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.forward import RopeTables
+from kvmesh.services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
     V41Model,
     candidate_blocks,
     compress,

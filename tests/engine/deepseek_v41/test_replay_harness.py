@@ -10,7 +10,7 @@ import torch
 
 from bench.quality.forcing import Req, forced
 from bench.quality.v41_harness import make_engine, run
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 from tests.engine.deepseek_v4.test_engine import random_prompt, word_tokenizer
 from tests.engine.deepseek_v41 import tiny
 
@@ -20,7 +20,7 @@ EXACT = 1e-10
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from services.engine.build import v4_tokenizer
+    from kvmesh.services.engine.build import v4_tokenizer
 
     directory = tmp_path_factory.mktemp("v41-harness")
     cfg, meant = tiny.save_release("flash_geometry", directory, quantized=False, shards=1)
@@ -78,7 +78,7 @@ def test_float32_results_do_not_depend_on_the_chunking(setup, tmp_path):
     keeps them, so prefilling in chunks of 7 or of 256 and decoding give the same logits to
     float32 noise, and n-gram verification (several rows a step) the same greedy tokens as
     plain decoding (unrounded in-chunk rows: 3e-4 apart here, 0.1 on the shipped model)."""
-    from services.engine.model.deepseek_v4 import window_rows
+    from kvmesh.services.engine.model.deepseek_v4 import window_rows
 
     reference, tok = setup
     cfg, w64 = reference.cfg, reference.weights

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.core.sampling import SamplingParams
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 from tests.engine.core.test_sampling_controls import by_hand
 from tests.engine.deepseek_v4.test_engine import random_prompt
 from tests.engine.deepseek_v41.test_engine import engine, saved  # noqa: F401  (fixture)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvmesh.launch.mesh import Mesh, MeshConfig
 from kvmesh.proto import gateway_pb2_grpc
-from launch.mesh import Mesh, MeshConfig
-from services.gateway.client import gateway_request
+from kvmesh.services.gateway.client import gateway_request
 from tests.engine.deepseek_v4.test_mesh import _served_after_the_other, _stats
 from tests.engine.deepseek_v41.test_engine import greedy, random_prompt
 from tests.engine.deepseek_v41.test_mesh import TRUNCATION, _checkpoint

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.model.deepseek_v4.v41_config import V41Config, v41_config_from_dict
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config, v41_config_from_dict
 
 BASE = dict(model_type="deepseek_v41", vocab_size=100, hidden_size=64, num_attention_heads=4,
             head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
@@ -119,7 +119,7 @@ def save_release(name: str, directory, seed: int = 0, shards: int = 2, quantized
     float64 weights the files stand for (each quantized tensor dequantized)."""
     import json
 
-    from services.engine.model.deepseek_v4 import quant
+    from kvmesh.services.engine.model.deepseek_v4 import quant
     from tests.engine.deepseek_v4.tiny import quant_fp4, quant_fp8, write_safetensors
 
     raw = raw_config(name, **overrides)

@@ -12,10 +12,10 @@ import sys
 import torch
 
 from kvmesh.chat_deepseek_v4 import encode_chat
+from kvmesh.services.engine.build import choose_model
+from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
 from kvmesh.shipped import DEFAULT_MODEL
-from services.engine.build import choose_model
-from services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
-from training.v41_model import SHIPPED_TEXT_CONFIG
+from kvmesh.training.v41_model import SHIPPED_TEXT_CONFIG
 
 METRICS = json.loads((DEFAULT_MODEL / "metrics.json").read_text())
 
@@ -67,7 +67,7 @@ def test_generate_local_serves_it_and_the_chat_turns_tokenize_to_single_ids():
     tok = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
     ids = tok.encode(encode_chat([{"role": "user", "content": "hi"}]), add_special_tokens=False).ids
     assert ids[0] == 0 and ids[-2:] == [3, 5] and 2 in ids
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--local",
+    out = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "generate", "--local",
                           "def read(path):\n    with open(path) as f:\n", "--max-tokens", "24",
                           "--temperature", "0.8", "--seed", "1"],
                          capture_output=True, text=True, timeout=120)

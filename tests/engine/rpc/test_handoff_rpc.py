@@ -11,11 +11,11 @@ import pytest
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import Server
-from services.engine.core.async_engine import AsyncEngine
-from services.engine.core.sampling import SamplingParams
-from services.engine.rpc.client import EngineClient, generate_request
-from services.engine.rpc.server import SERVICE_NAME
-from services.engine.rpc.service import EngineServicer
+from kvmesh.services.engine.core.async_engine import AsyncEngine
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.rpc.client import EngineClient, generate_request
+from kvmesh.services.engine.rpc.server import SERVICE_NAME
+from kvmesh.services.engine.rpc.service import EngineServicer
 from tests.engine.engines import random_prompt, run_to_completion, serve_core
 from tests.loop import LoopThread
 

@@ -9,12 +9,12 @@ import asyncio
 import threading
 from collections import Counter
 
-from launch.backing.proc import free_port
-from services.engine.core.async_engine import AsyncEngine
-from services.engine.core.sampling import SamplingParams
-from services.engine.core.v4_engine import V4Engine
-from services.engine.rpc.remote import RemoteTiers
-from services.kvstore.client import KvstoreClient
+from kvmesh.launch.backing.proc import free_port
+from kvmesh.services.engine.core.async_engine import AsyncEngine
+from kvmesh.services.engine.core.sampling import SamplingParams
+from kvmesh.services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.rpc.remote import RemoteTiers
+from kvmesh.services.kvstore.client import KvstoreClient
 from tests.engine.engines import random_prompt, serve_core
 
 ENGINE_THREAD = "engine-loop"

@@ -12,10 +12,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvmesh.proto import engine_pb2_grpc
 from kvmesh.rpc import Server
-from services.engine.core.async_engine import AsyncEngine
-from services.engine.rpc.client import EngineClient, generate_request
-from services.engine.rpc.server import SERVICE_NAME
-from services.engine.rpc.service import EngineServicer
+from kvmesh.services.engine.core.async_engine import AsyncEngine
+from kvmesh.services.engine.rpc.client import EngineClient, generate_request
+from kvmesh.services.engine.rpc.server import SERVICE_NAME
+from kvmesh.services.engine.rpc.service import EngineServicer
 from tests.engine.engines import serve_core
 from tests.loop import LoopThread
 

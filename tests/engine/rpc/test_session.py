@@ -11,9 +11,9 @@ import pytest
 
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import Server
-from services.engine.rpc.client import generate_request
-from services.engine.rpc.server import SERVICE_NAME
-from services.engine.rpc.service import EngineServicer
+from kvmesh.services.engine.rpc.client import generate_request
+from kvmesh.services.engine.rpc.server import SERVICE_NAME
+from kvmesh.services.engine.rpc.service import EngineServicer
 from tests.engine.rpc.test_service import EngineHarness, wait_idle
 
 
@@ -206,7 +206,7 @@ def test_draining_engine_refuses_new_generations_and_ends_the_stream(h):
 
 
 def test_tags_beyond_the_limit_are_refused(h, monkeypatch):
-    from services.engine.rpc import session as session_mod
+    from kvmesh.services.engine.rpc import session as session_mod
 
     monkeypatch.setattr(session_mod, "MAX_TAGS", 2)
 

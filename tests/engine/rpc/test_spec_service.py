@@ -8,10 +8,10 @@ import grpc
 import pytest
 
 from kvmesh.errors import InvalidArgument
-from services.gateway.config import GatewayConfig
-from services.gateway.engines import engine_request
-from services.gateway.model import GenRequest
-from services.gateway.validate import check_sampling
+from kvmesh.services.gateway.config import GatewayConfig
+from kvmesh.services.gateway.engines import engine_request
+from kvmesh.services.gateway.model import GenRequest
+from kvmesh.services.gateway.validate import check_sampling
 from tests.engine.rpc.test_service import EngineHarness
 
 PROMPT = [7, 8, 9, 10, 11] * 8

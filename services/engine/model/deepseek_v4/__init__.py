@@ -20,6 +20,6 @@
 
 DeepSeek V4's chat encoding is kvmesh/chat_deepseek_v4.py (the gateway needs it too).
 Pinned against transformers 5.23.0 (tests/engine/deepseek_v4/), which is never imported here.
-May import: torch, safetensors, kernels, kvmesh.errors, and services.engine.cache (the engine's
+May import: torch, safetensors, kernels, kvmesh.errors, and kvmesh.services.engine.cache (the engine's
 BlockPool, BlockStore and slot Region, which the ledger path keeps its blocks in).
 """

@@ -18,9 +18,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4 import compressor, window_rows
-from services.engine.model.deepseek_v4.config import CSA, HCA, V4Config
-from services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm, unit_rms_norm
+from kvmesh.services.engine.model.deepseek_v4 import compressor, window_rows
+from kvmesh.services.engine.model.deepseek_v4.config import CSA, HCA, V4Config
+from kvmesh.services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm, unit_rms_norm
 
 
 class AttentionParts(NamedTuple):

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.model.deepseek_v4.attention import AttentionParts
-from services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
 
 
 @dataclass

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.engine.model.deepseek_v4 import names, parallel, quant, v41_names
-from services.engine.model.deepseek_v4.config import V4Config, read_config
-from services.engine.model.deepseek_v4.errors import CheckpointError
-from services.engine.model.deepseek_v4.parallel import Split
-from services.engine.model.deepseek_v4.v41_config import V41Config, read_v41_config
+from kvmesh.services.engine.model.deepseek_v4 import names, parallel, quant, v41_names
+from kvmesh.services.engine.model.deepseek_v4.config import V4Config, read_config
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.parallel import Split
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config, read_v41_config
 
 log = logging.getLogger(__name__)
 

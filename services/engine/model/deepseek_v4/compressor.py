@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm
+from kvmesh.services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm
 
 
 class Pooled(NamedTuple):

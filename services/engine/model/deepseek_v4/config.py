@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
 
 SLIDING, CSA, HCA = "sliding", "csa", "hca"
 HASH, MOE = "hash", "moe"

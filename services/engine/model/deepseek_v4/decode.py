@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.model.deepseek_v4 import compressor
-from services.engine.model.deepseek_v4.attention import (
+from kvmesh.services.engine.model.deepseek_v4 import compressor
+from kvmesh.services.engine.model.deepseek_v4.attention import (
     AttentionParts,
     _sub,
     attend_rows,
@@ -22,8 +22,8 @@ from services.engine.model.deepseek_v4.attention import (
     pad_rows,
     project,
 )
-from services.engine.model.deepseek_v4.config import CSA, HCA, V4Config
-from services.engine.model.deepseek_v4.numerics import apply_rope
+from kvmesh.services.engine.model.deepseek_v4.config import CSA, HCA, V4Config
+from kvmesh.services.engine.model.deepseek_v4.numerics import apply_rope
 
 
 def decode_rows(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: torch.Tensor,

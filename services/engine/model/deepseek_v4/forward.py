@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4 import hyper
-from services.engine.model.deepseek_v4.attention import AttentionParts, attention
-from services.engine.model.deepseek_v4.config import Rope, V4Config
-from services.engine.model.deepseek_v4.decode import decode_rows
-from services.engine.model.deepseek_v4.moe import moe
-from services.engine.model.deepseek_v4.numerics import inv_freq, rms_norm, rope_tables
+from kvmesh.services.engine.model.deepseek_v4 import hyper
+from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts, attention
+from kvmesh.services.engine.model.deepseek_v4.config import Rope, V4Config
+from kvmesh.services.engine.model.deepseek_v4.decode import decode_rows
+from kvmesh.services.engine.model.deepseek_v4.moe import moe
+from kvmesh.services.engine.model.deepseek_v4.numerics import inv_freq, rms_norm, rope_tables
 
 
 class RopeTables:

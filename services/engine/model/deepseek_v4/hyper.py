@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4.numerics import unit_rms_norm
+from kvmesh.services.engine.model.deepseek_v4.numerics import unit_rms_norm
 
 
 def mix_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -21,8 +21,8 @@ the engine's block store keeps them. Sliding-only layers put nothing in blocks.
 
 from __future__ import annotations
 
-from services.engine.model.deepseek_v4 import window_rows
-from services.engine.model.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
+from kvmesh.services.engine.model.deepseek_v4 import window_rows
+from kvmesh.services.engine.model.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 
 FP32 = 4
 BLOCK_TOKENS = 128

@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.cache.block_pool import BlockPool
-from services.engine.cache.block_store import BlockStore
-from services.engine.cache.state_layout import Region
-from services.engine.model.deepseek_v4 import layout, window_rows
-from services.engine.model.deepseek_v4.attention import AttentionParts
-from services.engine.model.deepseek_v4.compressor import Pooled
-from services.engine.model.deepseek_v4.config import CSA, SLIDING, V4Config
-from services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.cache.block_pool import BlockPool
+from kvmesh.services.engine.cache.block_store import BlockStore
+from kvmesh.services.engine.cache.state_layout import Region
+from kvmesh.services.engine.model.deepseek_v4 import layout, window_rows
+from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
+from kvmesh.services.engine.model.deepseek_v4.compressor import Pooled
+from kvmesh.services.engine.model.deepseek_v4.config import CSA, SLIDING, V4Config
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
 
 FP32 = 4
 BLOCK = layout.BLOCK_TOKENS

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import grouped_linear
-from services.engine.model.deepseek_v4.config import HASH, V4Config
-from services.engine.model.deepseek_v4.v41_config import V41Config
+from kvmesh.kernels.moe import grouped_linear
+from kvmesh.services.engine.model.deepseek_v4.config import HASH, V4Config
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
 
 
 def route(cfg: V4Config, kind: str, w: dict, x: torch.Tensor, ids: torch.Tensor):

@@ -26,11 +26,11 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4 import hyper
-from services.engine.model.deepseek_v4.attention import AttentionParts
-from services.engine.model.deepseek_v4.config import MOE, SLIDING
-from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.numerics import rms_norm
+from kvmesh.services.engine.model.deepseek_v4 import hyper
+from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
+from kvmesh.services.engine.model.deepseek_v4.config import MOE, SLIDING
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.model.deepseek_v4.numerics import rms_norm
 
 OWN = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
        "hc_head_fn", "hc_head_base", "hc_head_scale")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from services.engine.model.deepseek_v4.config import CSA, HASH, HCA, MOE, V4Config
+from kvmesh.services.engine.model.deepseek_v4.config import CSA, HASH, HCA, MOE, V4Config
 
 # transformers' module path within a layer -> DeepSeek's
 _LAYER_RENAMES = {

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from services.engine.model.deepseek_v4.config import Rope
+from kvmesh.services.engine.model.deepseek_v4.config import Rope
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4.config import V4Config
-from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.moe import route, route_v41, routed_pairs, shared
-from services.engine.model.deepseek_v4.v41_config import V41Config
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.model.deepseek_v4.config import V4Config
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.model.deepseek_v4.moe import route, route_v41, routed_pairs, shared
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ class ParallelV41Model(_Shares, V41Model):
 def weight_bytes(cfg: V4Config | V41Config, split: Split, itemsize: int, mtp: bool = True) -> int:
     """Bytes of the weights one rank holds, computed in a dtype of `itemsize` bytes (the
     loader's: what names.keeps_fp32 names stays fp32, token-to-expert tables are int64)."""
-    from services.engine.model.deepseek_v4 import names, v41_names
+    from kvmesh.services.engine.model.deepseek_v4 import names, v41_names
 
     if isinstance(cfg, V41Config):
         shapes = dict(v41_names.expected_shapes(cfg))

@@ -13,19 +13,19 @@ from pathlib import Path
 import torch
 
 from kvmesh.checkpoint_dir import is_v41
-from services.engine.model.deepseek_v4.checkpoint import load_checkpoint, load_v41_checkpoint
-from services.engine.model.deepseek_v4.config import V4Config
-from services.engine.model.deepseek_v4.errors import CheckpointError
-from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.v41_config import V41Config
-from services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_checkpoint, load_v41_checkpoint
+from kvmesh.services.engine.model.deepseek_v4.config import V4Config
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 
 
 def load_model(directory: str | Path, dtype: torch.dtype, split=None) -> V4Model | V41Model:
     """The checkpoint's full forward: DeepSeek V4's, or V4.1's by config.json's model_type;
     given a split (parallel.Split, its process group started), this rank's share of it."""
     if split is not None:
-        from services.engine.model.deepseek_v4.parallel import (
+        from kvmesh.services.engine.model.deepseek_v4.parallel import (
             Groups,
             ParallelV4Model,
             ParallelV41Model,

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.model.deepseek_v4 import layout
-from services.engine.model.deepseek_v4.config import CSA
-from services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence
+from kvmesh.services.engine.model.deepseek_v4 import layout
+from kvmesh.services.engine.model.deepseek_v4.config import CSA
+from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence
 
 SPARE = 6   # rows of the ring past the window: how far a sequence may have run past P
 

@@ -9,9 +9,9 @@ the same as plain greedy decoding; only the number of forwards changes.
 
 from __future__ import annotations
 
-from services.engine.model.deepseek_v4 import layout
-from services.engine.model.deepseek_v4.forward import V4Model
-from services.engine.model.deepseek_v4.ledgers import Ledgers, Sequence, extend, rollback
+from kvmesh.services.engine.model.deepseek_v4 import layout
+from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
+from kvmesh.services.engine.model.deepseek_v4.ledgers import Ledgers, Sequence, extend, rollback
 
 
 def verify_greedy(model: V4Model, led: Ledgers, seq: Sequence, last: int,

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.model.deepseek_v4.v41_config import V41Config
-from services.engine.model.deepseek_v4.v41_forward import LayerState, Shared, V41Model
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import LayerState, Shared, V41Model
 
 
 @dataclass

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.checkpoint_dir import V41_MODEL_TYPES
-from services.engine.model.deepseek_v4.config import (
+from kvmesh.services.engine.model.deepseek_v4.config import (
     Rope,
     _int,
     _quantization,
@@ -35,7 +35,7 @@ from services.engine.model.deepseek_v4.config import (
     check_shared_sizes,
     read_json_config,
 )
-from services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4.attention import attend_rows, pad_rows
-from services.engine.model.deepseek_v4.v41_forward import (
+from kvmesh.services.engine.model.deepseek_v4.attention import attend_rows, pad_rows
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
     LayerState,
     Projected,
     RopeTables,

@@ -31,13 +31,17 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from services.engine.model.deepseek_v4 import hyper, window_rows
-from services.engine.model.deepseek_v4.attention import attend, grouped_output, window_visible
-from services.engine.model.deepseek_v4.compressor import visible
-from services.engine.model.deepseek_v4.forward import RopeTables
-from services.engine.model.deepseek_v4.moe import moe_v41
-from services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm
-from services.engine.model.deepseek_v4.v41_config import V41Config
+from kvmesh.services.engine.model.deepseek_v4 import hyper, window_rows
+from kvmesh.services.engine.model.deepseek_v4.attention import (
+    attend,
+    grouped_output,
+    window_visible,
+)
+from kvmesh.services.engine.model.deepseek_v4.compressor import visible
+from kvmesh.services.engine.model.deepseek_v4.forward import RopeTables
+from kvmesh.services.engine.model.deepseek_v4.moe import moe_v41
+from kvmesh.services.engine.model.deepseek_v4.numerics import apply_rope, rms_norm
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
 
 
 def wide(dtype: torch.dtype) -> torch.dtype:
@@ -313,7 +317,7 @@ class V41Model:
         cut (compact form): the layer's compressor, if it has one, runs on every row of the
         span; the rest of the layer, and what it returns, on these rows only."""
         # (imported here: v41_decode builds on this module)
-        from services.engine.model.deepseek_v4.v41_decode import decode_rows
+        from kvmesh.services.engine.model.deepseek_v4.v41_decode import decode_rows
 
         cfg, w, aw = self.cfg, self.layers[i], self.attn[i]
         attn_pre, post, comb = self._mix(streams, w, "hc_attn")

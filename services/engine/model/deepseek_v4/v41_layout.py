@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.model.deepseek_v4 import window_rows
-from services.engine.model.deepseek_v4.layout import (
+from kvmesh.services.engine.model.deepseek_v4 import window_rows
+from kvmesh.services.engine.model.deepseek_v4.layout import (
     BACKTRACK,
     BLOCK_TOKENS,
     KEEP_TOKENS,
     PREFILL_STORE_EXTRA,
 )
-from services.engine.model.deepseek_v4.v41_config import V41Config
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
 
 
 def encoder_layers(cfg: V41Config) -> int:

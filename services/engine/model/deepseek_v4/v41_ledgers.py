@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.cache.block_store import BlockStore
-from services.engine.cache.state_layout import Region
-from services.engine.model.deepseek_v4 import v41_layout, window_rows
-from services.engine.model.deepseek_v4.layout import BACKTRACK, BLOCK_TOKENS
-from services.engine.model.deepseek_v4.ledgers import LedgerBook, Sequence, check_works
-from services.engine.model.deepseek_v4.v41_config import V41Config
-from services.engine.model.deepseek_v4.v41_forward import (
+from kvmesh.services.engine.cache.block_store import BlockStore
+from kvmesh.services.engine.cache.state_layout import Region
+from kvmesh.services.engine.model.deepseek_v4 import v41_layout, window_rows
+from kvmesh.services.engine.model.deepseek_v4.layout import BACKTRACK, BLOCK_TOKENS
+from kvmesh.services.engine.model.deepseek_v4.ledgers import LedgerBook, Sequence, check_works
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
     LayerState,
     Shared,
     SourceState,

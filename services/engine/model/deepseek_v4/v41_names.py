@@ -11,7 +11,7 @@ tokens, the DSpark draft layers under `mtp.`, the vision tower) are not read.
 
 from __future__ import annotations
 
-from services.engine.model.deepseek_v4.v41_config import V41Config
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
 
 
 def expected_shapes(cfg: V41Config) -> dict[str, tuple[int, ...]]:

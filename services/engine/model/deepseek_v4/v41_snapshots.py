@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.model.deepseek_v4.ledgers import BLOCK, Sequence
-from services.engine.model.deepseek_v4.snapshots import SPARE, Snapshot, rering
-from services.engine.model.deepseek_v4.v41_layout import encoder_layers
-from services.engine.model.deepseek_v4.v41_ledgers import V41Ledgers
+from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK, Sequence
+from kvmesh.services.engine.model.deepseek_v4.snapshots import SPARE, Snapshot, rering
+from kvmesh.services.engine.model.deepseek_v4.v41_layout import encoder_layers
+from kvmesh.services.engine.model.deepseek_v4.v41_ledgers import V41Ledgers
 
 
 def snapshot_bytes(led: V41Ledgers) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import mxfp8
+from kvmesh.kernels import mxfp8
 
 FORMATS = ("mxfp8", "exact")
 
