@@ -37,9 +37,6 @@ def serve(args, tp: int, ep: int) -> int:
     read = read_v41_config if is_v41(args.model) else read_config
     Split(tp, ep, 0).check(read(args.model))
     tensor_files(Path(args.model))      # a shard the index lists but the directory lacks
-    if args.speculative != "off" and args.spec_policy != "always":
-        raise ValueError("a split engine that drafts needs --spec-policy always (the adaptive "
-                         "draft policy reads step times)")
     ranks.run(_rank, (args,), tp, ep)
     return 0
 

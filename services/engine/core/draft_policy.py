@@ -159,6 +159,19 @@ class DraftPolicy:
         self.prev = (rows, seconds)
         self.recent.append((rows, seconds))
 
+    def costs(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]],
+                             tuple[int, float] | None]:
+        """What the cost estimates are made of: what `follow` needs to decide alike."""
+        return list(self.pairs), list(self.recent), self.prev
+
+    def follow(self, costs: tuple) -> None:
+        """Estimate costs from another engine's measurements (a split engine's ranks take rank
+        0's before each step: core/lockstep.py), so every rank drafts alike. Acceptance needs
+        nothing: it comes from the tokens, which every rank has the same."""
+        pairs, recent, self.prev = costs
+        self.pairs = deque(pairs, maxlen=ROW_PAIRS)
+        self.recent = deque(recent, maxlen=RECENT)
+
     def row_cost(self) -> float | None:
         """b: seconds a decode row adds to a step; None: not measured enough."""
         if len(self.pairs) < MIN_PAIRS:

@@ -10,10 +10,11 @@ would otherwise differ between them (a new request's id and sampling seed, the c
 snapshot and handoff stores read), and then made locally; the other ranks `follow`, making
 the same calls. A step's model calls then meet in the same collectives on every rank.
 
-Scheduling must be a function of those calls alone: the step-time budget (`--step-slo-ms`)
-caps prefill from a fit of rank 0's step times, which each step's call carries; a split engine
-refuses the adaptive draft policy (`--spec-policy always`), which reads step times too. MTP
-drafts run on every rank alike (the MTP block is replicated, its head gathered).
+Scheduling must be a function of those calls alone. Two decisions read step times: the
+step-time budget (`--step-slo-ms`) caps prefill from a fit of them, and the adaptive draft
+policy weighs a draft's cost with them. Each step's call carries rank 0's measurements for
+both, and every rank decides from those. MTP drafts run on every rank alike (the MTP block is
+replicated, its head gathered).
 """
 
 from __future__ import annotations
@@ -28,13 +29,6 @@ from typing import Any
 import torch.distributed as dist
 
 from kvmesh.services.engine.core.v4_engine import V4Engine
-
-
-def check(engine: V4Engine) -> None:
-    """ValueError naming the setting that would let ranks schedule differently."""
-    if engine.spec.policy.adaptive and engine.spec.setting.method != "off":
-        raise ValueError("a split engine needs --spec-policy always (the adaptive draft "
-                         "policy reads step times)")
 
 
 class _Clock:
@@ -81,7 +75,6 @@ class Leader:
     Reads (stats, cfg, has_work, ...) are the local engine's."""
 
     def __init__(self, engine: V4Engine, on_broken: Callable[[BaseException], None] | None = None):
-        check(engine)
         self.engine = engine
         self._clock = _share_clock(engine)
         self._group = _channel()
@@ -136,8 +129,10 @@ class Leader:
         return req
 
     def step(self):
-        # the step budget's fit: each rank's own step times would differ
-        self._send(("step", self._tick(), self.engine.step_budget.steps()))
+        # the step budget's fit and the draft policy's costs: each rank's own step times
+        # would differ, and so would what they decide
+        self._send(("step", self._tick(), self.engine.step_budget.steps(),
+                    self.engine.spec.policy.costs()))
         try:
             return self.engine.step()
         except RuntimeError as exc:          # a collective failed: a rank is gone
@@ -152,13 +147,13 @@ class Leader:
 def follow(engine: V4Engine, on_events: Callable[[list], None] | None = None) -> None:
     """A rank other than 0: make rank 0's calls on this rank's engine until it stops. Its
     steps' events (the same as rank 0's) go to `on_events`, or nowhere."""
-    check(engine)
     clock = _share_clock(engine)
     group = _channel()
     while True:
         kind, clock.now, *rest = _receive(group)
         if kind == "step":
             engine.step_budget.follow(rest[0])
+            engine.spec.policy.follow(rest[1])
             events = engine.step()
             if on_events is not None:
                 on_events(events)

@@ -163,7 +163,6 @@ def test_a_rank_killed_mid_stream_takes_the_engine_down_within_the_bound(split_e
 
 
 @pytest.mark.parametrize("flags,message", [
-    (("--model", "MODEL", "--speculative", "ngram:3"), "needs --spec-policy always"),
     (("--model", "MODEL", "--expert-parallel", "3"), "n_routed_experts (4) is not divisible by 3"),
 ])
 def test_a_split_engine_it_cannot_run_is_refused_before_any_rank_starts(directory, flags,
