@@ -35,25 +35,42 @@ class KvstoreServicer(pb_grpc.KvstoreServiceServicer):
     @map_errors
     async def Put(self, request_iterator, context):
         items: list[tuple[str, bytearray, str, int]] = []
+        # A bad message is answered once the client has sent its whole stream: an answer while
+        # it still writes races its writes, and the client may then see INTERNAL ("Internal
+        # error from Core") instead of INVALID_ARGUMENT (grpc/grpc#36066). The rest is read
+        # and dropped.
+        refused: InvalidArgument | None = None
         async for req in request_iterator:
-            part = req.WhichOneof("part")
-            if part == "header":
-                h = req.header
-                # a number outside the enum becomes a name check_put rejects, naming it
-                tc = self.core.check_put(h.key, h.size, traffic_class_name(h.traffic_class))
-                items.append((h.key, bytearray(), tc, h.size))
-            elif part == "chunk":
-                if not items:
-                    raise InvalidArgument("Put stream must start with a header")
-                key, buf, _, size = items[-1]
-                if len(req.chunk) > CHUNK_BYTES or len(buf) + len(req.chunk) > size:
-                    raise InvalidArgument(f"object {key}: chunks exceed the declared {size} bytes")
-                buf += req.chunk
+            if refused is None:
+                try:
+                    self._take(req, items)
+                except InvalidArgument as exc:
+                    refused = exc
+                    items.clear()
+        if refused is not None:
+            raise refused
         for key, buf, _, size in items:
             if len(buf) != size:
                 raise InvalidArgument(f"object {key}: got {len(buf)} bytes, declared {size}")
         stored = await self.core.put_objects([(k, bytes(b), tc) for k, b, tc, _ in items])
         return pb.PutResponse(stored=stored)
+
+    def _take(self, req, items: list[tuple[str, bytearray, str, int]]) -> None:
+        """One message of a Put stream into `items`: a header opens an object, a chunk extends
+        the open one. InvalidArgument naming the object when the stream breaks a rule."""
+        part = req.WhichOneof("part")
+        if part == "header":
+            h = req.header
+            # a number outside the enum becomes a name check_put rejects, naming it
+            tc = self.core.check_put(h.key, h.size, traffic_class_name(h.traffic_class))
+            items.append((h.key, bytearray(), tc, h.size))
+        elif part == "chunk":
+            if not items:
+                raise InvalidArgument("Put stream must start with a header")
+            key, buf, _, size = items[-1]
+            if len(req.chunk) > CHUNK_BYTES or len(buf) + len(req.chunk) > size:
+                raise InvalidArgument(f"object {key}: chunks exceed the declared {size} bytes")
+            buf += req.chunk
 
     @map_errors
     async def Get(self, request, context):

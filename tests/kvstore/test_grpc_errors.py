@@ -124,3 +124,13 @@ def test_config_invariants():
         KvstoreConfig.from_env({**env, "KVMESH_KVSTORE_PORT": "x"})
     with pytest.raises(ValueError, match="host:port/bucket"):
         ShardLocation.parse("127.0.0.1:9000")
+
+
+def test_a_put_refused_at_its_header_is_invalid_argument_after_a_long_stream(kv):
+    """The server reads a refused Put to its end before answering: answering while the client
+    still writes its chunks can surface on the client as INTERNAL (grpc/grpc#36066)."""
+    big = b"x" * (8 * 1024 * 1024)            # 8 chunks after the refused header
+    for _ in range(3):
+        code, details = code_of(kv.address, lambda c: c.put([("not-a-key", big)]))
+        assert code == INVALID and "not-a-key" in details, (code, details)
+    assert call(kv.address, lambda c: c.put([(hexkey(4), b"ok")])) == 1
