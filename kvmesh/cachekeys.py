@@ -30,7 +30,7 @@ ROOT = b"\x00" * 32
 
 def model_fingerprint(config: Mapping) -> str:
     """16 hex chars naming a model's cache semantics, from its config fields (the dict of
-    served model's fields (core/v4_request.py ServedModel.to_json), as an engine's
+    served model's fields (core/request.py ServedModel.to_json), as an engine's
     GetModelInfo returns them, parsed)."""
     blob = json.dumps(dict(config), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -16,7 +16,7 @@ Metric families are defined once per process (module level) and labelled by
                                        each generation's speculative acceptance
 
 For engines: `StatsExporter("engine", lambda: last_stats)` where `last_stats` is the
-dict the engine's heartbeat loop refreshes from `V4Engine.stats()` (slots_in_use,
+dict the engine's heartbeat loop refreshes from `Engine.stats()` (slots_in_use,
 blocks_in_use, blocks_cached, running, waiting, aborted, ...). For the kvstore:
 `StatsExporter("kvstore", lambda: {...bytes_stored, objects, gc_deleted_total...})`
 and `RequestMetrics("kvstore")` for its RPCs.

@@ -42,7 +42,7 @@ BREAKS = [
     ("kernels/__init__.py", "import kvmesh.services.engine.device", "layers: launchers over training"),
     ("services/engine/config.py", "import kvmesh.training.bpe", "layers: launchers over training"),
     ("training/loop.py", "import kvmesh.launch.cli", "layers: launchers over training"),
-    ("services/engine/core/v4_engine.py", "import grpc", "engine core, cache and model import no"),
+    ("services/engine/core/engine.py", "import grpc", "engine core, cache and model import no"),
     ("services/engine/cache/prefetch.py", "import kvmesh.services.engine.core.finish", "engine layers"),
     ("services/engine/cache/block_pool.py", "import torch", "block accounting needs no torch"),
     ("services/gateway/router.py", "import grpc", "gateway routing and validation"),

@@ -50,7 +50,7 @@ def test_sampling_controls_survive_every_hop():
     request -> SamplingParams: min_p and the penalties arrive as given, unset ones as the
     engine's defaults."""
     from kvmesh.services.engine.core.sampling import SamplingParams
-    from kvmesh.services.engine.rpc.handoff import params_to_request
+    from kvmesh.services.engine.rpc.handoff_transfer import params_to_request
     from kvmesh.services.engine.rpc.service import params_from_proto
     from kvmesh.services.gateway.engines import engine_request
     from kvmesh.services.gateway.service import request_from_proto

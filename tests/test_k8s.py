@@ -199,7 +199,7 @@ def test_every_variable_in_the_manifests_is_read_by_the_code(overlay):
 def test_service_configs_build_from_the_rendered_environment(overlay, monkeypatch):
     from kvmesh.services.directory.cli import config_from_args as directory_config
     from kvmesh.services.engine.build import engine_config
-    from kvmesh.services.engine.core.v4_paths import refuse_unsupported
+    from kvmesh.services.engine.core.model_paths import refuse_unsupported
     from kvmesh.services.gateway.cli import config_from_args as gateway_config
     from kvmesh.services.kvstore.config import KvstoreConfig
 

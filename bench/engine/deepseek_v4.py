@@ -6,7 +6,7 @@
 
 DeepSeek V4: random weights of a small config with V4-Flash's attention geometry (head_dim
 512, window 128, CSA m = 4 with a 4 x 128 indexer, HCA m = 128, hyper-connections, routed
-and hash MoE), served by V4Engine (core/v4_engine.py: MXFP8 rings, fp32 tails and blocks,
+and hash MoE), served by Engine (core/engine.py: MXFP8 rings, fp32 tails and blocks,
 float32).
 
     python -m bench.engine.deepseek_v4 [--lengths 1024,2048,4096] [--decode-steps 32]
@@ -23,8 +23,8 @@ import torch
 
 from bench.common import OUT, decode_tok_s, first_token_s, parser, plot, random_ids, table
 from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core.engine import Engine
 from kvmesh.services.engine.core.sampling import SamplingParams
-from kvmesh.services.engine.core.v4_engine import V4Engine
 from kvmesh.services.engine.model.deepseek_v4 import names
 from kvmesh.services.engine.model.deepseek_v4.config import config_from_dict
 from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
@@ -55,10 +55,10 @@ def v4_model() -> V4Model:
     return V4Model(cfg, weights, torch.float32, stored=True)
 
 
-def v4_engine(model: V4Model, blocks: int) -> V4Engine:
+def v4_engine(model: V4Model, blocks: int) -> Engine:
     ecfg = EngineConfig(num_slots=8, num_blocks=blocks, max_batched_tokens=CHUNK,
                         long_prefill_chunk=CHUNK)
-    return V4Engine(model, ecfg, ByteTokenizer(), "bench")
+    return Engine(model, ecfg, ByteTokenizer(), "bench")
 
 
 def v4_prefill(model: V4Model, length: int) -> float:

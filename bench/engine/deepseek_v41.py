@@ -9,7 +9,7 @@
 Random weights of a small config with V4.1-Flash's attention geometry (head_dim 512, window
 128, ratio-2 and ratio-1 KV sources with consumers, index sources with and without keys, a
 candidate source keeping 64 blocks of 8, index top-k 512, hyper-connections, score-routed
-MoE), served by V4Engine over V4.1's ledgers (MXFP8 rings, fp32 tails and blocks, float32).
+MoE), served by Engine over V4.1's ledgers (MXFP8 rings, fp32 tails and blocks, float32).
 
     python -m bench.engine.deepseek_v41 [--lengths 1024,2048,4096] [--decode-steps 32]
 
@@ -25,8 +25,8 @@ import torch
 
 from bench.common import OUT, decode_tok_s, first_token_s, parser, plot, random_ids, table
 from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core.engine import Engine
 from kvmesh.services.engine.core.sampling import SamplingParams
-from kvmesh.services.engine.core.v4_engine import V4Engine
 from kvmesh.services.engine.model.deepseek_v4 import v41_names, window_rows
 from kvmesh.services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
@@ -56,12 +56,12 @@ def v41_model() -> V41Model:
     return V41Model(cfg, weights, torch.float32, rows=window_rows.for_dtype(torch.float32))
 
 
-def engine(model: V41Model, blocks: int, truncation: str, slots: int = 8) -> V4Engine:
+def engine(model: V41Model, blocks: int, truncation: str, slots: int = 8) -> Engine:
     ecfg = EngineConfig(num_slots=slots, max_running=slots, num_blocks=blocks,
                         max_batched_tokens=CHUNK,
                         long_prefill_chunk=CHUNK, truncation=truncation,
                         keep_tokens=KEEP if truncation != "off" else 0)
-    return V4Engine(model, ecfg, ByteTokenizer(), "bench")
+    return Engine(model, ecfg, ByteTokenizer(), "bench")
 
 
 def prefill(model: V41Model, length: int, truncation: str) -> float:

@@ -1,7 +1,7 @@
 """Time to first token: cold prefill vs snapshot hit vs block hit + bounded replay.
 
 The shipped DeepSeek V4.1-layout model (models/deepseek-v41-tiny, or --model DIR) on the
-CPU, served by V4Engine (float32, MXFP8 window rows). For a prompt of L tokens under prefill
+CPU, served by Engine (float32, MXFP8 window rows). For a prompt of L tokens under prefill
 truncation (compact, KEEP = 134) the reusable prefix is L1 = floor((L - 134) / 128) * 128,
 the deepest block boundary before the decoder's cut; a first request of the whole prompt
 puts its blocks in the ledger and (for the snapshot case) stores the encoder's rings at L1.

@@ -1,7 +1,7 @@
 """Speculative decoding: decode tokens/s with and without drafts (issues 12, 46).
 
 The shipped DeepSeek V4.1-layout model (models/deepseek-v41-tiny, or --model DIR), fp32,
-in-process V4Engine, one torch thread. Three workloads on held-out stdlib files (never
+in-process Engine, one torch thread. Three workloads on held-out stdlib files (never
 trained on, training/data.py), in the model's tokenizer:
 
     edit      "edit this code": a held-out snippet, a comment asking for it back with
@@ -35,8 +35,8 @@ import torch
 
 from bench.common import OUT, load_model, parser, plot, table
 from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core.engine import Engine
 from kvmesh.services.engine.core.sampling import SamplingParams
-from kvmesh.services.engine.core.v4_engine import V4Engine
 from kvmesh.services.engine.model.deepseek_v4 import mtp
 from kvmesh.shipped import DEFAULT_MODEL
 from kvmesh.training.data import split, stdlib_files, stdlib_root
@@ -72,7 +72,7 @@ def run(model, tok, method: str, prompts: list[list[int]], params: SamplingParam
     """method: off, or METHOD:K under a policy, e.g. 'ngram:4 adaptive'."""
     batch = len(prompts)
     spec, _, policy = method.partition(" ")
-    core = V4Engine(model, EngineConfig(num_slots=batch, max_running=batch, num_blocks=256,
+    core = Engine(model, EngineConfig(num_slots=batch, max_running=batch, num_blocks=256,
                                         max_batched_tokens=4096, speculative=spec,
                                         spec_policy=policy or "adaptive", swa_policy="zero"),
                     tok, name="spec-decode")

@@ -2,7 +2,7 @@
 V4.1-layout model (models/deepseek-v41-tiny), served by the real engine.
 
 Held-out stdlib files (never trained on), each prompt followed by its true 64-token
-continuation. Every variant runs in an in-process V4Engine (float32, MXFP8 window rows, as
+continuation. Every variant runs in an in-process Engine (float32, MXFP8 window rows, as
 served) against the exact path for the same prompts:
 
     1 truncation   compact cold                vs  off cold      (what truncation costs)

@@ -10,7 +10,7 @@ printed for
     mask    vs compact   (the same function: must agree to floating-point noise)
     off     vs compact   (truncation is an approximation: a measured distance)
 
-over the last prompt position and the teacher-forced positions; then V4Engine greedy-decodes
+over the last prompt position and the teacher-forced positions; then Engine greedy-decodes
 the continuation's length free-running in each mode (--truncation MODE) and the agreement is
 counted.
 
@@ -62,13 +62,13 @@ def forced_logits(model, prompt: list[int], cont: list[int], mode: str, keep: in
 
 
 def greedy(model, tok, prompt: list[int], n: int, mode: str, keep: int) -> list[int]:
-    """V4Engine's free-running greedy tokens with truncation `mode` (the model as loaded)."""
+    """Engine's free-running greedy tokens with truncation `mode` (the model as loaded)."""
     from kvmesh.services.engine.config import EngineConfig
-    from kvmesh.services.engine.core.v4_engine import V4Engine
+    from kvmesh.services.engine.core.engine import Engine
 
     ecfg = EngineConfig(num_blocks=64, dtype=str(model.dtype).removeprefix("torch."),
                         **({} if mode == "off" else {"truncation": mode, "keep_tokens": keep}))
-    core = V4Engine(model, ecfg, tok, name="truncation")
+    core = Engine(model, ecfg, tok, name="truncation")
     req = core.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     while core.has_work:
         core.step()

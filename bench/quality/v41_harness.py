@@ -1,5 +1,5 @@
 """The engine side of bench/quality/replay_v41.py: requests run through a real in-process
-V4Engine serving a DeepSeek V4.1 checkpoint, with teacher-forced continuations.
+Engine serving a DeepSeek V4.1 checkpoint, with teacher-forced continuations.
 
 A forced request is the prompt alone, generating n tokens whose sampled ids are replaced by
 the continuation's (the engine's own decode rows, one per step, as a user's request would
@@ -22,8 +22,8 @@ import torch
 
 from bench.quality.forcing import Out, Req
 from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.core.engine import Engine
 from kvmesh.services.engine.core.sampling import SamplingParams
-from kvmesh.services.engine.core.v4_engine import V4Engine
 from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 
@@ -31,8 +31,8 @@ from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 CHUNK = 256
 
 
-class ForcingV41Engine(V4Engine):
-    """V4Engine whose forced requests (`forced`: request id -> the ids to feed back) take the
+class ForcingV41Engine(Engine):
+    """Engine whose forced requests (`forced`: request id -> the ids to feed back) take the
     given ids instead of the sampled ones, and which keeps, for every request, the logits
     row each output token was sampled from. It wraps three of the engine's own calls (the
     forward, the bounded replay and the emission) instead of changing the engine for a

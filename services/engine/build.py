@@ -1,4 +1,4 @@
-"""Build the engine core (V4Engine) from command-line options (shared by `serve`, `layout`
+"""Build the engine core (Engine) from command-line options (shared by `serve`, `layout`
 and `generate --local`).
 
 Flags that size the cache default to None so that `EngineConfig.from_flags` can
@@ -21,7 +21,7 @@ from kvmesh.services.engine.config import (
 from kvmesh.shipped import DEFAULT_MODEL
 
 if TYPE_CHECKING:
-    from kvmesh.services.engine.core.v4_engine import V4Engine
+    from kvmesh.services.engine.core.engine import Engine
 # --step-slo-ms's default: a step that carries prefill work beside decodes is sized to finish
 # within this many milliseconds (core/step_budget.py, docs/engine/scheduling.md), so a stream
 # keeps getting a token about this often while new prompts are admitted beside it. 32
@@ -149,8 +149,8 @@ def choose_model(args) -> None:
         args.model = str(DEFAULT_MODEL)
 
 
-def build_core(args, split=None) -> V4Engine:
-    """A V4Engine serving the DeepSeek V4 or V4.1 checkpoint in --model DIR (default the
+def build_core(args, split=None) -> Engine:
+    """A Engine serving the DeepSeek V4 or V4.1 checkpoint in --model DIR (default the
     shipped model; by its config's model_type), with its tokenizer; given a split
     (parallel.Split, its process group started), over this rank's share of the model.
     torch is imported here, not at module import: `kvmesh --help` and the remote
@@ -158,7 +158,7 @@ def build_core(args, split=None) -> V4Engine:
     import torch
 
     from kvmesh.checkpoint_dir import is_v41
-    from kvmesh.services.engine.core.v4_engine import V4Engine
+    from kvmesh.services.engine.core.engine import Engine
     from kvmesh.services.engine.model.deepseek_v4 import window_rows
     from kvmesh.services.engine.model.deepseek_v4.checkpoint import (
         load_checkpoint,
@@ -185,7 +185,7 @@ def build_core(args, split=None) -> V4Engine:
         rows41 = window_rows.for_dtype(dtype)
         model41 = V41Model(cfg41, weights, dtype, rows=rows41) if split is None else \
             ParallelV41Model(cfg41, weights, dtype, split, Groups(split), rows=rows41)
-        return V4Engine(model41, ecfg, tokenizer, name=directory.resolve().name)
+        return Engine(model41, ecfg, tokenizer, name=directory.resolve().name)
     cfg, weights = load_checkpoint(directory, dtype, split)
     tokenizer = v4_tokenizer(directory, cfg, args.tokenizer)
     rows = window_rows.for_dtype(dtype)
@@ -193,7 +193,7 @@ def build_core(args, split=None) -> V4Engine:
         model = V4Model(cfg, weights, dtype, stored=True, rows=rows)
     else:
         model = ParallelV4Model(cfg, weights, dtype, split, Groups(split), stored=True, rows=rows)
-    return V4Engine(model, ecfg, tokenizer, name=directory.resolve().name)
+    return Engine(model, ecfg, tokenizer, name=directory.resolve().name)
 
 
 def v4_tokenizer(directory: Path, cfg, path: str | None = None):

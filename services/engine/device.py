@@ -3,7 +3,7 @@
 `auto` (the default) is CUDA when torch sees a GPU, else the CPU. Asking for CUDA where
 there is none is a start-up error that names the flag, not a crash at the first forward.
 Weights, the state pool, the block store, the replica area and the runner's window mirror and
-per-step index tensors live on this device (V4Engine places them); the host snapshot store
+per-step index tensors live on this device (Engine places them); the host snapshot store
 stays in host memory.
 """
 
@@ -112,7 +112,7 @@ class HostCopies:
     CPU the copy is the bytes themselves and the callback runs inside `submit`.
 
     Stream order makes this safe: a later write to the source (a block or slot reused) is
-    queued after the copy. One owner each (V4Engine for block uploads, PrefixReuse for
+    queued after the copy. One owner each (Engine for block uploads, PrefixReuse for
     snapshots); the callbacks run on the owner's (engine) thread."""
 
     def __init__(self, device: torch.device):

@@ -1,6 +1,6 @@
 """`kvmesh engine serve --tensor-parallel N --expert-parallel M`: one engine over N x M ranks.
 
-Every rank loads its share of a DeepSeek V4 or V4.1 checkpoint and builds a V4Engine over it; rank 0
+Every rank loads its share of a DeepSeek V4 or V4.1 checkpoint and builds an Engine over it; rank 0
 serves EngineService over gRPC as a single engine does (the mesh sees one engine), through a
 lockstep.Leader, and the others follow it (core/lockstep.py, docs/design.md §15). The ranks
 are started here (ranks.run), or each process is one rank of an external launcher's group.

@@ -9,10 +9,10 @@ import argparse
 import torch
 
 from kvmesh.services.engine.build import add_engine_args, build_core
-from kvmesh.services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.core.engine import Engine
 
 
-def serve_core(*flags: str) -> V4Engine:
+def serve_core(*flags: str) -> Engine:
     """The core `kvmesh engine serve` builds from `flags` (float32 and the shipped model
     unless they say otherwise)."""
     p = argparse.ArgumentParser()
@@ -20,7 +20,7 @@ def serve_core(*flags: str) -> V4Engine:
     return build_core(p.parse_args(["--dtype", "float32", *flags]))
 
 
-def run_to_completion(core: V4Engine, max_steps: int = 100_000) -> int:
+def run_to_completion(core: Engine, max_steps: int = 100_000) -> int:
     """Steps until nothing runs or waits, checking the ledgers after every step."""
     steps = 0
     while core.has_work:

@@ -6,7 +6,7 @@ model/deepseek_v4/ledgers.py and v41_ledgers.py).
                      serialized as the kvstore keeps them
     state_layout.py  Region: one tensor's place in a state slot's bytes
     snapshots.py     SnapshotStore: the stored window snapshots (bytes LRU + TTL)
-    handoff.py       SlotHandoff: a sequence's slot and blocks on their way to a decode engine
+    slot_handoff.py  SlotHandoff: a sequence's slot and blocks on their way to a decode engine
     prefetch.py      LocalView / Prefetched: what a prompt finds here and in the other tiers
 
 Layers do not import upwards: nothing here imports the engine core or the service.

@@ -1,6 +1,6 @@
 """SlotHandoff: what a sequence holds in both ledgers, ready to leave a prefill engine for a
-decode engine (the wire form core/handoff.py and rpc/handoff.py carry; the model's ledgers
-make and install it: core/v4_handoff.py)."""
+decode engine (the wire form core/handoff_store.py and rpc/handoff_transfer.py carry; the model's ledgers
+make and install it: core/ledger_handoff.py)."""
 
 from __future__ import annotations
 

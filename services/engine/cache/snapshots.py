@@ -10,7 +10,7 @@ by age (TTL in minutes); `clock` is injectable for tests.
 
 A snapshot records the layout and model it came from; `get` refuses one that
 does not match this engine (it is dropped, never restored). `on_put` and
-`on_evict` tell the owner's observer (V4Engine: counters, directory) what
+`on_evict` tell the owner's observer (Engine: counters, directory) what
 was stored and what went; they must not call back into the store.
 """
 

@@ -1,4 +1,4 @@
-"""AsyncEngine: runs the engine core (V4Engine) in one background thread, serves asyncio callers.
+"""AsyncEngine: runs the engine core (Engine) in one background thread, serves asyncio callers.
 
 The engine thread is the only thread that touches the core. Callers send
 commands through a queue (add, abort, call) and receive events through their
@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING
 from kvmesh.services.engine.core.events import Event
 
 if TYPE_CHECKING:
-    from kvmesh.services.engine.core.v4_engine import V4Engine
+    from kvmesh.services.engine.core.engine import Engine
 
 log = logging.getLogger("kvmesh.engine")
 
 
 class AsyncEngine:
-    def __init__(self, core: V4Engine):
+    def __init__(self, core: Engine):
         self.core = core
         self._cmds: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -51,10 +51,10 @@ class AsyncEngine:
             prompt_ids, params, request_id, salt, traffic_class, prefetched, resume, handoff))
 
     def adopt(self, handoff) -> AsyncIterator[Event]:
-        """Continue a request a prefill engine handed off (V4Engine.adopt)."""
+        """Continue a request a prefill engine handed off (Engine.adopt)."""
         return self._stream(lambda core: core.adopt(handoff))
 
-    async def _stream(self, start: Callable[[V4Engine], object]) -> AsyncIterator[Event]:
+    async def _stream(self, start: Callable[[Engine], object]) -> AsyncIterator[Event]:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         fut: cf.Future = cf.Future()
@@ -80,13 +80,13 @@ class AsyncEngine:
             if not done:
                 self._cmds.put(("abort", seq.request_id))
 
-    async def call(self, fn: Callable[[V4Engine], object]):
+    async def call(self, fn: Callable[[Engine], object]):
         """Run fn(core) on the engine thread (stats, integrity checks, snapshots)."""
         fut: cf.Future = cf.Future()
         self._cmds.put(("call", fn, fut))
         return await asyncio.wrap_future(fut)
 
-    def post(self, fn: Callable[[V4Engine], object]) -> cf.Future:
+    def post(self, fn: Callable[[Engine], object]) -> cf.Future:
         """Queue fn(core) for the engine thread without waiting for it (counters written
         from the event loop); commands run in the order they were queued."""
         fut: cf.Future = cf.Future()

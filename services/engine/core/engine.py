@@ -1,4 +1,4 @@
-"""V4Engine: the engine core serving a DeepSeek V4 or V4.1 checkpoint.
+"""Engine: the engine core serving a DeepSeek V4 or V4.1 checkpoint.
 
 add_request / step / abort / has_work / stats / counters / cfg / tokenizer / prefix: what
 AsyncEngine, the gRPC service and `kvmesh generate --local` call; `build.build_core` builds it
@@ -7,9 +7,9 @@ model package's ledger path (services/engine/model/deepseek_v4/ledgers.py): ever
 state lives in the engine's state slots and blocks, and one step is one `ledgers.step` over
 all running sequences (decode rows first, then prefill chunks, within the token budget).
 
-Owners, all on the engine thread: V4Engine owns `requests`, `outputs`, `waiting`,
-`running`, `counters` and every V4Request's fields; the Ledgers own slots and blocks;
-V4Prefix owns the snapshot store.
+Owners, all on the engine thread: Engine owns `requests`, `outputs`, `waiting`,
+`running`, `counters` and every Request's fields; the Ledgers own slots and blocks;
+PrefixReuse owns the snapshot store.
 
 Admission is by worst case: a request is admitted only when a slot is free and the blocks
 its whole generation can need (prompt + max_tokens) are free beside what running requests
@@ -24,12 +24,12 @@ decode row carries its drafts, verification keeps a prefix of them, and the rows
 rejected ones are taken back (ledgers.rollback, at most 6) before any block is registered.
 
 --role prefill / decode hand a request from a prefill engine (rings of 396 rows with
---extra-state) to a decode engine after its first token (core/v4_handoff.py).
+--extra-state) to a decode engine after its first token (core/ledger_handoff.py).
 
---speculative mtp:K drafts from the checkpoint's MTP module (core/v4_mtp_draft.py), fed
+--speculative mtp:K drafts from the checkpoint's MTP module (core/mtp_draft.py), fed
 the trunk's last streams of every committed position.
 
-Prefill truncation (--truncation mask | compact) runs on V4.1 checkpoints (core/v4_paths.py);
+Prefill truncation (--truncation mask | compact) runs on V4.1 checkpoints (core/model_paths.py);
 a DeepSeek V4 checkpoint refuses it at start-up, naming the flag.
 """
 
@@ -46,11 +46,15 @@ import torch
 from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.generation import check_traffic_class
 from kvmesh.services.engine.config import EngineConfig
-from kvmesh.services.engine.core import v4_handoff
+from kvmesh.services.engine.core import ledger_handoff
 from kvmesh.services.engine.core.events import COUNTERS, Event, Hooks
 from kvmesh.services.engine.core.finish import Finish
-from kvmesh.services.engine.core.handoff import Handoff, HandoffStore, handoff_problem
+from kvmesh.services.engine.core.handoff_store import Handoff, HandoffStore, handoff_problem
+from kvmesh.services.engine.core.model_paths import model_path
+from kvmesh.services.engine.core.mtp_draft import MtpDrafter
 from kvmesh.services.engine.core.output import OutputState
+from kvmesh.services.engine.core.prefix_reuse import Match, PrefixReuse
+from kvmesh.services.engine.core.request import Request, ServedModel
 from kvmesh.services.engine.core.request_checks import check_prompt
 from kvmesh.services.engine.core.sampling import (
     SamplingParams,
@@ -61,17 +65,13 @@ from kvmesh.services.engine.core.sampling import (
 )
 from kvmesh.services.engine.core.speculative import Speculator, engine_setting
 from kvmesh.services.engine.core.step_budget import StepBudget
-from kvmesh.services.engine.core.v4_mtp_draft import V4MtpDrafter
-from kvmesh.services.engine.core.v4_paths import model_path
-from kvmesh.services.engine.core.v4_prefix import Match, V4Prefix
-from kvmesh.services.engine.core.v4_request import ServedModel, V4Request
 from kvmesh.services.engine.model.deepseek_v4 import layout, ledgers, mtp
 from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
 from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 
 
-class V4Engine:
+class Engine:
     def __init__(self, model: V4Model | V41Model, ecfg: EngineConfig, tokenizer, name: str):
         self.path = model_path(model, ecfg)   # V4 or V4.1: ledgers, forward, replay, cut
         self.model, self.ecfg, self.tokenizer = model, ecfg, tokenizer
@@ -80,17 +80,17 @@ class V4Engine:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, model only "
                              f"{model.cfg.vocab_size}")
         self.ledgers = self.path.ledgers
-        self.prefix = V4Prefix(self.ledgers, self.cfg.fingerprint(), self.path.period,
+        self.prefix = PrefixReuse(self.ledgers, self.cfg.fingerprint(), self.path.period,
                                ecfg.snapshot_bytes, ecfg.snapshot_ttl_min, self.path.snapshots)
         self.hooks = Hooks()
         # through a weak proxy: callbacks holding the engine made a cycle
         me = weakref.proxy(self)
         self.prefix.store.on_put = lambda snap: me._snapshot_stored(snap)
         self.prefix.store.on_evict = lambda key: me.hooks.snapshot_evicted(key)
-        self.requests: dict[str, V4Request] = {}
+        self.requests: dict[str, Request] = {}
         self.outputs: dict[str, OutputState] = {}
-        self.waiting: deque[V4Request] = deque()
-        self.running: list[V4Request] = []
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
         self.counters: Counter = Counter(dict.fromkeys(COUNTERS, 0))
         self.prefill_token_s = 0.0
         # prefill tokens a step beside decodes may carry (--step-slo-ms); off when
@@ -98,7 +98,7 @@ class V4Engine:
         self.step_budget = StepBudget(0.0 if ecfg.deterministic else ecfg.step_slo_ms)
         # speculative decoding: ngram:K, K <= the 6 tokens a slot can take back
         setting = engine_setting(ecfg.speculative, layout.BACKTRACK, mtp.has_mtp(model.weights))
-        drafter = V4MtpDrafter(mtp.MtpModule(model), model.cfg.window) \
+        drafter = MtpDrafter(mtp.MtpModule(model), model.cfg.window) \
             if setting.method == "mtp" else None
         self.spec = Speculator(setting, ecfg.ngram_min, ecfg.ngram_max, drafter,
                                adaptive=ecfg.spec_policy == "adaptive" and not ecfg.deterministic)
@@ -108,7 +108,7 @@ class V4Engine:
     # --- requests ----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
                     salt: str = "", traffic_class: str = "", prefetched=None, resume: int = 0,
-                    handoff: bool = False, request_seed: int | None = None) -> V4Request:
+                    handoff: bool = False, request_seed: int | None = None) -> Request:
         """Check and queue a request (InvalidArgument naming the field). `prefetched`: the
         kvstore's blocks and a peer's snapshot for it (rpc/remote.py). request_seed: an
         unseeded request's (core/lockstep.py)."""
@@ -120,7 +120,7 @@ class V4Engine:
             raise InvalidArgument(f"request_id {request_id!r} is already running")
         seed = params.seed if params.seed is not None else request_seed
         seed = random.getrandbits(62) if seed is None else seed
-        req = V4Request(request_id, list(prompt_ids[:n_prompt]), params, seed, salt,
+        req = Request(request_id, list(prompt_ids[:n_prompt]), params, seed, salt,
                         traffic_class, handoff, output=list(prompt_ids[n_prompt:]),
                         prefetched=prefetched,
                         # hashed for the prefetch from these very ids and salt: the chain's start
@@ -176,7 +176,7 @@ class V4Engine:
         n_decode = sum(1 for r, _ in works if r.pending == 1)
         n_drafted = sum(len(ids) - 1 for r, ids in works if r.pending == 1)
         other = len(replaying) + sum(len(ids) for r, ids in works if r.pending != 1)
-        verifying: list[tuple[V4Request, list[int], torch.Tensor, tuple]] = []
+        verifying: list[tuple[Request, list[int], torch.Tensor, tuple]] = []
         if works:
             starts = [r.seq.length for r, _ in works]
             outs, streams = self._forward(works)
@@ -209,14 +209,14 @@ class V4Engine:
             self.step_budget.observe(n_decode + n_drafted, other, seconds)
         return events
 
-    def _forward(self, works: list[tuple[V4Request, list[int]]]):
+    def _forward(self, works: list[tuple[Request, list[int]]]):
         """One ledger step over the works: each one's logits, and its last layer's streams
         (what the MTP drafter reads; V4.1 has none). A prompt chunk carries its request's
         decoder cut (V4.1 truncation), a decode row none."""
         return self.path.forward([(r.seq, ids) for r, ids in works],
                                  [r.cut if r.pending > 1 else None for r, _ in works])
 
-    def _verified(self, req: V4Request, drafts: list[int], verdict: list[int],
+    def _verified(self, req: Request, drafts: list[int], verdict: list[int],
                   hidden: tuple) -> Event:
         """Emit what verification kept (accepted drafts, then one more token); the rows of
         rejected drafts are taken back before any block is registered, and only the kept
@@ -273,8 +273,8 @@ class V4Engine:
         else:
             c["snapshot_hits"] += 1
 
-    def _plan(self, reqs: list[V4Request], drafts: dict[str, list[int]]
-              ) -> list[tuple[V4Request, list[int]]]:
+    def _plan(self, reqs: list[Request], drafts: dict[str, list[int]]
+              ) -> list[tuple[Request, list[int]]]:
         """This step's tokens per request: every decode row first (one token and its
         drafts each), then prefill chunks in admission order within --max-batched-tokens
         and --long-prefill-chunk (and, beside decodes, --step-slo-ms), a chunk ending at
@@ -300,7 +300,7 @@ class V4Engine:
             budget -= n
         return works
 
-    def _replay(self, req: V4Request) -> torch.Tensor | None:
+    def _replay(self, req: Request) -> torch.Tensor | None:
         """The bounded replay of a block hit without a snapshot: one forward of the last
         cached block's tokens and the rest of the prompt; logits of its last row. Under
         `--replay-blocks share`, a prompt with a snapshot boundary past the hit replays up to
@@ -320,7 +320,7 @@ class V4Engine:
             req.registered = req.seq.length // BLOCK
         return out[-1] if req.pending == 0 else None
 
-    def _after(self, req: V4Request) -> None:
+    def _after(self, req: Request) -> None:
         """Register the blocks the step completed; snapshot the prompt boundary it reached."""
         for h, block in self.prefix.register(req.seq, req.chain, req.tokens, req.registered,
                                              req.salt):
@@ -331,7 +331,7 @@ class V4Engine:
             self.prefix.take(req.seq, req.chain[req.snapshot_at // BLOCK - 1])
             req.snapshot_at = None
 
-    def _emit(self, req: V4Request, tokens: list[int]) -> Event:
+    def _emit(self, req: Request, tokens: list[int]) -> Event:
         """Append the tokens up to the first that finishes the request."""
         out = self.outputs[req.request_id]
         emitted, text, finish = [], "", None
@@ -353,11 +353,11 @@ class V4Engine:
             self.counters["finished"] += 1
         return Event(req.request_id, emitted, text, finish, req, handoff, drafted, accepted)
 
-    # --- prefill/decode handoff (core/v4_handoff.py) ---------------------------------
-    def _hand_off(self, req: V4Request) -> Handoff:
+    # --- prefill/decode handoff (core/ledger_handoff.py) ---------------------------------
+    def _hand_off(self, req: Request) -> Handoff:
         """Prefill done and the first token sampled: keep the request for a decode engine
         (FetchHandoff reads self.handoffs)."""
-        h = v4_handoff.export(self.ledgers, req, self.prefix.layout_fp, self.cfg.fingerprint())
+        h = ledger_handoff.export(self.ledgers, req, self.prefix.layout_fp, self.cfg.fingerprint())
         self.handoffs.put(h)
         self.counters["handoffs_out"] += 1
         self.counters["handoff_out_bytes"] += h.nbytes
@@ -381,26 +381,26 @@ class V4Engine:
         """Which of these block hashes this engine's pool holds (a handoff skips them)."""
         return [h for h in hashes if self.ledgers.pool.lookup(h) is not None]
 
-    def adopt(self, h: Handoff) -> V4Request:
+    def adopt(self, h: Handoff) -> Request:
         """Continue a request a prefill engine prefilled: decoding starts at the next step.
         InvalidArgument for a malformed handoff, Unavailable when there is no room here."""
         h.params.validate(self.cfg.vocab_size)
         problem = handoff_problem(h, self.prefix.layout_fp, self.cfg.fingerprint(),
-                                  self.cfg.vocab_size) or v4_handoff.problem(self.ledgers, h.slot)
+                                  self.cfg.vocab_size) or ledger_handoff.problem(self.ledgers, h.slot)
         if problem is not None:
             raise InvalidArgument(f"handoff refused: {problem}")
         if h.request_id in self.requests:
             raise InvalidArgument(f"request_id {h.request_id!r} is already running")
-        req = V4Request(h.request_id, list(h.prompt), h.params, h.seed, h.salt, h.traffic_class,
+        req = Request(h.request_id, list(h.prompt), h.params, h.seed, h.salt, h.traffic_class,
                         output=list(h.output), chain=list(h.slot.hashes))
         owed = sum(r.max_blocks() - len(r.seq.blocks) for r in self.running)
         if len(self.running) >= self.ecfg.max_running or \
-                not v4_handoff.room(self.ledgers, h.slot, owed, req.max_blocks()):
+                not ledger_handoff.room(self.ledgers, h.slot, owed, req.max_blocks()):
             raise Unavailable("handoff refused: no free slot, blocks or running place here")
         self.spec.add(h.request_id, h.params)
         out = OutputState(h.params, self.tokenizer.eos_id, self.tokenizer.stream())
         out.resume(req.output)                # the PE sent the first token's text already
-        req.seq, local = v4_handoff.adopt(self.ledgers, h.slot)
+        req.seq, local = ledger_handoff.adopt(self.ledgers, h.slot)
         req.registered = len(h.slot.hashes)
         self.requests[req.request_id] = req
         self.outputs[req.request_id] = out
@@ -413,7 +413,7 @@ class V4Engine:
         c["handoff_blocks_local"] += local
         return req
 
-    def _release(self, req: V4Request, finish: Finish) -> None:
+    def _release(self, req: Request, finish: Finish) -> None:
         req.finish = finish
         self.spec.forget(req.request_id)
         if req.seq is not None:

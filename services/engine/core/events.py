@@ -1,6 +1,6 @@
 """What the engine reports: its counters, the events of a step, the hooks it calls.
 
-Only the engine thread creates and changes these (V4Engine owns them); the hooks run on it
+Only the engine thread creates and changes these (Engine owns them); the hooks run on it
 and must only enqueue.
 """
 
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 from kvmesh.generation import TokenLogprob
 from kvmesh.services.engine.core.finish import Finish
-from kvmesh.services.engine.core.handoff import Handoff
+from kvmesh.services.engine.core.handoff_store import Handoff
 
 if TYPE_CHECKING:
-    from kvmesh.services.engine.core.v4_request import V4Request
+    from kvmesh.services.engine.core.request import Request
 
 # Counters the engine always reports, 0 until their event first happens, so GetStats and
 # /metrics (kvmesh_engine_<name>) show every one from the start. Only the engine thread
@@ -46,7 +46,7 @@ class Event:
     token_ids: list[int]
     text: str
     finish: Finish | None
-    seq: V4Request
+    seq: Request
     handoff: Handoff | None = None      # finish HANDOFF: what a decode engine adopts
     drafted: int = 0           # on the last event: draft tokens this request proposed
     accepted: int = 0          # and how many of them verification accepted

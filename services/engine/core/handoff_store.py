@@ -4,16 +4,16 @@ engine adopts, and the prefill engine's store of handoffs waiting to be fetched.
     prefill engine (PE)                                   decode engine (CE)
     add_request(handoff=True)
     prefill, sample the first token
-    v4_handoff.export: request + slot + blocks            V4Engine.adopt(handoff)
+    ledger_handoff.export: request + slot + blocks            Engine.adopt(handoff)
       (rings re-laid 396 -> 134, blocks, hashes)             handoff_problem: fingerprints,
-    HandoffStore.put; the request finishes (HANDOFF)         sizes; v4_handoff.adopt: slot,
-    ...FetchHandoff (rpc/handoff.py) -> bytes ---------->    blocks, decoding at once
+    HandoffStore.put; the request finishes (HANDOFF)         sizes; ledger_handoff.adopt: slot,
+    ...FetchHandoff (rpc/handoff_transfer.py) -> bytes ---------->    blocks, decoding at once
 
 Sampling draws from (seed, token index) only (sampling.py), so the seed and the
 output so far are the whole sampling state; the CE rebuilds the stop-string state
 and what was sent from the output (OutputState.resume), as a mid-stream migration does.
 
-Owners: V4Engine owns its HandoffStore (engine thread only); a Handoff is immutable.
+Owners: Engine owns its HandoffStore (engine thread only); a Handoff is immutable.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvmesh.services.engine.cache.handoff import SlotHandoff
+from kvmesh.services.engine.cache.slot_handoff import SlotHandoff
 from kvmesh.services.engine.core.sampling import SamplingParams
 
 
@@ -62,7 +62,7 @@ def handoff_problem(h: Handoff, layout_fp: str, model_fp: str, vocab_size: int) 
 
 class HandoffStore:
     """Handoffs a PE keeps until fetched (a CE retry fetches again), bounded in bytes and
-    age; the oldest goes first. Engine thread only (V4Engine owns it)."""
+    age; the oldest goes first. Engine thread only (Engine owns it)."""
 
     def __init__(self, max_bytes: int, ttl_s: float, clock=time.monotonic):
         self.max_bytes, self.ttl_s, self.clock = max_bytes, ttl_s, clock

@@ -1,7 +1,7 @@
-"""Prefill/decode handoff for DeepSeek V4 / V4.1 engines (the wire form: core/handoff.py).
+"""Prefill/decode handoff for DeepSeek V4 / V4.1 engines (the wire form: core/handoff_store.py).
 
 A prefill engine (--role prefill: rings of 396 rows) hands a request to a decode engine
-(134 rows) after its first token, as a `core.handoff.Handoff` whose SlotHandoff holds
+(134 rows) after its first token, as a `core.handoff_store.Handoff` whose SlotHandoff holds
 
     state   the slot in the decode engine's layout (snapshots.export_state: rings re-laid
             to W + 6 rows, compressor tails as they are)
@@ -9,24 +9,24 @@ A prefill engine (--role prefill: rings of 396 rows) hands a request to a decode
     blocks  every block of table[:ceil(length / 128)], serialized (the open one too: its
             completed compressor entries are stored nowhere else)
 
-so FetchHandoff, the gateway and `rpc/handoff.py` carry it unchanged. The decode engine
+so FetchHandoff, the gateway and `rpc/handoff_transfer.py` carry it unchanged. The decode engine
 shares the complete blocks its pool already holds (the sender skips them on the wire),
 installs and registers the rest, and writes the state into a free slot.
 
-Pure functions over one engine's Ledgers; V4Engine owns the ledgers and calls them on the
+Pure functions over one engine's Ledgers; Engine owns the ledgers and calls them on the
 engine thread.
 """
 
 from __future__ import annotations
 
-from kvmesh.services.engine.cache.handoff import SlotHandoff
-from kvmesh.services.engine.core.handoff import Handoff
+from kvmesh.services.engine.cache.slot_handoff import SlotHandoff
+from kvmesh.services.engine.core.handoff_store import Handoff
 from kvmesh.services.engine.model.deepseek_v4 import snapshots
 from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK, Ledgers, Sequence
 
 
 def export(led: Ledgers, req, layout_fp: str, model_fp: str) -> Handoff:
-    """The handoff of `req` (a V4Request that has computed all but its first output token)."""
+    """The handoff of `req` (a Request that has computed all but its first output token)."""
     seq = req.seq
     n_blocks = -(-seq.length // BLOCK)
     slot = SlotHandoff(seq.length, 0, 0, 0, tuple(req.chain[: seq.length // BLOCK]),

@@ -1,10 +1,10 @@
-"""A DeepSeek V4 engine whose model is split over ranks: every rank runs the same V4Engine in
+"""A DeepSeek V4 engine whose model is split over ranks: every rank runs the same Engine in
 lockstep (docs/design.md §15).
 
-Each rank holds a V4Engine over its share of the model (model/deepseek_v4/parallel.py) and
+Each rank holds an Engine over its share of the model (model/deepseek_v4/parallel.py) and
 its own ledgers, which stay byte-identical: the rows and entries they keep come from
 replicated weights, and every rank makes the same calls in the same order. Rank 0 is the
-engine the mesh talks to. `Leader` wraps its V4Engine: each call that changes engine state
+engine the mesh talks to. `Leader` wraps its Engine: each call that changes engine state
 (a request added, aborted or adopted; a step) is sent to the other ranks first, with what
 would otherwise differ between them (a new request's id and sampling seed, the clock the
 snapshot and handoff stores read), and then made locally; the other ranks `follow`, making
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from kvmesh.services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.core.engine import Engine
 
 
 class _Clock:
@@ -41,7 +41,7 @@ class _Clock:
         return self.now
 
 
-def _share_clock(engine: V4Engine) -> _Clock:
+def _share_clock(engine: Engine) -> _Clock:
     clock = _Clock()
     engine.prefix.store.clock = clock
     engine.handoffs.clock = clock
@@ -71,10 +71,10 @@ def _receive(group) -> tuple:
 
 
 class Leader:
-    """Rank 0's engine: V4Engine's interface, every state change mirrored to the others.
+    """Rank 0's engine: Engine's interface, every state change mirrored to the others.
     Reads (stats, cfg, has_work, ...) are the local engine's."""
 
-    def __init__(self, engine: V4Engine, on_broken: Callable[[BaseException], None] | None = None):
+    def __init__(self, engine: Engine, on_broken: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self._clock = _share_clock(engine)
         self._group = _channel()
@@ -144,7 +144,7 @@ class Leader:
         self._send(("stop", self._tick()))
 
 
-def follow(engine: V4Engine, on_events: Callable[[list], None] | None = None) -> None:
+def follow(engine: Engine, on_events: Callable[[list], None] | None = None) -> None:
     """A rank other than 0: make rank 0's calls on this rank's engine until it stops. Its
     steps' events (the same as rank 0's) go to `on_events`, or nowhere."""
     clock = _share_clock(engine)

@@ -1,4 +1,4 @@
-"""What V4Engine does differently for DeepSeek V4 and V4.1: one object per model family,
+"""What Engine does differently for DeepSeek V4 and V4.1: one object per model family,
 owning the engine's ledgers and the calls that depend on the family.
 
     ledgers      Ledgers (V4) or V41Ledgers (V4.1), sized from the engine config
@@ -31,7 +31,7 @@ class V4Path:
     def __init__(self, model: V4Model, ecfg: EngineConfig):
         refuse_unsupported(ecfg)
         if not model.stored:
-            raise ValueError("V4Engine needs a model built with stored=True (ledger roundings)")
+            raise ValueError("Engine needs a model built with stored=True (ledger roundings)")
         self.model = model
         self.ledgers = ledgers.Ledgers(model.whole, ecfg.num_slots, ecfg.num_blocks,
                                        ecfg.extra_state, rows=model.rows)

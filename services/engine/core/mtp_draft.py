@@ -41,7 +41,7 @@ class _State:
     h: torch.Tensor | None = None
 
 
-class V4MtpDrafter:
+class MtpDrafter:
     def __init__(self, module: MtpModule, window: int):
         self.module, self.window = module, window
         self.states: dict[str, _State] = {}
@@ -57,7 +57,7 @@ class V4MtpDrafter:
         self.states.pop(request_id, None)
 
     def propose(self, wanted: list[tuple[object, int]]) -> dict[str, list[int]]:
-        """wanted: (decoding V4Request, k) -> the drafts of each request whose stash reaches
+        """wanted: (decoding Request, k) -> the drafts of each request whose stash reaches
         its last computed position."""
         out: dict[str, list[int]] = {}
         picked: dict[str, list[torch.Tensor]] = {}

@@ -2,7 +2,7 @@
 
 Owns the engine's SnapshotStore (host memory, LRU + TTL, what FetchSwaSnapshot serves and the
 directory indexes) and the hash chains of its
-requests. It never runs the model: V4Engine asks it, at admission, how a prompt starts
+requests. It never runs the model: Engine asks it, at admission, how a prompt starts
 (`match`), and after each step which blocks became complete (`register`) and whether the
 step ended on the request's snapshot position (`snapshot_due`).
 
@@ -52,7 +52,7 @@ class Match:
         return self.tokens > 0 and self.snapshot is None
 
 
-class V4Prefix:
+class PrefixReuse:
     def __init__(self, led: Ledgers, model_fp: str, period: int | None, capacity_bytes: int,
                  ttl_min: float, snaps=snapshots):
         self.led = led

@@ -1,7 +1,7 @@
 """What a DeepSeek V4 engine knows of its model and of each request besides the ledger bytes.
 
     ServedModel  the served model as the mesh reads it (GetModelInfo, block hashes)
-    V4Request    one request's record; V4Engine alone writes its fields, on the engine thread
+    Request    one request's record; Engine alone writes its fields, on the engine thread
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 from kvmesh import cachekeys
 from kvmesh.services.engine.core.finish import Finish
+from kvmesh.services.engine.core.prefix_reuse import Match
 from kvmesh.services.engine.core.sampling import SamplingParams
-from kvmesh.services.engine.core.v4_prefix import Match
 from kvmesh.services.engine.model.deepseek_v4 import ledgers
 from kvmesh.services.engine.model.deepseek_v4.config import V4Config
 from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK
@@ -62,7 +62,7 @@ class ServedModel:
 
 
 @dataclass(eq=False)
-class V4Request:
+class Request:
     request_id: str
     prompt: list[int]
     params: SamplingParams

@@ -232,7 +232,7 @@ def draw_batch(rows: list[tuple[torch.Tensor, SamplingParams, int, int]]
 
 def read_ids(parts: list[torch.Tensor]) -> list[list[int]]:
     """Long tensors on the device (0-d or 1-D) -> their values, in ONE host read. This is
-    the engine's one device sync per step (V4Engine.step): the sampled ids and the
+    the engine's one device sync per step (Engine.step): the sampled ids and the
     speculative verdicts are the only numbers the host must see to go on (stops, block
     hashes, the next step's tokens)."""
     if not parts:

@@ -18,7 +18,7 @@ the batch, or a decode engine's own setting never changes a request's output. Fo
 deterministic drafter (prompt lookup) a draft d is accepted with probability p(d), as
 rejection sampling would accept it; a sampling drafter would accept more often under
 rejection sampling (min(1, p/q)), but its tokens would then depend on the drafting, so
-the MTP drafter proposes its argmax instead (core/v4_mtp_draft.py).
+the MTP drafter proposes its argmax instead (core/mtp_draft.py).
 
 The rows of rejected drafts are never committed: the engine commits only up to the last
 accepted token, so no block hash, snapshot, kvstore upload or directory entry ever sees a
@@ -39,7 +39,7 @@ from kvmesh.services.engine.core.sampling import SamplingParams, draw
 from kvmesh.services.engine.device import Uploads
 
 if TYPE_CHECKING:
-    from kvmesh.services.engine.core.v4_mtp_draft import V4MtpDrafter
+    from kvmesh.services.engine.core.mtp_draft import MtpDrafter
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def judge(logits: torch.Tensor, drafts: list[int], params: SamplingParams, step:
     """logits [k + 1, V] of one verify work -> [2] long on the logits' device: a, the number
     of drafts accepted, and the token emitted after them (row a's token: a replacement, or
     the bonus when a = k). Nothing is read back: the caller reads every work's verdict of
-    the step at once (V4Engine.step), and the work emits drafts[:a] + [token].
+    the step at once (Engine.step), and the work emits drafts[:a] + [token].
 
     Row j's token is plain decoding's token step + j (sampling.draw, row by row, the same
     generator and distribution), so the work emits exactly what k + 1 plain steps would."""
@@ -165,12 +165,12 @@ class Speculator:
     rejections)."""
 
     def __init__(self, setting: SpecSetting, ngram_min: int = 1, ngram_max: int = 4,
-                 mtp: V4MtpDrafter | None = None, adaptive: bool = True):
+                 mtp: MtpDrafter | None = None, adaptive: bool = True):
         self.setting = setting
         self.policy = DraftPolicy(setting.k, adaptive, learn_from_proposals=setting.method != "mtp")
         # tests may replace the drafter (any object with propose(tokens, k) -> drafts)
         self.drafter = NgramDrafter(ngram_min, ngram_max) if setting.on else None
-        # mtp:K: drafts from the MTP module, batched over the step's requests (core/v4_mtp_draft.py)
+        # mtp:K: drafts from the MTP module, batched over the step's requests (core/mtp_draft.py)
         self.mtp = mtp if setting.method == "mtp" else None
         self.requests: dict[str, SpecSetting] = {}
         self.usage: dict[str, list[int]] = {}          # request id -> [drafted, accepted]

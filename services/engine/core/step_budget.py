@@ -19,7 +19,7 @@ tokens cost, rather than new requests never starting.
 
 Off (`--step-slo-ms 0`) and always off in deterministic mode: chunk boundaries that depend
 on timing change fp32 results from run to run. The ranks of a split engine fit over rank 0's
-steps (`follow`), so they cap alike. Owned by V4Engine, which reports each step
+steps (`follow`), so they cap alike. Owned by Engine, which reports each step
 (`observe`).
 Tests inject step times through `observe`.
 """

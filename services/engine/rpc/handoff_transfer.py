@@ -9,7 +9,7 @@ the decode engine's checked fetch, modelled on the snapshot fetch (peers.py).
         state size (this engine's slot), fingerprints, block hashes (the gateway's),
         block sizes, sha256 (of the stream; of the state: the gateway's);
         any failure -> Unavailable (the gateway tries another CE or a unified engine)
-        CE: V4Engine.adopt -> decode; tokens stream to the gateway
+        CE: Engine.adopt -> decode; tokens stream to the gateway
 
 The data is the rearranged slot state followed by the serialized blocks not skipped;
 each block carries its own digest (block_store.py), checked before it is installed. A
@@ -30,8 +30,8 @@ from kvmesh.generation import (
 )
 from kvmesh.proto import engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import channel
-from kvmesh.services.engine.cache.handoff import SlotHandoff
-from kvmesh.services.engine.core.handoff import Handoff
+from kvmesh.services.engine.cache.slot_handoff import SlotHandoff
+from kvmesh.services.engine.core.handoff_store import Handoff
 from kvmesh.services.engine.core.sampling import SamplingParams
 from kvmesh.services.engine.rpc.peers import FetchError, body_messages, read_transfer
 

@@ -2,7 +2,7 @@
 
 Runs on the server's event loop; never on the engine thread. It owns the
 clients for the kvstore and the directory, and three background jobs. It
-reads or writes nothing of V4Engine's mutable state directly: views, the
+reads or writes nothing of Engine's mutable state directly: views, the
 cost model's prefill speed and every counter go through the engine thread
 (`AsyncEngine.call` to read, `AsyncEngine.post` to count); only facts fixed at
 start-up (model and layout fingerprints, sizes) are copied here once.
@@ -105,7 +105,7 @@ class RemoteTiers(Hooks):
             self._count("kvstore_upload_dropped")
 
     def _count(self, key: str, n: float = 1) -> None:
-        """Add to an engine counter on the engine thread (V4Engine owns the counters)."""
+        """Add to an engine counter on the engine thread (Engine owns the counters)."""
         self.engine.post(lambda core: core.counters.update({key: n}))
 
     # --- prefetch (event loop, before admission) --------------------------------------

@@ -12,13 +12,13 @@ from kvmesh.services.engine.core.async_engine import AsyncEngine
 from kvmesh.services.engine.rpc.service import EngineServicer
 
 if TYPE_CHECKING:
-    from kvmesh.services.engine.core.v4_engine import V4Engine
+    from kvmesh.services.engine.core.engine import Engine
 
 log = logging.getLogger("kvmesh.engine")
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
 
-async def serve(core: V4Engine, address: str, engine_id: str = "", advertise: str = "",
+async def serve(core: Engine, address: str, engine_id: str = "", advertise: str = "",
                 directory: str = "", kvstore: str = "", fetch_mode: str = "auto",
                 fetch_deadline_s: float = 1.0, metrics_port: int | None = None) -> None:
     engine = AsyncEngine(core)

@@ -18,7 +18,7 @@ from kvmesh.proto import common_pb2, engine_pb2, engine_pb2_grpc
 from kvmesh.rpc import map_errors
 from kvmesh.services.engine.core.async_engine import AsyncEngine
 from kvmesh.services.engine.core.sampling import SamplingParams
-from kvmesh.services.engine.rpc import handoff as handoff_rpc
+from kvmesh.services.engine.rpc import handoff_transfer as handoff_rpc
 from kvmesh.services.engine.rpc.peers import check_key, snapshot_messages
 from kvmesh.services.engine.rpc.session import SessionHub
 

@@ -12,8 +12,8 @@ import pytest
 
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.core.draft_policy import EXPLORE_EVERY, DraftPolicy
+from kvmesh.services.engine.core.engine import Engine
 from kvmesh.services.engine.core.sampling import SamplingParams
-from kvmesh.services.engine.core.v4_engine import V4Engine
 
 
 def measured(policy: DraftPolicy, n: int, a: float, b: float) -> None:
@@ -167,7 +167,7 @@ def costs_forced(policy: DraftPolicy, cheap: bool) -> None:
 def run_engine(model, tok, prompts, params, speculative: str):
     """The requests to the end; with speculation, the policy's costs flip every 3 steps.
     -> (outputs, per request the set of {drafted, plain} its decode steps were)."""
-    core = V4Engine(model, EngineConfig(num_slots=4, max_running=4, num_blocks=64,
+    core = Engine(model, EngineConfig(num_slots=4, max_running=4, num_blocks=64,
                                         max_batched_tokens=4096, speculative=speculative,
                                         swa_policy="zero"), tok, name="policy")
     policy = core.spec.policy

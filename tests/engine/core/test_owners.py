@@ -1,4 +1,4 @@
-"""Each field of the request record (V4Request) has one writer, V4Engine: a check over the
+"""Each field of the request record (Request) has one writer, Engine: a check over the
 engine's source, so a new assignment from elsewhere fails here instead of the engine thread's
 ownership drifting."""
 
@@ -8,20 +8,20 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from kvmesh.services.engine.core.v4_request import V4Request
+from kvmesh.services.engine.core.request import Request
 
 ENGINE = Path(__file__).resolve().parents[3] / "services" / "engine"
 WRITERS = {
-    "core/v4_engine.py": {"output", "finish", "seq", "registered", "snapshot_at", "replay",
+    "core/engine.py": {"output", "finish", "seq", "registered", "snapshot_at", "replay",
                           "prefetched", "cached_tokens", "replayed_tokens", "cut",
                           "scheduled_s"},
 }
 # set at construction and never assigned again (`chain` grows in place through
-# cachekeys.extend_chain, called by V4Prefix on V4Engine's behalf)
+# cachekeys.extend_chain, called by PrefixReuse on Engine's behalf)
 FIXED = {"request_id", "prompt", "params", "seed", "salt", "traffic_class", "handoff", "chain"}
 # same names on other objects: a GenerateRequest's `prompt` field
 NOT_REQUESTS = {"rpc/client.py": {"prompt"}}
-FIELDS = {f.name for f in dataclasses.fields(V4Request)}
+FIELDS = {f.name for f in dataclasses.fields(Request)}
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear"}
 
 

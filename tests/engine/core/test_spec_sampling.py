@@ -106,12 +106,12 @@ def test_ngram_drafter_proposes_the_continuation_of_the_latest_longest_match():
 def test_wholly_rejected_drafts_back_off_1_2_4_tokens():
     """With --spec-policy always, a request whose drafts are all rejected decodes plainly for
     1, then 2, then 4 tokens before drafting again; one accepted draft resets it."""
-    from kvmesh.services.engine.core.v4_request import V4Request
+    from kvmesh.services.engine.core.request import Request
     from kvmesh.services.engine.model.deepseek_v4.ledgers import Sequence
 
     spec = speculative.Speculator(speculative.SpecSetting("ngram", 2), adaptive=False)
     params = SamplingParams(temperature=0, max_tokens=100)
-    req = V4Request("r", [1, 2, 1, 2, 1, 2], params, seed=0, seq=Sequence(slot=0, length=6))
+    req = Request("r", [1, 2, 1, 2, 1, 2], params, seed=0, seq=Sequence(slot=0, length=6))
     spec.add("r", params)
 
     class Ones:

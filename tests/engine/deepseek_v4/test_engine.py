@@ -1,4 +1,4 @@
-"""The engine serving a DeepSeek V4 checkpoint (V4Engine, built by `--model DIR`) against
+"""The engine serving a DeepSeek V4 checkpoint (Engine, built by `--model DIR`) against
 transformers' greedy generation on the checkpoint transformers saved, in float64: one
 sequence, every prefill chunk size, batched decodes beside a prefill chunk, a prefix hit
 through shared blocks + snapshot, and the bounded replay of a hit without one."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvmesh.services.engine.core.engine import Engine
 from kvmesh.services.engine.core.sampling import SamplingParams
-from kvmesh.services.engine.core.v4_engine import V4Engine
 from kvmesh.services.engine.model.deepseek_v4 import ledgers
 from tests.engine.deepseek_v4 import tiny
 from tests.engine.deepseek_v4.replay_reference import truncated_window_logits
@@ -35,8 +35,8 @@ def checkpoint(name: str, directory):
     return hf
 
 
-def engine(directory, *flags: str) -> V4Engine:
-    """A V4Engine built from these flags, float64 unless they say otherwise."""
+def engine(directory, *flags: str) -> Engine:
+    """A Engine built from these flags, float64 unless they say otherwise."""
     return serve_core("--model", str(directory), "--dtype", "float64", *flags)
 
 
@@ -54,7 +54,7 @@ def hf_greedy(hf, prompt: list[int], n: int = TOKENS) -> list[int]:
     return out
 
 
-def run(core: V4Engine, prompts: list[list[int]], n: int = TOKENS) -> list[list[int]]:
+def run(core: Engine, prompts: list[list[int]], n: int = TOKENS) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     reqs = [core.add_request(p, params) for p in prompts]
     while core.has_work:
@@ -178,7 +178,7 @@ def test_mxfp8_rings_equal_the_full_forward_with_their_rounding(flash):
     exact = engine(directory)
     model = V4Model(exact.model.cfg, exact.model.weights, torch.float64, stored=True,
                     rows="mxfp8")
-    core = V4Engine(model, EngineConfig(dtype="float64"), exact.tokenizer, "flash")
+    core = Engine(model, EngineConfig(dtype="float64"), exact.tokenizer, "flash")
     assert core.ledgers.slot_layout.row_bytes == 528
     prompt = tiny.prompt("flash_geometry").tolist()
     tokens = list(prompt)
@@ -332,18 +332,18 @@ def test_prefill_engine_hands_off_to_a_decode_engine(flash):
 def test_every_sampled_row_equals_the_full_forward_and_transformers(name, tmp_path, monkeypatch):
     """The logits each generated token was drawn from (prefill in 64-token chunks, then
     decodes), against the one-pass forward over the final sequence: ours and transformers'."""
-    from kvmesh.services.engine.core import v4_engine
+    from kvmesh.services.engine.core import engine as engine_module
 
     hf = checkpoint(name, tmp_path)
     core = engine(tmp_path, "--long-prefill-chunk", "64")
     rows: dict[int, torch.Tensor] = {}
-    real = v4_engine.draw_batch
+    real = engine_module.draw_batch
 
     def capturing(batch):
         for logits, _, index, _ in batch:
             rows[index] = logits.clone()
         return real(batch)
-    monkeypatch.setattr(v4_engine, "draw_batch", capturing)
+    monkeypatch.setattr(engine_module, "draw_batch", capturing)
     prompt = tiny.prompt(name).tolist()
     (output,) = run(core, [prompt], 32)
     tokens = torch.tensor(prompt + output)

@@ -1,4 +1,4 @@
-"""A V4Engine over a model split across 2 gloo ranks, run in lockstep (core/lockstep.py):
+"""A Engine over a model split across 2 gloo ranks, run in lockstep (core/lockstep.py):
 rank 0's engine and rank 1's stay the same (every step's events equal, unseeded sampling
 included), and both give what one process's engine over the unsplit model gives: greedy and
 seeded sampling, a prefix hit after a finished request (a snapshot hit under
@@ -18,8 +18,8 @@ import torch
 from kvmesh.services.engine import ranks
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.core import lockstep
+from kvmesh.services.engine.core.engine import Engine
 from kvmesh.services.engine.core.sampling import SamplingParams
-from kvmesh.services.engine.core.v4_engine import V4Engine
 from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
 from kvmesh.services.engine.model.deepseek_v4.parallel import Groups, ParallelV4Model, shard_weights
 from kvmesh.tokenizer import ByteTokenizer
@@ -41,7 +41,7 @@ UNSEEDED = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
 def handoff(policy: str, slo_ms: float, speculative: str, spec_policy: str):
     """A request prefilled by an unsplit prefill engine and handed off (PD): its Handoff."""
     cfg, weights = tiny(speculative != "off", vocab_size=VOCAB)
-    pe = V4Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
+    pe = Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
                   dataclasses.replace(config(policy, slo_ms, speculative, spec_policy),
                                       role="prefill",
                                       extra_state=True),
@@ -55,7 +55,7 @@ def handoff(policy: str, slo_ms: float, speculative: str, spec_policy: str):
 
 
 def scenario(engine, handed) -> dict:
-    """Requests through `engine` (a V4Engine or a lockstep.Leader): {request id: tokens},
+    """Requests through `engine` (an Engine or a lockstep.Leader): {request id: tokens},
     and each request's cached and replayed tokens. `handed`: a prefill engine's handoff,
     which this engine adopts and decodes."""
     tokens: dict[str, list[int]] = {}
@@ -101,7 +101,7 @@ def rank_main(split, policy: str, slo_ms: float, speculative: str, spec_policy: 
     cfg, weights = tiny(speculative != "off", vocab_size=VOCAB)
     model = ParallelV4Model(cfg, shard_weights(cfg, weights, split), torch.float64, split,
                             Groups(split), stored=True, rows="exact")
-    engine = V4Engine(model, config(policy, slo_ms, speculative, spec_policy), ByteTokenizer(),
+    engine = Engine(model, config(policy, slo_ms, speculative, spec_policy), ByteTokenizer(),
                       NAME)
     # each rank measures its own step costs: rank 0 rows nearly free (drafting pays), rank 1
     # rows dear (it would not draft). Only rank 0's may decide.
@@ -142,7 +142,7 @@ def test_a_split_engine_in_lockstep_serves_what_one_process_does(tmp_path, polic
     policy every rank drafts what rank 0's step times decide (a rank drafting otherwise
     would run other rows than rank 0 and meet it in mismatched collectives)."""
     cfg, weights = tiny(speculative != "off", vocab_size=VOCAB)
-    alone = scenario(V4Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
+    alone = scenario(Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
                               config(policy, slo_ms, speculative, spec_policy), ByteTokenizer(),
                               NAME),
                      handoff(policy, slo_ms, speculative, spec_policy))

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvmesh.services.engine.core.mtp_draft import MtpDrafter
 from kvmesh.services.engine.core.sampling import SamplingParams
-from kvmesh.services.engine.core.v4_mtp_draft import V4MtpDrafter
 from kvmesh.services.engine.model.deepseek_v4 import names
 from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
 from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_checkpoint
@@ -78,7 +78,7 @@ def test_mtp_drafts_equal_the_module_over_the_whole_sequence(saved, monkeypatch)
     directory, hf = saved
     core = engine(directory, "--speculative", "mtp:3", "--spec-policy", "always")
     seen, rows = [], []
-    real, real_logits = V4MtpDrafter.propose, MtpModule.logits
+    real, real_logits = MtpDrafter.propose, MtpModule.logits
 
     def logits(self, y):                          # each draft depth's logits, as computed
         out = real_logits(self, y)
@@ -92,7 +92,7 @@ def test_mtp_drafts_equal_the_module_over_the_whole_sequence(saved, monkeypatch)
             if req.request_id in out:
                 seen.append((req.seq.length, list(out[req.request_id]), torch.stack(rows)))
         return out
-    monkeypatch.setattr(V4MtpDrafter, "propose", recording)
+    monkeypatch.setattr(MtpDrafter, "propose", recording)
     monkeypatch.setattr(MtpModule, "logits", logits)
     prompt = tiny.prompt("mixed").tolist()
     (output,) = run(core, [prompt], TOKENS)

@@ -1,4 +1,4 @@
-"""The engine serving a DeepSeek V4.1 checkpoint (V4Engine over V4.1's ledgers, built by
+"""The engine serving a DeepSeek V4.1 checkpoint (Engine over V4.1's ledgers, built by
 `--model DIR`) against greedy decoding with the whole-sequence reference, in float64: one
 sequence at several chunk sizes, batched requests, prefill truncation in both forms, a
 prefix hit (snapshot under truncation, the bounded replay without), and n-gram speculation
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.services.engine.core.v4_engine import V4Engine
+from kvmesh.services.engine.core.engine import Engine
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 from tests.engine.deepseek_v4.test_engine import engine, random_prompt, word_tokenizer
 from tests.engine.deepseek_v4.test_engine import run as run_v4
@@ -18,7 +18,7 @@ from tests.engine.deepseek_v41 import tiny
 TOKENS = 24
 
 
-def run(core: V4Engine, prompts: list[list[int]], n: int = TOKENS) -> list[list[int]]:
+def run(core: Engine, prompts: list[list[int]], n: int = TOKENS) -> list[list[int]]:
     return run_v4(core, prompts, n)      # the V4 tests' loop, with this file's token count
 
 

@@ -1,4 +1,4 @@
-"""bench/quality/v41_harness.py forces a continuation through V4Engine's own decode rows. Pinned in
+"""bench/quality/v41_harness.py forces a continuation through Engine's own decode rows. Pinned in
 float64 against the whole-sequence reference (V41Model.logits, with the prompt's decoder
 cut under truncation): cold off and compact, a snapshot hit (exact), and a bounded replay
 (its replay is what differs, so only its shape and counters are pinned)."""

@@ -11,8 +11,8 @@ from collections import Counter
 
 from kvmesh.launch.backing.proc import free_port
 from kvmesh.services.engine.core.async_engine import AsyncEngine
+from kvmesh.services.engine.core.engine import Engine
 from kvmesh.services.engine.core.sampling import SamplingParams
-from kvmesh.services.engine.core.v4_engine import V4Engine
 from kvmesh.services.engine.rpc.remote import RemoteTiers
 from kvmesh.services.kvstore.client import KvstoreClient
 from tests.engine.engines import random_prompt, serve_core
@@ -32,7 +32,7 @@ class WatchedCounter(Counter):
         super().__setitem__(key, value)
 
 
-class WatchedCore(V4Engine):
+class WatchedCore(Engine):
     """Records the thread of every access to the state RemoteTiers used to touch directly.
     (An engine built as `engine serve` builds it, then given this class: construction
     happens on the test thread and is not watched.)"""
@@ -40,7 +40,7 @@ class WatchedCore(V4Engine):
     touched: set[str]
 
     @classmethod
-    def watch(cls, core: V4Engine) -> WatchedCore:
+    def watch(cls, core: Engine) -> WatchedCore:
         core.__class__ = cls
         assert isinstance(core, WatchedCore)
         object.__setattr__(core, "touched", set())

@@ -4,8 +4,8 @@ State ledger, one slot per running sequence (fixed size, freed whole):
 
     | SWA ring, layer 0 | ... | layer L-1 |   every layer: R rows x 528 B (MXFP8)     stored
     | CSA l: compressor | indexer | HCA l': compressor | ...  fp32 open tails           dropped
-    (MTP window:   W + B rows x 528 B a drafting request; V4Engine keeps it outside the
-                   slot, in host memory (core/v4_mtp_draft.py), so the slot has no region for it)
+    (MTP window:   W + B rows x 528 B a drafting request; Engine keeps it outside the
+                   slot, in host memory (core/mtp_draft.py), so the slot has no region for it)
 
   - a ring row is one token's K = V vector as MXFP8: head_dim E4M3 bytes + one E8M0 scale per
     32 values (512 + 16 = 528 B at head_dim 512); R = W + B = 134 (B = 6 rollback tokens), or
