@@ -1,6 +1,6 @@
-"""Ship a `kvmesh train-v41` run as a Hugging Face checkpoint directory under models/.
+"""Ship a `kvmesh train` run as a Hugging Face checkpoint directory under models/.
 
-    python scripts/ship_v41_model.py RUN_DIR models/deepseek-v41-tiny --command "kvmesh train-v41 ..."
+    python scripts/ship_v41_model.py RUN_DIR models/deepseek-v41-tiny --command "kvmesh train ..."
 
 Copies the run's config.json, model.safetensors and tokenizer files, measures the copy
 (`kvmesh train-eval DIR`, unless --metrics names a metrics JSON already measured on the same
@@ -214,7 +214,7 @@ def remeasure(dest: Path, args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run", nargs="?", help="the train-v41 run directory")
+    ap.add_argument("run", nargs="?", help="the train run directory")
     ap.add_argument("dest")
     ap.add_argument("--command", help="the exact training command (required to ship a run)")
     ap.add_argument("--remeasure", action="store_true",

@@ -1,7 +1,7 @@
 """Training the shipped models on CPU (outside the serving package: no service imports it).
 
     v41_model.py, v41_data.py, v41_loop.py, v41_evaluate.py
-                 `kvmesh train-v41`: the shipped DeepSeek V4.1 model's differentiable forward,
+                 `kvmesh train`: the shipped DeepSeek V4.1 model's differentiable forward,
                  its code + English corpus, the resumable loop, held-out bits/byte
     bpe.py       `kvmesh train-tokenizer`: the byte-level BPE tokenizer with DeepSeek's
                  special tokens

@@ -1,4 +1,4 @@
-"""`kvmesh train-v41` (the shipped DeepSeek V4.1 model on code and English), `kvmesh
+"""`kvmesh train` (the shipped DeepSeek V4.1 model on code and English), `kvmesh
 train-tokenizer` (its BPE tokenizer) and `kvmesh train-eval` (measure a checkpoint)."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _add_fields(p, cls, helps) -> None:
 def register(sub) -> None:
     from kvmesh.training.v41_loop import V41TrainArgs
 
-    v = sub.add_parser("train-v41", help="train the shipped DeepSeek V4.1 model on code and "
+    v = sub.add_parser("train", help="train the shipped DeepSeek V4.1 model on code and "
                        "English (CPU)")
     _add_fields(v, V41TrainArgs, V41_HELP)
     v.set_defaults(func=_train_v41)
@@ -113,7 +113,7 @@ def _train_tokenizer(args) -> int:
 def _train_v41(args) -> int:
     from kvmesh.training.v41_loop import V41TrainArgs, train_v41
 
-    return _run("kvmesh train-v41", V41TrainArgs, train_v41, args)
+    return _run("kvmesh train", V41TrainArgs, train_v41, args)
 
 
 def _run(command: str, args_cls, fn, args) -> int:

@@ -1,4 +1,4 @@
-"""The step loop a training run shares (`kvmesh train-v41`, v41_loop.py): AdamW, warm-up +
+"""The step loop a training run shares (`kvmesh train`, v41_loop.py): AdamW, warm-up +
 cosine, gradient clipping, progress lines with tokens/s and ETA, held-out evaluations,
 atomic checkpoints, a time budget, and resuming a run where it stopped.
 

@@ -1,4 +1,4 @@
-"""`kvmesh train-v41`: train the shipped DeepSeek V4.1 model (v41_model.py) on code and
+"""`kvmesh train`: train the shipped DeepSeek V4.1 model (v41_model.py) on code and
 English and conversations (v41_data.py) with the shared step loop (steps.run_steps: AdamW, warm-up + cosine,
 progress with an ETA, held-out evaluations, a time budget, resumable checkpoints).
 

@@ -1,6 +1,6 @@
 """Training the shipped DeepSeek V4.1 model (training/v41_*.py): the training
 forward computes V41Model's function, the indexer loss trains only the indexer, the gate
-biases move towards equal loads, and `kvmesh train-v41` lowers the loss, resumes to the same
+biases move towards equal loads, and `kvmesh train` lowers the loss, resumes to the same
 weights as an unbroken run, and writes a checkpoint directory the loader reads back."""
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def test_train_v41_lowers_the_loss_resumes_and_writes_a_loadable_checkpoint(
 
     run = tmp_path / "whole"
     losses = [h["loss"] for h in a["history"] if "loss" in h]
-    print("train-v41 losses", losses)
+    print("train losses", losses)
     assert sum(losses[-3:]) < sum(losses[:3]) - 0.3
     assert {p.name for p in run.iterdir()} >= {"config.json", "model.safetensors",
                                                "tokenizer.json", "tokenizer_config.json"}

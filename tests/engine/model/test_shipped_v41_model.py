@@ -1,5 +1,5 @@
 """The shipped default model (models/deepseek-v41-tiny): an HF checkpoint directory the V4.1
-loader reads, in the shape train-v41 trains, within the size the repository allows, as good
+loader reads, in the shape train trains, within the size the repository allows, as good
 on a held-out slice as its card records, and what every entry point serves by default."""
 
 from __future__ import annotations
