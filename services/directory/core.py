@@ -24,9 +24,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvmesh import errors
-from kvmesh.services.directory import scripts, validate
-from kvmesh.services.directory.config import DirectoryConfig
-from kvmesh.services.directory.model import (
+from kvmesh.directory_records import (
     EngineInfo,
     EngineLoad,
     Entry,
@@ -34,6 +32,8 @@ from kvmesh.services.directory.model import (
     LeaseGrant,
     SweepReport,
 )
+from kvmesh.services.directory import scripts, validate
+from kvmesh.services.directory.config import DirectoryConfig
 
 log = logging.getLogger("kvmesh.directory")
 

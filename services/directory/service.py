@@ -11,11 +11,11 @@ import asyncio
 import logging
 
 from kvmesh import errors, rpc
+from kvmesh.directory_records import EngineLoad, Entry
 from kvmesh.proto import directory_pb2 as pb
 from kvmesh.proto import directory_pb2_grpc as pb_grpc
 from kvmesh.services.directory.config import DirectoryConfig
 from kvmesh.services.directory.core import Directory
-from kvmesh.services.directory.model import EngineLoad, Entry
 
 log = logging.getLogger("kvmesh.directory")
 

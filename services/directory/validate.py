@@ -10,8 +10,8 @@ import ipaddress
 import re
 from collections.abc import Sequence
 
+from kvmesh.directory_records import Entry
 from kvmesh.errors import InvalidArgument
-from kvmesh.services.directory.model import Entry
 
 KEY_RE = re.compile(r"[0-9a-f]{32,128}")
 ENGINE_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")

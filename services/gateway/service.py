@@ -153,7 +153,7 @@ async def serve(cfg: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain: NOT_SERVING, in-flight calls get 5 s."""
     directory = None
     if cfg.directory:
-        from kvmesh.services.directory.client import DirectoryClient
+        from kvmesh.directory_client import DirectoryClient
 
         directory = DirectoryClient(cfg.directory)
     metrics = serve_metrics(cfg.metrics_port, cfg.host) if cfg.metrics_port >= 0 else None

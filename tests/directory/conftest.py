@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
+from kvmesh.directory_client import DirectoryClient
 from kvmesh.launch.backing.valkey import ValkeyProcess
-from kvmesh.services.directory.client import DirectoryClient
 from kvmesh.services.directory.config import DirectoryConfig
 from kvmesh.services.directory.service import DirectoryServer
 

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
+from kvmesh.directory_client import DirectoryClient
+from kvmesh.directory_records import Entry
 from kvmesh.launch.backing.proc import free_port, wait_port
-from kvmesh.services.directory.client import DirectoryClient
 from kvmesh.services.directory.config import DirectoryConfig
-from kvmesh.services.directory.model import Entry
 
 KEY = "cd" * 32
 

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from kvmesh import errors
-from kvmesh.services.directory.model import EngineLoad, Entry
+from kvmesh.directory_records import EngineLoad, Entry
 
 
 def key(i: int) -> str:

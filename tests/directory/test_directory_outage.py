@@ -9,8 +9,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh import errors
+from kvmesh.directory_records import Entry
 from kvmesh.launch.backing.valkey import ValkeyProcess
-from kvmesh.services.directory.model import Entry
 
 # With redis_timeout 1 s / connect 0.5 s / one retry, a refused connection fails
 # in milliseconds; the bound leaves room for a slow CI machine, not for a hang.

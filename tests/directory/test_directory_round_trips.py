@@ -18,9 +18,9 @@ import pytest
 import redis
 from redis.asyncio.connection import AbstractConnection
 
+from kvmesh.directory_records import Entry
 from kvmesh.launch.backing.valkey import ValkeyProcess
 from kvmesh.services.directory.core import CLIENT_NAME
-from kvmesh.services.directory.model import Entry
 
 
 def key(i: int) -> str:

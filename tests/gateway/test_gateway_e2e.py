@@ -156,8 +156,8 @@ def _directory_load(mesh, engine_id: str) -> int:
     new channel's handshake missed its 2 s deadline beside six busy streams and failed the test)."""
     import asyncio
 
+    from kvmesh.directory_client import DirectoryClient
     from kvmesh.errors import Unavailable
-    from kvmesh.services.directory.client import DirectoryClient
 
     async def engines():
         async with DirectoryClient(mesh.endpoints["directory"]) as d:
@@ -175,7 +175,7 @@ def _holders_of(gw, mesh, prefix: list[int], salt: str) -> set[str]:
     named from the engine's model info as the gateway names it."""
     import asyncio
 
-    from kvmesh.services.directory.client import DirectoryClient
+    from kvmesh.directory_client import DirectoryClient
     from kvmesh.services.gateway.core import ModelInfo
 
     with grpc.insecure_channel(mesh.endpoints["engine-a"]) as ch:

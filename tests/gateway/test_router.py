@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.services.directory.model import EngineInfo, EngineLoad, Holder
+from kvmesh.directory_records import EngineInfo, EngineLoad, Holder
 from kvmesh.services.gateway.router import Router
 
 A, B, C = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"

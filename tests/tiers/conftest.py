@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
+from kvmesh.directory_client import DirectoryClient
 from kvmesh.healthcheck import wait_healthy
 from kvmesh.launch.backing.proc import ManagedProcess, free_port
 from kvmesh.launch.backing.seaweed import start_seaweed_cluster
 from kvmesh.launch.backing.valkey import ValkeyProcess
-from kvmesh.services.directory.client import DirectoryClient
 from kvmesh.services.engine.rpc.client import EngineClient
 from kvmesh.services.kvstore.client import KvstoreClient
 from tests.loop import LoopThread

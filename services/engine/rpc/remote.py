@@ -174,7 +174,7 @@ class RemoteTiers(Hooks):
 
     # --- background jobs ----------------------------------------------------------------
     async def _heartbeats(self) -> None:
-        from kvmesh.services.directory.model import EngineLoad
+        from kvmesh.directory_records import EngineLoad
 
         restarted = True
         while True:
@@ -203,7 +203,7 @@ class RemoteTiers(Hooks):
             self.publishes.put_nowait(("publish", key, pos, size))
 
     async def _publisher(self) -> None:
-        from kvmesh.services.directory.model import Entry
+        from kvmesh.directory_records import Entry
 
         while True:
             batch = await next_batch(self.publishes, 256)

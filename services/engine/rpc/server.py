@@ -97,7 +97,7 @@ async def _remote(engine, port, engine_id, advertise, directory, kvstore, fetch_
     address = f"{host}:{port}" if advertise.endswith(":0") else advertise
     dir_client = kv_client = None
     if directory:
-        from kvmesh.services.directory.client import DirectoryClient
+        from kvmesh.directory_client import DirectoryClient
 
         dir_client = DirectoryClient(directory)
     if kvstore:

@@ -20,9 +20,9 @@ from collections.abc import Iterable, Sequence
 import grpc
 
 from kvmesh import errors, rpc
+from kvmesh.directory_records import EngineInfo, EngineLoad, Entry, Holder, LeaseGrant
 from kvmesh.proto import directory_pb2 as pb
 from kvmesh.proto import directory_pb2_grpc as pb_grpc
-from kvmesh.services.directory.model import EngineInfo, EngineLoad, Entry, Holder, LeaseGrant
 
 log = logging.getLogger("kvmesh.directory.client")
 
