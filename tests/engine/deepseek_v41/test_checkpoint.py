@@ -95,6 +95,26 @@ def test_an_engram_checkpoint_is_refused_at_load_naming_the_feature(tmp_path):
         load_model(tmp_path, torch.float32)
 
 
+def test_the_parts_it_does_not_serve_are_named_at_load_and_left_out(tmp_path, caplog):
+    """A release's DSpark draft layers (mtp.*) and image routing biases are not read: the
+    text model loads without them, and the load says what it leaves out."""
+    from safetensors.torch import load_file, save_file
+
+    _, meant = tiny.save_release(NAME, tmp_path, quantized=False, shards=1)
+    (file,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors |= {"mtp.0.e_proj.weight": torch.zeros(4, 4), "mtp.0.norm.weight": torch.ones(4),
+                "layers.0.ffn.gate.bias_vl": torch.zeros(4), "visual.patch.weight": torch.ones(2)}
+    save_file(tensors, str(file))
+    with caplog.at_level("WARNING"):
+        cfg, weights = load_v41_checkpoint(tmp_path, torch.float64)
+    assert weights.keys() == meant.keys()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("the DSpark draft layers" in s and ": 2 tensors" in s for s in said), said
+    assert any("routing biases" in s and ": 1 tensor" in s for s in said), said
+    assert any("other tensors (such as visual.patch.weight): 1 tensor" in s for s in said), said
+
+
 def test_a_gateway_renders_chat_in_deepseeks_encoding_for_a_v41_tokenizer(release):
     from kvmesh.services.gateway.openai_api.chat import deepseek_v4_template, load_template
     directory, _, _ = release

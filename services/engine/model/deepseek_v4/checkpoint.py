@@ -119,7 +119,13 @@ def load_v41_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float3
     rank's share, as load_checkpoint."""
     directory = _directory(directory)
     cfg = read_v41_config(directory)
-    return cfg, _load(directory, cfg, lambda plan: v41_names.expected_shapes(cfg), dtype,
+
+    def expected(plan) -> dict[str, tuple[int, ...]]:
+        for line in v41_names.unserved(plan, cfg):     # served without them: say so once
+            log.warning("%s: not used by kvmesh: %s", directory, line)
+        return v41_names.expected_shapes(cfg)
+
+    return cfg, _load(directory, cfg, expected, dtype,
                       lambda name: v41_names.describe(cfg, name), split)
 
 

@@ -62,3 +62,27 @@ def describe(cfg: V41Config, name: str) -> str:
     roles = [role for role, ids in (("KV source", cfg.kv_sources),
                                     ("index source", cfg.index_sources)) if i in ids]
     return f"layer {i} (compress ratio {cfg.ratio(i)}{', ' + ', '.join(roles) if roles else ''})"
+
+
+# The release's tensors kvmesh does not read, by what they belong to (see the docstring).
+UNSERVED = (("mtp.", "the DSpark draft layers (--speculative dspark is not served; n-gram "
+                     "speculation works)"),
+            ("gate.bias_vl", "the image tokens' routing biases (images are refused)"))
+
+
+def unserved(plan_names, cfg: V41Config) -> list[str]:
+    """What a checkpoint holds beyond the text model kvmesh serves: one line per part, with
+    its tensor count ("the DSpark draft layers (...): 57 tensors"), others by a first name."""
+    expected = expected_shapes(cfg)
+    counts: dict[str, int] = {}
+    for name in plan_names:
+        if name in expected:
+            continue
+        part = next((what for prefix, what in UNSERVED
+                     if name.startswith(prefix) or name.endswith(prefix)), None)
+        key = part or f"other tensors (such as {name})"
+        counts[key] = counts.get(key, 0) + 1
+    others = [k for k in counts if k.startswith("other tensors")]
+    for k in others[1:]:                     # one line for every other tensor
+        counts[others[0]] += counts.pop(k)
+    return [f"{part}: {n} tensor{'s' if n > 1 else ''}" for part, n in counts.items()]
