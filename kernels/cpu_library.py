@@ -127,15 +127,12 @@ def load() -> ctypes.CDLL | None:
         return lib
 
 
-def library(t: torch.Tensor, dtypes=(torch.float32, torch.float64)) -> ctypes.CDLL | None:
+def library(t: torch.Tensor) -> ctypes.CDLL | None:
     """The compiled library for work on `t`, or None where the caller takes its torch path:
-    not a CPU tensor of one of `dtypes` (None: any), under autograd (no backward here),
-    KVMESH_KERNELS set (torch or triton forced take their own paths), or no library. The one
-    gate of every caller (kernels/mxfp8.py), asked on every kernel
-    call: `is_cpu` reads a flag where `device.type` builds a device object (0.04 against
-    0.25 us)."""
-    if not t.is_cpu or t.requires_grad or (dtypes is not None and t.dtype not in dtypes):
-        return None
-    if dispatch.forced() is not None:
+    not a CPU tensor, under autograd (no backward here), KVMESH_KERNELS set (torch or triton
+    forced take their own paths), or no library. The one gate of every caller
+    (kernels/mxfp8.py), asked on every kernel call: `is_cpu` reads a flag where
+    `device.type` builds a device object (0.04 against 0.25 us)."""
+    if not t.is_cpu or t.requires_grad or dispatch.forced() is not None:
         return None
     return load()

@@ -123,7 +123,7 @@ def _quantize_values_c(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     values bit for bit, tested), where the torch path is some twenty calls per layer on
     [rows, D / 32, 32] (~0.2 ms a layer at 1 to 32 rows, 1 thread). None: not done here
     (cpu_library.library: no library, KVMESH_KERNELS set, not on the CPU, autograd)."""
-    lib = cpu_library.library(x, dtypes=None)
+    lib = cpu_library.library(x)
     if lib is None:
         return None
     d = x.shape[-1]

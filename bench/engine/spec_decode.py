@@ -73,9 +73,9 @@ def run(model, tok, method: str, prompts: list[list[int]], params: SamplingParam
     batch = len(prompts)
     spec, _, policy = method.partition(" ")
     core = Engine(model, EngineConfig(num_slots=batch, max_running=batch, num_blocks=256,
-                                        max_batched_tokens=4096, speculative=spec,
-                                        spec_policy=policy or "adaptive", swa_policy="zero"),
-                    tok, name="spec-decode")
+                                      max_batched_tokens=4096, speculative=spec,
+                                      spec_policy=policy or "adaptive", swa_policy="zero"),
+                  tok, name="spec-decode")
     reqs = [core.add_request(p, params) for p in prompts]
     busy, generated = 0.0, 0
     while core.has_work:

@@ -150,7 +150,7 @@ def choose_model(args) -> None:
 
 
 def build_core(args, split=None) -> Engine:
-    """A Engine serving the DeepSeek V4 or V4.1 checkpoint in --model DIR (default the
+    """An Engine serving the DeepSeek V4 or V4.1 checkpoint in --model DIR (default the
     shipped model; by its config's model_type), with its tokenizer; given a split
     (parallel.Split, its process group started), over this rank's share of the model.
     torch is imported here, not at module import: `kvmesh --help` and the remote

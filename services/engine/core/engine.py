@@ -81,7 +81,7 @@ class Engine:
                              f"{model.cfg.vocab_size}")
         self.ledgers = self.path.ledgers
         self.prefix = PrefixReuse(self.ledgers, self.cfg.fingerprint(), self.path.period,
-                               ecfg.snapshot_bytes, ecfg.snapshot_ttl_min, self.path.snapshots)
+                                  ecfg.snapshot_bytes, ecfg.snapshot_ttl_min, self.path.snapshots)
         self.hooks = Hooks()
         # through a weak proxy: callbacks holding the engine made a cycle
         me = weakref.proxy(self)
@@ -121,10 +121,10 @@ class Engine:
         seed = params.seed if params.seed is not None else request_seed
         seed = random.getrandbits(62) if seed is None else seed
         req = Request(request_id, list(prompt_ids[:n_prompt]), params, seed, salt,
-                        traffic_class, handoff, output=list(prompt_ids[n_prompt:]),
-                        prefetched=prefetched,
-                        # hashed for the prefetch from these very ids and salt: the chain's start
-                        chain=list(prefetched.hashes) if prefetched else [])
+                      traffic_class, handoff, output=list(prompt_ids[n_prompt:]),
+                      prefetched=prefetched,
+                      # hashed for the prefetch from these very ids and salt: the chain's start
+                      chain=list(prefetched.hashes) if prefetched else [])
         if req.max_blocks() > self.ecfg.num_blocks:
             raise InvalidArgument(f"prompt + max_tokens need {req.max_blocks()} cache blocks, "
                                   f"this engine has {self.ecfg.num_blocks} x {BLOCK} tokens")
@@ -392,7 +392,7 @@ class Engine:
         if h.request_id in self.requests:
             raise InvalidArgument(f"request_id {h.request_id!r} is already running")
         req = Request(h.request_id, list(h.prompt), h.params, h.seed, h.salt, h.traffic_class,
-                        output=list(h.output), chain=list(h.slot.hashes))
+                      output=list(h.output), chain=list(h.slot.hashes))
         owed = sum(r.max_blocks() - len(r.seq.blocks) for r in self.running)
         if len(self.running) >= self.ecfg.max_running or \
                 not ledger_handoff.room(self.ledgers, h.slot, owed, req.max_blocks()):

@@ -1,13 +1,13 @@
 """Prefill/decode handoff, the engine side: what leaves a prefill engine, what a decode
 engine adopts, and the prefill engine's store of handoffs waiting to be fetched.
 
-    prefill engine (PE)                                   decode engine (CE)
+    prefill engine (PE)                                  decode engine (CE)
     add_request(handoff=True)
     prefill, sample the first token
-    ledger_handoff.export: request + slot + blocks            Engine.adopt(handoff)
-      (rings re-laid 396 -> 134, blocks, hashes)             handoff_problem: fingerprints,
-    HandoffStore.put; the request finishes (HANDOFF)         sizes; ledger_handoff.adopt: slot,
-    ...FetchHandoff (rpc/handoff_transfer.py) -> bytes ---------->    blocks, decoding at once
+    ledger_handoff.export: request + slot + blocks       Engine.adopt(handoff)
+      (rings re-laid 396 -> 134, blocks, hashes)           handoff_problem: fingerprints,
+    HandoffStore.put; the request finishes (HANDOFF)       sizes; ledger_handoff.adopt: slot,
+    ...FetchHandoff (rpc/handoff_transfer.py) -> bytes -->  blocks, decoding at once
 
 Sampling draws from (seed, token index) only (sampling.py), so the seed and the
 output so far are the whole sampling state; the CE rebuilds the stop-string state
@@ -35,7 +35,7 @@ class Handoff:
     seed: int                        # the request's seed: with len(output), the generator position
     salt: str
     traffic_class: str
-    layout_fp: str                   # the stored-window layout (snapshot_keys.layout_fingerprint)
+    layout_fp: str                   # the stored-window layout (cachekeys.layout_fingerprint)
     model_fp: str
     slot: SlotHandoff
 

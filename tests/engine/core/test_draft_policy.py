@@ -168,8 +168,8 @@ def run_engine(model, tok, prompts, params, speculative: str):
     """The requests to the end; with speculation, the policy's costs flip every 3 steps.
     -> (outputs, per request the set of {drafted, plain} its decode steps were)."""
     core = Engine(model, EngineConfig(num_slots=4, max_running=4, num_blocks=64,
-                                        max_batched_tokens=4096, speculative=speculative,
-                                        swa_policy="zero"), tok, name="policy")
+                                      max_batched_tokens=4096, speculative=speculative,
+                                      swa_policy="zero"), tok, name="policy")
     policy = core.spec.policy
     policy.step_done = lambda *a: None                      # no real timing
     seen: dict[str, set[str]] = {}

@@ -13,8 +13,8 @@ from kvmesh.services.engine.core.request import Request
 ENGINE = Path(__file__).resolve().parents[3] / "services" / "engine"
 WRITERS = {
     "core/engine.py": {"output", "finish", "seq", "registered", "snapshot_at", "replay",
-                          "prefetched", "cached_tokens", "replayed_tokens", "cut",
-                          "scheduled_s"},
+                       "prefetched", "cached_tokens", "replayed_tokens", "cut",
+                       "scheduled_s"},
 }
 # set at construction and never assigned again (`chain` grows in place through
 # cachekeys.extend_chain, called by PrefixReuse on Engine's behalf)

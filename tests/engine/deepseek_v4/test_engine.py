@@ -36,7 +36,7 @@ def checkpoint(name: str, directory):
 
 
 def engine(directory, *flags: str) -> Engine:
-    """A Engine built from these flags, float64 unless they say otherwise."""
+    """An Engine built from these flags, float64 unless they say otherwise."""
     return serve_core("--model", str(directory), "--dtype", "float64", *flags)
 
 

@@ -1,4 +1,4 @@
-"""A Engine over a model split across 2 gloo ranks, run in lockstep (core/lockstep.py):
+"""An Engine over a model split across 2 gloo ranks, run in lockstep (core/lockstep.py):
 rank 0's engine and rank 1's stay the same (every step's events equal, unseeded sampling
 included), and both give what one process's engine over the unsplit model gives: greedy and
 seeded sampling, a prefix hit after a finished request (a snapshot hit under
@@ -42,10 +42,9 @@ def handoff(policy: str, slo_ms: float, speculative: str, spec_policy: str):
     """A request prefilled by an unsplit prefill engine and handed off (PD): its Handoff."""
     cfg, weights = tiny(speculative != "off", vocab_size=VOCAB)
     pe = Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
-                  dataclasses.replace(config(policy, slo_ms, speculative, spec_policy),
-                                      role="prefill",
-                                      extra_state=True),
-                  ByteTokenizer(), NAME)
+                dataclasses.replace(config(policy, slo_ms, speculative, spec_policy),
+                                    role="prefill", extra_state=True),
+                ByteTokenizer(), NAME)
     pe.add_request(prompt(200, 9), GREEDY, "pd", handoff=True)
     events = []
     while pe.has_work:
@@ -102,7 +101,7 @@ def rank_main(split, policy: str, slo_ms: float, speculative: str, spec_policy: 
     model = ParallelV4Model(cfg, shard_weights(cfg, weights, split), torch.float64, split,
                             Groups(split), stored=True, rows="exact")
     engine = Engine(model, config(policy, slo_ms, speculative, spec_policy), ByteTokenizer(),
-                      NAME)
+                    NAME)
     # each rank measures its own step costs: rank 0 rows nearly free (drafting pays), rank 1
     # rows dear (it would not draft). Only rank 0's may decide.
     row_s = 0.0001 if split.rank == 0 else 0.05
@@ -143,8 +142,8 @@ def test_a_split_engine_in_lockstep_serves_what_one_process_does(tmp_path, polic
     would run other rows than rank 0 and meet it in mismatched collectives)."""
     cfg, weights = tiny(speculative != "off", vocab_size=VOCAB)
     alone = scenario(Engine(V4Model(cfg, weights, torch.float64, stored=True, rows="exact"),
-                              config(policy, slo_ms, speculative, spec_policy), ByteTokenizer(),
-                              NAME),
+                            config(policy, slo_ms, speculative, spec_policy), ByteTokenizer(),
+                            NAME),
                      handoff(policy, slo_ms, speculative, spec_policy))
     split = ranks.run(rank_main, (policy, slo_ms, speculative, spec_policy, str(tmp_path)), 2, 1)
     with open(tmp_path / "rank1.pkl", "rb") as f:

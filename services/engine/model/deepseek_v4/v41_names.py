@@ -75,14 +75,16 @@ def unserved(plan_names, cfg: V41Config) -> list[str]:
     its tensor count ("the DSpark draft layers (...): 57 tensors"), others by a first name."""
     expected = expected_shapes(cfg)
     counts: dict[str, int] = {}
+    other: list[str] = []
     for name in plan_names:
         if name in expected:
             continue
         part = next((what for prefix, what in UNSERVED
                      if name.startswith(prefix) or name.endswith(prefix)), None)
-        key = part or f"other tensors (such as {name})"
-        counts[key] = counts.get(key, 0) + 1
-    others = [k for k in counts if k.startswith("other tensors")]
-    for k in others[1:]:                     # one line for every other tensor
-        counts[others[0]] += counts.pop(k)
+        if part is None:
+            other.append(name)
+        else:
+            counts[part] = counts.get(part, 0) + 1
+    if other:
+        counts[f"other tensors (such as {other[0]})"] = len(other)
     return [f"{part}: {n} tensor{'s' if n > 1 else ''}" for part, n in counts.items()]
