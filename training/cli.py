@@ -1,5 +1,6 @@
-"""`kvmesh train` (the shipped DeepSeek V4.1 model on code and English), `kvmesh
-train-tokenizer` (its BPE tokenizer) and `kvmesh train-eval` (measure a checkpoint)."""
+"""`kvmesh train` (the shipped DeepSeek V4.1 model on code and English), `kvmesh train-mtp`
+(its MTP drafter, the trunk frozen), `kvmesh train-tokenizer` (its BPE tokenizer) and
+`kvmesh train-eval` (measure a checkpoint)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,18 @@ V41_HELP = {
 }
 
 
+MTP_HELP = {
+    **HELP,
+    "out": "run directory: the trunk's checkpoint with the MTP module added (config.json, "
+           "model.safetensors, the tokenizer files) plus state.pt, tokens.pt and train.log",
+    "trunk": "the trained DeepSeek V4.1 checkpoint directory the module drafts for (its "
+             "weights stay frozen); required",
+    "seq_len": "tokens per training sequence",
+    "english_fraction": V41_HELP["english_fraction"],
+    "chat_fraction": V41_HELP["chat_fraction"],
+}
+
+
 def _add_fields(p, cls, helps) -> None:
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -69,6 +82,13 @@ def register(sub) -> None:
                        "English (CPU)")
     _add_fields(v, V41TrainArgs, V41_HELP)
     v.set_defaults(func=_train_v41)
+
+    from kvmesh.training.v41_mtp import MtpTrainArgs
+
+    m = sub.add_parser("train-mtp", help="train kvmesh's MTP module (the drafter of "
+                       "--speculative mtp:K) on a trained DeepSeek V4.1 checkpoint (CPU)")
+    _add_fields(m, MtpTrainArgs, MTP_HELP)
+    m.set_defaults(func=_train_mtp)
 
     e = sub.add_parser("train-eval", help="held-out bits/byte, unigram baseline, context beyond the window")
     e.add_argument("checkpoint", help="a DeepSeek V4.1 checkpoint directory (code and English "
@@ -114,6 +134,12 @@ def _train_v41(args) -> int:
     from kvmesh.training.v41_loop import V41TrainArgs, train_v41
 
     return _run("kvmesh train", V41TrainArgs, train_v41, args)
+
+
+def _train_mtp(args) -> int:
+    from kvmesh.training.v41_mtp import MtpTrainArgs, train_mtp
+
+    return _run("kvmesh train-mtp", MtpTrainArgs, train_mtp, args)
 
 
 def _run(command: str, args_cls, fn, args) -> int:

@@ -86,7 +86,8 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
                         "its first token; a decode engine keeps the 134 ring")
     g.add_argument("--speculative", default="off",
                    help="speculative decoding: off | ngram:K (prompt lookup) | mtp:K (needs "
-                        "mtp.* weights), K <= B drafts per step; requests may ask for off or a "
+                        "an MTP module: DeepSeek V4's mtp.* tensors, or kvmesh's kvmesh_mtp.* "
+                        "on V4.1, as the shipped model has), K <= B drafts per step; requests may ask for off or a "
                         "smaller K")
     g.add_argument("--spec-policy", choices=SPEC_POLICIES, default="adaptive",
                    help="adaptive: each step drafts only where the measured verify cost and the "

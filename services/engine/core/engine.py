@@ -26,8 +26,9 @@ rejected ones are taken back (ledgers.rollback, at most 6) before any block is r
 --role prefill / decode hand a request from a prefill engine (rings of 396 rows with
 --extra-state) to a decode engine after its first token (core/ledger_handoff.py).
 
---speculative mtp:K drafts from the checkpoint's MTP module (core/mtp_draft.py), fed
-the trunk's last streams of every committed position.
+--speculative mtp:K drafts from the checkpoint's MTP module (core/mtp_draft.py; V4's
+`mtp.*`, or kvmesh's own `kvmesh_mtp.*` on V4.1), fed the trunk's last streams of every
+committed position.
 
 Prefill truncation (--truncation mask | compact) runs on V4.1 checkpoints (core/model_paths.py);
 a DeepSeek V4 checkpoint refuses it at start-up, naming the flag.
@@ -65,7 +66,7 @@ from kvmesh.services.engine.core.sampling import (
 )
 from kvmesh.services.engine.core.speculative import Speculator, engine_setting
 from kvmesh.services.engine.core.step_budget import StepBudget
-from kvmesh.services.engine.model.deepseek_v4 import layout, ledgers, mtp
+from kvmesh.services.engine.model.deepseek_v4 import layout, ledgers
 from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
 from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
@@ -97,9 +98,9 @@ class Engine:
         # deterministic: timing-sized chunks would change fp32 results between runs
         self.step_budget = StepBudget(0.0 if ecfg.deterministic else ecfg.step_slo_ms)
         # speculative decoding: ngram:K, K <= the 6 tokens a slot can take back
-        setting = engine_setting(ecfg.speculative, layout.BACKTRACK, mtp.has_mtp(model.weights))
-        drafter = MtpDrafter(mtp.MtpModule(model), model.cfg.window) \
-            if setting.method == "mtp" else None
+        module = self.path.mtp() if ecfg.speculative.startswith("mtp") else None
+        setting = engine_setting(ecfg.speculative, layout.BACKTRACK, module is not None)
+        drafter = MtpDrafter(module, model.cfg.window) if module is not None else None
         self.spec = Speculator(setting, ecfg.ngram_min, ecfg.ngram_max, drafter,
                                adaptive=ecfg.spec_policy == "adaptive" and not ecfg.deterministic)
         # handoffs waiting for a decode engine to fetch them (prefill engines)
@@ -178,10 +179,11 @@ class Engine:
         other = len(replaying) + sum(len(ids) for r, ids in works if r.pending != 1)
         verifying: list[tuple[Request, list[int], torch.Tensor, tuple]] = []
         if works:
-            starts = [r.seq.length for r, _ in works]
+            ends = [r.seq.length + len(ids) for r, ids in works]
             outs, streams = self._forward(works)
-            for (req, ids), out, start, h in zip(works, outs, starts, streams, strict=True):
+            for (req, ids), out, end, h in zip(works, outs, ends, streams, strict=True):
                 self.counters["computed_tokens"] += len(ids)
+                start = end - len(h)         # the rows past a V4.1 truncation cut, if any
                 if len(ids) > 1 and req.request_id in drafts:     # committed once judged
                     verifying.append((req, ids[1:], out, (start, h)))
                     continue
@@ -211,7 +213,7 @@ class Engine:
 
     def _forward(self, works: list[tuple[Request, list[int]]]):
         """One ledger step over the works: each one's logits, and its last layer's streams
-        (what the MTP drafter reads; V4.1 has none). A prompt chunk carries its request's
+        (what the MTP drafter reads; past a cut only). A prompt chunk carries its request's
         decoder cut (V4.1 truncation), a decode row none."""
         return self.path.forward([(r.seq, ids) for r, ids in works],
                                  [r.cut if r.pending > 1 else None for r, _ in works])

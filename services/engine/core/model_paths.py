@@ -9,6 +9,7 @@ owning the engine's ledgers and the calls that depend on the family.
     cut(n)       where a prompt of n tokens starts its decoder (V4.1 truncation), or None
     forward      one ledger step: each work's logits and last-layer streams (MTP's input)
     replay       the bounded replay of a block hit without a snapshot
+    mtp()        the MTP module `--speculative mtp:K` drafts with, or None without one
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from __future__ import annotations
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.model.deepseek_v4 import (
     ledgers,
+    mtp,
     snapshots,
     v41_ledgers,
+    v41_mtp,
     v41_snapshots,
     window_rows,
 )
 from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.model.deepseek_v4.v41_mtp import V41MtpModule
 
 
 class V4Path:
@@ -46,14 +50,24 @@ class V4Path:
     def replay(self, seq, tokens, hit: int, cut: int | None):
         return ledgers.replay(self.model, self.ledgers, seq, tokens, hit)
 
+    def mtp(self) -> mtp.MtpModule | None:
+        return mtp.MtpModule(self.model) if mtp.has_mtp(self.model.weights) else None
+
 
 class V41Path:
     snapshots = v41_snapshots
 
     def __init__(self, model: V41Model, ecfg: EngineConfig):
         if ecfg.speculative.startswith("mtp"):
-            raise ValueError("speculative: DeepSeek V4.1 drafts with its DSpark layers, which "
-                             "kvmesh does not serve yet; use ngram:K or off")
+            if not v41_mtp.has_mtp(model.weights):
+                raise ValueError("speculative: mtp on DeepSeek V4.1 drafts with kvmesh's MTP "
+                                 "module (kvmesh_mtp.* tensors: `kvmesh train-mtp` adds one), "
+                                 "and this checkpoint has none (the release's DSpark layers, "
+                                 "which kvmesh does not serve yet, are another drafter); use "
+                                 "ngram:K or off")
+            if model.cfg is not model.whole:
+                raise ValueError("speculative: mtp is not served on a DeepSeek V4.1 engine split "
+                                 "over ranks yet; use ngram:K or off")
         ecfg.check_model(model.whole)    # KEEP >= W + B under truncation
         self.model = model
         self.ledgers = v41_ledgers.V41Ledgers(model.whole, ecfg.num_slots, ecfg.num_blocks,
@@ -73,11 +87,15 @@ class V41Path:
         return None
 
     def forward(self, works, cuts):
-        outs = v41_ledgers.step(self.model, self.ledgers, works, cuts, self.mode)
-        return outs, [None] * len(outs)
+        # under truncation a chunk's streams are those of the rows past its cut only
+        return v41_ledgers.step(self.model, self.ledgers, works, cuts, self.mode,
+                                streams_too=True)
 
     def replay(self, seq, tokens, hit: int, cut: int | None):
         return v41_ledgers.replay(self.model, self.ledgers, seq, tokens, hit, cut, self.mode)
+
+    def mtp(self) -> V41MtpModule | None:
+        return V41MtpModule(self.model) if v41_mtp.has_mtp(self.model.weights) else None
 
 
 def model_path(model: V4Model | V41Model, ecfg: EngineConfig) -> V4Path | V41Path:

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 _FP8 = (torch.float8_e4m3fn,)
 _PACKED = (torch.int8, torch.uint8)
+# MTP modules are read whole on every rank of a split engine (parallel.py)
+MTP_PREFIXES = ("mtp.", v41_names.MTP)
 
 
 def tensor_files(directory: Path) -> dict[str, Path]:
@@ -159,7 +161,7 @@ def _load(directory: Path, cfg, expected_of, dtype: torch.dtype, what,
             stored = pieces[0][2]
             raise CheckpointError(f"{reader.files[stored]}: tensor {stored} has shape "
                                   f"{list(value.shape)}, expected {list(want)}")
-        if split is not None and not name.startswith("mtp."):
+        if split is not None and not name.startswith(MTP_PREFIXES):
             value = parallel.shard(name, value, cfg, split, experts_cut=True)
         weights[name] = _cast(name, value, dtype)
     unused = sorted(set(plan) - set(expected))
@@ -179,7 +181,7 @@ def _held_rows(name: str, cfg, split: Split | None) -> range | None:
 
 def _shares(expected: dict, cfg, split: Split) -> dict:
     """The shapes of a rank's shares (for the memory check), cut on the meta device."""
-    return {name: shape if name.startswith("mtp.") else
+    return {name: shape if name.startswith(MTP_PREFIXES) else
             tuple(parallel.shard(name, torch.empty(shape, device="meta"), cfg, split).shape)
             for name, shape in expected.items()}
 

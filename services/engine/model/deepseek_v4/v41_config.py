@@ -18,6 +18,8 @@ index sources choose only inside them. On V4.1-Flash (40 layers):
 
 The text model sits under `text_config` (the vision tower's config beside it is not read:
 kvmesh serves text). Engram layers are refused at load; DSpark draft layers are not read.
+`kvmesh_mtp_layers: 1` is kvmesh's own field: the checkpoint carries a V4-style MTP module
+under `kvmesh_mtp.0.` (v41_mtp.py), which `--speculative mtp:K` drafts with.
 Every problem is a `CheckpointError` naming the field.
 """
 
@@ -75,6 +77,7 @@ class V41Config:
     max_position: int = 1048576
     quantization: dict | None = None
     engram_layers: tuple[int, ...] = ()    # only in a config read for sizing (serving=False)
+    mtp_layers: int = 0                    # kvmesh's own MTP module (v41_mtp.py): 0 or 1
 
     def __post_init__(self):
         def bad(msg: str):
@@ -126,6 +129,9 @@ class V41Config:
         check_shared_sizes(self)
         if self.window <= 0 or self.index_topk <= 0:
             bad("sliding_window and index_topk must be positive")
+        if self.mtp_layers not in (0, 1):
+            bad(f"kvmesh_mtp_layers = {self.mtp_layers}: expected 0 or 1 (one MTP module, "
+                "chained for deeper drafts)")
 
     @property
     def num_layers(self) -> int:
@@ -225,7 +231,8 @@ def v41_config_from_dict(raw: dict, serving: bool = True) -> V41Config:
         bos_token_id=text.get("bos_token_id", 0),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         max_position=_int(text, "max_position_embeddings", 1048576),
-        quantization=_quantization(text), engram_layers=tuple(engram))
+        quantization=_quantization(text), engram_layers=tuple(engram),
+        mtp_layers=_int(text, "kvmesh_mtp_layers", 0))
 
 
 def _ids(raw: dict, key: str) -> tuple[int, ...]:

@@ -416,6 +416,11 @@ class V41Model:
         "compact" drops the other rows there and returns logits for the kept ones; "mask"
         runs every row but no kept row attends a window row below them (the dropped rows'
         logits are returned too, and mean nothing)."""
+        return self.head(*self._stack(ids, keep, mode))
+
+    def _stack(self, ids: torch.Tensor, keep: int | None = None, mode: str = "compact",
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits` before the head: the last layer's streams and its MoE's `pre`."""
         ids = ids.reshape(-1).long()
         positions = torch.arange(ids.shape[0])
         start = self.cfg.decoder_start
@@ -434,7 +439,13 @@ class V41Model:
                                                        floor=layer_floor, rows=rows)
             if rows is not None:
                 positions = positions[rows]
-        return self.head(streams, pre)
+        return streams, pre
+
+    @torch.no_grad()
+    def final_streams(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [S] -> the last layer's streams [S, n, D] and its MoE's `pre` [S, n] (what
+        `head` collapses; the streams are what kvmesh's MTP module reads), nothing cut."""
+        return self._stack(ids)
 
 
 def _sub(w: dict, prefix: str) -> dict:

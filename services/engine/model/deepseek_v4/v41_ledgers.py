@@ -110,14 +110,18 @@ class V41Ledgers(LedgerBook):
 
 @torch.no_grad()
 def step(model: V41Model, led: V41Ledgers, works: list[tuple[Sequence, list[int]]],
-         decoder_from: list[int | None] | None = None, mode: str = "compact") -> list[torch.Tensor]:
+         decoder_from: list[int | None] | None = None, mode: str = "compact",
+         streams_too: bool = False):
     """One forward over several sequences' next tokens (decode rows and prefill chunks
     together, one sequence once): per-token work runs over all rows; the decode rows read
     their rings, attend and write back together (v41_decode.py), other spans one at a time.
     decoder_from[k]: work k's decoder-side cut (prefill truncation: its decoder layers run on
     positions from there on; None: every position). Returns each work's logits [rows, vocab]
-    for the rows that went through every layer (all of them without a cut)."""
-    return _run(model, led, works, decoder_from or [None] * len(works), mode, None)
+    for the rows that went through every layer (all of them without a cut, else the work's
+    last ones); with `streams_too`, (logits, those rows' last-layer streams [rows, n, D]:
+    what kvmesh's MTP module reads)."""
+    logits, streams = _run(model, led, works, decoder_from or [None] * len(works), mode, None)
+    return (logits, streams) if streams_too else logits
 
 
 @torch.no_grad()
@@ -132,13 +136,14 @@ def replay(model: V41Model, led: V41Ledgers, seq: Sequence, prompt: list[int], h
         raise ValueError(f"replay: an empty sequence holding the {hit // BLOCK} blocks of a "
                          f"hit at a positive multiple of {BLOCK} below the prompt's length")
     seq.length = hit - BLOCK
-    (logits,) = _run(model, led, [(seq, prompt[hit - BLOCK:])], [decoder_from], mode, hit)
+    (logits,), _ = _run(model, led, [(seq, prompt[hit - BLOCK:])], [decoder_from], mode, hit)
     return logits
 
 
 def _run(model: V41Model, led: V41Ledgers, works, cuts: list[int | None], mode: str,
-         replay_hit: int | None) -> list[torch.Tensor]:
-    """`step`; with `replay_hit`, the one work is a replay from that block hit."""
+         replay_hit: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`step` (logits and streams); with `replay_hit`, the one work is a replay from that
+    block hit."""
     _check(model, led)
     cfg = model.cfg
     seqs, chunks = check_works(works)
@@ -195,8 +200,8 @@ def _run(model: V41Model, led: V41Ledgers, works, cuts: list[int | None], mode: 
         seq.length += chunk.shape[0]
     sizes = [pos.shape[0] for pos in positions]
     if streams.shape[0] == 0:
-        return [streams.new_zeros((0, cfg.vocab_size)) for _ in sizes]
-    return list(model.head(streams, pre).split(sizes))
+        return [streams.new_zeros((0, cfg.vocab_size)) for _ in sizes], list(streams.split(sizes))
+    return list(model.head(streams, pre).split(sizes)), list(streams.split(sizes))
 
 
 def _check(model: V41Model, led: V41Ledgers) -> None:

@@ -6,56 +6,83 @@ compressor only on KV sources (`wgate` only where the ratio pools), an indexer o
 sources (`wk` / `k_norm` only on those that are also KV sources), hyper-connection weights
 for both sub-blocks, and a score-routed MoE. There is no `hc_head`: the last MoE's `pre`
 collapses the streams for the head. The release's other tensors (`gate.bias_vl` for image
-tokens, the DSpark draft layers under `mtp.`, the vision tower) are not read.
+tokens, the DSpark draft layers under `mtp.`, the vision tower) are not read. A checkpoint
+with `kvmesh_mtp_layers: 1` also carries kvmesh's MTP module under `kvmesh_mtp.0.`.
 """
 
 from __future__ import annotations
 
 from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
 
+MTP = "kvmesh_mtp.0."     # kvmesh's MTP module (v41_mtp.py; DSpark's `mtp.` is the release's)
+
 
 def expected_shapes(cfg: V41Config) -> dict[str, tuple[int, ...]]:
-    D, n, V = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
-    H, d, r = cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
-    mix = (2 + n) * n
+    D, V = cfg.hidden_size, cfg.vocab_size
     out: dict[str, tuple[int, ...]] = {"embed.weight": (V, D), "head.weight": (V, D),
                                        "norm.weight": (D,)}
     for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        out.update({
-            p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,),
-            p + "hc_attn_fn": (mix, n * D), p + "hc_attn_base": (mix,), p + "hc_attn_scale": (3,),
-            p + "hc_ffn_fn": (mix, n * D), p + "hc_ffn_base": (mix,), p + "hc_ffn_scale": (3,),
-            p + "attn.attn_sink": (H,), p + "attn.wq_a.weight": (r, D),
-            p + "attn.q_norm.weight": (r,), p + "attn.wq_b.weight": (H * d, r),
-            p + "attn.wkv.weight": (d, D), p + "attn.kv_norm.weight": (d,),
-            p + "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
-            p + "attn.wo_b.weight": (D, cfg.o_groups * cfg.o_lora_rank),
-        })
-        if i in cfg.kv_sources:
-            c = p + "attn.compressor."
-            out.update({c + "wkv.weight": (d, D), c + "norm.weight": (d,)})
-            if cfg.ratio(i) > 1:
-                out[c + "wgate.weight"] = (d, D)
-        if i in cfg.index_sources:
-            x, ci = p + "attn.indexer.", cfg.index_head_dim
-            out.update({x + "wq_b.weight": (cfg.index_heads * ci, r),
-                        x + "weights_proj.weight": (cfg.index_heads, D)})
-            if i in cfg.kv_sources:
-                out.update({x + "wk.weight": (ci, d), x + "k_norm.weight": (ci,)})
-        E, inter = cfg.n_experts, cfg.moe_inter
-        out.update({
-            p + "ffn.gate.weight": (E, D), p + "ffn.gate.bias": (E,),
-            p + "ffn.experts.w13": (E, 2 * inter, D), p + "ffn.experts.w2": (E, D, inter),
-            p + "ffn.shared_experts.w1.weight": (inter, D),
-            p + "ffn.shared_experts.w2.weight": (D, inter),
-            p + "ffn.shared_experts.w3.weight": (inter, D),
-        })
+        out.update(_layer(cfg, f"layers.{i}.", i in cfg.kv_sources, i in cfg.index_sources,
+                          cfg.ratio(i) > 1))
+    if cfg.mtp_layers:
+        out.update(mtp_shapes(cfg))
+    return out
+
+
+def mtp_shapes(cfg: V41Config) -> dict[str, tuple[int, ...]]:
+    """kvmesh's MTP module: one window-only layer, its input projections and norms, its own
+    stream collapse for the head (V4's `hc_head`; the embedding and head are the model's)."""
+    D, n = cfg.hidden_size, cfg.hc_mult
+    out = _layer(cfg, MTP, False, False, False)
+    out.update({MTP + "e_proj.weight": (D, D), MTP + "h_proj.weight": (D, D),
+                MTP + "enorm.weight": (D,), MTP + "hnorm.weight": (D,), MTP + "norm.weight": (D,),
+                MTP + "hc_head_fn": (n, n * D), MTP + "hc_head_base": (n,),
+                MTP + "hc_head_scale": (1,)})
+    return out
+
+
+def _layer(cfg: V41Config, p: str, kv_source: bool, index_source: bool,
+           pools: bool) -> dict[str, tuple[int, ...]]:
+    """One layer's tensors under prefix p."""
+    D, n = cfg.hidden_size, cfg.hc_mult
+    H, d, r = cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
+    mix = (2 + n) * n
+    out: dict[str, tuple[int, ...]] = {
+        p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,),
+        p + "hc_attn_fn": (mix, n * D), p + "hc_attn_base": (mix,), p + "hc_attn_scale": (3,),
+        p + "hc_ffn_fn": (mix, n * D), p + "hc_ffn_base": (mix,), p + "hc_ffn_scale": (3,),
+        p + "attn.attn_sink": (H,), p + "attn.wq_a.weight": (r, D),
+        p + "attn.q_norm.weight": (r,), p + "attn.wq_b.weight": (H * d, r),
+        p + "attn.wkv.weight": (d, D), p + "attn.kv_norm.weight": (d,),
+        p + "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
+        p + "attn.wo_b.weight": (D, cfg.o_groups * cfg.o_lora_rank),
+    }
+    if kv_source:
+        c = p + "attn.compressor."
+        out.update({c + "wkv.weight": (d, D), c + "norm.weight": (d,)})
+        if pools:
+            out[c + "wgate.weight"] = (d, D)
+    if index_source:
+        x, ci = p + "attn.indexer.", cfg.index_head_dim
+        out.update({x + "wq_b.weight": (cfg.index_heads * ci, r),
+                    x + "weights_proj.weight": (cfg.index_heads, D)})
+        if kv_source:
+            out.update({x + "wk.weight": (ci, d), x + "k_norm.weight": (ci,)})
+    E, inter = cfg.n_experts, cfg.moe_inter
+    out.update({
+        p + "ffn.gate.weight": (E, D), p + "ffn.gate.bias": (E,),
+        p + "ffn.experts.w13": (E, 2 * inter, D), p + "ffn.experts.w2": (E, D, inter),
+        p + "ffn.shared_experts.w1.weight": (inter, D),
+        p + "ffn.shared_experts.w2.weight": (D, inter),
+        p + "ffn.shared_experts.w3.weight": (inter, D),
+    })
     return out
 
 
 def describe(cfg: V41Config, name: str) -> str:
     """What part of the config a tensor belongs to (for a missing-tensor error)."""
+    if name.startswith(MTP):
+        return "kvmesh's MTP module (kvmesh_mtp_layers)"
     if not name.startswith("layers."):
         return "model"
     i = int(name.split(".")[1])

@@ -1,0 +1,122 @@
+"""kvmesh's MTP module on a DeepSeek V4.1 engine (`kvmesh_mtp_layers: 1`, `--speculative
+mtp:K`).
+
+No outside implementation has this module (it is kvmesh's), so the tests hold what can be
+held: the loader reads `kvmesh_mtp.0.*` (experts one by one, as the release names a layer's)
+and names a missing tensor; every draft's logits equal the module run over the whole final
+sequence at once, from the trunk's whole-sequence streams (chained drafts included); output
+with MTP drafts is the reference's greedy output, token for token, with truncation off and
+under `compact` (where the prompt's first rows have no decoder streams to draft from).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvmesh.services.engine.core.mtp_draft import MtpDrafter
+from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
+from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
+from kvmesh.services.engine.model.deepseek_v4.v41_mtp import V41MtpModule
+from kvmesh.services.engine.model.deepseek_v4.v41_names import mtp_shapes
+from tests.engine.deepseek_v4.test_engine import engine, random_prompt, word_tokenizer
+from tests.engine.deepseek_v41 import tiny
+from tests.engine.deepseek_v41.test_engine import greedy, run
+
+TOKENS = 30
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("v41-mtp")
+    cfg, meant = tiny.save_release("flash_geometry", directory, quantized=False, shards=1,
+                                   kvmesh_mtp_layers=1)
+    word_tokenizer(directory)
+    return directory, V41Model(cfg, meant, torch.float64)
+
+
+def test_the_loader_reads_the_module_and_names_a_missing_tensor(saved, tmp_path):
+    directory, m = saved
+    cfg, weights = load_v41_checkpoint(directory, torch.float64)
+    assert cfg.mtp_layers == 1
+    got = {k: tuple(v.shape) for k, v in weights.items() if k.startswith("kvmesh_mtp.")}
+    assert got == mtp_shapes(cfg) and "kvmesh_mtp.0.ffn.experts.w13" in got
+    assert torch.equal(weights["kvmesh_mtp.0.ffn.experts.w2"], m.weights["kvmesh_mtp.0.ffn.experts.w2"])
+    state = load_file(str(directory / "model.safetensors"))
+    del state["kvmesh_mtp.0.e_proj.weight"]
+    for f in directory.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="kvmesh_mtp.0.e_proj.weight .*MTP module"):
+        load_v41_checkpoint(tmp_path, torch.float64)
+
+
+def _recorded_run(core, prompt, monkeypatch):
+    """Run one greedy request, recording each proposal: (the length it drafted at, the
+    drafts, each depth's logits)."""
+    seen, rows = [], []
+    real, real_logits = MtpDrafter.propose, V41MtpModule.logits
+
+    def logits(self, y):
+        out = real_logits(self, y)
+        rows.append(out[0].clone())
+        return out
+
+    def recording(self, wanted):
+        rows.clear()
+        out = real(self, wanted)
+        for req, _ in wanted:
+            if req.request_id in out:
+                seen.append((req.seq.length, list(out[req.request_id]), torch.stack(rows)))
+        return out
+    monkeypatch.setattr(MtpDrafter, "propose", recording)
+    monkeypatch.setattr(V41MtpModule, "logits", logits)
+    (output,) = run(core, [prompt], TOKENS)
+    monkeypatch.undo()
+    return output, seen
+
+
+def test_drafts_equal_the_module_over_the_whole_sequence(saved, monkeypatch):
+    directory, m = saved
+    core = engine(directory, "--speculative", "mtp:3", "--spec-policy", "always")
+    prompt = random_prompt(150, 1)
+    output, seen = _recorded_run(core, prompt, monkeypatch)
+    assert output == greedy(m, prompt, TOKENS)                     # lossless
+    stats = core.stats()
+    assert len(seen) >= 4 and stats["spec_drafted_tokens"] > 0     # (misses back off)
+    module = V41MtpModule(core.model)
+    tokens = torch.tensor(prompt + output)
+    trunk, _ = core.model.final_streams(tokens)
+    n = len(tokens)
+    y, parts = module.rows(torch.arange(n - 1), tokens[1:], trunk[:-1])
+    reference = module.logits(y)                   # row p predicts token p + 2
+    worst, chained = 0.0, 0
+    for end, drafts, q in seen:
+        worst = max(worst, (q[0] - reference[end - 1]).abs().max().item())
+        if len(drafts) > 1:                        # the chained row after it
+            prior = AttentionParts(None, parts.window_kv[:end], None, None, None)
+            y2, _ = module.rows(torch.tensor([end]), torch.tensor(drafts[:1]), y[end - 1:end],
+                                prior)
+            worst = max(worst, (q[1] - module.logits(y2)[0]).abs().max().item())
+            chained += 1
+    assert chained > 0 and worst <= 1e-9, worst
+
+
+def test_mtp_under_truncation_is_the_truncated_reference(saved):
+    directory, m = saved
+    prompt = random_prompt(300, 2)
+    core = engine(directory, "--speculative", "mtp:2", "--spec-policy", "always",
+                  "--truncation", "compact", "--keep-tokens", "140", "--long-prefill-chunk", "64")
+    assert run(core, [prompt], TOKENS) == [greedy(m, prompt, TOKENS, keep=140)]
+    assert core.stats()["spec_verify_steps"] > 0
+
+
+def test_mtp_needs_the_module(tmp_path):
+    tiny.save_release("flash_geometry", tmp_path, quantized=False, shards=1)
+    word_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="kvmesh's MTP module .*kvmesh train-mtp"):
+        engine(tmp_path, "--speculative", "mtp:2")
