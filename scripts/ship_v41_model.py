@@ -12,6 +12,13 @@ so the card never carries a number that was not measured.
 
 measures a shipped directory again (more windows, say) and re-renders its card, keeping its
 weights and training record.
+
+    python scripts/ship_v41_model.py --add-mtp MTP_RUN models/deepseek-v41-tiny --command "..."
+
+adds a `kvmesh train-mtp` run's MTP module to the shipped directory (refused unless the
+run's trunk tensors are the shipped ones, so the card's trunk numbers still hold), measures
+the module's held-out agreement with the trunk, writes mtp_training.json and
+train_mtp.log, and re-renders the card.
 """
 
 from __future__ import annotations
@@ -63,7 +70,89 @@ def slice_loss(directory: Path) -> float:
     return float(v41_evaluate.position_losses(V41Model(cfg, w, torch.float32), windows).mean())
 
 
-def card(m: dict, t: dict, cfg: dict) -> str:
+def _mtp_parts(directory: Path):
+    from tokenizers import Tokenizer
+
+    from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+    from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
+    from kvmesh.services.engine.model.deepseek_v4.v41_mtp import V41MtpModule
+
+    cfg, w = load_v41_checkpoint(directory, torch.float32)
+    model = V41Model(cfg, w, torch.float32)
+    return model, V41MtpModule(model), Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+
+def mtp_slice(directory: Path) -> dict:
+    """The MTP module on SLICE of the held-out code (what the test checks in seconds)."""
+    from kvmesh.training import data, v41_data
+    from kvmesh.training.v41_mtp import measure as mtp_agreement
+
+    model, module, tok = _mtp_parts(directory)
+    root, files = v41_data.sources()["code"]
+    windows = data.eval_windows(v41_data.encode(tok, root, data.split(files)[1]), *SLICE)
+    return {"windows": SLICE[0], "seq_len": SLICE[1], **mtp_agreement(module, model, windows)}
+
+
+def mtp_measure(directory: Path, windows: int, seq_len: int) -> dict:
+    """The MTP module's held-out agreement with the trunk's greedy token, its accuracy on the
+    text, and its loss, per kind (training/v41_mtp.measure), plus the quick slice."""
+    from kvmesh.training import data, v41_data
+    from kvmesh.training.v41_mtp import measure as mtp_agreement
+
+    model, module, tok = _mtp_parts(directory)
+    out: dict = {"windows": windows, "seq_len": seq_len,
+                 "parameters": sum(t.numel() for k, t in model.weights.items()
+                                   if k.startswith("kvmesh.mtp."))}
+    for kind, (root, files) in v41_data.sources().items():
+        stream = v41_data.encode(tok, root, data.split(files)[1], kind)
+        n = min(windows, len(stream) // (seq_len + 1))
+        out[kind] = {"windows": n, **mtp_agreement(module, model,
+                                                    data.eval_windows(stream, n, seq_len))}
+    out["slice"] = mtp_slice(directory)
+    return out
+
+
+def mtp_text(m: dict, t: dict | None) -> str:
+    """The card's section on the MTP module, when the directory has one."""
+    x = m.get("mtp")
+    if x is None or t is None:
+        return ""
+    a = t["args"]
+    rows = "\n".join(f"| {kind} | {x[kind]['windows']} x {x['seq_len']} | **{x[kind]['agree']:.3f}** "
+                     f"| {x[kind]['accuracy']:.3f} | {x[kind]['loss']:.3f} |"
+                     for kind in ("code", "english", "chat"))
+    stopped = ("" if t["step"] >= t["steps_planned"] else
+               f" (of {t['steps_planned']} planned: stopped by the {a['time_budget_min']:g}-minute "
+               "time budget)")
+    return f"""
+## MTP module (kvmesh's own, for `--speculative mtp:K`)
+
+V4.1 as released drafts with DSpark layers, which kvmesh does not serve; this model carries
+kvmesh's MTP module instead (`"kvmesh": {"mtp_layers": 1}`, tensors under `kvmesh.mtp.0.`,
+{x['parameters'] / 1e6:.2f}M parameters): one window-only V4.1 layer with a routed MoE
+that reads the trunk's last streams at position i and the embedding of token i+1 and
+predicts token i+2 (docs/engine/speculative.md). It was trained with the trunk frozen
+(`kvmesh train-mtp`, `training/v41_mtp.py`) towards the trunk's own distribution for that
+token: {t['step']} steps{stopped} x {a['batch']} x {a['seq_len']} tokens =
+{t['tokens']:,} tokens, {t['minutes']} minutes on one CPU thread, AdamW lr {a['lr']:g},
+seed {a['seed']}, the same data mix as the trunk.
+
+Held-out windows, fp32: how often the module's argmax equals the trunk's greedy token
+(what a first draft's greedy acceptance is on this text), its accuracy on the text's own
+token, and its cross-entropy to the trunk (nats/token).
+
+| kind | held out | agrees with the trunk | text accuracy | loss to the trunk |
+|---|---|---|---|---|
+{rows}
+
+```sh
+{t['command']}
+.venv/bin/python scripts/ship_v41_model.py --add-mtp MTP_RUN models/deepseek-v41-tiny --command "..."
+```
+"""
+
+
+def card(m: dict, t: dict, cfg: dict, t_mtp: dict | None = None) -> str:
     a = t["args"]
     text = cfg["text_config"]
     stopped = ("" if t["step"] >= t["steps_planned"] else
@@ -106,8 +195,8 @@ entries index_topk {text['index_topk']} covers, HCA's dense read; layer 2 an m =
 candidate source, keeping {text['candidate_topk_blocks']} blocks of
 {text['candidate_block_size']} entries), index sources {text['index_source_layer_ids']},
 decoder (consumer) layers 2-{text['num_hidden_layers'] - 1}. bf16 safetensors in the
-release's tensor names. No MTP layer and no hash-routed layer: V4.1 routes every layer by
-score.
+release's tensor names. No hash-routed layer: V4.1 routes every layer by score.
+{"kvmesh's MTP module beside the trunk (below)." if m.get("mtp") else "No MTP module."}
 
 ## Data
 
@@ -161,7 +250,7 @@ byte-level model's holds 128), so there is less past it to gain than for V4-mini
 {copy_text(m, text['sliding_window'])}
 Quick check (`tests/engine/model/test_shipped_v41_model.py`): {m['slice']['windows']} held-out code
 windows of {m['slice']['seq_len']} tokens, {m['slice']['loss_nats']:.4f} nats/token.
-"""
+{mtp_text(m, t_mtp)}"""
 
 
 def copy_text(m: dict, window: int) -> str:
@@ -195,10 +284,38 @@ def measure(dest: Path, args) -> dict:
 
 
 def write_card(dest: Path, m: dict, t: dict) -> None:
-    """metrics.json and the card rendered from it, the training record and the config."""
+    """metrics.json and the card rendered from it, the training records and the config."""
     cfg = json.loads((dest / "config.json").read_text())
+    mtp_record = dest / "mtp_training.json"
+    t_mtp = json.loads(mtp_record.read_text()) if mtp_record.exists() else None
     (dest / "metrics.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
-    (dest / "README.md").write_text(card(m, t, cfg))
+    (dest / "README.md").write_text(card(m, t, cfg, t_mtp))
+
+
+def add_mtp(run: Path, dest: Path, args) -> int:
+    """A train-mtp run's module into the shipped directory, its trunk checked to be ours."""
+    from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
+
+    _, shipped = load_v41_checkpoint(dest, torch.float32)
+    cfg, got = load_v41_checkpoint(run, torch.float32)
+    if not cfg.mtp_layers:
+        raise SystemExit(f"{run}: no MTP module (its config's kvmesh.mtp_layers is 0)")
+    differ = [k for k in shipped if not k.startswith("kvmesh.mtp.") and
+              (k not in got or not torch.equal(got[k], shipped[k]))]
+    if differ:
+        raise SystemExit(f"{run}: its trunk differs from {dest}'s ({differ[0]}, ...): the card's "
+                         "numbers would not hold")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(run / name, dest / name)
+    shutil.copyfile(run / "train.log", dest / "train_mtp.log")
+    t_mtp = training_record(run, args.command)
+    (dest / "mtp_training.json").write_text(json.dumps(t_mtp, indent=1, sort_keys=True) + "\n")
+    m = json.loads((dest / "metrics.json").read_text())
+    m["mtp"] = mtp_measure(dest, args.mtp_windows, 1024)
+    write_card(dest, m, json.loads((dest / "training.json").read_text()))
+    print(f"added the MTP module to {dest}: agreement with the trunk " + ", ".join(
+        f"{k} {m['mtp'][k]['agree']:.3f}" for k in ("code", "english", "chat")))
+    return 0
 
 
 def remeasure(dest: Path, args) -> int:
@@ -220,6 +337,10 @@ def main(argv=None) -> int:
     ap.add_argument("--remeasure", action="store_true",
                     help="measure the shipped DEST again and re-render its card (no RUN)")
     ap.add_argument("--metrics", help="metrics JSON already measured on these weights")
+    ap.add_argument("--add-mtp", action="store_true",
+                    help="RUN is a kvmesh train-mtp run: add its module to DEST")
+    ap.add_argument("--mtp-windows", type=int, default=16,
+                    help="held-out windows of 1024 tokens per kind for the MTP module")
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--cut-stride", type=int, default=16)
     args = ap.parse_args(argv)
@@ -230,6 +351,8 @@ def main(argv=None) -> int:
     if not args.run or not args.command:
         ap.error("shipping a run needs RUN, DEST and --command")
     run, dest = Path(args.run), Path(args.dest)
+    if args.add_mtp:
+        return add_mtp(run, dest, args)
     dest.mkdir(parents=True, exist_ok=True)
     for name in FILES:
         shutil.copyfile(run / name, dest / name)

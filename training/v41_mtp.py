@@ -11,8 +11,8 @@ report both the text accuracy and the agreement with the trunk's greedy token (t
 draft's greedy acceptance rate when the text is what was generated).
 
 The run directory becomes the trunk's checkpoint directory plus the module: config.json with
-`kvmesh_mtp_layers: 1`, model.safetensors with the trunk's tensors as they were and the
-module's under `kvmesh_mtp.0.`, the tokenizer files, state.pt (resume) and train.log.
+`"kvmesh": {"mtp_layers": 1}`, model.safetensors with the trunk's tensors as they were and the
+module's under `kvmesh.mtp.0.`, the tokenizer files, state.pt (resume) and train.log.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class MtpTrainArgs(StepArgs):
 
 
 def initial_mtp_weights(cfg: V41Config, seed: int) -> dict[str, torch.Tensor]:
-    """float32 weights of the module under `kvmesh_mtp.0.`: its layer drawn as a fresh
+    """float32 weights of the module under `kvmesh.mtp.0.`: its layer drawn as a fresh
     one-layer model's (`initial_weights`), the input projections N(0, 1 / D), norms at 1,
     and the head collapse's base at 0 (each stream weighs about half)."""
     g = torch.Generator().manual_seed(seed)
@@ -135,11 +135,12 @@ def train_mtp(a: MtpTrainArgs) -> dict:
     run.mkdir(parents=True, exist_ok=True)
     log = Log(run / "train.log")
     raw = json.loads((trunk_dir / "config.json").read_text())
-    raw.setdefault("text_config", {})["kvmesh_mtp_layers"] = 1
+    raw.setdefault("text_config", {}).setdefault("kvmesh", {})["mtp_layers"] = 1
     raw.pop("torch_dtype", None)
     cfg = read_v41_config(trunk_dir)
     if cfg.mtp_layers:
-        raise ValueError(f"--trunk {a.trunk}: it already has an MTP module (kvmesh_mtp_layers)")
+        raise ValueError(f"--trunk {a.trunk}: it already has an MTP module (its config's "
+                         "kvmesh.mtp_layers)")
     _, trunk_w = load_v41_checkpoint(trunk_dir, torch.float32)
     trunk = V41Model(cfg, trunk_w, torch.float32)
     for name in ("tokenizer.json", "tokenizer_config.json"):

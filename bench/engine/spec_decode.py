@@ -10,7 +10,7 @@ trained on, training/data.py), in the model's tokenizer:
     sampled   the same continuation at temperature 1 (seeded): drafts are accepted less
 
 Each method (off, ngram:K, and mtp:1..3 when the checkpoint has an MTP module: DeepSeek V4's
-`mtp.*`, or kvmesh's own `kvmesh_mtp.*` on V4.1, which the shipped model carries) runs the
+`mtp.*`, or kvmesh's own `kvmesh.mtp.*` on V4.1, which the shipped model carries) runs the
 same prompts at batch 1, 4, 8 and 16, in one
 process, one after another, under each --spec-policy: `always` verifies every draft
 proposed, `adaptive` (the default) only those the measured costs and acceptance say pay

@@ -47,9 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
     g.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                    help="weights and activations (float64: the exactness tests)")
     g.add_argument("--device", default=None,
-                   help="auto | cpu | cuda | cuda:N: where weights, state pool, block store and "
-                        "the forward live (env KVMESH_ENGINE_DEVICE, default auto: CUDA when "
-                        "available)")
+                   help="auto | cpu | cuda | cuda:N: where weights, state slots, blocks and the "
+                        "forward live (env KVMESH_ENGINE_DEVICE; default auto, which is the CPU "
+                        "for now: cuda must be asked for)")
     g.add_argument("--num-slots", type=int, default=MAX_RUNNING,
                    help="state slots: requests that can run at once")
     g.add_argument("--num-blocks", type=int, default=1024,
@@ -86,8 +86,8 @@ def add_engine_args(p: argparse.ArgumentParser, title: str = "model and cache"):
                         "its first token; a decode engine keeps the 134 ring")
     g.add_argument("--speculative", default="off",
                    help="speculative decoding: off | ngram:K (prompt lookup) | mtp:K (needs "
-                        "an MTP module: DeepSeek V4's mtp.* tensors, or kvmesh's kvmesh_mtp.* "
-                        "on V4.1, as the shipped model has), K <= B drafts per step; requests may ask for off or a "
+                        "an MTP module: DeepSeek V4's mtp.* tensors, or kvmesh's kvmesh.mtp.* "
+                        "on V4.1), K <= B drafts per step; requests may ask for off or a "
                         "smaller K")
     g.add_argument("--spec-policy", choices=SPEC_POLICIES, default="adaptive",
                    help="adaptive: each step drafts only where the measured verify cost and the "
@@ -160,6 +160,7 @@ def build_core(args, split=None) -> Engine:
 
     from kvmesh.checkpoint_dir import is_v41
     from kvmesh.services.engine.core.engine import Engine
+    from kvmesh.services.engine.device import resolve
     from kvmesh.services.engine.model.deepseek_v4 import window_rows
     from kvmesh.services.engine.model.deepseek_v4.checkpoint import (
         load_checkpoint,
@@ -169,8 +170,12 @@ def build_core(args, split=None) -> Engine:
     from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 
     choose_model(args)
-    if args.device not in (None, "auto", "cpu"):
-        raise ValueError(f"--device {args.device}: DeepSeek V4 checkpoints run on the CPU for now")
+    # auto stays on the CPU until a GPU run has checked this path (docs/deepseek-v4.md);
+    # --device cuda asks for it
+    device = resolve("cpu" if args.device in (None, "auto") else args.device)
+    if split is not None and device.type != "cpu":
+        raise ValueError(f"--device {args.device}: an engine split over ranks runs on the CPU "
+                         "(gloo) for now")
     directory = Path(args.model)
     ecfg = engine_config(args)
     dtype = getattr(torch, ecfg.dtype)
@@ -182,12 +187,14 @@ def build_core(args, split=None) -> Engine:
         )
     if is_v41(directory):
         cfg41, weights = load_v41_checkpoint(directory, dtype, split)
+        weights = {k: t.to(device) for k, t in weights.items()}
         tokenizer = v4_tokenizer(directory, cfg41, args.tokenizer)
         rows41 = window_rows.for_dtype(dtype)
         model41 = V41Model(cfg41, weights, dtype, rows=rows41) if split is None else \
             ParallelV41Model(cfg41, weights, dtype, split, Groups(split), rows=rows41)
         return Engine(model41, ecfg, tokenizer, name=directory.resolve().name)
     cfg, weights = load_checkpoint(directory, dtype, split)
+    weights = {k: t.to(device) for k, t in weights.items()}
     tokenizer = v4_tokenizer(directory, cfg, args.tokenizer)
     rows = window_rows.for_dtype(dtype)
     if split is None:

@@ -47,7 +47,7 @@ def test_the_loss_is_a_cross_entropy_to_the_trunks_next_next_token():
                          o_lora_rank=8, index_head_dim=16, num_hidden_layers=3,
                          compress_ratios=[0, 4, 4], kv_source_layer_ids=[1],
                          index_source_layer_ids=[1, 2], candidate_source_layer_id=1,
-                         kvmesh_mtp_layers=1)
+                         kvmesh={"mtp_layers": 1})
     cfg = v41_config_from_dict(raw)
     trunk_w = {k: v.double() for k, v in initial_weights(cfg, 1).items()}
     mtp_w = {k: v.double() for k, v in initial_mtp_weights(cfg, 2).items()}
@@ -76,14 +76,14 @@ def test_train_mtp_lowers_the_loss_resumes_and_keeps_the_trunk(small_corpus, tru
     a = torch.load(tmp_path / "whole" / "state.pt", weights_only=False)
     b = torch.load(tmp_path / "split" / "state.pt", weights_only=False)
     for k, t in a["weights"].items():
-        assert k.startswith("kvmesh_mtp.0.") and torch.equal(t, b["weights"][k]), k
+        assert k.startswith("kvmesh.mtp.0.") and torch.equal(t, b["weights"][k]), k
     losses = [h["loss"] for h in a["history"] if "loss" in h]
     assert sum(losses[-3:]) < sum(losses[:3]) - 0.3, losses
     evals = [h for h in a["history"] if "val_code_agree" in h]
     assert evals and all(0 <= h["val_code_agree"] <= 1 for h in evals)
 
     out = tmp_path / "whole"
-    assert json.loads((out / "config.json").read_text())["text_config"]["kvmesh_mtp_layers"] == 1
+    assert json.loads((out / "config.json").read_text())["text_config"]["kvmesh"] == {"mtp_layers": 1}
     cfg, w = load_v41_checkpoint(out, torch.float32)
     _, before = load_v41_checkpoint(trunk, torch.float32)
     assert cfg.mtp_layers == 1
@@ -101,7 +101,7 @@ def test_train_mtp_refuses_a_missing_trunk_and_one_that_has_a_module(trunk, tmp_
     with pytest.raises(ValueError, match="--trunk"):
         train_mtp(_args(tmp_path / "x", tmp_path / "nowhere"))
     raw = json.loads((trunk / "config.json").read_text())
-    raw["text_config"]["kvmesh_mtp_layers"] = 1
+    raw["text_config"]["kvmesh"] = {"mtp_layers": 1}
     has = tmp_path / "has"
     shutil.copytree(trunk, has)
     (has / "config.json").write_text(json.dumps(raw))

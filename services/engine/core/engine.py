@@ -27,7 +27,7 @@ rejected ones are taken back (ledgers.rollback, at most 6) before any block is r
 --extra-state) to a decode engine after its first token (core/ledger_handoff.py).
 
 --speculative mtp:K drafts from the checkpoint's MTP module (core/mtp_draft.py; V4's
-`mtp.*`, or kvmesh's own `kvmesh_mtp.*` on V4.1), fed the trunk's last streams of every
+`mtp.*`, or kvmesh's own `kvmesh.mtp.*` on V4.1), fed the trunk's last streams of every
 committed position.
 
 Prefill truncation (--truncation mask | compact) runs on V4.1 checkpoints (core/model_paths.py);

@@ -38,7 +38,7 @@ class V4Path:
             raise ValueError("Engine needs a model built with stored=True (ledger roundings)")
         self.model = model
         self.ledgers = ledgers.Ledgers(model.whole, ecfg.num_slots, ecfg.num_blocks,
-                                       ecfg.extra_state, rows=model.rows)
+                                       ecfg.extra_state, rows=model.rows, device=model.device)
         self.period = ecfg.snapshot_period
 
     def cut(self, n_tokens: int) -> int | None:
@@ -61,7 +61,7 @@ class V41Path:
         if ecfg.speculative.startswith("mtp"):
             if not v41_mtp.has_mtp(model.weights):
                 raise ValueError("speculative: mtp on DeepSeek V4.1 drafts with kvmesh's MTP "
-                                 "module (kvmesh_mtp.* tensors: `kvmesh train-mtp` adds one), "
+                                 "module (kvmesh.mtp.* tensors: `kvmesh train-mtp` adds one), "
                                  "and this checkpoint has none (the release's DSpark layers, "
                                  "which kvmesh does not serve yet, are another drafter); use "
                                  "ngram:K or off")
@@ -73,7 +73,7 @@ class V41Path:
         self.ledgers = v41_ledgers.V41Ledgers(model.whole, ecfg.num_slots, ecfg.num_blocks,
                                               ecfg.extra_state,
                                               rows=window_rows.for_dtype(model.dtype),
-                                              dtype=model.dtype)
+                                              dtype=model.dtype, device=model.device)
         self.truncation, self.keep = ecfg.truncation, ecfg.keep_tokens
         # a snapshot hit is exact only when the decoder starts at or past it, which
         # truncation guarantees (hits stop at its cut)

@@ -69,14 +69,16 @@ class MtpDrafter:
                 continue                          # the last computed position was not seen
             m = self.module
             prior = self._window_before(s, s.first)
-            y, parts = m.rows(torch.arange(s.first, end), torch.tensor(req.tokens[s.first + 1:end + 1]),
+            dev = s.h.device
+            y, parts = m.rows(torch.arange(s.first, end, device=dev),
+                              torch.tensor(req.tokens[s.first + 1:end + 1], device=dev),
                               s.h[: end - s.first], prior)
             s.window, s.done, s.h = parts.window_kv[-(self.window - 1 + SPARE_ROWS):], end, None
             y = y[-1:]
             window = s.window
             drafts = [torch.argmax(m.logits(y)[0])]
             for depth in range(1, k):             # chained rows: never kept in the window
-                y, parts = m.rows(torch.tensor([end + depth - 1]), drafts[-1].view(1), y,
+                y, parts = m.rows(torch.tensor([end + depth - 1], device=dev), drafts[-1].view(1), y,
                                   AttentionParts(None, window, None, None, None))
                 window = parts.window_kv[-(self.window - 1):]
                 drafts.append(torch.argmax(m.logits(y)[0]))

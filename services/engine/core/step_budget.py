@@ -88,8 +88,9 @@ class StepBudget:
 
 
 def _fit(steps: list[tuple[int, int, float]]) -> tuple[float, float, float] | None:
-    x = torch.tensor([[1.0, r, t] for r, t, _ in steps], dtype=torch.float64)
-    y = torch.tensor([[s] for _, _, s in steps], dtype=torch.float64)
+    # a host-side fit of host-side timings, wherever the model runs
+    x = torch.tensor([[1.0, r, t] for r, t, _ in steps], dtype=torch.float64, device="cpu")
+    y = torch.tensor([[s] for _, _, s in steps], dtype=torch.float64, device="cpu")
     # columns that never vary (no prefill seen yet, or only one batch size) cannot be told
     # from the constant: they are fitted as 0 and, for c, reported as no fit
     varies = [True] + [bool(x[:, j].std() > 0) for j in (1, 2)]

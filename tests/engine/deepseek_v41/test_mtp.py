@@ -1,8 +1,8 @@
-"""kvmesh's MTP module on a DeepSeek V4.1 engine (`kvmesh_mtp_layers: 1`, `--speculative
+"""kvmesh's MTP module on a DeepSeek V4.1 engine (`"kvmesh": {"mtp_layers": 1}`, `--speculative
 mtp:K`).
 
 No outside implementation has this module (it is kvmesh's), so the tests hold what can be
-held: the loader reads `kvmesh_mtp.0.*` (experts one by one, as the release names a layer's)
+held: the loader reads `kvmesh.mtp.0.*` (experts one by one, as the release names a layer's)
 and names a missing tensor; every draft's logits equal the module run over the whole final
 sequence at once, from the trunk's whole-sequence streams (chained drafts included); output
 with MTP drafts is the reference's greedy output, token for token, with truncation off and
@@ -33,7 +33,7 @@ TOKENS = 30
 def saved(tmp_path_factory):
     directory = tmp_path_factory.mktemp("v41-mtp")
     cfg, meant = tiny.save_release("flash_geometry", directory, quantized=False, shards=1,
-                                   kvmesh_mtp_layers=1)
+                                   kvmesh={"mtp_layers": 1})
     word_tokenizer(directory)
     return directory, V41Model(cfg, meant, torch.float64)
 
@@ -42,16 +42,16 @@ def test_the_loader_reads_the_module_and_names_a_missing_tensor(saved, tmp_path)
     directory, m = saved
     cfg, weights = load_v41_checkpoint(directory, torch.float64)
     assert cfg.mtp_layers == 1
-    got = {k: tuple(v.shape) for k, v in weights.items() if k.startswith("kvmesh_mtp.")}
-    assert got == mtp_shapes(cfg) and "kvmesh_mtp.0.ffn.experts.w13" in got
-    assert torch.equal(weights["kvmesh_mtp.0.ffn.experts.w2"], m.weights["kvmesh_mtp.0.ffn.experts.w2"])
+    got = {k: tuple(v.shape) for k, v in weights.items() if k.startswith("kvmesh.mtp.")}
+    assert got == mtp_shapes(cfg) and "kvmesh.mtp.0.ffn.experts.w13" in got
+    assert torch.equal(weights["kvmesh.mtp.0.ffn.experts.w2"], m.weights["kvmesh.mtp.0.ffn.experts.w2"])
     state = load_file(str(directory / "model.safetensors"))
-    del state["kvmesh_mtp.0.e_proj.weight"]
+    del state["kvmesh.mtp.0.e_proj.weight"]
     for f in directory.iterdir():
         if f.name != "model.safetensors":
             (tmp_path / f.name).write_bytes(f.read_bytes())
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="kvmesh_mtp.0.e_proj.weight .*MTP module"):
+    with pytest.raises(CheckpointError, match="kvmesh.mtp.0.e_proj.weight .*MTP module"):
         load_v41_checkpoint(tmp_path, torch.float64)
 
 

@@ -96,7 +96,7 @@ def weights(cfg: V41Config, seed: int = 0, dtype: torch.dtype = torch.float64) -
                   f + "experts.w13": rnd(E, 2 * inter, D), f + "experts.w2": rnd(E, D, inter),
                   f + "shared_experts.w1.weight": rnd(inter, D), f + "shared_experts.w3.weight": rnd(inter, D),
                   f + "shared_experts.w2.weight": rnd(D, inter)})
-    if cfg.mtp_layers:                   # kvmesh's MTP module (kvmesh_mtp_layers: 1)
+    if cfg.mtp_layers:                   # kvmesh's MTP module ("kvmesh": {"mtp_layers": 1})
         from kvmesh.services.engine.model.deepseek_v4.v41_names import mtp_shapes
 
         for name, shape in mtp_shapes(cfg).items():

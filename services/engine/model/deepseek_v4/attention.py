@@ -118,7 +118,7 @@ def attention(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: to
     if prior is not None:
         kv = torch.cat([prior.window_kv, kv])
     end = int(positions[-1]) + 1
-    key_pos = torch.arange(end - kv.shape[0], end)
+    key_pos = torch.arange(end - kv.shape[0], end, device=kv.device)
     keys, allowed = kv, window_visible(positions, key_pos, cfg.window)
     pooled = index_pooled = chosen = None
     if kind in (CSA, HCA):

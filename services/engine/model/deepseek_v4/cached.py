@@ -30,12 +30,12 @@ class SequenceCache:
 @torch.no_grad()
 def extend(model: V4Model, cache: SequenceCache, ids: list[int] | torch.Tensor) -> torch.Tensor:
     """Run the next tokens of `cache`'s sequence; logits [len(ids), vocab]."""
-    ids = torch.as_tensor(ids).reshape(-1).long()
+    ids = torch.as_tensor(ids, device=model.device).reshape(-1).long()
     if ids.numel() == 0:
         raise ValueError("ids: need at least one token")
     if not cache.layers:
         cache.layers = [None] * model.cfg.num_layers
-    positions = torch.arange(cache.length, cache.length + ids.shape[0])
+    positions = torch.arange(cache.length, cache.length + ids.shape[0], device=model.device)
     streams = model.embed(ids)
     keep = model.cfg.window - 1
     for i in range(model.cfg.num_layers):

@@ -92,7 +92,7 @@ def pool(x: torch.Tensor, w: dict, rate: int, overlapping: bool, rope_tables, ep
     weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
     entries = rms_norm((win_kv * weights).sum(dim=1), w["norm.weight"], eps)
     if n:
-        positions = (torch.arange(n) + first_window) * rate
+        positions = (torch.arange(n, device=entries.device) + first_window) * rate
         cos, sin = rope_tables(positions)
         entries = apply_rope(entries, cos, sin)
     if stored:
@@ -104,7 +104,8 @@ def pool(x: torch.Tensor, w: dict, rate: int, overlapping: bool, rope_tables, ep
 
 def visible(positions: torch.Tensor, n_entries: int, rate: int) -> torch.Tensor:
     """[S, T] bool: entry w is visible to the query at position i iff w < (i + 1) // rate."""
-    return torch.arange(n_entries).view(1, -1) < ((positions + 1) // rate).view(-1, 1)
+    return torch.arange(n_entries, device=positions.device).view(1, -1) < \
+        ((positions + 1) // rate).view(-1, 1)
 
 
 def index_select(x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, w: dict,
@@ -116,7 +117,7 @@ def index_select(x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, w: di
     w: `wq_b.weight`, `weights_proj.weight` of the indexer; keys: [T, c_I] from `pool`.
     """
     n_entries = keys.shape[0]
-    chosen = torch.zeros(x.shape[0], n_entries, dtype=torch.bool)
+    chosen = torch.zeros(x.shape[0], n_entries, dtype=torch.bool, device=x.device)
     if n_entries == 0:
         return chosen
     heads, dim = w["weights_proj.weight"].shape[0], keys.shape[-1]

@@ -35,8 +35,8 @@ def decode_rows(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: 
     b = x.shape[0]
     q_res, q, kv, cos, sin = project(cfg, layer, w, x, positions, tables, stored, rows)
     windows = [torch.cat([prior.window_kv, kv[k:k + 1]]) for k, prior in enumerate(priors)]
-    lengths = torch.tensor([k.shape[0] for k in windows])
-    slot = torch.arange(int(lengths.max())).view(1, -1)
+    lengths = torch.tensor([k.shape[0] for k in windows], device=x.device)
+    slot = torch.arange(int(lengths.max()), device=x.device).view(1, -1)
     key_pos = positions.view(-1, 1) - (lengths.view(-1, 1) - 1) + slot
     allowed = (slot < lengths.view(-1, 1)) & (positions.view(-1, 1) - key_pos < cfg.window)
     keys = pad_rows(windows, int(lengths.max()))
@@ -59,7 +59,7 @@ def decode_rows(cfg: V4Config, layer: int, w: dict, x: torch.Tensor, positions: 
             else:
                 chosen[k] = compressor.visible(pk, pooled[k].entries.shape[0], rate)
         t = max(p.entries.shape[0] for p in pooled)
-        picked = torch.zeros(b, t, dtype=torch.bool)
+        picked = torch.zeros(b, t, dtype=torch.bool, device=x.device)
         for k, c in enumerate(chosen):
             picked[k, :c.shape[1]] = c[0]
         keys = torch.cat([keys, pad_rows([p.entries for p in pooled], t)], dim=1)

@@ -23,9 +23,9 @@ from kvmesh.services.engine.model.deepseek_v4.numerics import inv_freq, rms_norm
 class RopeTables:
     """cos / sin per RoPE setting, from frequencies computed once (read-only after init)."""
 
-    def __init__(self, cfg: V4Config, dtype: torch.dtype):
+    def __init__(self, cfg: V4Config, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.dtype = dtype
-        self._freqs = {rope: inv_freq(rope) for rope in (cfg.main_rope, cfg.compress_rope)}
+        self._freqs = {rope: inv_freq(rope).to(device) for rope in (cfg.main_rope, cfg.compress_rope)}
 
     def at(self, rope: Rope, positions: torch.Tensor):
         return rope_tables(rope, positions, self.dtype, self._freqs[rope])
@@ -45,7 +45,8 @@ class V4Model:
         self.cfg, self.weights, self.dtype, self.stored = cfg, weights, dtype, stored
         self.whole = cfg          # the whole model's config (a split rank computes with less)
         self.rows = rows
-        self.tables = RopeTables(cfg, dtype)
+        self.device = next(iter(weights.values())).device     # where every tensor is built
+        self.tables = RopeTables(cfg, dtype, self.device)
         self.layers = [_sub(weights, f"layers.{i}.") for i in range(cfg.num_layers)]
         self.attn = [_sub(w, "attn.") for w in self.layers]
         self.ffn = [_sub(w, "ffn.") for w in self.layers]
@@ -74,7 +75,7 @@ class V4Model:
         decoding = [k for k, (positions, prior, *given) in enumerate(spans)
                     if positions.shape[0] == 1 and prior is not None and not any(given)]
         if len(decoding) > 1:
-            rows = torch.tensor([bounds[k][0] for k in decoding])
+            rows = torch.tensor([bounds[k][0] for k in decoding], device=x.device)
             batch = decode_rows(cfg, i, self.attn[i], x[rows],
                                 torch.cat([spans[k][0] for k in decoding]), self.tables,
                                 [spans[k][1] for k in decoding], self.stored, self.rows)
@@ -129,8 +130,8 @@ class V4Model:
     def final_streams(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [S] -> the last layer's streams [S, n, D] (what `head` collapses, and what
         the MTP module reads)."""
-        ids = ids.reshape(-1).long()
-        positions = torch.arange(ids.shape[0])
+        ids = ids.reshape(-1).long().to(self.device)
+        positions = torch.arange(ids.shape[0], device=self.device)
         streams = self.embed(ids)
         for i in range(self.cfg.num_layers):
             streams, _ = self.layer(i, streams, positions, ids)

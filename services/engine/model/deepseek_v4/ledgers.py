@@ -149,12 +149,13 @@ class Ledgers(LedgerBook):
     `hand_off`; `rollback` changes nothing but lengths and block tables."""
 
     def __init__(self, cfg: V4Config, num_slots: int, num_blocks: int, extra_state: bool = False,
-                 rows: str = "mxfp8"):
+                 rows: str = "mxfp8", device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.slot_layout = SlotLayout(cfg, extra_state, rows)
         self.rows = rows                   # the rings' row format (window_rows.py)
         self.inference_rows = layout.ring_rows(cfg, extra_state=False)   # a decode engine's
-        self.data = torch.zeros(num_slots, self.slot_layout.slot_bytes, dtype=torch.uint8)
+        self.data = torch.zeros(num_slots, self.slot_layout.slot_bytes, dtype=torch.uint8,
+                                device=device)
         self.swa: dict[int, torch.Tensor] = {}
         self.cmp: dict[int, torch.Tensor] = {}
         self.idx: dict[int, torch.Tensor] = {}
@@ -163,7 +164,7 @@ class Ledgers(LedgerBook):
             view = (raw.view(torch.float32) if r.dtype == "float32" else raw).view(num_slots, *r.shape)
             {"swa": self.swa, "cmp": self.cmp, "idx": self.idx}[r.name][r.layer] = view
         # the engine's block store (its serialized form is what the kvstore keeps)
-        self.blocks = BlockStore(BlockGeometry(cfg), num_blocks)
+        self.blocks = BlockStore(BlockGeometry(cfg), num_blocks, device=device)
         self.entries: dict[int, torch.Tensor] = self.blocks.entries
         self.keys: dict[int, torch.Tensor] = self.blocks.index_keys
         super().__init__(num_slots, num_blocks)
@@ -192,8 +193,9 @@ def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]],
     Returns each work's logits [len(ids), vocab]; with `streams_too`, (logits, the last
     layer's streams [len(ids), n, D] of each work: what the MTP module reads)."""
     _check_model(model, led)
-    seqs, chunks = check_works(works)
-    positions = [torch.arange(s.length, s.length + c.shape[0]) for s, c in zip(seqs, chunks, strict=True)]
+    seqs, chunks = check_works(works, model.device)
+    positions = [torch.arange(s.length, s.length + c.shape[0], device=model.device)
+                 for s, c in zip(seqs, chunks, strict=True)]
     for seq, pos in zip(seqs, positions, strict=True):
         led._reserve(seq, int(pos[-1]) + 1)
     ids = torch.cat(chunks)
@@ -223,10 +225,10 @@ def step(model: V4Model, led: Ledgers, works: list[tuple[Sequence, list[int]]],
     return (logits, list(streams.split(sizes))) if streams_too else logits
 
 
-def check_works(works) -> tuple[list[Sequence], list[torch.Tensor]]:
+def check_works(works, device: torch.device | str = "cpu") -> tuple[list[Sequence], list[torch.Tensor]]:
     """A step's (sequence, ids) works, checked: each has tokens, no sequence twice. Returns
-    the sequences and each one's ids as a long tensor."""
-    chunks = [torch.as_tensor(ids).reshape(-1).long() for _, ids in works]
+    the sequences and each one's ids as a long tensor on `device`."""
+    chunks = [torch.as_tensor(ids, device=device).reshape(-1).long() for _, ids in works]
     for k, chunk in enumerate(chunks):
         if chunk.numel() == 0:
             raise ValueError(f"works[{k}].ids: need at least one token")
@@ -249,8 +251,8 @@ def replay(model: V4Model, led: Ledgers, seq: Sequence, prompt: list[int], hit: 
         raise ValueError(f"replay: an empty sequence holding the {hit // BLOCK} blocks of a "
                          f"hit at a positive multiple of {BLOCK} below the prompt's length")
     start = hit - BLOCK
-    ids = torch.as_tensor(prompt[start:]).long()
-    positions = torch.arange(start, len(prompt))
+    ids = torch.as_tensor(prompt[start:], device=model.device).long()
+    positions = torch.arange(start, len(prompt), device=model.device)
     led._reserve(seq, len(prompt))
     seq.length = start
     streams = model.embed(ids)
@@ -288,14 +290,15 @@ def _check_model(model: V4Model, led: Ledgers) -> None:
 def _cached_only(model: V4Model, led: Ledgers, seq: Sequence, layer: int, hit: int):
     """A layer's prior for a replay: no window rows, the cached entries before `hit` (the
     replay rebuilds the CSA overlap itself: `compressor.pool(given=...)`)."""
-    return _prior(model, led, seq, layer, hit, torch.zeros(0, model.cfg.head_dim,
-                                                          dtype=model.dtype), overlap=False)
+    return _prior(model, led, seq, layer, hit,
+                  torch.zeros(0, model.cfg.head_dim, dtype=model.dtype, device=model.device),
+                  overlap=False)
 
 
 def _read(model: V4Model, led: Ledgers, seq: Sequence, layer: int) -> AttentionParts:
     cfg, end = model.cfg, seq.length
-    window_pos = torch.arange(max(0, end - (cfg.window - 1)), end)
     ring = led.swa[layer][seq.slot]
+    window_pos = torch.arange(max(0, end - (cfg.window - 1)), end, device=ring.device)
     window = window_rows.decode(led.rows, ring[window_pos % ring.shape[0]], model.dtype)
     return _prior(model, led, seq, layer, end, window, overlap=True)
 
@@ -304,12 +307,12 @@ def _read_rows(model: V4Model, led: Ledgers, seqs: list[Sequence], layer: int
                ) -> list[AttentionParts]:
     """`_read` for several sequences at once (decode rows): every ring's window rows in one
     gather and one decode. Shorter windows gather rows past their own, cut off unread."""
-    ends = torch.tensor([s.length for s in seqs])
+    ring = led.swa[layer]
+    ends = torch.tensor([s.length for s in seqs], device=ring.device)
     firsts = torch.clamp(ends - (model.cfg.window - 1), min=0)
     counts = (ends - firsts).tolist()
-    ring = led.swa[layer]
-    at = (firsts.view(-1, 1) + torch.arange(max(counts))) % ring.shape[1]
-    slots = torch.tensor([s.slot for s in seqs]).view(-1, 1)
+    at = (firsts.view(-1, 1) + torch.arange(max(counts), device=ring.device)) % ring.shape[1]
+    slots = torch.tensor([s.slot for s in seqs], device=ring.device).view(-1, 1)
     windows = window_rows.decode(led.rows, ring[slots, at], model.dtype)
     return [_prior(model, led, seq, layer, seq.length, windows[b, :n], overlap=True)
             for b, (seq, n) in enumerate(zip(seqs, counts, strict=True))]
@@ -320,7 +323,7 @@ def _write_rows(model: V4Model, led: Ledgers, seqs: list[Sequence], layer: int,
     """`_write` for several sequences' single decode rows (positions [B]): the window rows in
     one scatter, then each one's compressors."""
     ring = led.swa[layer]
-    slots = torch.tensor([s.slot for s in seqs])
+    slots = torch.tensor([s.slot for s in seqs], device=ring.device)
     rows = torch.stack([p.window_kv[-1] for p in parts])
     ring[slots, positions % ring.shape[1]] = window_rows.encode(led.rows, rows)
     if parts[0].pooled is None:
@@ -352,11 +355,12 @@ def _pooled(led: Ledgers, seq: Sequence, layer: int, index: bool, length: int, o
     rate = led.cfg.rate(layer)
     n = length // rate
     entries = led.blocks.gather(seq.blocks, layer, n, keys=index).to(dtype)
-    open_rows = tail[torch.arange(n * rate, length) % tail.shape[0]].to(dtype)
+    open_rows = tail[torch.arange(n * rate, length, device=tail.device) % tail.shape[0]].to(dtype)
     overlap_kv = overlap_gate = None
     if overlap and n:
         half = tail.shape[-1] // 2
-        last = tail[torch.arange((n - 1) * rate, n * rate) % tail.shape[0]].to(dtype)
+        last = tail[torch.arange((n - 1) * rate, n * rate, device=tail.device) % tail.shape[0]]
+        last = last.to(dtype)
         overlap_kv, overlap_gate = last[:, 0, :half], last[:, 1, :half] + ape[:, :half]
     return Pooled(entries, open_rows[:, 0], open_rows[:, 1], overlap_kv, overlap_gate)
 

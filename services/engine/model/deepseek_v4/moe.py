@@ -44,7 +44,7 @@ def swiglu(h: torch.Tensor, limit: float) -> torch.Tensor:
 def routed(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
            w2: torch.Tensor, limit: float) -> torch.Tensor:
     """sum_e weight_e * expert_e(x) per token. w13 [E, 2I, D] (gate rows, then up), w2 [E, D, I]."""
-    tokens = torch.arange(x.shape[0]).repeat_interleave(experts.shape[1])
+    tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(experts.shape[1])
     return routed_pairs(x, tokens, experts.reshape(-1), weights.reshape(-1), w13, w2, limit)
 
 

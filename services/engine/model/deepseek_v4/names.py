@@ -53,7 +53,7 @@ _TOP_RENAMES = {
     "hc_head.hc_scale": "hc_head_scale",
 }
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"(layers|mtp|kvmesh_mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
+_EXPERT = re.compile(r"(layers|mtp|kvmesh\.mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
 # DeepSeek's copies of the shared embedding and head inside each MTP module: the main ones
 # are read instead
 _MTP_SHARED = re.compile(r"mtp\.\d+\.(emb\.tok_emb|head)\.weight")

@@ -31,9 +31,10 @@ def unit_rms_norm(x: torch.Tensor, eps: float, work: torch.dtype = torch.float32
 
 
 def inv_freq(rope: Rope) -> torch.Tensor:
-    """[rope.dim / 2] fp32: one frequency per interleaved channel pair (YaRN-corrected)."""
+    """[rope.dim / 2] fp32 on the host: one frequency per interleaved channel pair
+    (YaRN-corrected; callers move it where it is used)."""
     dim, base = rope.dim, rope.theta
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     if rope.yarn is None:
         return 1.0 / pos_freqs
     y = rope.yarn
@@ -44,7 +45,8 @@ def inv_freq(rope: Rope) -> torch.Tensor:
     low = max(math.floor(correction_dim(y.beta_fast)), 0)
     high = min(math.ceil(correction_dim(y.beta_slow)), dim - 1)
     span = (high - low) if high != low else 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / span, 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / span,
+                       0, 1)
     keep = 1 - ramp  # share of the original (extrapolated) frequency
     return (1.0 / (y.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
@@ -52,7 +54,7 @@ def inv_freq(rope: Rope) -> torch.Tensor:
 def rope_tables(rope: Rope, positions: torch.Tensor, dtype: torch.dtype,
                 freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [len(positions), rope.dim / 2] in `dtype` (computed in fp32)."""
-    freqs = inv_freq(rope) if freqs is None else freqs
+    freqs = (inv_freq(rope) if freqs is None else freqs).to(positions.device)
     angles = positions.reshape(-1, 1).float() * freqs.float()
     return (angles.cos() * rope.scaling).to(dtype), (angles.sin() * rope.scaling).to(dtype)
 

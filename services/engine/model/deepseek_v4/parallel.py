@@ -176,7 +176,7 @@ class _Shares:
         first = self.split.e * held
         flat = experts.reshape(-1)
         mine = (flat >= first) & (flat < first + held)
-        tokens = torch.arange(x.shape[0]).repeat_interleave(experts.shape[1])
+        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(experts.shape[1])
         out = routed_pairs(x, tokens[mine], flat[mine] - first, weights.reshape(-1)[mine],
                            w["experts.w13"], w["experts.w2"], limit)
         return self.groups.sum_world(out + shared(x, w, limit))

@@ -54,7 +54,8 @@ def score(model: V4Model | V41Model, ids: list[int]) -> dict:
     check_ids(ids, model.cfg.vocab_size)
     logits = model.logits(torch.tensor(ids))
     logprobs = torch.log_softmax(logits.double(), dim=-1)
-    picked = logprobs[:-1].gather(1, torch.tensor(ids[1:]).view(-1, 1)).view(-1).tolist()
+    at = torch.tensor(ids[1:], device=logprobs.device).view(-1, 1)
+    picked = logprobs[:-1].gather(1, at).view(-1).tolist()
     return {"ids": list(ids), "logprobs": [None, *picked],
             "argmax": logits.argmax(dim=-1).tolist()}
 

@@ -57,7 +57,7 @@ def take(led: Ledgers, seq: Sequence) -> Snapshot:
     rows = layout.ring_rows(led.cfg, extra_state=False)
     rings = torch.cat([rering(led.swa[i][seq.slot], seq.length, rows).reshape(-1)
                        for i in sorted(led.swa)])
-    return Snapshot(position, rings.numpy().tobytes(), _overlap(led, seq.slot, position))
+    return Snapshot(position, rings.cpu().numpy().tobytes(), _overlap(led, seq.slot, position))
 
 
 def rering(ring: torch.Tensor, length: int, rows: int) -> torch.Tensor:
@@ -67,7 +67,7 @@ def rering(ring: torch.Tensor, length: int, rows: int) -> torch.Tensor:
     if ring.shape[0] == rows:
         return ring
     out = ring.new_zeros(rows, ring.shape[1])
-    pos = torch.arange(max(0, length - min(rows, ring.shape[0])), length)
+    pos = torch.arange(max(0, length - min(rows, ring.shape[0])), length, device=ring.device)
     out[pos % rows] = ring[pos % ring.shape[0]]
     return out
 
@@ -101,9 +101,9 @@ def export_state(led, seq: Sequence) -> bytes:
         part = rering(view, seq.length, rows).reshape(-1) if r.name == "swa" \
             else view.reshape(-1).view(torch.uint8)
         align = -offset % (1 if r.name == "swa" else view.element_size())   # the layout's padding
-        image += [torch.zeros(align, dtype=torch.uint8), part]
+        image += [torch.zeros(align, dtype=torch.uint8, device=part.device), part]
         offset += align + part.numel()
-    return torch.cat(image).numpy().tobytes()
+    return torch.cat(image).cpu().numpy().tobytes()
 
 
 def state_problem(led, state: bytes) -> str | None:
@@ -132,7 +132,7 @@ def _overlap(led: Ledgers, slot: int, position: int) -> bytes:
         for tail in tails:
             rows = tail[slot][_rows(led, position, tail.shape[1])]
             parts.append(rows[:, :, : tail.shape[-1] // 2].reshape(-1))   # A series: kv, gate
-    return torch.cat(parts).numpy().tobytes() if parts else b""
+    return torch.cat(parts).cpu().numpy().tobytes() if parts else b""
 
 
 def restore(led: Ledgers, seq: Sequence, snap: Snapshot) -> None:
@@ -150,7 +150,7 @@ def restore(led: Ledgers, seq: Sequence, snap: Snapshot) -> None:
         one = rings[k * rows * row_bytes:(k + 1) * rows * row_bytes].view(rows, row_bytes)
         led.swa[i][seq.slot].copy_(rering(one, snap.position, led.swa[i].shape[1]))
     overlap = torch.frombuffer(bytearray(snap.overlap), dtype=torch.float32) \
-        if snap.overlap else torch.empty(0)
+        if snap.overlap else torch.empty(0, device="cpu")
     start = 0
     for _, tails in _csa_tails(led):
         for tail in tails:
@@ -188,4 +188,4 @@ def _csa_tails(led: Ledgers):
 
 
 def _rows(led: Ledgers, position: int, ring_rows: int) -> torch.Tensor:
-    return torch.arange(position - led.cfg.csa_rate, position) % ring_rows
+    return torch.arange(position - led.cfg.csa_rate, position, device=led.data.device) % ring_rows

@@ -37,7 +37,7 @@ def extend(model: V41Model, state: SequenceState, ids: list[int] | torch.Tensor,
     """Run the next tokens of `state`'s sequence; logits [rows, vocab] of the rows that went
     through every layer (all of them without truncation)."""
     cfg = model.cfg
-    ids = torch.as_tensor(ids).reshape(-1).long()
+    ids = torch.as_tensor(ids, device=model.device).reshape(-1).long()
     if ids.numel() == 0:
         raise ValueError("ids: need at least one token")
     if decoder_from is not None and cfg.decoder_start is None:
@@ -46,7 +46,7 @@ def extend(model: V41Model, state: SequenceState, ids: list[int] | torch.Tensor,
         raise ValueError(f"mode {mode!r}: expected compact or mask")
     if not state.layers:
         state.layers = [None] * cfg.num_layers
-    positions = torch.arange(state.length, state.length + ids.shape[0])
+    positions = torch.arange(state.length, state.length + ids.shape[0], device=model.device)
     streams, pre = model.embed(ids)
     shared = Shared()
     keep_rows = cfg.window - 1

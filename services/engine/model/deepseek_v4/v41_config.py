@@ -18,8 +18,8 @@ index sources choose only inside them. On V4.1-Flash (40 layers):
 
 The text model sits under `text_config` (the vision tower's config beside it is not read:
 kvmesh serves text). Engram layers are refused at load; DSpark draft layers are not read.
-`kvmesh_mtp_layers: 1` is kvmesh's own field: the checkpoint carries a V4-style MTP module
-under `kvmesh_mtp.0.` (v41_mtp.py), which `--speculative mtp:K` drafts with.
+`"kvmesh": {"mtp_layers": 1}` is kvmesh's own field: the checkpoint carries a V4-style MTP module
+under `kvmesh.mtp.0.` (v41_mtp.py), which `--speculative mtp:K` drafts with.
 Every problem is a `CheckpointError` naming the field.
 """
 
@@ -130,7 +130,7 @@ class V41Config:
         if self.window <= 0 or self.index_topk <= 0:
             bad("sliding_window and index_topk must be positive")
         if self.mtp_layers not in (0, 1):
-            bad(f"kvmesh_mtp_layers = {self.mtp_layers}: expected 0 or 1 (one MTP module, "
+            bad(f"kvmesh.mtp_layers = {self.mtp_layers}: expected 0 or 1 (one MTP module, "
                 "chained for deeper drafts)")
 
     @property
@@ -232,7 +232,15 @@ def v41_config_from_dict(raw: dict, serving: bool = True) -> V41Config:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         max_position=_int(text, "max_position_embeddings", 1048576),
         quantization=_quantization(text), engram_layers=tuple(engram),
-        mtp_layers=_int(text, "kvmesh_mtp_layers", 0))
+        mtp_layers=_kvmesh_mtp_layers(text))
+
+
+def _kvmesh_mtp_layers(text: dict) -> int:
+    """kvmesh's own fields sit under one key, `"kvmesh": {...}`, apart from DeepSeek's."""
+    own = text.get("kvmesh") or {}
+    if not isinstance(own, dict):
+        raise CheckpointError(f"field 'kvmesh' must be an object, got {own!r}")
+    return _int(own, "mtp_layers", 0)
 
 
 def _ids(raw: dict, key: str) -> tuple[int, ...]:

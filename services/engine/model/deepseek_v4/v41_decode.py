@@ -45,13 +45,13 @@ def decode_rows(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions:
     """B sequences' single next rows (x [B, D], positions [B], p their `project`) against
     each one's prior state: o [B, H, d] and per row what `attend_span` returns besides it."""
     windows = [torch.cat([prior.window, p.kv[b:b + 1]]) for b, prior in enumerate(priors)]
-    lengths = torch.tensor([k.shape[0] for k in windows])
+    lengths = torch.tensor([k.shape[0] for k in windows], device=x.device)
     width = int(lengths.max())
-    slot = torch.arange(width).view(1, -1)
+    slot = torch.arange(width, device=x.device).view(1, -1)
     # key j of row b sits at position pos_b - (len_b - 1) + j; the window holds pos_b - W < j_pos
     key_pos = positions.view(-1, 1) - (lengths.view(-1, 1) - 1) + slot
     allowed = (slot < lengths.view(-1, 1)) & (positions.view(-1, 1) - key_pos < cfg.window) \
-        & (key_pos >= torch.tensor(floors).view(-1, 1))
+        & (key_pos >= torch.tensor(floors, device=x.device).view(-1, 1))
     keys = pad_rows(windows, width)
     states = [LayerState(k, None) for k in windows]
     results = [(shared, state) for shared, state in zip(shareds, states, strict=True)]
@@ -61,9 +61,9 @@ def decode_rows(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions:
             states = [LayerState(k, own) for k, own in zip(windows, sources, strict=True)]
         else:
             sources = [shared.source for shared in shareds]
-        counts = torch.tensor([s.entries.shape[0] for s in sources])
+        counts = torch.tensor([s.entries.shape[0] for s in sources], device=x.device)
         t = int(counts.max())
-        slot = torch.arange(t).view(1, -1)
+        slot = torch.arange(t, device=x.device).view(1, -1)
         if layer in cfg.index_sources:
             # the entries each row sees: written (slot < count) and closed before it
             seen = (slot < counts.view(-1, 1)) & (slot < ((positions + 1) // cfg.ratio(layer)).view(-1, 1))
@@ -117,7 +117,8 @@ def compress_rows(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, tables: 
     if closing:
         keys = norm(F.linear(latent, iw["wk.weight"]), iw["k_norm.weight"], cfg.rms_eps)
         cos, sin = tables.at(cfg.compress_rope,
-                             torch.tensor([priors[b].entries.shape[0] * m for b in closing]))
+                             torch.tensor([priors[b].entries.shape[0] * m for b in closing],
+                                          device=x.device))
         entries, keys = apply_rope(latent, cos, sin), apply_rope(keys, cos, sin)
     where = {b: k for k, b in enumerate(closing)}
     out = []
@@ -139,7 +140,7 @@ def _chosen(masks: list[torch.Tensor | None], width: int) -> torch.Tensor | None
     """Rows' [1, T_b] selections from an earlier layer -> [B, width] (padding unchosen)."""
     if masks[0] is None:
         return None
-    out = torch.zeros(len(masks), width, dtype=torch.bool)
+    out = torch.zeros(len(masks), width, dtype=torch.bool, device=masks[0].device)
     for b, m in enumerate(masks):
         out[b, :m.shape[1]] = m[0]
     return out

@@ -124,7 +124,8 @@ def compress(cfg: V41Config, w: dict, x: torch.Tensor, tables: RopeTables, layer
         open_kv, open_gate = kv[n * m:], gate[n * m:]
     iw = _sub(w, "indexer.")
     keys = norm(F.linear(latent, iw["wk.weight"]), iw["k_norm.weight"], cfg.rms_eps)
-    cos, sin = tables.at(cfg.compress_rope, (torch.arange(latent.shape[0]) + first) * m)
+    cos, sin = tables.at(cfg.compress_rope,
+                         (torch.arange(latent.shape[0], device=latent.device) + first) * m)
     entries, keys = apply_rope(latent, cos, sin), apply_rope(keys, cos, sin)
     if prior is not None:
         entries, keys = torch.cat([prior.entries, entries]), torch.cat([prior.keys, keys])
@@ -157,14 +158,15 @@ def candidate_blocks(scores: torch.Tensor, seen: torch.Tensor, topk_blocks: int,
     block holding the newest visible entry is always kept, as it is only partly filled)."""
     s, t = scores.shape
     nblocks = -(-t // block_size)
-    padded = torch.full((s, nblocks * block_size), float("-inf"), dtype=scores.dtype)
+    padded = torch.full((s, nblocks * block_size), float("-inf"), dtype=scores.dtype,
+                        device=scores.device)
     padded[:, :t] = scores.masked_fill(~seen, float("-inf"))
     block_best = padded.view(s, nblocks, block_size).amax(dim=-1)
     newest = (seen.sum(dim=-1) - 1).div(block_size, rounding_mode="floor")     # -1: none seen
-    pinned = torch.arange(nblocks).view(1, -1) == newest.view(-1, 1)
+    pinned = torch.arange(nblocks, device=scores.device).view(1, -1) == newest.view(-1, 1)
     block_best = block_best.masked_fill(pinned, float("inf"))
     values, indices = top(block_best, topk_blocks)
-    keep = torch.zeros(s, nblocks, dtype=torch.bool)
+    keep = torch.zeros(s, nblocks, dtype=torch.bool, device=scores.device)
     keep.scatter_(1, indices, values > float("-inf"))
     return keep.repeat_interleave(block_size, dim=1)[:, :t] & seen
 
@@ -249,7 +251,7 @@ def attend_span(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions:
     """`attention` after `project` (p: these rows'), before `output`: o [S, H, d]."""
     kv = p.kv if prior is None else torch.cat([prior.window, p.kv])
     end = int(positions[-1]) + 1
-    key_pos = torch.arange(end - kv.shape[0], end)
+    key_pos = torch.arange(end - kv.shape[0], end, device=kv.device)
     keys = kv
     allowed = window_visible(positions, key_pos, cfg.window) & (key_pos >= floor).view(1, -1)
     out_shared, own = shared_in, None
@@ -286,7 +288,8 @@ class V41Model:
                  rows: str | None = None):
         self.cfg, self.weights, self.dtype, self.rows = cfg, weights, dtype, rows
         self.whole = cfg          # the whole model's config (a split rank computes with less)
-        self.tables = RopeTables(cfg, dtype)
+        self.device = next(iter(weights.values())).device     # where every tensor is built
+        self.tables = RopeTables(cfg, dtype, self.device)
         layers = [_sub(weights, f"layers.{i}.") for i in range(cfg.num_layers)]
         self.layers = layers
         self.attn = [_sub(w, "attn.") for w in layers]
@@ -325,7 +328,7 @@ class V41Model:
         plans, start = [], 0        # per span: the rows attention runs on and their inputs
         for span in spans:
             end = start + span.positions.shape[0]
-            rows = torch.arange(start, end)
+            rows = torch.arange(start, end, device=x.device)
             positions, shared_in, compressed = span.positions, span.shared, None
             if span.rows is not None:
                 if i in cfg.kv_sources:
@@ -344,7 +347,8 @@ class V41Model:
             source = compressed if compressed is not None else shared_in.source
             results[k] = (shared_in._replace(source=source), LayerState(window, compressed))
         if len(kept) != len(spans) or any(span.rows is not None for span in spans):
-            rows = torch.cat([plans[k][0] for k in kept]) if kept else torch.zeros(0, dtype=torch.long)
+            rows = torch.cat([plans[k][0] for k in kept]) if kept else \
+                torch.zeros(0, dtype=torch.long, device=x.device)
             streams, attn_pre, post, comb = streams[rows], attn_pre[rows], post[rows], comb[rows]
             x = x[rows]
         if not kept:
@@ -360,7 +364,7 @@ class V41Model:
         decoding = [k for k in kept if plans[k][1].shape[0] == 1 and spans[k].rows is None
                     and spans[k].prior is not None]
         if len(decoding) > 1:
-            rows = torch.tensor([offsets[k] for k in decoding])
+            rows = torch.tensor([offsets[k] for k in decoding], device=x.device)
             o[rows], outs = decode_rows(cfg, i, aw, x[rows], positions[rows], self.tables,
                                         [plans[k][2] for k in decoding], p.rows(rows),
                                         [spans[k].prior for k in decoding],
@@ -396,7 +400,7 @@ class V41Model:
         """ids [S] -> n copies of the embedding [S, n, D] and the first `pre` (stream 0)."""
         embedded = F.embedding(ids, self.weights["embed.weight"])
         streams = embedded.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        pre = torch.zeros(ids.shape[0], self.cfg.hc_mult, dtype=torch.float32)
+        pre = torch.zeros(ids.shape[0], self.cfg.hc_mult, dtype=torch.float32, device=ids.device)
         pre[:, 0] = 1.0
         return streams, pre
 
@@ -421,8 +425,8 @@ class V41Model:
     def _stack(self, ids: torch.Tensor, keep: int | None = None, mode: str = "compact",
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """`logits` before the head: the last layer's streams and its MoE's `pre`."""
-        ids = ids.reshape(-1).long()
-        positions = torch.arange(ids.shape[0])
+        ids = ids.reshape(-1).long().to(self.device)
+        positions = torch.arange(ids.shape[0], device=self.device)
         start = self.cfg.decoder_start
         if keep is not None and start is None:
             raise ValueError("keep: the model has no decoder layers (none follows a KV source)")

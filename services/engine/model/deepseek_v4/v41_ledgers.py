@@ -92,19 +92,22 @@ class V41Ledgers(LedgerBook):
     nothing but lengths and block tables."""
 
     def __init__(self, cfg: V41Config, num_slots: int, num_blocks: int, extra_state: bool = False,
-                 rows: str = "mxfp8", dtype: torch.dtype = torch.float32):
+                 rows: str = "mxfp8", dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         self.cfg, self.rows = cfg, rows
         self.state_dtype = wide(dtype)
         self.slot_layout = V41SlotLayout(cfg, extra_state, rows, self.state_dtype)
         self.inference_rows = v41_layout.ring_rows(cfg, extra_state=False)   # a decode engine's
-        self.data = torch.zeros(num_slots, self.slot_layout.slot_bytes, dtype=torch.uint8)
+        self.data = torch.zeros(num_slots, self.slot_layout.slot_bytes, dtype=torch.uint8,
+                                device=device)
         self.swa: dict[int, torch.Tensor] = {}
         self.tail: dict[int, torch.Tensor] = {}
         for r in self.slot_layout.regions:
             raw = self.data[:, r.offset:r.offset + r.nbytes]
             view = raw if r.dtype == "uint8" else raw.view(self.state_dtype)
             {"swa": self.swa, "tail": self.tail}[r.name][r.layer] = view.view(num_slots, *r.shape)
-        self.blocks = BlockStore(V41BlockGeometry(cfg), num_blocks, dtype=self.state_dtype)
+        self.blocks = BlockStore(V41BlockGeometry(cfg), num_blocks, dtype=self.state_dtype,
+                                 device=device)
         super().__init__(num_slots, num_blocks)
 
 
@@ -146,14 +149,15 @@ def _run(model: V41Model, led: V41Ledgers, works, cuts: list[int | None], mode: 
     block hit."""
     _check(model, led)
     cfg = model.cfg
-    seqs, chunks = check_works(works)
+    seqs, chunks = check_works(works, model.device)
     if len(cuts) != len(works):
         raise ValueError("decoder_from: one entry per work")
     if any(c is not None for c in cuts) and cfg.decoder_start is None:
         raise ValueError("decoder_from: the model has no decoder layers")
     if mode not in ("compact", "mask"):
         raise ValueError(f"mode {mode!r}: expected compact or mask")
-    positions = [torch.arange(s.length, s.length + c.shape[0]) for s, c in zip(seqs, chunks, strict=True)]
+    positions = [torch.arange(s.length, s.length + c.shape[0], device=model.device)
+                 for s, c in zip(seqs, chunks, strict=True)]
     for seq, pos in zip(seqs, positions, strict=True):
         led._reserve(seq, int(pos[-1]) + 1)
     streams, pre = model.embed(torch.cat(chunks))
@@ -221,7 +225,7 @@ def _read(model: V41Model, led: V41Ledgers, seq: Sequence, layer: int, floor: in
     cfg, end = model.cfg, seq.length
     first = end if replay_hit is not None else min(max(end - (cfg.window - 1), floor, 0), end)
     ring = led.swa[layer][seq.slot]
-    window = window_rows.decode(led.rows, ring[torch.arange(first, end) % ring.shape[0]],
+    window = window_rows.decode(led.rows, ring[torch.arange(first, end, device=ring.device) % ring.shape[0]],
                                 model.dtype)
     return LayerState(window, _source(model, led, seq, layer, replay_hit))
 
@@ -239,9 +243,9 @@ def _source(model: V41Model, led: V41Ledgers, seq: Sequence, layer: int,
     keys = led.blocks.gather(seq.blocks, layer, n, keys=True).to(model.dtype)
     if m > 1 and replay_hit is None:
         tail = led.tail[layer][seq.slot]
-        open_rows = tail[torch.arange(n * m, end) % tail.shape[0]]
+        open_rows = tail[torch.arange(n * m, end, device=tail.device) % tail.shape[0]]
     else:
-        open_rows = torch.zeros(0, 2, cfg.head_dim, dtype=led.state_dtype)
+        open_rows = torch.zeros(0, 2, cfg.head_dim, dtype=led.state_dtype, device=entries.device)
     return SourceState(layer, entries, keys, open_rows[:, 0], open_rows[:, 1])
 
 
@@ -249,14 +253,14 @@ def _read_rows(model: V41Model, led: V41Ledgers, seqs: list[Sequence], layer: in
                floors: list[int]) -> list[LayerState]:
     """`_read` for several sequences at once (decode rows): every ring's window rows in one
     gather and one decode. Shorter windows gather rows past their own, cut off unread."""
-    cfg = model.cfg
-    ends = torch.tensor([s.length for s in seqs])
+    cfg, ring = model.cfg, led.swa[layer]
+    ends = torch.tensor([s.length for s in seqs], device=ring.device)
     firsts = torch.minimum(torch.clamp(torch.maximum(ends - (cfg.window - 1),
-                                                     torch.tensor(floors)), min=0), ends)
+                                                     torch.tensor(floors, device=ring.device)),
+                                       min=0), ends)
     counts = (ends - firsts).tolist()
-    ring = led.swa[layer]
-    at = (firsts.view(-1, 1) + torch.arange(max(counts))) % ring.shape[1]
-    slots = torch.tensor([s.slot for s in seqs]).view(-1, 1)
+    at = (firsts.view(-1, 1) + torch.arange(max(counts), device=ring.device)) % ring.shape[1]
+    slots = torch.tensor([s.slot for s in seqs], device=ring.device).view(-1, 1)
     windows = window_rows.decode(led.rows, ring[slots, at], model.dtype)       # [B, K, d]
     return [LayerState(windows[b, :n], _source(model, led, seq, layer, None))
             for b, (seq, n) in enumerate(zip(seqs, counts, strict=True))]
@@ -266,8 +270,8 @@ def _write_rows(led: V41Ledgers, seqs: list[Sequence], layer: int, positions: to
                 states: list[LayerState]) -> None:
     """`_write` for several sequences' single decode rows (positions [B]): the window rows
     and the tails' rows in one scatter each; entries where a row closed its group."""
-    slots = torch.tensor([s.slot for s in seqs])
     ring = led.swa[layer]
+    slots = torch.tensor([s.slot for s in seqs], device=ring.device)
     rows = torch.stack([state.window[-1] for state in states])
     ring[slots, positions % ring.shape[1]] = window_rows.encode(led.rows, rows)
     if states[0].source is None:

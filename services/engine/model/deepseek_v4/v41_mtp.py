@@ -1,10 +1,10 @@
-"""kvmesh's multi-token prediction module for a DeepSeek V4.1 model (`kvmesh_mtp.0.*`), the
+"""kvmesh's multi-token prediction module for a DeepSeek V4.1 model (`kvmesh.mtp.0.*`), the
 drafter of `--speculative mtp:K` on V4.1.
 
 DeepSeek's V4.1 release drafts with DSpark (its `mtp.*` tensors, not served); this module is
 kvmesh's own, so that a V4.1-layout model trained here (`kvmesh train-mtp`) can draft: V4's
 MTP design (mtp.py) on one V4.1 layer. A checkpoint says it has one with
-`kvmesh_mtp_layers: 1` in its text config. Row p takes the trunk's last streams at p (before
+`"kvmesh": {"mtp_layers": 1}` in its text config. Row p takes the trunk's last streams at p (before
 the head's collapse) and the embedding of token p + 1, and predicts token p + 2:
 
     e  = enorm(embed[token p + 1])
@@ -53,7 +53,8 @@ class V41MtpModule:
     def __init__(self, model: V41Model):
         cfg = model.whole
         if not has_mtp(model.weights):
-            raise ValueError(f"the checkpoint has no {MTP}* tensors (kvmesh_mtp_layers is 0)")
+            raise ValueError(f"the checkpoint has no {MTP}* tensors (its config's "
+                             "kvmesh.mtp_layers is 0)")
         # the block: a window-only layer (no compressor, no indexer)
         self.cfg = replace(cfg, ratios=(0,), kv_sources=(), index_sources=(),
                            candidate_source=None, mtp_layers=0)
@@ -74,7 +75,7 @@ class V41MtpModule:
         e = norm(F.embedding(next_ids.long(), self.embed_w), w["enorm.weight"], cfg.rms_eps)
         h = norm(streams, w["hnorm.weight"], cfg.rms_eps)
         x = (F.linear(h, w["h_proj.weight"]) + F.linear(e, w["e_proj.weight"]).unsqueeze(1))
-        pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32)
+        pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1.0
         state = None if prior is None else LayerState(prior.window_kv)
         y, _, _, kept = self.block.layer(0, x.to(self.dtype), pre, positions, Shared(), state)

@@ -7,14 +7,14 @@ sources (`wk` / `k_norm` only on those that are also KV sources), hyper-connecti
 for both sub-blocks, and a score-routed MoE. There is no `hc_head`: the last MoE's `pre`
 collapses the streams for the head. The release's other tensors (`gate.bias_vl` for image
 tokens, the DSpark draft layers under `mtp.`, the vision tower) are not read. A checkpoint
-with `kvmesh_mtp_layers: 1` also carries kvmesh's MTP module under `kvmesh_mtp.0.`.
+with `"kvmesh": {"mtp_layers": 1}` also carries kvmesh's MTP module under `kvmesh.mtp.0.`.
 """
 
 from __future__ import annotations
 
 from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
 
-MTP = "kvmesh_mtp.0."     # kvmesh's MTP module (v41_mtp.py; DSpark's `mtp.` is the release's)
+MTP = "kvmesh.mtp.0."     # kvmesh's MTP module (v41_mtp.py; DSpark's `mtp.` is the release's)
 
 
 def expected_shapes(cfg: V41Config) -> dict[str, tuple[int, ...]]:
@@ -82,7 +82,7 @@ def _layer(cfg: V41Config, p: str, kv_source: bool, index_source: bool,
 def describe(cfg: V41Config, name: str) -> str:
     """What part of the config a tensor belongs to (for a missing-tensor error)."""
     if name.startswith(MTP):
-        return "kvmesh's MTP module (kvmesh_mtp_layers)"
+        return "kvmesh's MTP module (the config's kvmesh.mtp_layers)"
     if not name.startswith("layers."):
         return "model"
     i = int(name.split(".")[1])

@@ -40,7 +40,7 @@ def take(led: V41Ledgers, seq: Sequence) -> Snapshot:
                          f"({position}) is 0 or more than {SPARE} tokens back")
     rings = [rering(led.swa[i][seq.slot], seq.length, led.inference_rows).reshape(-1)
              for i in range(encoder_layers(led.cfg))]
-    return Snapshot(position, torch.cat(rings).numpy().tobytes(), b"")
+    return Snapshot(position, torch.cat(rings).cpu().numpy().tobytes(), b"")
 
 
 def restore(led: V41Ledgers, seq: Sequence, snap: Snapshot) -> None:
