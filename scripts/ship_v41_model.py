@@ -128,7 +128,7 @@ def mtp_text(m: dict, t: dict | None) -> str:
 ## MTP module (kvmesh's own, for `--speculative mtp:K`)
 
 V4.1 as released drafts with DSpark layers, which kvmesh does not serve; this model carries
-kvmesh's MTP module instead (`"kvmesh": {"mtp_layers": 1}`, tensors under `kvmesh.mtp.0.`,
+kvmesh's MTP module instead (`"kvmesh": {{"mtp_layers": 1}}`, tensors under `kvmesh.mtp.0.`,
 {x['parameters'] / 1e6:.2f}M parameters): one window-only V4.1 layer with a routed MoE
 that reads the trunk's last streams at position i and the embedding of token i+1 and
 predicts token i+2 (docs/engine/speculative.md). It was trained with the trunk frozen

@@ -1,6 +1,7 @@
 """The shipped default model (models/deepseek-v41-tiny): an HF checkpoint directory the V4.1
 loader reads, in the shape train trains, within the size the repository allows, as good
-on a held-out slice as its card records, and what every entry point serves by default."""
+on a held-out slice as its card records (its MTP module too), drafting in the engine, and
+what every entry point serves by default."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def test_the_directory_is_a_loadable_checkpoint_of_the_trained_shape():
     text = json.loads((DEFAULT_MODEL / "config.json").read_text())["text_config"]
     assert {k: text[k] for k in SHIPPED_TEXT_CONFIG} == SHIPPED_TEXT_CONFIG
     cfg, w = load_v41_checkpoint(DEFAULT_MODEL, torch.float32)
-    assert sum(t.numel() for t in w.values()) == METRICS["parameters"]
-    assert cfg.window == 128 and cfg.decoder_start is not None
+    assert sum(t.numel() for t in w.values()) == METRICS["parameters"] + METRICS["mtp"]["parameters"]
+    assert cfg.window == 128 and cfg.decoder_start is not None and cfg.mtp_layers == 1
 
 
 def test_a_held_out_slice_scores_as_recorded():
@@ -39,6 +40,34 @@ def test_a_held_out_slice_scores_as_recorded():
     got, want = slice_loss(DEFAULT_MODEL), METRICS["slice"]["loss_nats"]
     print(f"held-out code slice: {got:.4f} nats/token, recorded {want:.4f}")
     assert abs(got - want) <= 0.02 * want
+
+
+def test_the_mtp_module_agrees_with_the_trunk_as_recorded():
+    sys.path.insert(0, str(DEFAULT_MODEL.parents[1] / "scripts"))
+    from ship_v41_model import mtp_slice
+
+    got, want = mtp_slice(DEFAULT_MODEL), METRICS["mtp"]["slice"]
+    print(f"held-out code slice: MTP agrees with the trunk {got['agree']:.4f}, recorded "
+          f"{want['agree']:.4f}")
+    assert abs(got["agree"] - want["agree"]) <= 0.02
+    for kind in ("code", "english", "chat"):       # it learned: most drafts a trunk would keep
+        assert METRICS["mtp"][kind]["agree"] > 0.4, kind
+
+
+def test_the_engine_drafts_with_it_and_verification_keeps_most_drafts():
+    from kvmesh.services.engine.core.sampling import SamplingParams
+    from tests.engine.engines import serve_core
+
+    core = serve_core("--speculative", "mtp:2", "--spec-policy", "always")
+    text = "def read(path):\n    with open(path) as f:\n        return f.read()\n\n\ndef write("
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    req = core.add_request(core.tokenizer.encode(text), params)
+    while core.has_work:
+        core.step()
+    stats = core.stats()
+    print({k: v for k, v in stats.items() if k.startswith("spec_")})
+    assert len(req.output) == 48 and stats["spec_drafted_tokens"] > 0
+    assert stats["spec_accepted_tokens"] > 0.3 * stats["spec_drafted_tokens"]
 
 
 def test_the_recorded_numbers_say_it_learned_and_reads_past_the_window():
