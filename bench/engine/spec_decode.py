@@ -152,14 +152,23 @@ def main() -> None:
     for r in results.values():
         r.pop("outputs")
     (OUT / "spec_decode.json").write_text(json.dumps(results, indent=1))
+    paths = plot_speedups(results, list(workloads), batches, methods,
+                          f"{Path(args.model).name}, {args.clock} clock")
+    print(f"wrote {', '.join(str(p) for p in paths)} and {OUT / 'spec_decode.json'}")
+
+
+def plot_speedups(results: dict, workloads: list[str], batches: list[int], methods: list[str],
+                  label: str) -> list[Path]:
+    """One plot per workload (bench/out/spec_decode_<workload>.png): each method's decode
+    tokens/s as a multiple of off, against the batch."""
     def speedup(wl, b, m):
         return results[f"{wl}/b{b}/{m}"]["tokens_per_s"] / results[f"{wl}/b{b}/off"]["tokens_per_s"]
 
-    series = {f"{wl} {m}": (batches, [speedup(wl, b, m) for b in batches])
-              for wl in workloads for m in methods if m != "off"}
-    path = plot(OUT / "spec_decode.png", f"speculative decoding, {Path(args.model).name}, {args.clock} clock",
-                "concurrent requests", "decode tokens/s, x off", series, logy=False)
-    print(f"wrote {path} and {OUT / 'spec_decode.json'}")
+    return [plot(OUT / f"spec_decode_{wl}.png", f"speculative decoding: {wl}, {label}",
+                 "concurrent requests", "decode tokens/s, x off",
+                 {m: (batches, [speedup(wl, b, m) for b in batches]) for m in methods if m != "off"},
+                 logy=False)
+            for wl in workloads]
 
 
 if __name__ == "__main__":
