@@ -80,6 +80,16 @@ class Log:
         self.f.write(line + "\n")
 
 
+def save_state(run: Path, weights: dict, opt, gen, step: int, elapsed: float, args: dict,
+               history: list) -> None:
+    """run/state.pt: what `resume_from` and `restore` read back (the weights trained, the
+    optimizer, the step, the data and torch RNG states, the time spent, the run's args)."""
+    atomic_save({"weights": {k: t.detach().clone() for k, t in weights.items()},
+                 "opt": opt.state_dict(), "step": step, "gen": gen.get_state(),
+                 "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "args": args,
+                 "history": history}, run / "state.pt")
+
+
 def resume_from(a, run: Path, keys, opt, gen, log) -> tuple[dict | None, tuple]:
     """With --resume and a run/state.pt: check that it is this run's (the same `keys`; a key
     the saved run did not have counts as False, flags added later default to off), load the

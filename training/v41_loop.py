@@ -28,11 +28,11 @@ from kvmesh.training import data, v41_data
 from kvmesh.training.steps import (
     Log,
     StepArgs,
-    atomic_save,
     make_optimizer,
     restore,
     resume_from,
     run_steps,
+    save_state,
 )
 from kvmesh.training.v41_evaluate import bits_per_byte, position_losses
 from kvmesh.training.v41_model import balance, forward, initial_weights, shipped_config
@@ -174,10 +174,7 @@ def train_v41(a: V41TrainArgs) -> dict:
                 {f"val_{k}_bits_per_byte": round(v, 4) for k, v in bits.items()})
 
     def save(step, elapsed, history):
-        atomic_save({"weights": {k: t.detach().clone() for k, t in w.items()},
-                      "opt": opt.state_dict(), "step": step, "gen": gen.get_state(),
-                      "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "args": asdict(a),
-                      "history": history}, run / "state.pt")
+        save_state(run, w, opt, gen, step, elapsed, asdict(a), history)
         save_hf(run, raw, w)
 
     return run_steps(a, opt, list(trained.values()), resumed, one_step, evaluate, save, log)

@@ -33,11 +33,11 @@ from kvmesh.training import data, v41_data
 from kvmesh.training.steps import (
     Log,
     StepArgs,
-    atomic_save,
     make_optimizer,
     restore,
     resume_from,
     run_steps,
+    save_state,
 )
 from kvmesh.training.v41_loop import save_hf
 from kvmesh.training.v41_model import initial_weights
@@ -180,10 +180,7 @@ def train_mtp(a: MtpTrainArgs) -> dict:
                 {f"val_{k}_{m}": round(x, 4) for k, v in got.items() for m, x in v.items()})
 
     def save(step, elapsed, history):
-        atomic_save({"weights": {k: t.detach().clone() for k, t in w.items()},
-                     "opt": opt.state_dict(), "step": step, "gen": gen.get_state(),
-                     "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "args": asdict(a),
-                     "history": history}, run / "state.pt")
+        save_state(run, w, opt, gen, step, elapsed, asdict(a), history)
         save_hf(run, raw, {**trunk_w, **w})
 
     return run_steps(a, opt, list(trained.values()), resumed, one_step, evaluate, save, log)
