@@ -170,7 +170,7 @@ def build_core(args, split=None) -> Engine:
     from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 
     choose_model(args)
-    # auto stays on the CPU until a GPU run has checked this path (docs/deepseek-v4.md);
+    # auto stays on the CPU until a GPU run has checked this path (docs/deployment/devices.md);
     # --device cuda asks for it
     device = resolve("cpu" if args.device in (None, "auto") else args.device)
     if split is not None and device.type != "cpu":

@@ -1,5 +1,5 @@
-"""MTP drafts for a DeepSeek V4 engine (`--speculative mtp:K`), from the checkpoint's MTP
-module (model/deepseek_v4/mtp.py).
+"""MTP drafts for a DeepSeek V4 or V4.1 engine (`--speculative mtp:K`), from the checkpoint's
+MTP module (model/deepseek_v4/mtp.py; on V4.1 kvmesh's own, v41_mtp.py: the same interface).
 
 The drafter contract the Speculator (core/speculative.py) drives:
 `observe` stashes the trunk's last streams of committed positions after each step (at most
@@ -28,6 +28,7 @@ import torch
 from kvmesh.services.engine.core.sampling import read_ids
 from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
 from kvmesh.services.engine.model.deepseek_v4.mtp import MtpModule
+from kvmesh.services.engine.model.deepseek_v4.v41_mtp import V41MtpModule
 
 SPARE_ROWS = 8         # window rows kept past W - 1: a rejection takes back at most 6
 
@@ -42,7 +43,7 @@ class _State:
 
 
 class MtpDrafter:
-    def __init__(self, module: MtpModule, window: int):
+    def __init__(self, module: MtpModule | V41MtpModule, window: int):
         self.module, self.window = module, window
         self.states: dict[str, _State] = {}
 
@@ -78,8 +79,8 @@ class MtpDrafter:
             window = s.window
             drafts = [torch.argmax(m.logits(y)[0])]
             for depth in range(1, k):             # chained rows: never kept in the window
-                y, parts = m.rows(torch.tensor([end + depth - 1], device=dev), drafts[-1].view(1), y,
-                                  AttentionParts(None, window, None, None, None))
+                y, parts = m.rows(torch.tensor([end + depth - 1], device=dev), drafts[-1].view(1),
+                                  y, AttentionParts(None, window, None, None, None))
                 window = parts.window_kv[-(self.window - 1):]
                 drafts.append(torch.argmax(m.logits(y)[0]))
             picked[req.request_id] = drafts
