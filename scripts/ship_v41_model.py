@@ -82,12 +82,13 @@ def _mtp_parts(directory: Path):
     return model, V41MtpModule(model), Tokenizer.from_file(str(directory / "tokenizer.json"))
 
 
-def mtp_slice(directory: Path) -> dict:
-    """The MTP module on SLICE of the held-out code (what the test checks in seconds)."""
+def mtp_slice(directory: Path, parts=None) -> dict:
+    """The MTP module on SLICE of the held-out code (what the test checks in seconds);
+    parts: `_mtp_parts(directory)` when the caller has them."""
     from kvmesh.training import data, v41_data
     from kvmesh.training.v41_mtp import measure as mtp_agreement
 
-    model, module, tok = _mtp_parts(directory)
+    model, module, tok = parts or _mtp_parts(directory)
     root, files = v41_data.sources()["code"]
     windows = data.eval_windows(v41_data.encode(tok, root, data.split(files)[1]), *SLICE)
     return {"windows": SLICE[0], "seq_len": SLICE[1], **mtp_agreement(module, model, windows)}
@@ -99,7 +100,7 @@ def mtp_measure(directory: Path, windows: int, seq_len: int) -> dict:
     from kvmesh.training import data, v41_data
     from kvmesh.training.v41_mtp import measure as mtp_agreement
 
-    model, module, tok = _mtp_parts(directory)
+    parts = model, module, tok = _mtp_parts(directory)
     out: dict = {"windows": windows, "seq_len": seq_len,
                  "parameters": sum(t.numel() for k, t in model.weights.items()
                                    if k.startswith("kvmesh.mtp."))}
@@ -108,7 +109,7 @@ def mtp_measure(directory: Path, windows: int, seq_len: int) -> dict:
         n = min(windows, len(stream) // (seq_len + 1))
         out[kind] = {"windows": n, **mtp_agreement(module, model,
                                                     data.eval_windows(stream, n, seq_len))}
-    out["slice"] = mtp_slice(directory)
+    out["slice"] = mtp_slice(directory, parts)
     return out
 
 

@@ -33,9 +33,11 @@ from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
     SourceState,
     V41Model,
     attention,
+    norm,
+)
+from kvmesh.services.engine.model.deepseek_v4.v41_index import (
     index_query,
     index_scores,
-    norm,
 )
 
 # The shipped model: the design's window (128), CSA m = 4 and HCA m = 128 (a V4.1 layer's

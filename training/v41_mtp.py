@@ -20,14 +20,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config, read_v41_config
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
-from kvmesh.services.engine.model.deepseek_v4.v41_mtp import V41MtpModule
+from kvmesh.services.engine.model.deepseek_v4.v41_mtp import V41MtpModule, block_config
 from kvmesh.services.engine.model.deepseek_v4.v41_names import MTP, mtp_shapes
 from kvmesh.training import data, v41_data
 from kvmesh.training.steps import (
@@ -66,9 +66,8 @@ def initial_mtp_weights(cfg: V41Config, seed: int) -> dict[str, torch.Tensor]:
     and the head collapse's base at 0 (each stream weighs about half)."""
     g = torch.Generator().manual_seed(seed)
     D, n = cfg.hidden_size, cfg.hc_mult
-    one = replace(cfg, ratios=(0,), kv_sources=(), index_sources=(), candidate_source=None,
-                  mtp_layers=0)
-    layer = {MTP + k[len("layers.0."):]: v for k, v in initial_weights(one, seed).items()
+    layer = {MTP + k[len("layers.0."):]: v
+             for k, v in initial_weights(block_config(cfg), seed).items()
              if k.startswith("layers.0.")}
     own = {"e_proj.weight": torch.randn(D, D, generator=g) / math.sqrt(D),
            "h_proj.weight": torch.randn(D, D, generator=g) / math.sqrt(D),

@@ -66,6 +66,7 @@ from kvmesh.services.engine.core.sampling import (
 )
 from kvmesh.services.engine.core.speculative import Speculator, engine_setting
 from kvmesh.services.engine.core.step_budget import StepBudget
+from kvmesh.services.engine.core.step_plan import plan
 from kvmesh.services.engine.model.deepseek_v4 import layout, ledgers
 from kvmesh.services.engine.model.deepseek_v4.forward import V4Model
 from kvmesh.services.engine.model.deepseek_v4.ledgers import BLOCK
@@ -172,7 +173,8 @@ class Engine:
             if row is not None:           # else it stopped at its snapshot: prefill goes on
                 logits[req.request_id] = row
         drafts = self.spec.propose([r for r in self.running if r.request_id not in logits])
-        works = self._plan([r for r in self.running if r.request_id not in logits], drafts)
+        works = plan([r for r in self.running if r.request_id not in logits], drafts,
+                     self.ecfg, self.step_budget)
         # the step's shape, for the speculation policy's cost model (a replay is other work)
         n_decode = sum(1 for r, _ in works if r.pending == 1)
         n_drafted = sum(len(ids) - 1 for r, ids in works if r.pending == 1)
@@ -274,33 +276,6 @@ class Engine:
             c["replayed_tokens"] += BLOCK
         else:
             c["snapshot_hits"] += 1
-
-    def _plan(self, reqs: list[Request], drafts: dict[str, list[int]]
-              ) -> list[tuple[Request, list[int]]]:
-        """This step's tokens per request: every decode row first (one token and its
-        drafts each), then prefill chunks in admission order within --max-batched-tokens
-        and --long-prefill-chunk (and, beside decodes, --step-slo-ms), a chunk ending at
-        its request's snapshot position."""
-        budget = self.ecfg.max_batched_tokens
-        decodes = [r for r in reqs if r.pending == 1]
-        works = [(r, r.tokens[-1:] + drafts.get(r.request_id, [])) for r in decodes]
-        rows = sum(len(ids) for _, ids in works)
-        budget -= rows
-        cap = self.step_budget.prefill_cap(rows)
-        if cap is not None:
-            budget = min(budget, cap)
-        for req in reqs:
-            if req.pending <= 1 or budget <= 0:
-                continue
-            n = min(req.pending, budget)
-            if self.ecfg.long_prefill_chunk:
-                n = min(n, self.ecfg.long_prefill_chunk)
-            if req.snapshot_at is not None:
-                n = min(n, req.snapshot_at - req.seq.length)
-            start = req.seq.length
-            works.append((req, req.tokens[start:start + n]))
-            budget -= n
-        return works
 
     def _replay(self, req: Request) -> torch.Tensor | None:
         """The bounded replay of a block hit without a snapshot: one forward of the last

@@ -58,16 +58,9 @@ class V41Path:
     snapshots = v41_snapshots
 
     def __init__(self, model: V41Model, ecfg: EngineConfig):
-        if ecfg.speculative.startswith("mtp"):
-            if not v41_mtp.has_mtp(model.weights):
-                raise ValueError("speculative: mtp on DeepSeek V4.1 drafts with kvmesh's MTP "
-                                 "module (kvmesh.mtp.* tensors: `kvmesh train-mtp` adds one), "
-                                 "and this checkpoint has none (the release's DSpark layers, "
-                                 "which kvmesh does not serve yet, are another drafter); use "
-                                 "ngram:K or off")
-            if model.cfg is not model.whole:
-                raise ValueError("speculative: mtp is not served on a DeepSeek V4.1 engine split "
-                                 "over ranks yet; use ngram:K or off")
+        if ecfg.speculative.startswith("mtp") and model.cfg is not model.whole:
+            raise ValueError("speculative: mtp is not served on a DeepSeek V4.1 engine split "
+                             "over ranks yet; use ngram:K or off")
         ecfg.check_model(model.whole)    # KEEP >= W + B under truncation
         self.model = model
         self.ledgers = v41_ledgers.V41Ledgers(model.whole, ecfg.num_slots, ecfg.num_blocks,

@@ -64,8 +64,11 @@ def engine_setting(text: str, backtrack: int, has_mtp: bool) -> SpecSetting:
         raise InvalidArgument(f"speculative: K = {s.k} exceeds B = {backtrack}, the tokens a "
                               f"sequence can take back (--max-backtrack)")
     if s.method == "mtp" and not has_mtp:
-        raise InvalidArgument("speculative: mtp needs MTP weights (mtp.* tensors) in the "
-                              "checkpoint, and this one has none; use ngram:K or off")
+        raise InvalidArgument("speculative: mtp needs MTP weights in the checkpoint (DeepSeek "
+                              "V4's mtp.* tensors; on V4.1 kvmesh's MTP module (kvmesh.mtp.*), "
+                              "which `kvmesh train-mtp` adds: the release's DSpark layers, which "
+                              "kvmesh does not serve yet, are another drafter), and this one has "
+                              "none; use ngram:K or off")
     return s
 
 

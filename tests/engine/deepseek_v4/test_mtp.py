@@ -13,15 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvmesh.services.engine.core.mtp_draft import MtpDrafter
 from kvmesh.services.engine.core.sampling import SamplingParams
 from kvmesh.services.engine.model.deepseek_v4 import names
-from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
 from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_checkpoint
 from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
 from kvmesh.services.engine.model.deepseek_v4.mtp import MtpModule
 from tests.engine.deepseek_v4 import tiny
 from tests.engine.deepseek_v4.test_engine import checkpoint, engine, hf_greedy, run
+from tests.engine.mtp_drafts import recorded, worst_difference
 
 pytest.importorskip("transformers")
 TOKENS = 40
@@ -77,42 +76,13 @@ def test_the_loader_reads_mtp_tensors_and_names_a_missing_one(saved, tmp_path):
 def test_mtp_drafts_equal_the_module_over_the_whole_sequence(saved, monkeypatch):
     directory, hf = saved
     core = engine(directory, "--speculative", "mtp:3", "--spec-policy", "always")
-    seen, rows = [], []
-    real, real_logits = MtpDrafter.propose, MtpModule.logits
-
-    def logits(self, y):                          # each draft depth's logits, as computed
-        out = real_logits(self, y)
-        rows.append(out[0].clone())
-        return out
-
-    def recording(self, wanted):
-        rows.clear()
-        out = real(self, wanted)
-        for req, _ in wanted:
-            if req.request_id in out:
-                seen.append((req.seq.length, list(out[req.request_id]), torch.stack(rows)))
-        return out
-    monkeypatch.setattr(MtpDrafter, "propose", recording)
-    monkeypatch.setattr(MtpModule, "logits", logits)
     prompt = tiny.prompt("mixed").tolist()
-    (output,) = run(core, [prompt], TOKENS)
-    monkeypatch.undo()
+    (output,), seen = recorded(monkeypatch, MtpModule, lambda: run(core, [prompt], TOKENS))
     assert output == hf_greedy(hf, prompt, TOKENS)                # lossless
     assert len(seen) > 5 and core.stats()["spec_drafted_tokens"] > 0
-    module = MtpModule(core.model)
     tokens = torch.tensor(prompt + output)
-    trunk = core.model.final_streams(tokens)
-    n = len(tokens)
-    y, parts = module.rows(torch.arange(n - 1), tokens[1:], trunk[:-1])
-    reference = module.logits(y)                   # row p predicts token p + 2
-    worst = 0.0
-    for end, drafts, q in seen:
-        worst = max(worst, (q[0] - reference[end - 1]).abs().max().item())
-        if len(drafts) > 1:                        # the chained row after it
-            prior = AttentionParts(None, parts.window_kv[:end], None, None, None)
-            y2, _ = module.rows(torch.tensor([end]), torch.tensor(drafts[:1]), y[end - 1:end],
-                                prior)
-            worst = max(worst, (q[1] - module.logits(y2)[0]).abs().max().item())
+    worst, _ = worst_difference(MtpModule(core.model), core.model.final_streams(tokens), tokens,
+                                seen)
     assert worst <= 1e-6, worst
 
 

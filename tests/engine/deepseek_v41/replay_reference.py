@@ -25,11 +25,13 @@ from kvmesh.services.engine.model.deepseek_v4.v41_cached import SequenceState, e
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
     SourceState,
     V41Model,
-    candidate_blocks,
     compress,
+    norm,
+)
+from kvmesh.services.engine.model.deepseek_v4.v41_index import (
+    candidate_blocks,
     index_query,
     index_scores,
-    norm,
     select,
 )
 

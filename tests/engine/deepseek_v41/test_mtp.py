@@ -15,8 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvmesh.services.engine.core.mtp_draft import MtpDrafter
-from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
 from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
 from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
@@ -25,6 +23,7 @@ from kvmesh.services.engine.model.deepseek_v4.v41_names import mtp_shapes
 from tests.engine.deepseek_v4.test_engine import engine, random_prompt, word_tokenizer
 from tests.engine.deepseek_v41 import tiny
 from tests.engine.deepseek_v41.test_engine import greedy, run
+from tests.engine.mtp_drafts import recorded, worst_difference
 
 TOKENS = 30
 
@@ -55,54 +54,17 @@ def test_the_loader_reads_the_module_and_names_a_missing_tensor(saved, tmp_path)
         load_v41_checkpoint(tmp_path, torch.float64)
 
 
-def _recorded_run(core, prompt, monkeypatch):
-    """Run one greedy request, recording each proposal: (the length it drafted at, the
-    drafts, each depth's logits)."""
-    seen, rows = [], []
-    real, real_logits = MtpDrafter.propose, V41MtpModule.logits
-
-    def logits(self, y):
-        out = real_logits(self, y)
-        rows.append(out[0].clone())
-        return out
-
-    def recording(self, wanted):
-        rows.clear()
-        out = real(self, wanted)
-        for req, _ in wanted:
-            if req.request_id in out:
-                seen.append((req.seq.length, list(out[req.request_id]), torch.stack(rows)))
-        return out
-    monkeypatch.setattr(MtpDrafter, "propose", recording)
-    monkeypatch.setattr(V41MtpModule, "logits", logits)
-    (output,) = run(core, [prompt], TOKENS)
-    monkeypatch.undo()
-    return output, seen
-
-
 def test_drafts_equal_the_module_over_the_whole_sequence(saved, monkeypatch):
     directory, m = saved
     core = engine(directory, "--speculative", "mtp:3", "--spec-policy", "always")
     prompt = random_prompt(150, 1)
-    output, seen = _recorded_run(core, prompt, monkeypatch)
+    (output,), seen = recorded(monkeypatch, V41MtpModule, lambda: run(core, [prompt], TOKENS))
     assert output == greedy(m, prompt, TOKENS)                     # lossless
     stats = core.stats()
     assert len(seen) >= 4 and stats["spec_drafted_tokens"] > 0     # (misses back off)
-    module = V41MtpModule(core.model)
     tokens = torch.tensor(prompt + output)
     trunk, _ = core.model.final_streams(tokens)
-    n = len(tokens)
-    y, parts = module.rows(torch.arange(n - 1), tokens[1:], trunk[:-1])
-    reference = module.logits(y)                   # row p predicts token p + 2
-    worst, chained = 0.0, 0
-    for end, drafts, q in seen:
-        worst = max(worst, (q[0] - reference[end - 1]).abs().max().item())
-        if len(drafts) > 1:                        # the chained row after it
-            prior = AttentionParts(None, parts.window_kv[:end], None, None, None)
-            y2, _ = module.rows(torch.tensor([end]), torch.tensor(drafts[:1]), y[end - 1:end],
-                                prior)
-            worst = max(worst, (q[1] - module.logits(y2)[0]).abs().max().item())
-            chained += 1
+    worst, chained = worst_difference(V41MtpModule(core.model), trunk, tokens, seen)
     assert chained > 0 and worst <= 1e-9, worst
 
 

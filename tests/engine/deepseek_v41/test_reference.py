@@ -14,8 +14,10 @@ from kvmesh.services.engine.model.deepseek_v4.forward import RopeTables
 from kvmesh.services.engine.model.deepseek_v4.v41_config import v41_config_from_dict
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
     V41Model,
-    candidate_blocks,
     compress,
+)
+from kvmesh.services.engine.model.deepseek_v4.v41_index import (
+    candidate_blocks,
     index_query,
     index_scores,
     select,

@@ -54,7 +54,8 @@ def inv_freq(rope: Rope) -> torch.Tensor:
 def rope_tables(rope: Rope, positions: torch.Tensor, dtype: torch.dtype,
                 freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [len(positions), rope.dim / 2] in `dtype` (computed in fp32)."""
-    freqs = (inv_freq(rope) if freqs is None else freqs).to(positions.device)
+    # (RopeTables keeps its frequencies on the model's device: nothing moves per call)
+    freqs = inv_freq(rope).to(positions.device) if freqs is None else freqs
     angles = positions.reshape(-1, 1).float() * freqs.float()
     return (angles.cos() * rope.scaling).to(dtype), (angles.sin() * rope.scaling).to(dtype)
 
@@ -72,3 +73,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     swapped = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
     rotated = (rot.float() * cos + swapped.float() * sin).to(x.dtype)
     return torch.cat([keep, rotated], dim=-1)
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """Where reductions run: fp32 for narrower models, the model's own dtype above it. (V4's
+    reference rounds some to fp32 even in a float64 model, to match transformers; V4.1 has no
+    such oracle, and a float64 model kept float64 makes cached and whole-sequence runs agree
+    to ~1e-12 whatever the batch shapes.)"""
+    return torch.promote_types(dtype, torch.float32)

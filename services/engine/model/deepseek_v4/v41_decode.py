@@ -31,10 +31,12 @@ from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
     V41Config,
     _sub,
     apply_rope,
-    candidate_blocks,
     norm,
-    select,
     wide,
+)
+from kvmesh.services.engine.model.deepseek_v4.v41_index import (
+    candidate_blocks,
+    select,
 )
 
 

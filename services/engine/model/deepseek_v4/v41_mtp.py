@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from kvmesh.services.engine.model.deepseek_v4 import hyper
 from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
 from kvmesh.services.engine.model.deepseek_v4.numerics import unit_rms_norm
+from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
     LayerState,
     Shared,
@@ -49,15 +50,19 @@ def has_mtp(weights: dict) -> bool:
     return any(name.startswith(MTP) for name in weights)
 
 
+def block_config(cfg: V41Config) -> V41Config:
+    """The module's one layer as a model config: window only (no compressor, no indexer)."""
+    return replace(cfg, ratios=(0,), kv_sources=(), index_sources=(), candidate_source=None,
+                   mtp_layers=0)
+
+
 class V41MtpModule:
     def __init__(self, model: V41Model):
         cfg = model.whole
         if not has_mtp(model.weights):
             raise ValueError(f"the checkpoint has no {MTP}* tensors (its config's "
                              "kvmesh.mtp_layers is 0)")
-        # the block: a window-only layer (no compressor, no indexer)
-        self.cfg = replace(cfg, ratios=(0,), kv_sources=(), index_sources=(),
-                           candidate_source=None, mtp_layers=0)
+        self.cfg = block_config(cfg)
         own = {k[len(MTP):]: v for k, v in model.weights.items() if k.startswith(MTP)}
         self.w = {k: own[k] for k in OWN}
         block = {f"layers.0.{k}": v for k, v in own.items() if k not in OWN}
