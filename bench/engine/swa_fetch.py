@@ -31,8 +31,8 @@ from kvmesh.services.engine.rpc.server import SERVICE_NAME
 from kvmesh.services.engine.rpc.service import EngineServicer
 
 # a DeepSeek V4.1-Flash snapshot: 20 KV-source rings x 134 rows x 528 B = 1,415,040 B
-SIZE = v41_layout.report(read_v41_config(ROOT / "configs/deepseek-v4.1-flash.json",
-                                         serving=False))["state_slot"]["snapshot_bytes"]
+SIZE = v41_layout.report(read_v41_config(ROOT / "configs/deepseek-v4.1-flash.json")
+                         )["state_slot"]["snapshot_bytes"]
 KEY = "ab" * 32
 
 

@@ -164,7 +164,7 @@ def _v4_layout(args) -> int:
             import torch
 
             from kvmesh.services.engine.model.deepseek_v4.v41_forward import wide
-            cfg = read_v41_config(path, serving=False)
+            cfg = read_v41_config(path)
             report = v41_layout.report(cfg, extra_state=bool(args.extra_state),
                                        memory=args.memory, rows_format=rows_format,
                                        state_dtype=wide(getattr(torch, args.dtype)))

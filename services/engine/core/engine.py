@@ -218,7 +218,8 @@ class Engine:
         (what the MTP drafter reads; past a cut only). A prompt chunk carries its request's
         decoder cut (V4.1 truncation), a decode row none."""
         return self.path.forward([(r.seq, ids) for r, ids in works],
-                                 [r.cut if r.pending > 1 else None for r, _ in works])
+                                 [r.cut if r.pending > 1 else None for r, _ in works],
+                                 [r.recent(self.path.lookback) for r, _ in works])
 
     def _verified(self, req: Request, drafts: list[int], verdict: list[int],
                   hidden: tuple) -> Event:

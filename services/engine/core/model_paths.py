@@ -44,7 +44,9 @@ class V4Path:
     def cut(self, n_tokens: int) -> int | None:
         return None
 
-    def forward(self, works, cuts):
+    lookback = 0        # tokens before a chunk its forward reads (V4 reads none)
+
+    def forward(self, works, cuts, before):
         return ledgers.step(self.model, self.ledgers, works, streams_too=True)
 
     def replay(self, seq, tokens, hit: int, cut: int | None):
@@ -72,6 +74,7 @@ class V41Path:
         # truncation guarantees (hits stop at its cut)
         self.period = ecfg.snapshot_period if self.truncation != "off" else None
         self.mode = "compact" if self.truncation == "off" else self.truncation
+        self.lookback = v41_ledgers.lookback(model.whole)     # Engram's n-grams
 
     def cut(self, n_tokens: int) -> int | None:
         """Under truncation a prompt's decoder runs on its last --keep-tokens tokens."""
@@ -79,10 +82,10 @@ class V41Path:
             return n_tokens - self.keep
         return None
 
-    def forward(self, works, cuts):
+    def forward(self, works, cuts, before):
         # under truncation a chunk's streams are those of the rows past its cut only
         return v41_ledgers.step(self.model, self.ledgers, works, cuts, self.mode,
-                                streams_too=True)
+                                streams_too=True, before=before)
 
     def replay(self, seq, tokens, hit: int, cut: int | None):
         return v41_ledgers.replay(self.model, self.ledgers, seq, tokens, hit, cut, self.mode)

@@ -87,6 +87,13 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def recent(self, n: int) -> list[int]:
+        """The n tokens before the next one to compute (fewer at the start), without
+        joining prompt and output: what a V4.1 Engram layer's n-grams read back into."""
+        end, p = self.seq.length, len(self.prompt)
+        start = max(end - n, 0)
+        return self.prompt[start:min(end, p)] + self.output[max(start - p, 0):max(end - p, 0)]
+
     @property
     def prefilling(self) -> bool:      # what the Speculator asks (with slot and tokens)
         return self.seq is None or self.pending > 1

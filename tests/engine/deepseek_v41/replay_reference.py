@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvmesh.services.engine.model.deepseek_v4 import hyper
+from kvmesh.services.engine.model.deepseek_v4 import hyper, v41_engram
 from kvmesh.services.engine.model.deepseek_v4.attention import (
     attend,
     grouped_output,
@@ -20,7 +20,7 @@ from kvmesh.services.engine.model.deepseek_v4.attention import (
 )
 from kvmesh.services.engine.model.deepseek_v4.compressor import visible
 from kvmesh.services.engine.model.deepseek_v4.moe import moe_v41
-from kvmesh.services.engine.model.deepseek_v4.numerics import apply_rope
+from kvmesh.services.engine.model.deepseek_v4.numerics import apply_rope, wide
 from kvmesh.services.engine.model.deepseek_v4.v41_cached import SequenceState, extend
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
     SourceState,
@@ -45,9 +45,13 @@ def truncated_window_logits(m: V41Model, prompt: list[int], hit: int) -> torch.T
     ids = torch.tensor(prompt[start:])
     pos = torch.arange(start, len(prompt))
     streams, pre = m.embed(ids)
+    grams = m.grams(ids, prompt[:start])     # the replayed rows' n-grams reach back past it
     source = chosen = candidates = None
     for i in range(cfg.num_layers):
         w, a = m.layers[i], m.attn[i]
+        if i in m.engram:
+            streams = v41_engram.write(streams, grams[:, cfg.engram.layers.index(i)],
+                                       m.engram[i], cfg.rms_eps, wide(m.dtype))
         attn_pre, post, comb = m._mix(streams, w, "hc_attn")
         x = norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
         cos, sin = m.tables.at(cfg.rope(i), pos)

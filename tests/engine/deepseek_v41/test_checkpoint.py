@@ -86,15 +86,6 @@ def test_a_missing_scale_is_named(release, tmp_path):
         load_v41_checkpoint(broken)
 
 
-def test_an_engram_checkpoint_is_refused_at_load_naming_the_feature(tmp_path):
-    tiny.save_release(NAME, tmp_path, quantized=False, shards=1)
-    raw = json.loads((tmp_path / "config.json").read_text())
-    raw["text_config"]["engram_layer_ids"] = [1]
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointError, match=r"config\.json: engram_layer_ids \[1\]: Engram"):
-        load_model(tmp_path, torch.float32)
-
-
 def test_the_parts_it_does_not_serve_are_named_at_load_and_left_out(tmp_path, caplog):
     """A release's DSpark draft layers (mtp.*) and image routing biases are not read: the
     text model loads without them, and the load says what it leaves out."""

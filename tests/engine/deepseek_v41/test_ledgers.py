@@ -46,7 +46,7 @@ def _prefill_then_decode(m, led, ids, chunk, decodes, cut=None, mode="compact"):
 
 
 def test_the_flash_slot_is_laid_out_as_the_report_says():
-    cfg = read_v41_config(FLASH, serving=False)
+    cfg = read_v41_config(FLASH)
     led = V41Ledgers(cfg, 1, 1)
     rep = v41_layout.report(cfg)
     assert led.data.shape[1] == rep["state_slot"]["bytes"] == 2_928_384

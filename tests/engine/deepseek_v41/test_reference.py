@@ -66,7 +66,7 @@ def _flash(**text):
 
 
 @pytest.mark.parametrize("raw, words", [
-    (_flash(engram_layer_ids=[1, 14]), "engram_layer_ids [1, 14]: Engram"),
+    (_flash(engram_layer_ids=[1, 14]), "engram_max_ngram_size = 0: must be at least 2"),
     (_flash(kv_source_layer_ids=[1, 8, 14, 20]), "kv_source_layer_ids names layer 1"),
     (_flash(kv_source_layer_ids=[8, 14, 20]), "layer 2 reads a compressed cache"),
     (_flash(kv_source_layer_ids=[2, 8, 14]), "layer 20 has compress_ratios = 1, its KV source"),

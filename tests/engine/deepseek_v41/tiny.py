@@ -42,6 +42,48 @@ CONFIGS = {
 }
 
 
+# A word-level tokenizer over the tiny vocabulary whose words fold under Engram's
+# normalization: upper case, accents and surrounding whitespace map to the plain word.
+WORDS = ([f"w{i}" for i in range(70)] + [f"W{i}" for i in range(10)] + [f" w{i} " for i in range(10, 15)]
+         + ["café", "cafe", "CAFÉ", "naïve", "naive", " ", "\t", "\n\n", "ｆｕｌｌ", "full"])
+
+
+def tokenizer_json() -> str:
+    from tokenizers import Tokenizer, models
+
+    vocab = {word: i for i, word in enumerate(WORDS)}
+    return Tokenizer(models.WordLevel(vocab, unk_token="w0")).to_str()
+
+
+def engram_fields(layers: list[int], head_dim: int = 32) -> dict:
+    """text_config fields giving `layers` Engram modules (2- and 3-grams, two heads each)."""
+    import tempfile
+
+    from kvmesh.services.engine.model.deepseek_v4.v41_engram import (
+        EngramSpec,
+        compressed_token_map,
+        table_rows,
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        f.write(tokenizer_json())
+        f.flush()
+        _, distinct = compressed_token_map(f.name)
+    spec = EngramSpec(tuple(layers), (), 3, 2, head_dim, 23, distinct, 0)
+    return dict(engram_layer_ids=layers, engram_num_embeddings=table_rows(spec),
+                engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=head_dim,
+                engram_vocab_size=23, engram_compressed_vocab_size=distinct, engram_pad_id=0)
+
+
+def token_map() -> torch.Tensor:
+    import tempfile
+
+    from kvmesh.services.engine.model.deepseek_v4.v41_engram import compressed_token_map
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        f.write(tokenizer_json())
+        f.flush()
+        return torch.tensor(compressed_token_map(f.name)[0])
+
+
 def raw_config(name: str, **overrides) -> dict:
     fields, _ = CONFIGS[name]
     return {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
@@ -96,6 +138,15 @@ def weights(cfg: V41Config, seed: int = 0, dtype: torch.dtype = torch.float64) -
                   f + "experts.w13": rnd(E, 2 * inter, D), f + "experts.w2": rnd(E, D, inter),
                   f + "shared_experts.w1.weight": rnd(inter, D), f + "shared_experts.w3.weight": rnd(inter, D),
                   f + "shared_experts.w2.weight": rnd(D, inter)})
+    if cfg.engram is not None:
+        from kvmesh.services.engine.model.deepseek_v4.v41_engram import TOKEN_MAP
+        from kvmesh.services.engine.model.deepseek_v4.v41_names import engram_shapes
+
+        for name, shape in engram_shapes(cfg).items():
+            std, mean = {"embed.weight": (1.0, 0.0), "wkv.weight": (0.05, 0.0)}.get(
+                name.split("engram.")[1], (0.15, 1.0))
+            w[name] = rnd(*shape, std=std, mean=mean)
+        w[TOKEN_MAP] = token_map()
     if cfg.mtp_layers:                   # kvmesh's MTP module ("kvmesh": {"mtp_layers": 1})
         from kvmesh.services.engine.model.deepseek_v4.v41_names import mtp_shapes
 
@@ -118,7 +169,15 @@ def prompt(name: str, seed: int = 1) -> torch.Tensor:
 # are FP4; the router, embedding, head, norms, sinks and mixing weights stay floating point)
 def _fp8(name: str) -> bool:
     return name.endswith(".weight") and ".attn." in name and "norm" not in name \
-        or ".shared_experts." in name
+        or ".shared_experts." in name or name.endswith("engram.wkv.weight")
+
+
+def quant_fp8_runs(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An Engram table as the release stores it: e4m3 with a UE8M0 scale per 1 x 32 run."""
+    runs = w.float().unflatten(1, (-1, 32))
+    scale = torch.exp2(torch.ceil(torch.log2(runs.abs().amax(-1).clamp(min=1e-12) / 448.0)))
+    q = (runs / scale.unsqueeze(-1)).flatten(1).to(torch.float8_e4m3fn)
+    return q, scale.to(torch.float8_e8m0fnu)
 
 
 def save_release(name: str, directory, seed: int = 0, shards: int = 2, quantized: bool = True,
@@ -142,6 +201,10 @@ def save_release(name: str, directory, seed: int = 0, shards: int = 2, quantized
     stored, meant = {}, {}
 
     def put(key: str, value: torch.Tensor, fp4: bool = False):
+        if quantized and key.endswith("engram.embed.weight"):
+            q, scale = quant_fp8_runs(value)
+            stored[key], stored[key[:-len(".weight")] + ".scale"] = q, scale
+            return quant.dequant_fp8_runs(q, scale).double()
         if quantized and fp4:
             q, scale = quant_fp4(value)
             stored[key], stored[key[:-len(".weight")] + ".scale"] = q, scale
@@ -153,6 +216,11 @@ def save_release(name: str, directory, seed: int = 0, shards: int = 2, quantized
         stored[key] = value.contiguous()
         return value.double()
 
+    from kvmesh.services.engine.model.deepseek_v4.v41_engram import TOKEN_MAP
+    if cfg.engram is not None:
+        meant[TOKEN_MAP] = w.pop(TOKEN_MAP)
+        (directory / "tokenizer.json").parent.mkdir(parents=True, exist_ok=True)
+        (directory / "tokenizer.json").write_text(tokenizer_json())
     for key, value in w.items():
         if key.endswith("experts.w13"):
             base, inter = key[:-len("w13")], value.shape[1] // 2

@@ -9,7 +9,8 @@ once it is dequantized. Every failure is one `CheckpointError` line naming the f
 the tensor.
 
 Names are DeepSeek's or transformers' (`names.py`; V4.1's: `v41_names.py`); FP8 and FP4 weights are dequantized
-(`quant.py`).
+(`quant.py`). A V4.1 checkpoint with Engram layers also yields the tokenizer's compressed
+token map (as the weight `engram.token_map`), from its tokenizer.json.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvmesh.services.engine.model.deepseek_v4.config import V4Config, read_confi
 from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
 from kvmesh.services.engine.model.deepseek_v4.parallel import Split
 from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config, read_v41_config
+from kvmesh.services.engine.model.deepseek_v4.v41_engram import TOKEN_MAP, compressed_token_map
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +129,30 @@ def load_v41_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float3
             log.warning("%s: not used by kvmesh: %s", directory, line)
         return v41_names.expected_shapes(cfg)
 
-    return cfg, _load(directory, cfg, expected, dtype,
-                      lambda name: v41_names.describe(cfg, name), split)
+    weights = _load(directory, cfg, expected, dtype, lambda name: v41_names.describe(cfg, name),
+                    split)
+    if cfg.engram is not None:
+        weights[TOKEN_MAP] = engram_token_map(directory, cfg)
+    return cfg, weights
+
+
+def engram_token_map(directory: Path, cfg: V41Config) -> torch.Tensor:
+    """Engram hashes token ids through the tokenizer's normalized vocabulary (v41_engram.py):
+    built from the checkpoint's tokenizer.json, checked against the config's count."""
+    assert cfg.engram is not None
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing; the Engram layers {list(cfg.engram.layers)} "
+                              "hash token ids through this tokenizer's normalized vocabulary")
+    mapping, distinct = compressed_token_map(file)
+    if distinct != cfg.engram.compressed_vocab:
+        raise CheckpointError(f"{file}: normalizes to {distinct} distinct tokens, but "
+                              f"engram_compressed_vocab_size in config.json is "
+                              f"{cfg.engram.compressed_vocab} (every Engram hash depends on it)")
+    if cfg.engram.pad_id >= len(mapping):
+        raise CheckpointError(f"engram_pad_id {cfg.engram.pad_id} is past {file}'s "
+                              f"{len(mapping)} tokens")
+    return torch.tensor(mapping, dtype=torch.long)
 
 
 def _directory(directory: str | Path) -> Path:
@@ -260,6 +284,8 @@ def _read(stored: str, reader: _Reader, scales: dict[str, str], block: int,
         scale = reader.read(scale_name)
         if value.dtype in _FP8:
             want = (-(-value.shape[0] // block), -(-value.shape[1] // block))
+            if tuple(scale.shape) == (value.shape[0], value.shape[1] // quant.FP4_RUN) != want:
+                return quant.dequant_fp8_runs(value, scale)      # 1 x 32 runs (Engram tables)
             if tuple(scale.shape) != want:
                 raise CheckpointError(f"{reader.files[scale_name]}: tensor {scale_name} has "
                                       f"shape {list(scale.shape)}, expected {list(want)} "

@@ -1,6 +1,7 @@
 """Dequantizing DeepSeek V4's stored formats at load.
 
-FP8: e4m3 weights with one scale per `block` x `block` tile (128 x 128 in DeepSeek's release);
+FP8: e4m3 weights with one scale per `block` x `block` tile (128 x 128 in DeepSeek's release),
+or per 1 x 32 run of a row (V4.1's Engram tables);
 w = q * s (the scale multiplies, whatever its name says). FP4 (V4-Flash's routed experts): e2m1
 values, two per byte with the low nibble the even column, one scale per 1 x 32 run. Scales are
 float32, or UE8M0 (`float8_e8m0fnu`, 2^(byte - 127)).
@@ -29,6 +30,12 @@ def dequant_fp8(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tenso
     s = scale_values(scale)
     s = s.repeat_interleave(block, dim=0)[:out].repeat_interleave(block, dim=1)[:, :inp]
     return q.float() * s
+
+
+def dequant_fp8_runs(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [out, in] e4m3, scale [out, in / 32]: one scale per 1 x 32 run (V4.1's Engram tables)
+    -> float32 [out, in]."""
+    return q.float() * scale_values(scale).repeat_interleave(FP4_RUN, dim=1)
 
 
 def fp4_shape_ok(packed: torch.Size, scale: torch.Size) -> bool:

@@ -29,6 +29,7 @@ class SequenceState:
     """One sequence's state; only `extend` changes it."""
     length: int = 0
     layers: list[LayerState | None] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)    # what Engram's n-grams read back into
 
 
 @torch.no_grad()
@@ -48,6 +49,7 @@ def extend(model: V41Model, state: SequenceState, ids: list[int] | torch.Tensor,
         state.layers = [None] * cfg.num_layers
     positions = torch.arange(state.length, state.length + ids.shape[0], device=model.device)
     streams, pre = model.embed(ids)
+    grams = model.grams(ids, state.tokens)
     shared = Shared()
     keep_rows = cfg.window - 1
     floor = decoder_from or 0
@@ -56,14 +58,17 @@ def extend(model: V41Model, state: SequenceState, ids: list[int] | torch.Tensor,
         rows = positions >= floor if decoder and mode == "compact" and i == cfg.decoder_start \
             else None
         streams, pre, shared, kept = model.layer(i, streams, pre, positions, shared,
-                                                 state.layers[i], floor if decoder else 0, rows)
+                                                 state.layers[i], floor if decoder else 0, rows,
+                                                 grams)
         window = kept.window[max(kept.window.shape[0] - keep_rows, 0):].clone()
         state.layers[i] = kept._replace(window=window)
         if rows is not None:
             positions = positions[rows]
+            grams = None if grams is None else grams[rows]
         if positions.numel() == 0:   # the chunk lies before the decoder's first position
             break
     state.length += ids.shape[0]
+    state.tokens += ids.tolist()
     if positions.numel() == 0:
         return streams.new_zeros((0, cfg.vocab_size))
     return model.head(streams, pre)
@@ -88,4 +93,4 @@ def replay_state(cfg: V41Config, exact: SequenceState, hit: int, replay: int = 1
             source = source._replace(entries=source.entries[:groups], keys=source.keys[:groups],
                                      open_kv=source.open_kv[:0], open_gate=source.open_gate[:0])
         layers.append(LayerState(kept.window[:0], source))
-    return SequenceState(hit - replay, layers)
+    return SequenceState(hit - replay, layers, exact.tokens[:hit - replay])

@@ -17,7 +17,8 @@ index sources choose only inside them. On V4.1-Flash (40 layers):
     24-27    1      20            24              20         (28, 32, 36 alike)
 
 The text model sits under `text_config` (the vision tower's config beside it is not read:
-kvmesh serves text). Engram layers are refused at load; DSpark draft layers are not read.
+kvmesh serves text). Engram layers (`engram_*`) are read into an EngramSpec (v41_engram.py);
+DSpark draft layers are not read.
 `"kvmesh": {"mtp_layers": 1}` is kvmesh's own field: the checkpoint carries a V4-style MTP module
 under `kvmesh.mtp.0.` (v41_mtp.py), which `--speculative mtp:K` drafts with.
 Every problem is a `CheckpointError` naming the field.
@@ -38,6 +39,7 @@ from kvmesh.services.engine.model.deepseek_v4.config import (
     read_json_config,
 )
 from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
+from kvmesh.services.engine.model.deepseek_v4.v41_engram import EngramSpec, table_rows
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class V41Config:
     eos_token_ids: tuple[int, ...] = (1,)
     max_position: int = 1048576
     quantization: dict | None = None
-    engram_layers: tuple[int, ...] = ()    # only in a config read for sizing (serving=False)
+    engram: EngramSpec | None = None       # the n-gram memory layers (v41_engram.py)
     mtp_layers: int = 0                    # kvmesh's own MTP module (v41_mtp.py): 0 or 1
 
     def __post_init__(self):
@@ -129,6 +131,8 @@ class V41Config:
         check_shared_sizes(self)
         if self.window <= 0 or self.index_topk <= 0:
             bad("sliding_window and index_topk must be positive")
+        if self.engram is not None:
+            _check_engram(self.engram, n)
         if self.mtp_layers not in (0, 1):
             bad(f"kvmesh.mtp_layers = {self.mtp_layers}: expected 0 or 1 (one MTP module, "
                 "chained for deeper drafts)")
@@ -136,6 +140,10 @@ class V41Config:
     @property
     def num_layers(self) -> int:
         return len(self.ratios)
+
+    @property
+    def engram_layers(self) -> tuple[int, ...]:
+        return self.engram.layers if self.engram is not None else ()
 
     def ratio(self, layer: int) -> int:
         return self.ratios[layer]
@@ -170,13 +178,12 @@ def _last_at_or_before(ids: tuple[int, ...], layer: int) -> int | None:
     return earlier[-1] if earlier else None
 
 
-def read_v41_config(path: str | Path, serving: bool = True) -> V41Config:
-    """`config.json` (or its directory) -> V41Config; a CheckpointError names the file.
-    serving=False reads a config kvmesh cannot serve yet (Engram layers) for sizing only."""
-    return read_json_config(path, lambda raw: v41_config_from_dict(raw, serving))
+def read_v41_config(path: str | Path) -> V41Config:
+    """`config.json` (or its directory) -> V41Config; a CheckpointError names the file."""
+    return read_json_config(path, v41_config_from_dict)
 
 
-def v41_config_from_dict(raw: dict, serving: bool = True) -> V41Config:
+def v41_config_from_dict(raw: dict) -> V41Config:
     outer_type = raw.get("model_type")
     text = dict(raw.get("text_config") or {})
     text.update({k: v for k, v in raw.items() if k not in ("text_config", "vision_config")
@@ -185,10 +192,6 @@ def v41_config_from_dict(raw: dict, serving: bool = True) -> V41Config:
     if model_type not in V41_MODEL_TYPES and outer_type not in V41_MODEL_TYPES:
         raise CheckpointError(f"model_type {model_type!r} is not DeepSeek V4.1 (expected one of "
                               f"{list(V41_MODEL_TYPES)})")
-    engram = list(text.get("engram_layer_ids") or [])
-    if engram and serving:
-        raise CheckpointError(f"engram_layer_ids {engram}: Engram (the n-gram memory layers) is "
-                              "not supported by kvmesh yet; this checkpoint cannot be served")
     if int(text.get("num_key_value_heads", 1)) != 1:
         raise CheckpointError("num_key_value_heads must be 1 (one shared K = V head)")
     if _int(text, "num_hash_layers", 0):
@@ -231,8 +234,42 @@ def v41_config_from_dict(raw: dict, serving: bool = True) -> V41Config:
         bos_token_id=text.get("bos_token_id", 0),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         max_position=_int(text, "max_position_embeddings", 1048576),
-        quantization=_quantization(text), engram_layers=tuple(engram),
+        quantization=_quantization(text), engram=_engram(text),
         mtp_layers=_kvmesh_mtp_layers(text))
+
+
+def _engram(text: dict) -> EngramSpec | None:
+    layers = _ids(text, "engram_layer_ids")
+    if not layers:
+        return None
+    rows = _ids(text, "engram_num_embeddings")
+    pad = "engram_pad_token_id" if "engram_pad_token_id" in text else "engram_pad_id"
+    return EngramSpec(layers=layers, rows=rows, max_ngram=_int(text, "engram_max_ngram_size", 0),
+                      heads=_int(text, "engram_n_heads", 0),
+                      head_dim=_int(text, "engram_head_dim", 0),
+                      prime_floor=_int(text, "engram_vocab_size", 0),
+                      compressed_vocab=_int(text, "engram_compressed_vocab_size", 0),
+                      pad_id=_int(text, pad, -1))
+
+
+def _check_engram(e: EngramSpec, n_layers: int) -> None:
+    if list(e.layers) != sorted(set(e.layers)) or any(not 0 <= i < n_layers for i in e.layers):
+        raise CheckpointError(f"engram_layer_ids {list(e.layers)} must be increasing layer ids "
+                              f"below {n_layers}")
+    for key, value, least in (("engram_max_ngram_size", e.max_ngram, 2),
+                              ("engram_n_heads", e.heads, 1), ("engram_head_dim", e.head_dim, 1),
+                              ("engram_vocab_size", e.prime_floor, 2),
+                              ("engram_compressed_vocab_size", e.compressed_vocab, 1),
+                              ("engram_pad_id", e.pad_id, 0)):
+        if value < least:
+            raise CheckpointError(f"{key} = {value}: must be at least {least} with "
+                                  "engram_layer_ids set")
+    want = table_rows(e)
+    if list(e.rows) != want:
+        raise CheckpointError(f"engram_num_embeddings {list(e.rows)}: the hash layout of "
+                              f"engram_vocab_size {e.prime_floor}, engram_max_ngram_size "
+                              f"{e.max_ngram} and engram_n_heads {e.heads} gives tables of "
+                              f"{want} rows")
 
 
 def _kvmesh_mtp_layers(text: dict) -> int:
@@ -246,5 +283,5 @@ def _kvmesh_mtp_layers(text: dict) -> int:
 def _ids(raw: dict, key: str) -> tuple[int, ...]:
     ids = raw.get(key) or []
     if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise CheckpointError(f"field {key!r} must be a list of layer ids, got {ids!r}")
+        raise CheckpointError(f"field {key!r} must be a list of integers, got {ids!r}")
     return tuple(ids)

@@ -18,7 +18,9 @@ transformers; what is V4.1's own is here:
 - hyper-connections are staggered: the `pre` weights a sub-block computes from its input
   streams collapse the *next* sub-block's input (the first attention takes stream 0, the
   last MoE's `pre` collapses the streams for the head; there is no hc_head);
-- MoE: every layer routes by score, sqrtsoftplus(gate(x) / gate_temp) + bias choosing.
+- MoE: every layer routes by score, sqrtsoftplus(gate(x) / gate_temp) + bias choosing;
+- Engram (v41_engram.py): an Engram layer first adds its gated n-gram memory to the streams,
+  which its attention sub-block then mixes and collapses as any layer's.
 
 The caches' activation rounding of the release (FP8 window rows, FP4 entries and index
 keys) is not modelled: the engine keeps these rows exactly as computed, as it does for V4.
@@ -31,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kvmesh.services.engine.model.deepseek_v4 import hyper, window_rows
+from kvmesh.services.engine.model.deepseek_v4 import hyper, v41_engram, window_rows
 from kvmesh.services.engine.model.deepseek_v4.attention import (
     attend,
     grouped_output,
@@ -87,6 +89,7 @@ class Span(NamedTuple):
     prior: LayerState | None = None
     floor: int = 0
     rows: torch.Tensor | slice | None = None
+    grams: torch.Tensor | None = None     # [rows, Engram layers, columns]: `V41Model.grams`
 
 
 class LayerState(NamedTuple):
@@ -237,19 +240,32 @@ class V41Model:
         self.layers = layers
         self.attn = [_sub(w, "attn.") for w in layers]
         self.ffn = [_sub(w, "ffn.") for w in layers]
+        self.hasher = None
+        if cfg.engram is not None:
+            if v41_engram.TOKEN_MAP not in weights:
+                raise ValueError(f"an Engram model needs the tokenizer's compressed token map "
+                                 f"(weights[{v41_engram.TOKEN_MAP!r}], which "
+                                 "load_v41_checkpoint reads)")
+            self.hasher = v41_engram.EngramHasher(cfg.engram, weights[v41_engram.TOKEN_MAP])
+        self.engram = {i: _sub(layers[i], "engram.") for i in cfg.engram_layers}
 
     def _mix(self, streams: torch.Tensor, w: dict, name: str):
         cfg = self.cfg
         return hyper.mix_weights(streams, w[f"{name}_fn"], w[f"{name}_base"], w[f"{name}_scale"],
                                  cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_eps, wide(self.dtype))
 
+    def grams(self, ids: torch.Tensor, before: torch.Tensor | list[int]) -> torch.Tensor | None:
+        """The Engram table rows of consecutive tokens `ids` [S] of one sequence, `before`
+        the tokens preceding them (v41_engram.EngramHasher.rows); None without Engram."""
+        return None if self.hasher is None else self.hasher.rows(ids, before)
+
     def layer(self, i: int, streams: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor,
               shared_in: Shared, prior: LayerState | None = None, floor: int = 0,
-              rows: torch.Tensor | slice | None = None,
+              rows: torch.Tensor | slice | None = None, grams: torch.Tensor | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, Shared, LayerState]:
         """One sequence's rows through layer i (`layer_spans` with one span)."""
         streams, pre, ((shared_out, state),) = self.layer_spans(
-            i, streams, pre, [Span(positions, shared_in, prior, floor, rows)])
+            i, streams, pre, [Span(positions, shared_in, prior, floor, rows, grams)])
         return streams, pre, shared_out, state
 
     def layer_spans(self, i: int, streams: torch.Tensor, pre: torch.Tensor, spans: list[Span],
@@ -266,6 +282,8 @@ class V41Model:
         from kvmesh.services.engine.model.deepseek_v4.v41_decode import decode_rows
 
         cfg, w, aw = self.cfg, self.layers[i], self.attn[i]
+        if i in self.engram:
+            streams = self._engram(i, streams, spans)
         attn_pre, post, comb = self._mix(streams, w, "hc_attn")
         x = norm(hyper.collapse(streams, pre), w["attn_norm.weight"], cfg.rms_eps)
         plans, start = [], 0        # per span: the rows attention runs on and their inputs
@@ -329,6 +347,14 @@ class V41Model:
         streams = hyper.expand(streams, self.mlp(i, x), post, comb)
         return streams, ffn_pre, results
 
+    def _engram(self, i: int, streams: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        if any(span.grams is None for span in spans):
+            raise ValueError(f"layer {i} is an Engram layer: every span needs its grams "
+                             "(V41Model.grams)")
+        assert self.cfg.engram is not None
+        rows = torch.cat([span.grams for span in spans])[:, self.cfg.engram.layers.index(i)]
+        return v41_engram.write(streams, rows, self.engram[i], self.cfg.rms_eps, wide(self.dtype))
+
     # The three points where a model split over ranks (parallel.py) differs from this one.
     def attention_total(self, out: torch.Tensor) -> torch.Tensor:
         return out
@@ -377,15 +403,17 @@ class V41Model:
             raise ValueError(f"mode {mode!r}: expected compact or mask")
         floor = max(ids.shape[0] - keep, 0) if keep is not None else 0
         streams, pre = self.embed(ids)
+        grams = self.grams(ids, [])
         shared_state = Shared()
         for i in range(self.cfg.num_layers):
             rows = slice(floor, None) if keep is not None and i == start and mode == "compact" \
                 else None
             layer_floor = floor if keep is not None and i >= start else 0
             streams, pre, shared_state, _ = self.layer(i, streams, pre, positions, shared_state,
-                                                       floor=layer_floor, rows=rows)
+                                                       floor=layer_floor, rows=rows, grams=grams)
             if rows is not None:
                 positions = positions[rows]
+                grams = None if grams is None else grams[rows]
         return streams, pre
 
     @torch.no_grad()

@@ -74,7 +74,7 @@ def report(cfg: V41Config, extra_state: bool = False, memory: int | None = None,
                   "index_head_dim": cfg.index_head_dim, "ratios": list(cfg.ratios),
                   "kv_sources": list(cfg.kv_sources), "index_sources": list(cfg.index_sources),
                   "encoder_layers": encoder, "decoder_layers": cfg.num_layers - encoder,
-                  "engram_layers_not_served": list(cfg.engram_layers)},
+                  "engram": _engram(cfg)},
         "state_slot": {
             "swa_row_format": rows_format, "state_dtype": str(state_dtype).removeprefix("torch."),
             "swa_row_bytes": row, "swa_ring_rows": rows,
@@ -96,6 +96,16 @@ def report(cfg: V41Config, extra_state: bool = False, memory: int | None = None,
     return out
 
 
+def _engram(cfg: V41Config) -> dict | None:
+    """Engram's tables are weights; a sequence keeps no Engram state beyond its tokens."""
+    e = cfg.engram
+    if e is None:
+        return None
+    return {"layers": list(e.layers), "table_rows": list(e.rows), "head_dim": e.head_dim,
+            "table_bytes_fp8": sum(e.rows) * (e.head_dim + e.head_dim // 32),
+            "tokens_kept": e.max_ngram - 1}
+
+
 def table(rep: dict) -> str:
     m, s, b = rep["model"], rep["state_slot"], rep["block"]
     enc, dec = m["encoder_layers"], m["decoder_layers"]
@@ -115,9 +125,11 @@ def table(rep: dict) -> str:
         f"{b['blocks_per_gib']} blocks per GiB",
         "  per KV source: " + ", ".join(f"layer {k} {v:,} B"
                                         for k, v in b["bytes_per_source"].items())]
-    if m["engram_layers_not_served"]:
-        lines.append(f"Engram layers {m['engram_layers_not_served']}: not served by kvmesh yet "
-                     "(no per-sequence cache beyond the last token ids)")
+    if m["engram"]:
+        e = m["engram"]
+        lines.append(f"Engram layers {e['layers']}: tables of {e['table_rows']} rows x "
+                     f"{e['head_dim']} = {e['table_bytes_fp8']:,} B as FP8 (read from the "
+                     f"checkpoint); per sequence nothing but its last {e['tokens_kept']} tokens")
     if rep["memory"]:
         mem = rep["memory"]
         lines.append(f"memory {mem['budget']:,} B: {mem['slots_only']} slots if it held slots "

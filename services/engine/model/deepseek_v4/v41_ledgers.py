@@ -114,7 +114,7 @@ class V41Ledgers(LedgerBook):
 @torch.no_grad()
 def step(model: V41Model, led: V41Ledgers, works: list[tuple[Sequence, list[int]]],
          decoder_from: list[int | None] | None = None, mode: str = "compact",
-         streams_too: bool = False):
+         streams_too: bool = False, before: list[list[int]] | None = None):
     """One forward over several sequences' next tokens (decode rows and prefill chunks
     together, one sequence once): per-token work runs over all rows; the decode rows read
     their rings, attend and write back together (v41_decode.py), other spans one at a time.
@@ -122,8 +122,11 @@ def step(model: V41Model, led: V41Ledgers, works: list[tuple[Sequence, list[int]
     positions from there on; None: every position). Returns each work's logits [rows, vocab]
     for the rows that went through every layer (all of them without a cut, else the work's
     last ones); with `streams_too`, (logits, those rows' last-layer streams [rows, n, D]:
-    what kvmesh's MTP module reads)."""
-    logits, streams = _run(model, led, works, decoder_from or [None] * len(works), mode, None)
+    what kvmesh's MTP module reads). before[k]: the tokens preceding work k's (at least
+    the model's `lookback` of them, fewer only at the start), which an Engram model's
+    n-grams read; the ledgers keep no tokens."""
+    logits, streams = _run(model, led, works, decoder_from or [None] * len(works), mode, None,
+                           before)
     return (logits, streams) if streams_too else logits
 
 
@@ -139,12 +142,19 @@ def replay(model: V41Model, led: V41Ledgers, seq: Sequence, prompt: list[int], h
         raise ValueError(f"replay: an empty sequence holding the {hit // BLOCK} blocks of a "
                          f"hit at a positive multiple of {BLOCK} below the prompt's length")
     seq.length = hit - BLOCK
-    (logits,), _ = _run(model, led, [(seq, prompt[hit - BLOCK:])], [decoder_from], mode, hit)
+    (logits,), _ = _run(model, led, [(seq, prompt[hit - BLOCK:])], [decoder_from], mode, hit,
+                        [prompt[max(hit - BLOCK - lookback(model.cfg), 0):hit - BLOCK]])
     return logits
 
 
+def lookback(cfg: V41Config) -> int:
+    """How many tokens before a chunk its forward reads: Engram's longest n-gram's reach."""
+    return cfg.engram.max_ngram - 1 if cfg.engram is not None else 0
+
+
 def _run(model: V41Model, led: V41Ledgers, works, cuts: list[int | None], mode: str,
-         replay_hit: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+         replay_hit: int | None, before: list[list[int]] | None,
+         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`step` (logits and streams); with `replay_hit`, the one work is a replay from that
     block hit."""
     _check(model, led)
@@ -161,6 +171,10 @@ def _run(model: V41Model, led: V41Ledgers, works, cuts: list[int | None], mode: 
     for seq, pos in zip(seqs, positions, strict=True):
         led._reserve(seq, int(pos[-1]) + 1)
     streams, pre = model.embed(torch.cat(chunks))
+    if model.hasher is not None and (before is None or len(before) != len(works)):
+        raise ValueError("before: an Engram model needs the tokens preceding each work")
+    grams = [model.grams(c, b) for c, b in zip(chunks, before, strict=True)] \
+        if model.hasher is not None and before is not None else [None] * len(works)
     shared = [Shared() for _ in works]
     for i in range(cfg.num_layers):
         spans, live = [], []
@@ -170,7 +184,7 @@ def _run(model: V41Model, led: V41Ledgers, works, cuts: list[int | None], mode: 
             cut = cuts[k]
             floor = cut if cut is not None and i >= cfg.decoder_start else 0
             rows = pos >= cut if floor and mode == "compact" and i == cfg.decoder_start else None
-            spans.append(Span(pos, shared[k], None, floor, rows))
+            spans.append(Span(pos, shared[k], None, floor, rows, grams[k]))
             live.append(k)
         if not spans:
             break
@@ -196,6 +210,8 @@ def _run(model: V41Model, led: V41Ledgers, works, cuts: list[int | None], mode: 
                 _write(led, seqs[k], i, span.positions, kept, state, replay_hit)
             shared[k] = shared_out
             positions[k] = kept
+            if span.rows is not None and grams[k] is not None:
+                grams[k] = grams[k][span.rows]
         if batched:
             _write_rows(led, [seqs[live[j]] for j in decoding], i,
                         torch.cat([spans[j].positions for j in decoding]),

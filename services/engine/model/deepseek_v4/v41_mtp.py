@@ -53,7 +53,7 @@ def has_mtp(weights: dict) -> bool:
 def block_config(cfg: V41Config) -> V41Config:
     """The module's one layer as a model config: window only (no compressor, no indexer)."""
     return replace(cfg, ratios=(0,), kv_sources=(), index_sources=(), candidate_source=None,
-                   mtp_layers=0)
+                   mtp_layers=0, engram=None)
 
 
 class V41MtpModule:

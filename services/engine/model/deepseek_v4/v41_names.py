@@ -4,7 +4,8 @@ prefix, `attn` / `ffn`), routed experts stacked as for V4 (names.py).
 Per layer: attention (its own window projection and norm, no per-layer compressor), a
 compressor only on KV sources (`wgate` only where the ratio pools), an indexer only on index
 sources (`wk` / `k_norm` only on those that are also KV sources), hyper-connection weights
-for both sub-blocks, and a score-routed MoE. There is no `hc_head`: the last MoE's `pre`
+for both sub-blocks, a score-routed MoE, and on Engram layers the Engram module (its table,
+`wkv` and the two gate weights; v41_engram.py). There is no `hc_head`: the last MoE's `pre`
 collapses the streams for the head. The release's other tensors (`gate.bias_vl` for image
 tokens, the DSpark draft layers under `mtp.`, the vision tower) are not read. A checkpoint
 with `"kvmesh": {"mtp_layers": 1}` also carries kvmesh's MTP module under `kvmesh.mtp.0.`.
@@ -24,8 +25,23 @@ def expected_shapes(cfg: V41Config) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_layers):
         out.update(_layer(cfg, f"layers.{i}.", i in cfg.kv_sources, i in cfg.index_sources,
                           cfg.ratio(i) > 1))
+    if cfg.engram is not None:
+        out.update(engram_shapes(cfg))
     if cfg.mtp_layers:
         out.update(mtp_shapes(cfg))
+    return out
+
+
+def engram_shapes(cfg: V41Config) -> dict[str, tuple[int, ...]]:
+    """Each Engram layer's table [rows, head_dim], its key/value projection and gate weights."""
+    e, D, n = cfg.engram, cfg.hidden_size, cfg.hc_mult
+    assert e is not None
+    out: dict[str, tuple[int, ...]] = {}
+    for layer, rows in zip(e.layers, e.rows, strict=True):
+        p = f"layers.{layer}.engram."
+        out.update({p + "embed.weight": (rows, e.head_dim),
+                    p + "wkv.weight": ((n + 1) * D, e.columns * e.head_dim),
+                    p + "q_weight": (n, D), p + "k_weight": (n, D)})
     return out
 
 
@@ -86,6 +102,8 @@ def describe(cfg: V41Config, name: str) -> str:
     if not name.startswith("layers."):
         return "model"
     i = int(name.split(".")[1])
+    if ".engram." in name:
+        return f"layer {i}'s Engram module (engram_layer_ids)"
     roles = [role for role, ids in (("KV source", cfg.kv_sources),
                                     ("index source", cfg.index_sources)) if i in ids]
     return f"layer {i} (compress ratio {cfg.ratio(i)}{', ' + ', '.join(roles) if roles else ''})"
