@@ -6,23 +6,26 @@ about as much as a plain decode row, and drafts that are rarely accepted slow ev
 of the step. So the engine decides per step, from what it has measured:
 
     a decode row (a draft's included) adds about        b        seconds to a step
+    a request that verifies drafts adds about            c        seconds more
     a step of these n decode rows with no drafts takes   base(n)  seconds
     draft j of request i is accepted (it and every draft before it) with probability g_ij
 
-A step with the D drafts of largest g (each request's in order: g_i1 >= g_i2 >= ...) is
-expected to emit n + G(D) tokens in base(n) + b D seconds, G(D) the sum of those D
-probabilities. The policy takes the D that maximizes that rate, D = 0 being a plain step:
-a draft is verified only while its g beats b times the tokens per second the step already
-promises. A request's `speculative` setting (or the engine's) bounds its drafts; the policy
+A step with the D drafts of largest g (each request's in order: g_i1 >= g_i2 >= ...), of
+R(D) requests, is expected to emit n + G(D) tokens in base(n) + b D + c R(D) seconds, G(D)
+the sum of those D probabilities. The policy takes the D that maximizes that rate, D = 0
+being a plain step: a draft is verified only while its g beats what it costs (b, and c for
+a request's first) times the tokens per second the step already promises. c is there
+because a verify span is attended on its own, where single decode rows attend together. A request's `speculative` setting (or the engine's) bounds its drafts; the policy
 never gives more.
 
-Costs. b is a least-squares slope (through the origin) over the differences of consecutive
-decode-only steps whose row counts differ (the last ROW_PAIRS): the seconds a step took
-minus the one before, against the rows it had more. Consecutive steps share the machine's
+Costs. b and c are a least-squares fit (through the origin) over the differences of
+consecutive decode-only steps whose row or drafting-request counts differ (the last
+ROW_PAIRS): the seconds a step took minus the one before, against the rows and drafting
+requests it had more (c is 0 while the two never vary apart). Consecutive steps share the machine's
 state, so a machine that slows down or speeds up (a shared CPU, a GPU clocking) moves both
 and cancels out, where comparing a plain step measured a while ago with a drafted step
 measured now would not. base(n) is the mean of the last RECENT decode-only steps, each
-moved to n rows by b. Steps that also prefill are not measured and break the pairing.
+moved to n rows and no drafts by b and c. Steps that also prefill are not measured and break the pairing.
 Until MIN_PAIRS differences are known, steps alternate between drafting everything proposed
 and drafting nothing; afterwards every EXPLORE_EVERY-th choice is flipped (a plain step when
 drafting pays, everything proposed when it does not), so b stays measured.
@@ -83,9 +86,10 @@ class DraftPolicy:
         self.requests: dict[str, Acceptance] = {}
         self.pending: dict[str, list[tuple[int, list[int]]]] = {}  # (output length, proposal)
         self.last_scored: dict[str, int] = {}                 # output length when last scored
-        self.pairs: deque[tuple[int, float]] = deque(maxlen=ROW_PAIRS)   # (d rows, d seconds)
-        self.recent: deque[tuple[int, float]] = deque(maxlen=RECENT)     # (rows, seconds)
-        self.prev: tuple[int, float] | None = None     # the last step, if it was decode-only
+        # (rows, drafting requests, seconds) of decode-only steps, and differences of them
+        self.pairs: deque[tuple[int, int, float]] = deque(maxlen=ROW_PAIRS)
+        self.recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT)
+        self.prev: tuple[int, int, float] | None = None     # the last step, if decode-only
         self.choices = 0
         self.counters = {"spec_policy_plain_steps": 0, "spec_policy_drafted_steps": 0,
                          "spec_withheld_tokens": 0}
@@ -147,20 +151,22 @@ class DraftPolicy:
 
     # --- costs ----------------------------------------------------------------------
     def step_done(self, decode_rows: int, draft_rows: int, other_tokens: int,
-                  seconds: float) -> None:
+                  seconds: float, drafting: int = 0) -> None:
         """One finished step: its plain decode rows, its draft rows, any other work (prefill,
-        replay) and its seconds. Only decode-only steps are measured."""
+        replay), its seconds and how many requests verified drafts. Only decode-only steps
+        are measured."""
         if other_tokens or not decode_rows or seconds <= 0:
             self.prev = None
             return
-        rows = decode_rows + draft_rows
-        if self.prev is not None and self.prev[0] != rows:
-            self.pairs.append((rows - self.prev[0], seconds - self.prev[1]))
-        self.prev = (rows, seconds)
-        self.recent.append((rows, seconds))
+        now = (decode_rows + draft_rows, drafting, seconds)
+        if self.prev is not None and self.prev[:2] != now[:2]:
+            self.pairs.append((now[0] - self.prev[0], now[1] - self.prev[1],
+                               seconds - self.prev[2]))
+        self.prev = now
+        self.recent.append(now)
 
-    def costs(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]],
-                             tuple[int, float] | None]:
+    def costs(self) -> tuple[list[tuple[int, int, float]], list[tuple[int, int, float]],
+                             tuple[int, int, float] | None]:
         """What the cost estimates are made of: what `follow` needs to decide alike."""
         return list(self.pairs), list(self.recent), self.prev
 
@@ -174,14 +180,33 @@ class DraftPolicy:
 
     def row_cost(self) -> float | None:
         """b: seconds a decode row adds to a step; None: not measured enough."""
+        fit = self.fit()
+        return None if fit is None else fit[0]
+
+    def fit(self) -> tuple[float, float] | None:
+        """(b, c): seconds a decode row and a drafting request add to a step; None: not
+        measured enough. Both at least 0; c = 0 while rows and requests never vary apart."""
         if len(self.pairs) < MIN_PAIRS:
             return None
-        sxx = sum(dr * dr for dr, _ in self.pairs)
-        return max(0.0, sum(dr * ds for dr, ds in self.pairs) / sxx)
+        xx = sum(r * r for r, _, _ in self.pairs)
+        xy = sum(r * q for r, q, _ in self.pairs)
+        yy = sum(q * q for _, q, _ in self.pairs)
+        xs = sum(r * s for r, _, s in self.pairs)
+        ys = sum(q * s for _, q, s in self.pairs)
+        det = xx * yy - xy * xy
+        if xx and det > 1e-9 * xx * yy:
+            b, c = (xs * yy - ys * xy) / det, (ys * xx - xs * xy) / det
+            if b >= 0 and c >= 0:
+                return b, c
+            if b < 0:                       # all of it on the requests
+                return 0.0, max(0.0, ys / yy)
+        return (max(0.0, xs / xx), 0.0) if xx else (0.0, max(0.0, ys / yy))
 
-    def base_s(self, n: int, b: float) -> float:
-        """Seconds of a plain step of n decode rows now: the recent steps moved to n rows."""
-        return max(sum(s - b * (rows - n) for rows, s in self.recent) / len(self.recent), 1e-9)
+    def base_s(self, n: int, b: float, c: float = 0.0) -> float:
+        """Seconds of a plain step of n decode rows now: the recent steps moved to n rows
+        and no drafts."""
+        return max(sum(s - b * (rows - n) - c * q for rows, q, s in self.recent)
+                   / len(self.recent), 1e-9)
 
     # --- the decision ---------------------------------------------------------------
     def allot(self, decode_rows: int, wants: dict[str, tuple[int, int]]) -> dict[str, int]:
@@ -192,16 +217,18 @@ class DraftPolicy:
             return full
         self.choices += 1
         proposed = sum(full.values())
-        b = self.row_cost()
-        if b is None or not self.recent:       # not measured: alternate, and measure
+        fit = self.fit()
+        if fit is None or not self.recent:     # not measured: alternate, and measure
             return self._count(full if self.choices % 2 else {}, withheld=0)
+        b, c = fit
         items = sorted(((g, j, rid) for rid, (k, n_out) in wants.items()
                         for j, g in enumerate(self.gains(rid, k, n_out))), key=lambda t: (-t[0], t[1]))
-        base = self.base_s(decode_rows, b)
-        best_rate, best_d, tokens = decode_rows / base, 0, float(decode_rows)
-        for d, (g, _, _) in enumerate(items, start=1):
+        base = self.base_s(decode_rows, b, c)
+        best_rate, best_d, tokens, spans = decode_rows / base, 0, float(decode_rows), 0
+        for d, (g, j, _) in enumerate(items, start=1):
             tokens += g
-            rate = tokens / (base + b * d)
+            spans += j == 0                    # a request's first draft opens its span
+            rate = tokens / (base + b * d + c * spans)
             if rate > best_rate:
                 best_rate, best_d = rate, d
         if self.choices % EXPLORE_EVERY == 0:  # the other choice, once: keeps b measured

@@ -178,6 +178,7 @@ class Engine:
         # the step's shape, for the speculation policy's cost model (a replay is other work)
         n_decode = sum(1 for r, _ in works if r.pending == 1)
         n_drafted = sum(len(ids) - 1 for r, ids in works if r.pending == 1)
+        n_drafting = sum(1 for r, ids in works if r.pending == 1 and len(ids) > 1)
         other = len(replaying) + sum(len(ids) for r, ids in works if r.pending != 1)
         verifying: list[tuple[Request, list[int], torch.Tensor, tuple]] = []
         if works:
@@ -208,7 +209,7 @@ class Engine:
         for (req, d, _, hidden), verdict in zip(verifying, read[len(parts):], strict=True):
             events.append(self._verified(req, d, verdict, hidden))
         seconds = time.perf_counter() - t_step
-        self.spec.step_done(n_decode, n_drafted, other, seconds)
+        self.spec.step_done(n_decode, n_drafted, other, seconds, n_drafting)
         if not replaying:      # a replay is work the step-time fit does not model
             self.step_budget.observe(n_decode + n_drafted, other, seconds)
         return events

@@ -252,9 +252,9 @@ class Speculator:
         return out
 
     def step_done(self, decode_rows: int, draft_rows: int, other_tokens: int,
-                  seconds: float) -> None:
+                  seconds: float, drafting: int = 0) -> None:
         """The step's measured cost, for the policy (DraftPolicy.step_done)."""
-        self.policy.step_done(decode_rows, draft_rows, other_tokens, seconds)
+        self.policy.step_done(decode_rows, draft_rows, other_tokens, seconds, drafting)
 
     def judge(self, seq, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """The verdict of seq's drafts on the device ([2]: see `judge`); `settle` it once read."""

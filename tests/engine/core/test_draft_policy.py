@@ -114,6 +114,38 @@ def test_costs_follow_a_machine_that_slows_down():
     assert p.base_s(8, p.row_cost()) > 0.04               # the current level, not the first
 
 
+def spans_measured(policy: DraftPolicy, n: int, a: float, b: float, c: float) -> None:
+    """Steps of n decode rows taking a + b rows + c per drafting request, with drafts spread
+    unevenly (so rows and requests vary apart)."""
+    for drafts, drafting in ((0, 0), (n, n), (0, 0), (3, 1), (0, 0), (2 * n, n // 2),
+                             (0, 0), (6, 2)):
+        policy.step_done(n, drafts, 0, a + b * (n + drafts) + c * drafting, drafting)
+
+
+def test_a_drafting_requests_own_cost_is_fit_apart_from_its_rows():
+    p = DraftPolicy(4, adaptive=True, learn_from_proposals=True)
+    spans_measured(p, 16, a=0.020, b=0.0004, c=0.0023)
+    b, c = p.fit()
+    assert b == pytest.approx(0.0004, rel=1e-6) and c == pytest.approx(0.0023, rel=1e-6)
+    assert p.base_s(16, b, c) == pytest.approx(0.020 + 0.0004 * 16)
+
+
+def test_a_dear_span_keeps_a_full_batch_plain_and_a_lone_request_drafting():
+    """The CPU's measured shape: a verify span attends alone (2.3 ms a request), a row costs
+    0.4 ms. Sixteen requests whose drafts come true half the time: a row's slope alone says
+    draft, the span's cost says not. One request whose drafts mostly come true drafts."""
+    p = DraftPolicy(4, adaptive=True, learn_from_proposals=True)
+    spans_measured(p, 16, a=0.020, b=0.0004, c=0.0023)
+    for i in range(16):
+        scored(p, f"r{i}", 2)
+    assert p.gains("r0", 4, 80)[0] > 0.6
+    assert p.allot(16, {f"r{i}": (1, 80) for i in range(16)}) == {}
+    lone = DraftPolicy(4, adaptive=True, learn_from_proposals=True)
+    spans_measured(lone, 1, a=0.004, b=0.0004, c=0.0023)
+    scored(lone, "r", 4)
+    assert lone.allot(1, {"r": (4, 80)}) == {"r": 4}
+
+
 def test_the_other_choice_is_taken_every_so_often():
     p = DraftPolicy(4, adaptive=True, learn_from_proposals=True)
     measured(p, 8, a=0.002, b=0.001)
@@ -160,8 +192,8 @@ def test_an_mtp_request_kept_from_drafting_falls_back_to_the_engine_rate(stale):
 def costs_forced(policy: DraftPolicy, cheap: bool) -> None:
     """Step costs set by hand: drafted rows free (cheap) or each as dear as a whole plain step."""
     b = 0.0 if cheap else 1.0
-    policy.pairs = deque([(1, b)] * 8)
-    policy.recent = deque([(4, 1.0)])
+    policy.pairs = deque([(1, 0, b)] * 8)
+    policy.recent = deque([(4, 0, 1.0)])
 
 
 def run_engine(model, tok, prompts, params, speculative: str):

@@ -123,8 +123,10 @@ def rank_main(split, policy: str, slo_ms: float, speculative: str, spec_policy: 
 
 def _costing(step_done, row_s: float):
     """The draft policy's step_done, told that a step took 10 ms + row_s a row."""
-    def told(decode_rows: int, draft_rows: int, other_tokens: int, seconds: float) -> None:
-        step_done(decode_rows, draft_rows, other_tokens, 0.010 + row_s * (decode_rows + draft_rows))
+    def told(decode_rows: int, draft_rows: int, other_tokens: int, seconds: float,
+             drafting: int = 0) -> None:
+        step_done(decode_rows, draft_rows, other_tokens, 0.010 + row_s * (decode_rows + draft_rows),
+                  drafting)
     return told
 
 

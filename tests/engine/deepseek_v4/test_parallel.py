@@ -180,7 +180,7 @@ def v41_rank_main(rank: int, tp: int, ep: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=tp * ep)
     try:
-        cfg = v41_tiny.config("flash_like")
+        cfg = v41_tiny.config("flash_like", **v41_tiny.engram_fields([1, 3]))
         split = Split(tp, ep, rank)
         model = ParallelV41Model(cfg, shard_weights(cfg, v41_tiny.weights(cfg), split),
                                  torch.float64, split, Groups(split))
@@ -192,13 +192,13 @@ def v41_rank_main(rank: int, tp: int, ep: int, port: int, out: str) -> None:
 
 
 def test_a_split_v41_model_computes_what_one_process_does(tmp_path):
-    """DeepSeek V4.1 (KV sources, consumers, candidate blocks; decoder-side truncation) split
-    2 x 2: the whole forward and the compact one match the unsplit model's."""
+    """DeepSeek V4.1 (KV sources, consumers, candidate blocks, Engram layers; decoder-side
+    truncation) split 2 x 2: the whole forward and the compact one match the unsplit model's."""
     from kvmesh.launch.backing.proc import free_port
     from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
     from tests.engine.deepseek_v41 import tiny as v41_tiny
 
-    cfg = v41_tiny.config("flash_like")
+    cfg = v41_tiny.config("flash_like", **v41_tiny.engram_fields([1, 3]))
     whole = V41Model(cfg, v41_tiny.weights(cfg), torch.float64)
     ids = v41_tiny.prompt("flash_like")
     want = {"full": whole.logits(ids), "compact": whole.logits(ids, keep=12)}
