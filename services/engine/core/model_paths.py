@@ -60,9 +60,6 @@ class V41Path:
     snapshots = v41_snapshots
 
     def __init__(self, model: V41Model, ecfg: EngineConfig):
-        if ecfg.speculative.startswith("mtp") and model.cfg is not model.whole:
-            raise ValueError("speculative: mtp is not served on a DeepSeek V4.1 engine split "
-                             "over ranks yet; use ngram:K or off")
         ecfg.check_model(model.whole)    # KEEP >= W + B under truncation
         self.model = model
         self.ledgers = v41_ledgers.V41Ledgers(model.whole, ecfg.num_slots, ecfg.num_blocks,

@@ -8,6 +8,8 @@ hyper-connection bases are not zero).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config, v41_config_from_dict
@@ -55,33 +57,32 @@ def tokenizer_json() -> str:
     return Tokenizer(models.WordLevel(vocab, unk_token="w0")).to_str()
 
 
-def engram_fields(layers: list[int], head_dim: int = 32) -> dict:
-    """text_config fields giving `layers` Engram modules (2- and 3-grams, two heads each)."""
-    import tempfile
-
-    from kvmesh.services.engine.model.deepseek_v4.v41_engram import (
-        EngramSpec,
-        compressed_token_map,
-        table_rows,
-    )
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        f.write(tokenizer_json())
-        f.flush()
-        _, distinct = compressed_token_map(f.name)
-    spec = EngramSpec(tuple(layers), (), 3, 2, head_dim, 23, distinct, 0)
-    return dict(engram_layer_ids=layers, engram_num_embeddings=table_rows(spec),
-                engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=head_dim,
-                engram_vocab_size=23, engram_compressed_vocab_size=distinct, engram_pad_id=0)
-
-
-def token_map() -> torch.Tensor:
+@functools.lru_cache(maxsize=1)
+def _compressed() -> tuple[tuple[int, ...], int]:
+    """The tokenizer's compressed token map and its number of distinct ids."""
     import tempfile
 
     from kvmesh.services.engine.model.deepseek_v4.v41_engram import compressed_token_map
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         f.write(tokenizer_json())
         f.flush()
-        return torch.tensor(compressed_token_map(f.name)[0])
+        mapping, distinct = compressed_token_map(f.name)
+    return tuple(mapping), distinct
+
+
+def token_map() -> torch.Tensor:
+    return torch.tensor(_compressed()[0])
+
+
+def engram_fields(layers: list[int], head_dim: int = 32) -> dict:
+    """text_config fields giving `layers` Engram modules (2- and 3-grams, two heads each)."""
+    from kvmesh.services.engine.model.deepseek_v4.v41_engram import EngramSpec, table_rows
+
+    distinct = _compressed()[1]
+    spec = EngramSpec(tuple(layers), (), 3, 2, head_dim, 23, distinct, 0)
+    return dict(engram_layer_ids=layers, engram_num_embeddings=table_rows(spec),
+                engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=head_dim,
+                engram_vocab_size=23, engram_compressed_vocab_size=distinct, engram_pad_id=0)
 
 
 def raw_config(name: str, **overrides) -> dict:

@@ -152,8 +152,7 @@ class EngramHasher:
         ids[0] (its last n - 1 are read; fewer only when the sequence starts there).
         Returns [S, layers, columns] table rows."""
         n = self.spec.max_ngram
-        before = torch.as_tensor(before, dtype=torch.long, device=ids.device)[-(n - 1):] \
-            if n > 1 else ids.new_zeros(0)
+        before = torch.as_tensor(before, dtype=torch.long, device=ids.device)[-(n - 1):]
         context = torch.cat([before, ids.long()])
         at = torch.arange(ids.shape[0], device=ids.device).view(-1, 1) + before.shape[0] \
             - torch.arange(n, device=ids.device)                            # [S, n]: s-th back
