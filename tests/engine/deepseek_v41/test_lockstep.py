@@ -14,7 +14,11 @@ from kvmesh.services.engine import ranks
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.core import lockstep
 from kvmesh.services.engine.core.engine import Engine
-from kvmesh.services.engine.model.deepseek_v4.parallel import Groups, ParallelV41Model, shard_weights
+from kvmesh.services.engine.model.deepseek_v4.parallel import (
+    Groups,
+    ParallelV41Model,
+    shard_weights,
+)
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 from kvmesh.tokenizer import ByteTokenizer
 from tests.engine.deepseek_v4.test_lockstep import GREEDY, SEEDED, prompt
