@@ -187,7 +187,13 @@ def test_a_release_with_engram_loads_its_fp8_tables_and_scores(release):
     directory, cfg, meant = release
     _, w = load_v41_checkpoint(directory, torch.float64)
     table = "layers.1.engram.embed.weight"
-    assert torch.equal(w[table], meant[table])                 # 1 x 32 runs, dequantized
+    # kept as stored (FP8, a scale exponent per 32), dequantized row by row when read
+    assert w[table].dtype == torch.float8_e4m3fn and w["layers.1.engram.embed.scale"].shape == (
+        cfg.engram.rows[0], cfg.engram.head_dim // 32)
+    every = torch.arange(cfg.engram.rows[0]).view(-1, 1)
+    got = v41_engram.lookup({k[len("layers.1.engram."):]: v for k, v in w.items()
+                             if k.startswith("layers.1.engram.")}, every)[:, 0]
+    assert torch.equal(got.double(), meant[table])
     assert torch.equal(w[v41_engram.TOKEN_MAP], tiny.token_map())
     ids = tiny.prompt(NAME)[:24].tolist()
     run = subprocess.run([sys.executable, "-m", "kvmesh.launch.cli", "score", "--model",

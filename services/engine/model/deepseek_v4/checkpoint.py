@@ -28,7 +28,11 @@ from kvmesh.services.engine.model.deepseek_v4.config import V4Config, read_confi
 from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
 from kvmesh.services.engine.model.deepseek_v4.parallel import Split
 from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config, read_v41_config
-from kvmesh.services.engine.model.deepseek_v4.v41_engram import TOKEN_MAP, compressed_token_map
+from kvmesh.services.engine.model.deepseek_v4.v41_engram import (
+    ENGRAM_TABLE,
+    TOKEN_MAP,
+    compressed_token_map,
+)
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +183,10 @@ def _load(directory: Path, cfg, expected_of, dtype: torch.dtype, what,
     for name, shape in expected.items():
         pieces = plan[name]
         rows = _held_rows(name, cfg, split)
+        kept = _kept_fp8(name, pieces, reader, scales, shape)
+        if kept is not None:
+            weights[name], weights[name[:-len("weight")] + "scale"] = kept
+            continue
         value = _assemble(name, shape, pieces, reader, scales, block, rows)
         want = shape if rows is None else (len(rows), *shape[1:])
         if value.shape != want:  # quantized or stacked: known once read
@@ -193,6 +201,23 @@ def _load(directory: Path, cfg, expected_of, dtype: torch.dtype, what,
         log.warning("%s: %d tensors not used by the config (first: %s)", directory, len(unused),
                     unused[0])
     return weights
+
+
+def _kept_fp8(name: str, pieces, reader: _Reader, scales: dict[str, str], shape
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An Engram table stored FP8 with a UE8M0 scale per 1 x 32 run stays so: (values,
+    scale exponents as uint8); its rows are dequantized when looked up (v41_engram.py).
+    None for any other tensor (dequantized at load)."""
+    stored = pieces[0][2]
+    if not name.endswith(ENGRAM_TABLE) or stored not in scales:
+        return None
+    value, scale = reader.read(stored), reader.read(scales[stored])
+    if value.dtype not in _FP8 or tuple(value.shape) != shape \
+            or tuple(scale.shape) != (shape[0], shape[1] // quant.FP4_RUN):
+        return None
+    if scale.dtype != torch.float8_e8m0fnu:      # float32 scales: dequantized at load
+        return None
+    return value, scale.view(torch.uint8)
 
 
 def _held_rows(name: str, cfg, split: Split | None) -> range | None:
@@ -330,6 +355,7 @@ def _fp8_block(cfg: V4Config | V41Config, directory: Path) -> int:
 
 
 def _check_memory(expected: dict, dtype: torch.dtype, directory: Path) -> None:
+    # (an Engram table kept in FP8 is counted at the dtype's size too: an upper bound)
     need = sum(math.prod(s) for s in expected.values()) * dtype.itemsize
     available = _available_bytes()
     if available is not None and need > available:

@@ -216,7 +216,8 @@ class ParallelV41Model(_Shares, V41Model):
 
 def weight_bytes(cfg: V4Config | V41Config, split: Split, itemsize: int, mtp: bool = True) -> int:
     """Bytes of the weights one rank holds, computed in a dtype of `itemsize` bytes (the
-    loader's: what names.keeps_fp32 names stays fp32, token-to-expert tables are int64)."""
+    loader's: what names.keeps_fp32 names stays fp32, token-to-expert tables are int64, a
+    quantized checkpoint's Engram tables stay FP8)."""
     from kvmesh.services.engine.model.deepseek_v4 import names, v41_names
 
     if isinstance(cfg, V41Config):
@@ -229,9 +230,13 @@ def weight_bytes(cfg: V4Config | V41Config, split: Split, itemsize: int, mtp: bo
     for name, shape in shapes.items():
         held = shape if name.startswith("mtp.") else \
             shard(name, torch.empty(shape, device="meta"), cfg, split).shape
+        count = int(torch.Size(held).numel())
+        if name.endswith("engram.embed.weight") and cfg.quantization is not None:
+            total += count + count // 32      # kept as stored: FP8 and a scale byte per 32
+            continue
         size = 8 if name.endswith("tid2eid") else max(itemsize, 4) if names.keeps_fp32(name) \
             else itemsize
-        total += size * int(torch.Size(held).numel())
+        total += size * count
     return total
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 TOKEN_MAP = "engram.token_map"     # the weights' entry the loader puts the compressed map in
+ENGRAM_TABLE = "engram.embed.weight"   # a layer's table: FP8 (with `engram.embed.scale`) or float
 GATE_FLOOR = 1e-6        # |dot| is floored here before its square root
 _SEED = 10007            # the multipliers' generator is seeded with _SEED x layer id
 
@@ -168,13 +169,26 @@ class EngramHasher:
         return torch.cat(out, dim=-1) + self.offsets
 
 
+def lookup(w: dict, rows: torch.Tensor) -> torch.Tensor:
+    """Table rows [..., head_dim]. A table kept as stored (FP8, `embed.scale` the UE8M0
+    exponent of each run of 32) is dequantized here, for the rows read only: V4.1-Flash's
+    two tables are 203 GB so, twice that in bf16."""
+    table = w["embed.weight"]
+    if table.dtype != torch.float8_e4m3fn:
+        return F.embedding(rows, table)
+    values = table.view(torch.uint8)[rows].view(torch.float8_e4m3fn).float()
+    scale = torch.exp2(w["embed.scale"][rows].float() - 127)
+    return (values.unflatten(-1, (-1, 32)) * scale.unsqueeze(-1)).flatten(-2)
+
+
 def write(streams: torch.Tensor, rows: torch.Tensor, w: dict, eps: float,
           wide: torch.dtype) -> torch.Tensor:
     """One Engram layer: streams [S, n, D], rows [S, columns] (this layer's) and its weights
-    (`embed.weight` [table rows, head_dim], `wkv.weight`, `q_weight`, `k_weight` [n, D])
+    (`embed.weight` [table rows, head_dim] (`lookup`), `wkv.weight`, `q_weight`,
+    `k_weight` [n, D])
     -> the streams with each one's gated share of the looked-up value added."""
     n, d = streams.shape[-2:]
-    looked_up = F.embedding(rows, w["embed.weight"]).flatten(-2).to(streams.dtype)
+    looked_up = lookup(w, rows).flatten(-2).to(streams.dtype)
     kv = F.linear(looked_up, w["wkv.weight"])
     key, value = kv.to(wide).split([n * d, d], dim=-1)
     key, h = key.unflatten(-1, (n, d)), streams.to(wide)
