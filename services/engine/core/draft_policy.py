@@ -26,9 +26,11 @@ state, so a machine that slows down or speeds up (a shared CPU, a GPU clocking) 
 and cancels out, where comparing a plain step measured a while ago with a drafted step
 measured now would not. base(n) is the mean of the last RECENT decode-only steps, each
 moved to n rows and no drafts by b and c. Steps that also prefill are not measured and break the pairing.
-Until MIN_PAIRS differences are known, steps alternate between drafting everything proposed
-and drafting nothing; afterwards every EXPLORE_EVERY-th choice is flipped (a plain step when
-drafting pays, everything proposed when it does not), so b stays measured.
+Until MIN_PAIRS differences are known, steps alternate between a probe and drafting nothing;
+afterwards every EXPLORE_EVERY-th choice is flipped (a plain step when drafting pays, a probe
+when it does not), so b and c stay measured. A probe drafts one request's proposals (in
+turn; all it may take or one, by turns): drafting every request to learn what that costs
+would cost several plain steps in a full batch.
 
 Acceptance. Prompt-lookup drafts are deterministic, so the policy learns from every proposal,
 drafted or not: a proposal made when a request had L output tokens is scored against the
@@ -91,6 +93,7 @@ class DraftPolicy:
         self.recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT)
         self.prev: tuple[int, int, float] | None = None     # the last step, if decode-only
         self.choices = 0
+        self.probes = 0           # measuring steps taken (which request, how many drafts)
         self.counters = {"spec_policy_plain_steps": 0, "spec_policy_drafted_steps": 0,
                          "spec_withheld_tokens": 0}
 
@@ -219,7 +222,8 @@ class DraftPolicy:
         proposed = sum(full.values())
         fit = self.fit()
         if fit is None or not self.recent:     # not measured: alternate, and measure
-            return self._count(full if self.choices % 2 else {}, withheld=0)
+            probe = self._probe(full) if self.choices % 2 else {}
+            return self._count(probe, withheld=proposed - sum(probe.values()))
         b, c = fit
         items = sorted(((g, j, rid) for rid, (k, n_out) in wants.items()
                         for j, g in enumerate(self.gains(rid, k, n_out))), key=lambda t: (-t[0], t[1]))
@@ -231,12 +235,20 @@ class DraftPolicy:
             rate = tokens / (base + b * d + c * spans)
             if rate > best_rate:
                 best_rate, best_d = rate, d
-        if self.choices % EXPLORE_EVERY == 0:  # the other choice, once: keeps b measured
-            best_d = len(items) if best_d == 0 else 0
         out: dict[str, int] = {}
         for _, _, rid in items[:best_d]:
             out[rid] = out.get(rid, 0) + 1
-        return self._count(out, withheld=proposed - best_d)
+        if self.choices % EXPLORE_EVERY == 0:  # the other choice, once: keeps b, c measured
+            out = {} if out else self._probe(full)
+        return self._count(out, withheld=proposed - sum(out.values()))
+
+    def _probe(self, full: dict[str, int]) -> dict[str, int]:
+        """A measuring step's drafts: one request's (in turn), all it may take or one, by
+        turns, so rows and drafting requests vary apart. One request, not all: in a full
+        batch, drafting everything to learn what it costs costs several plain steps."""
+        self.probes += 1
+        rid = sorted(full)[self.probes // 2 % len(full)]
+        return {rid: full[rid] if self.probes % 2 else 1}
 
     def _count(self, out: dict[str, int], withheld: int = 0) -> dict[str, int]:
         self.counters["spec_policy_drafted_steps" if out else "spec_policy_plain_steps"] += 1
