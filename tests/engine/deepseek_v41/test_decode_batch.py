@@ -94,3 +94,44 @@ def test_float32_mxfp8_rows_decoded_together_match_decoding_alone():
         (alone,) = _decode_together(m, _ledgers(m), [ids])
         assert (got - alone).abs().max() <= 1e-4 * alone.abs().max()
         assert torch.equal(got.argmax(-1), alone.argmax(-1))
+
+
+@pytest.mark.parametrize("name", list(tiny.CONFIGS))
+def test_verify_spans_of_several_sequences_in_one_step_compute_the_whole_sequence(
+        name, monkeypatch):
+    """Verify spans (a token and 1-6 drafts) of sequences of different lengths attend
+    together, beside a decode row and a prefill chunk; drafts that come true equal the
+    reference, and after rolling the rest back the sequences go on exactly."""
+    from kvmesh.services.engine.model.deepseek_v4.ledgers import rollback
+    spans = []
+    real = v41_decode.decode_rows
+    monkeypatch.setattr(v41_decode, "decode_rows",
+                        lambda *a: spans.append(a[-1]) or real(*a))
+    m = _model(name)
+    full = tiny.CONFIGS[name][1]
+    prompts = _prompts(name, [9, full // 2 + 3, full - 8, full - 7])
+    led = _ledgers(m)
+    seqs = [led.open() for _ in prompts]
+    ends = [len(ids) - 8 for ids in prompts]
+    for seq, ids, end in zip(seqs, prompts, ends, strict=True):
+        step(m, led, [(seq, ids[:end])])
+    # true tokens, then wrong drafts after the first `good` of them
+    good, sizes = [2, 0, 5, 0], [5, 3, 7, 1]
+    works = []
+    for seq, ids, end, g, n in zip(seqs, prompts, ends, good, sizes, strict=True):
+        span = ids[end:end + n].clone()
+        span[g + 1:] = (span[g + 1:] + 1) % 100
+        works.append((seq, span))
+    beside = led.open()
+    works.append((beside, tiny.prompt(name, seed=30)[:6]))
+    outs = step(m, led, works)
+    assert any(lengths != [1] * len(lengths) for lengths in spans if lengths), \
+        "verify spans did not attend together"
+    for ids, end, g, out in zip(prompts, ends, good, outs[:-1], strict=True):
+        assert (out[:g + 1] - m.logits(ids[:end + g + 1])[end:]).abs().max() <= EXACT
+    for seq, end, g in zip(seqs, ends, good, strict=True):
+        rollback(led, seq, end + g + 1)
+    outs = step(m, led, [(seq, ids[end + g + 1:]) for seq, ids, end, g
+                         in zip(seqs, prompts, ends, good, strict=True)])
+    for ids, end, g, out in zip(prompts, ends, good, outs, strict=True):
+        assert (out - m.logits(ids)[end + g + 1:]).abs().max() <= EXACT

@@ -51,6 +51,10 @@ from kvmesh.services.engine.model.deepseek_v4.v41_index import (
     select,
 )
 
+# spans of at most this many rows after a prior (decode rows; verify spans: a token and its
+# drafts) attend together (v41_decode.py); longer ones, prefill chunks, one by one
+BATCHED_SPAN = 8
+
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, weight, eps, wide(x.dtype))
@@ -272,8 +276,8 @@ class V41Model:
                     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Shared, LayerState]]]:
         """Several sequences' rows through layer i: streams [S, n, D] and the `pre` the
         sub-block before computed, spans[k] the k-th run of rows in order. Everything but
-        attention runs over all rows at once; attention runs per span, except that spans of
-        one decode row each attend together (v41_decode.py). Returns the streams after
+        attention runs over all rows at once; attention runs per span, except that short
+        spans after a prior (decode rows, verify spans) attend together (v41_decode.py). Returns the streams after
         the layer, its MoE's `pre` (for the next layer), and per span what later layers read
         and what the layer keeps (`attention`). A span's `rows` is decoder-side truncation's
         cut (compact form): the layer's compressor, if it has one, runs on every row of the
@@ -314,22 +318,24 @@ class V41Model:
             x = x[rows]
         if not kept:
             return streams, attn_pre, results
-        # every row's own projections at once, then attention: decode rows (one row, a prior,
-        # no cut) together (v41_decode.py), the other spans one by one
+        # every row's own projections at once, then attention: short spans after a prior
+        # (BATCHED_SPAN rows at most, no cut) together (v41_decode.py), the others one by one
         positions = torch.cat([plans[k][1] for k in kept])
         p = project(cfg, i, aw, x, positions, self.tables, self.rows)
         o = p.q.new_empty(p.q.shape)
         offsets, at = {}, 0
         for k in kept:
             offsets[k], at = at, at + plans[k][1].shape[0]
-        decoding = [k for k in kept if plans[k][1].shape[0] == 1 and spans[k].rows is None
-                    and spans[k].prior is not None]
+        decoding = [k for k in kept if plans[k][1].shape[0] <= BATCHED_SPAN
+                    and spans[k].rows is None and spans[k].prior is not None]
         if len(decoding) > 1:
-            rows = torch.tensor([offsets[k] for k in decoding], device=x.device)
+            lengths = [plans[k][1].shape[0] for k in decoding]
+            rows = torch.cat([torch.arange(offsets[k], offsets[k] + n, device=x.device)
+                              for k, n in zip(decoding, lengths, strict=True)])
             o[rows], outs = decode_rows(cfg, i, aw, x[rows], positions[rows], self.tables,
                                         [plans[k][2] for k in decoding], p.rows(rows),
                                         [spans[k].prior for k in decoding],
-                                        [spans[k].floor for k in decoding])
+                                        [spans[k].floor for k in decoding], lengths)
             for k, res in zip(decoding, outs, strict=True):
                 results[k] = res
         for k in kept:

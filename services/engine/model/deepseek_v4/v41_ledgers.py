@@ -29,6 +29,7 @@ from kvmesh.services.engine.model.deepseek_v4.layout import BACKTRACK, BLOCK_TOK
 from kvmesh.services.engine.model.deepseek_v4.ledgers import LedgerBook, Sequence, check_works
 from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import (
+    BATCHED_SPAN,
     LayerState,
     Shared,
     SourceState,
@@ -188,10 +189,11 @@ def _run(model: V41Model, led: V41Ledgers, works, cuts: list[int | None], mode: 
             live.append(k)
         if not spans:
             break
-        # decode rows (one token after a prefix, no cut here) read their rings together
+        # short spans after a prefix (decode rows, verify spans; no cut here) read and write
+        # their rings together, and attend together
         decoding = [j for j, (k, span) in enumerate(zip(live, spans, strict=True))
-                    if span.positions.numel() == 1 and span.rows is None and seqs[k].length
-                    and replay_hit is None]
+                    if span.positions.numel() <= BATCHED_SPAN and span.rows is None
+                    and seqs[k].length and replay_hit is None]
         batched = len(decoding) > 1
         if not batched:
             decoding = []
@@ -214,7 +216,7 @@ def _run(model: V41Model, led: V41Ledgers, works, cuts: list[int | None], mode: 
                 grams[k] = grams[k][span.rows]
         if batched:
             _write_rows(led, [seqs[live[j]] for j in decoding], i,
-                        torch.cat([spans[j].positions for j in decoding]),
+                        [spans[j].positions for j in decoding],
                         [results[j][1] for j in decoding])
     for seq, chunk in zip(seqs, chunks, strict=True):
         seq.length += chunk.shape[0]
@@ -282,22 +284,29 @@ def _read_rows(model: V41Model, led: V41Ledgers, seqs: list[Sequence], layer: in
             for b, (seq, n) in enumerate(zip(seqs, counts, strict=True))]
 
 
-def _write_rows(led: V41Ledgers, seqs: list[Sequence], layer: int, positions: torch.Tensor,
-                states: list[LayerState]) -> None:
-    """`_write` for several sequences' single decode rows (positions [B]): the window rows
-    and the tails' rows in one scatter each; entries where a row closed its group."""
+def _write_rows(led: V41Ledgers, seqs: list[Sequence], layer: int,
+                positions: list[torch.Tensor], states: list[LayerState]) -> None:
+    """`_write` for several sequences' short spans after their prefix (positions[b]: its
+    rows'; at most BATCHED_SPAN, so fewer than a ring or tail holds): the window rows and the
+    tails' rows in one scatter each; entries where a row closed a group."""
     ring = led.swa[layer]
-    slots = torch.tensor([s.slot for s in seqs], device=ring.device)
-    rows = torch.stack([state.window[-1] for state in states])
-    ring[slots, positions % ring.shape[1]] = window_rows.encode(led.rows, rows)
+    counts = torch.tensor([p.shape[0] for p in positions], device=ring.device)
+    slots = torch.repeat_interleave(torch.tensor([s.slot for s in seqs], device=ring.device),
+                                    counts)
+    at_pos = torch.cat(positions)
+    rows = torch.cat([state.window[-p.shape[0]:] for state, p in zip(states, positions,
+                                                                      strict=True)])
+    ring[slots, at_pos % ring.shape[1]] = window_rows.encode(led.rows, rows)
     if states[0].source is None:
         return
     m = led.cfg.ratio(layer)
     if m > 1:
         tail = led.tail[layer]
-        at = positions % tail.shape[1]
-        tail[slots, at, 0] = torch.cat([st.source.new_kv[-1:] for st in states]).to(tail.dtype)
-        tail[slots, at, 1] = torch.cat([st.source.new_gate[-1:] for st in states]).to(tail.dtype)
+        at = at_pos % tail.shape[1]
+        tail[slots, at, 0] = torch.cat([st.source.new_kv[-p.shape[0]:] for st, p
+                                        in zip(states, positions, strict=True)]).to(tail.dtype)
+        tail[slots, at, 1] = torch.cat([st.source.new_gate[-p.shape[0]:] for st, p
+                                        in zip(states, positions, strict=True)]).to(tail.dtype)
     for seq, state in zip(seqs, states, strict=True):
         old = seq.length // m
         if state.source.entries.shape[0] > old:
