@@ -14,18 +14,22 @@ A step with the D drafts of largest g (each request's in order: g_i1 >= g_i2 >= 
 R(D) requests, is expected to emit n + G(D) tokens in base(n) + b D + c R(D) seconds, G(D)
 the sum of those D probabilities. The policy takes the D that maximizes that rate, D = 0
 being a plain step: a draft is verified only while its g beats what it costs (b, and c for
-a request's first) times the tokens per second the step already promises. c is there
-because a verify span is attended on its own, where single decode rows attend together. A request's `speculative` setting (or the engine's) bounds its drafts; the policy
+a request's first) times the tokens per second the step already promises. c is what a
+drafting request costs besides its rows: its MTP forward, its compressor run, its verdict
+(on a DeepSeek V4 engine, its verify span attends alone too). A request's `speculative`
+setting (or the engine's) bounds its drafts; the policy
 never gives more.
 
 Costs. b and c are a least-squares fit (through the origin) over the differences of
 consecutive decode-only steps whose row or drafting-request counts differ (the last
 ROW_PAIRS): the seconds a step took minus the one before, against the rows and drafting
-requests it had more (c is 0 while the two never vary apart). Consecutive steps share the machine's
+requests it had more (c is 0 while the two never vary apart). Consecutive steps share the
+machine's
 state, so a machine that slows down or speeds up (a shared CPU, a GPU clocking) moves both
 and cancels out, where comparing a plain step measured a while ago with a drafted step
 measured now would not. base(n) is the mean of the last RECENT decode-only steps, each
-moved to n rows and no drafts by b and c. Steps that also prefill are not measured and break the pairing.
+moved to n rows and no drafts by b and c. Steps that also prefill are not measured and
+break the pairing.
 Until MIN_PAIRS differences are known, steps alternate between a probe and drafting nothing;
 afterwards every EXPLORE_EVERY-th choice is flipped (a plain step when drafting pays, a probe
 when it does not), so b and c stay measured. A probe drafts one request's proposals (in

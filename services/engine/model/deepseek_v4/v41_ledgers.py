@@ -117,8 +117,9 @@ def step(model: V41Model, led: V41Ledgers, works: list[tuple[Sequence, list[int]
          decoder_from: list[int | None] | None = None, mode: str = "compact",
          streams_too: bool = False, before: list[list[int]] | None = None):
     """One forward over several sequences' next tokens (decode rows and prefill chunks
-    together, one sequence once): per-token work runs over all rows; the decode rows read
-    their rings, attend and write back together (v41_decode.py), other spans one at a time.
+    together, one sequence once): per-token work runs over all rows; short spans after a
+    prefix (decode rows, verify spans) read their rings, attend and write back together
+    (v41_decode.py), other spans one at a time.
     decoder_from[k]: work k's decoder-side cut (prefill truncation: its decoder layers run on
     positions from there on; None: every position). Returns each work's logits [rows, vocab]
     for the rows that went through every layer (all of them without a cut, else the work's
