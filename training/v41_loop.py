@@ -42,20 +42,25 @@ RESUME_KEYS = ("seed", "batch", "seq_len", "steps", "lr", "warmup", "decay_by_ti
 
 
 @dataclass
-class V41TrainArgs(StepArgs):
-    out: str = "runs/v41-tiny"
-    steps: int = 4000
+class V41StepArgs(StepArgs):
+    """What both V4.1 training commands (`train`, `train-mtp`) default alike."""
     batch: int = 1
     lr: float = 2e-3
     warmup: int = 50
     log_every: int = 10
     eval_every: int = 200
+    english_fraction: float = 0.2
+    chat_fraction: float = 0.1
+
+
+@dataclass
+class V41TrainArgs(V41StepArgs):
+    out: str = "runs/v41-tiny"
+    steps: int = 4000
     tokenizer: str = ""
     init_from: str = ""
     kl_weight: float = 1.0
     balance_rate: float = 1e-2
-    english_fraction: float = 0.2
-    chat_fraction: float = 0.1
     copy_fraction: float = 0.0
 
 

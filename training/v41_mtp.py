@@ -32,14 +32,13 @@ from kvmesh.services.engine.model.deepseek_v4.v41_names import MTP, mtp_shapes
 from kvmesh.training import data, v41_data
 from kvmesh.training.steps import (
     Log,
-    StepArgs,
     make_optimizer,
     restore,
     resume_from,
     run_steps,
     save_state,
 )
-from kvmesh.training.v41_loop import save_hf
+from kvmesh.training.v41_loop import V41StepArgs, save_hf
 from kvmesh.training.v41_model import initial_weights
 
 RESUME_KEYS = ("seed", "batch", "seq_len", "steps", "lr", "warmup", "decay_by_time",
@@ -47,17 +46,10 @@ RESUME_KEYS = ("seed", "batch", "seq_len", "steps", "lr", "warmup", "decay_by_ti
 
 
 @dataclass
-class MtpTrainArgs(StepArgs):
+class MtpTrainArgs(V41StepArgs):
     out: str = "runs/v41-mtp"
     trunk: str = ""
     steps: int = 2000
-    batch: int = 1
-    lr: float = 2e-3
-    warmup: int = 50
-    log_every: int = 10
-    eval_every: int = 200
-    english_fraction: float = 0.2
-    chat_fraction: float = 0.1
 
 
 def initial_mtp_weights(cfg: V41Config, seed: int) -> dict[str, torch.Tensor]:

@@ -10,6 +10,18 @@ from kvmesh.services.engine.core.mtp_draft import MtpDrafter
 from kvmesh.services.engine.model.deepseek_v4.attention import AttentionParts
 
 
+def without_tensor(directory, into, name: str):
+    """A copy of the one-file checkpoint `directory` in `into`, lacking tensor `name`."""
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(directory / "model.safetensors"))
+    del state[name]
+    for f in directory.iterdir():
+        if f.name != "model.safetensors":
+            (into / f.name).write_bytes(f.read_bytes())
+    save_file(state, str(into / "model.safetensors"))
+    return into
+
+
 def recorded(monkeypatch, module_cls, go):
     """go() under a recording drafter -> (go's result, proposals): per proposal the length it
     drafted at, the drafts, and each draft depth's logits."""

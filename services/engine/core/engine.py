@@ -218,9 +218,10 @@ class Engine:
         """One ledger step over the works: each one's logits, and its last layer's streams
         (what the MTP drafter reads; past a cut only). A prompt chunk carries its request's
         decoder cut (V4.1 truncation), a decode row none."""
+        back = self.path.lookback          # tokens before a chunk the model reads (Engram)
         return self.path.forward([(r.seq, ids) for r, ids in works],
                                  [r.cut if r.pending > 1 else None for r, _ in works],
-                                 [r.recent(self.path.lookback) for r, _ in works])
+                                 [r.recent(back) for r, _ in works] if back else None)
 
     def _verified(self, req: Request, drafts: list[int], verdict: list[int],
                   hidden: tuple) -> Event:

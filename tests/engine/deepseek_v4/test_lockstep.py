@@ -106,11 +106,17 @@ def rank_main(split, policy: str, slo_ms: float, speculative: str, spec_policy: 
     # rows dear (it would not draft). Only rank 0's may decide.
     row_s = 0.0001 if split.rank == 0 else 0.05
     engine.spec.policy.step_done = _costing(engine.spec.policy.step_done, row_s)
+    return lead_or_follow(engine, split, out, lambda leader: scenario(
+        leader, handoff(policy, slo_ms, speculative, spec_policy)) | {"spec": engine.spec.stats()})
+
+
+def lead_or_follow(engine: Engine, split, out: str, lead) -> dict:
+    """Rank 0 runs lead(its lockstep.Leader) and returns what it returns; another rank
+    follows and pickles (its events by request, its speculation stats) to out/rankN.pkl."""
     if split.rank == 0:
         leader = lockstep.Leader(engine)
         try:
-            return scenario(leader, handoff(policy, slo_ms, speculative, spec_policy)) | \
-                {"spec": engine.spec.stats()}
+            return lead(leader)
         finally:
             leader.stop()
     events: dict[str, list[int]] = {}

@@ -20,7 +20,7 @@ from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
 from kvmesh.services.engine.model.deepseek_v4.mtp import MtpModule
 from tests.engine.deepseek_v4 import tiny
 from tests.engine.deepseek_v4.test_engine import checkpoint, engine, hf_greedy, run
-from tests.engine.mtp_drafts import recorded, worst_difference
+from tests.engine.mtp_drafts import recorded, without_tensor, worst_difference
 
 pytest.importorskip("transformers")
 TOKENS = 40
@@ -63,14 +63,9 @@ def test_the_loader_reads_mtp_tensors_and_names_a_missing_one(saved, tmp_path):
     cfg, weights = load_checkpoint(directory, torch.float64)
     want = names.mtp_shapes(cfg)
     assert {k: tuple(v.shape) for k, v in weights.items() if k.startswith("mtp.")} == want
-    state = load_file(str(directory / "model.safetensors"))
-    del state["mtp.0.h_proj.weight"]
-    for f in directory.iterdir():
-        if f.name != "model.safetensors":
-            (tmp_path / f.name).write_bytes(f.read_bytes())
-    save_file(state, str(tmp_path / "model.safetensors"))
+    broken = without_tensor(directory, tmp_path, "mtp.0.h_proj.weight")
     with pytest.raises(CheckpointError, match="missing tensor mtp.0.h_proj.weight .*MTP module 0"):
-        load_checkpoint(tmp_path, torch.float32)
+        load_checkpoint(broken, torch.float32)
 
 
 def test_mtp_drafts_equal_the_module_over_the_whole_sequence(saved, monkeypatch):

@@ -12,7 +12,6 @@ import torch
 
 from kvmesh.services.engine import ranks
 from kvmesh.services.engine.config import EngineConfig
-from kvmesh.services.engine.core import lockstep
 from kvmesh.services.engine.core.engine import Engine
 from kvmesh.services.engine.model.deepseek_v4.parallel import (
     Groups,
@@ -21,7 +20,7 @@ from kvmesh.services.engine.model.deepseek_v4.parallel import (
 )
 from kvmesh.services.engine.model.deepseek_v4.v41_forward import V41Model
 from kvmesh.tokenizer import ByteTokenizer
-from tests.engine.deepseek_v4.test_lockstep import GREEDY, SEEDED, prompt
+from tests.engine.deepseek_v4.test_lockstep import GREEDY, SEEDED, lead_or_follow, prompt
 from tests.engine.deepseek_v41 import tiny
 
 NAME = "tiny-v41"
@@ -65,18 +64,7 @@ def rank_main(split, out: str) -> dict:
     model = ParallelV41Model(cfg, shard_weights(cfg, weights, split), torch.float64, split,
                              Groups(split), rows="exact")
     engine = Engine(model, engine_config(), ByteTokenizer(), NAME)
-    if split.rank == 0:
-        leader = lockstep.Leader(engine)
-        try:
-            return scenario(leader)
-        finally:
-            leader.stop()
-    events: dict[str, list[int]] = {}
-    lockstep.follow(engine, lambda evs: [events.setdefault(e.request_id, []).extend(e.token_ids)
-                                         for e in evs])
-    with open(f"{out}/rank{split.rank}.pkl", "wb") as f:
-        pickle.dump(events, f)
-    return {}
+    return lead_or_follow(engine, split, out, scenario)
 
 
 @pytest.mark.timeout(240)    # ranks out of step meet in mismatched collectives: they hang
@@ -86,7 +74,7 @@ def test_a_split_v41_engine_drafts_with_its_mtp_module_as_one_process_does(tmp_p
                             ByteTokenizer(), NAME))
     split = ranks.run(rank_main, (str(tmp_path),), 2, 1)
     with open(tmp_path / "rank1.pkl", "rb") as f:
-        assert pickle.load(f) == split["tokens"]           # the ranks stayed in step
+        assert pickle.load(f)[0] == split["tokens"]        # the ranks stayed in step
     assert split["tokens"] == alone["tokens"]
     assert all(len(t) == 10 for t in split["tokens"].values())
     assert split["drafted"] == alone["drafted"] > 0

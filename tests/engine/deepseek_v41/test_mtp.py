@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kvmesh.services.engine.model.deepseek_v4.checkpoint import load_v41_checkpoint
 from kvmesh.services.engine.model.deepseek_v4.errors import CheckpointError
@@ -23,7 +22,7 @@ from kvmesh.services.engine.model.deepseek_v4.v41_names import mtp_shapes
 from tests.engine.deepseek_v4.test_engine import engine, random_prompt, word_tokenizer
 from tests.engine.deepseek_v41 import tiny
 from tests.engine.deepseek_v41.test_engine import greedy, run
-from tests.engine.mtp_drafts import recorded, worst_difference
+from tests.engine.mtp_drafts import recorded, without_tensor, worst_difference
 
 TOKENS = 30
 
@@ -44,14 +43,9 @@ def test_the_loader_reads_the_module_and_names_a_missing_tensor(saved, tmp_path)
     got = {k: tuple(v.shape) for k, v in weights.items() if k.startswith("kvmesh.mtp.")}
     assert got == mtp_shapes(cfg) and "kvmesh.mtp.0.ffn.experts.w13" in got
     assert torch.equal(weights["kvmesh.mtp.0.ffn.experts.w2"], m.weights["kvmesh.mtp.0.ffn.experts.w2"])
-    state = load_file(str(directory / "model.safetensors"))
-    del state["kvmesh.mtp.0.e_proj.weight"]
-    for f in directory.iterdir():
-        if f.name != "model.safetensors":
-            (tmp_path / f.name).write_bytes(f.read_bytes())
-    save_file(state, str(tmp_path / "model.safetensors"))
+    broken = without_tensor(directory, tmp_path, "kvmesh.mtp.0.e_proj.weight")
     with pytest.raises(CheckpointError, match="kvmesh.mtp.0.e_proj.weight .*MTP module"):
-        load_v41_checkpoint(tmp_path, torch.float64)
+        load_v41_checkpoint(broken, torch.float64)
 
 
 def test_drafts_equal_the_module_over_the_whole_sequence(saved, monkeypatch):

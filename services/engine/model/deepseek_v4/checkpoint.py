@@ -211,13 +211,13 @@ def _kept_fp8(name: str, pieces, reader: _Reader, scales: dict[str, str], shape
     stored = pieces[0][2]
     if not name.endswith(ENGRAM_TABLE) or stored not in scales:
         return None
-    value, scale = reader.read(stored), reader.read(scales[stored])
-    if value.dtype not in _FP8 or tuple(value.shape) != shape \
-            or tuple(scale.shape) != (shape[0], shape[1] // quant.FP4_RUN):
+    scale = reader.read(scales[stored])          # (float32 scales: dequantized at load)
+    if scale.dtype != torch.float8_e8m0fnu or \
+            tuple(scale.shape) != (shape[0], shape[1] // quant.FP4_RUN):
         return None
-    if scale.dtype != torch.float8_e8m0fnu:      # float32 scales: dequantized at load
-        return None
-    return value, scale.view(torch.uint8)
+    value = reader.read(stored)
+    return (value, scale.view(torch.uint8)) if value.dtype in _FP8 and \
+        tuple(value.shape) == shape else None
 
 
 def _held_rows(name: str, cfg, split: Split | None) -> range | None:

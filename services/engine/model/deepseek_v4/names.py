@@ -10,9 +10,12 @@ are stacked: `layers.N.ffn.experts.w13` [E, 2I, D] (w1 rows, then w3) and `...ex
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvmesh.services.engine.model.deepseek_v4.config import CSA, HASH, HCA, MOE, V4Config
+
+if TYPE_CHECKING:
+    from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
 
 # transformers' module path within a layer -> DeepSeek's
 _LAYER_RENAMES = {
@@ -108,33 +111,47 @@ def mtp_shapes(cfg: V4Config) -> dict[str, tuple[int, ...]]:
     """The tensors of the checkpoint's MTP modules (`mtp.N.`): a block of the kind the
     config's last compress ratio names, with routed MoE, and the module's own input
     projections, norms and stream collapse. The embedding and head are the model's."""
-    D, n = cfg.hidden_size, cfg.hc_mult
     out: dict[str, tuple[int, ...]] = {}
     for i in range(cfg.num_mtp_layers):
         p = f"mtp.{i}."
         out.update(_block(cfg, p, cfg.mtp_kind, cfg.rate_of(cfg.mtp_kind), MOE))
-        out.update({p + "e_proj.weight": (D, D), p + "h_proj.weight": (D, D),
-                    p + "enorm.weight": (D,), p + "hnorm.weight": (D,), p + "norm.weight": (D,),
-                    p + "hc_head_fn": (n, n * D), p + "hc_head_base": (n,),
-                    p + "hc_head_scale": (1,)})
+        out.update(mtp_own_shapes(cfg, p))
     return out
 
 
-def _block(cfg: V4Config, p: str, kind: str, rate: int, mlp: str) -> dict[str, tuple[int, ...]]:
-    """One decoder block's tensors under prefix `p`."""
-    D, n, V = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
+def mtp_own_shapes(cfg: V4Config | V41Config, p: str) -> dict[str, tuple[int, ...]]:
+    """An MTP module's own tensors besides its block (V4's and kvmesh's V4.1 one alike): its
+    input projections and norms, its final norm and its stream collapse for the head."""
+    D, n = cfg.hidden_size, cfg.hc_mult
+    return {p + "e_proj.weight": (D, D), p + "h_proj.weight": (D, D),
+            p + "enorm.weight": (D,), p + "hnorm.weight": (D,), p + "norm.weight": (D,),
+            p + "hc_head_fn": (n, n * D), p + "hc_head_base": (n,), p + "hc_head_scale": (1,)}
+
+
+def layer_shapes(cfg: V4Config | V41Config, p: str, kv_norm: str) -> dict[str, tuple[int, ...]]:
+    """What every layer of DeepSeek V4 and V4.1 holds: the sub-blocks' norms and
+    hyper-connection mixes, and attention's projections, sink and grouped output. kv_norm:
+    the window projection's norm (`attn.norm.weight` in V4, `attn.kv_norm.weight` in V4.1)."""
+    D, n = cfg.hidden_size, cfg.hc_mult
     H, d, r = cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
     mix = (2 + n) * n
-    out: dict[str, tuple[int, ...]] = {
+    return {
         p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,),
         p + "hc_attn_fn": (mix, n * D), p + "hc_attn_base": (mix,), p + "hc_attn_scale": (3,),
         p + "hc_ffn_fn": (mix, n * D), p + "hc_ffn_base": (mix,), p + "hc_ffn_scale": (3,),
         p + "attn.attn_sink": (H,), p + "attn.wq_a.weight": (r, D),
         p + "attn.q_norm.weight": (r,), p + "attn.wq_b.weight": (H * d, r),
-        p + "attn.wkv.weight": (d, D), p + "attn.norm.weight": (d,),
+        p + "attn.wkv.weight": (d, D), p + kv_norm: (d,),
         p + "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
         p + "attn.wo_b.weight": (D, cfg.o_groups * cfg.o_lora_rank),
     }
+
+
+def _block(cfg: V4Config, p: str, kind: str, rate: int, mlp: str) -> dict[str, tuple[int, ...]]:
+    """One decoder block's tensors under prefix `p`."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    d, r = cfg.head_dim, cfg.q_lora_rank
+    out = layer_shapes(cfg, p, "attn.norm.weight")
     if kind in (CSA, HCA):
         out.update(_compressor(p + "attn.compressor.", d, D, rate, kind == CSA))
     if kind == CSA:

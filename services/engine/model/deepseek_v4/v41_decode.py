@@ -57,6 +57,7 @@ def decode_rows(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions:
     owner = torch.repeat_interleave(torch.arange(len(lengths), device=dev),
                                     torch.tensor(lengths, device=dev))              # [R]
     starts = torch.tensor([0] + lengths[:-1], device=dev).cumsum(0)
+    offsets = starts.tolist()                                  # each sequence's first row
     windows, at = [], 0
     for prior, n in zip(priors, lengths, strict=True):
         windows.append(torch.cat([prior.window, p.kv[at:at + n]]))
@@ -76,7 +77,7 @@ def decode_rows(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions:
     results = [(shared, state) for shared, state in zip(shareds, states, strict=True)]
     if cfg.ratio(layer):
         if layer in cfg.kv_sources:
-            sources = _compress(cfg, layer, w, x, tables, priors, lengths, first)
+            sources = _compress(cfg, layer, w, x, tables, priors, lengths, offsets, first)
             states = [LayerState(k, own) for k, own in zip(windows, sources, strict=True)]
         else:
             sources = [shared.source for shared in shareds]
@@ -99,7 +100,7 @@ def decode_rows(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions:
             chosen = select(scores, limit, cfg.index_topk)
             shareds = [Shared(src, chosen[a:a + n, :c],
                               None if candidates is None else candidates[a:a + n, :c])
-                       for src, a, n, c in zip(sources, starts.tolist(), lengths, counts.tolist(),
+                       for src, a, n, c in zip(sources, offsets, lengths, counts.tolist(),
                                                strict=True)]
         else:
             chosen = _chosen([s.chosen for s in shareds], t, lengths)
@@ -112,11 +113,10 @@ def decode_rows(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, positions:
 
 
 def _compress(cfg: V41Config, layer: int, w: dict, x: torch.Tensor, tables: RopeTables,
-              priors: list[LayerState], lengths: list[int], first: torch.Tensor,
-              ) -> list[SourceState]:
+              priors: list[LayerState], lengths: list[int], starts: list[int],
+              first: torch.Tensor) -> list[SourceState]:
     """KV source `layer`'s state after each sequence's rows: decode rows together
     (`compress_rows`), a verify span's rows by `compress`."""
-    starts = [sum(lengths[:b]) for b in range(len(lengths))]
     ones = [b for b, n in enumerate(lengths) if n == 1]
     out: dict[int, SourceState] = {}
     if ones:

@@ -13,6 +13,7 @@ with `"kvmesh": {"mtp_layers": 1}` also carries kvmesh's MTP module under `kvmes
 
 from __future__ import annotations
 
+from kvmesh.services.engine.model.deepseek_v4.names import layer_shapes, mtp_own_shapes
 from kvmesh.services.engine.model.deepseek_v4.v41_config import V41Config
 
 MTP = "kvmesh.mtp.0."     # kvmesh's MTP module (v41_mtp.py; DSpark's `mtp.` is the release's)
@@ -48,31 +49,14 @@ def engram_shapes(cfg: V41Config) -> dict[str, tuple[int, ...]]:
 def mtp_shapes(cfg: V41Config) -> dict[str, tuple[int, ...]]:
     """kvmesh's MTP module: one window-only layer, its input projections and norms, its own
     stream collapse for the head (V4's `hc_head`; the embedding and head are the model's)."""
-    D, n = cfg.hidden_size, cfg.hc_mult
-    out = _layer(cfg, MTP, False, False, False)
-    out.update({MTP + "e_proj.weight": (D, D), MTP + "h_proj.weight": (D, D),
-                MTP + "enorm.weight": (D,), MTP + "hnorm.weight": (D,), MTP + "norm.weight": (D,),
-                MTP + "hc_head_fn": (n, n * D), MTP + "hc_head_base": (n,),
-                MTP + "hc_head_scale": (1,)})
-    return out
+    return {**_layer(cfg, MTP, False, False, False), **mtp_own_shapes(cfg, MTP)}
 
 
 def _layer(cfg: V41Config, p: str, kv_source: bool, index_source: bool,
            pools: bool) -> dict[str, tuple[int, ...]]:
     """One layer's tensors under prefix p."""
-    D, n = cfg.hidden_size, cfg.hc_mult
-    H, d, r = cfg.num_heads, cfg.head_dim, cfg.q_lora_rank
-    mix = (2 + n) * n
-    out: dict[str, tuple[int, ...]] = {
-        p + "attn_norm.weight": (D,), p + "ffn_norm.weight": (D,),
-        p + "hc_attn_fn": (mix, n * D), p + "hc_attn_base": (mix,), p + "hc_attn_scale": (3,),
-        p + "hc_ffn_fn": (mix, n * D), p + "hc_ffn_base": (mix,), p + "hc_ffn_scale": (3,),
-        p + "attn.attn_sink": (H,), p + "attn.wq_a.weight": (r, D),
-        p + "attn.q_norm.weight": (r,), p + "attn.wq_b.weight": (H * d, r),
-        p + "attn.wkv.weight": (d, D), p + "attn.kv_norm.weight": (d,),
-        p + "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
-        p + "attn.wo_b.weight": (D, cfg.o_groups * cfg.o_lora_rank),
-    }
+    D, d, r = cfg.hidden_size, cfg.head_dim, cfg.q_lora_rank
+    out = layer_shapes(cfg, p, "attn.kv_norm.weight")
     if kv_source:
         c = p + "attn.compressor."
         out.update({c + "wkv.weight": (d, D), c + "norm.weight": (d,)})
